@@ -1,0 +1,100 @@
+#include "common/model_config.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/error.h"
+#include "common/gguf.h"
+
+namespace duet {
+namespace {
+
+[[noreturn]] void fail(const GgufFile& file, ErrorKind kind, const std::string& what) {
+  throw Error(kind, fmt::format("{}: {}", file.name(), what));
+}
+
+int64_t require_count(const GgufFile& file, const std::string& key) {
+  const std::optional<uint64_t> value = file.get_u64(key);
+  if (!value) fail(file, ErrorKind::kCorruptFile, fmt::format("missing metadata key {}", key));
+  if (*value == 0 || *value > (1ull << 31)) {
+    fail(file, ErrorKind::kCorruptFile, fmt::format("{} = {} is out of range", key, *value));
+  }
+  return static_cast<int64_t>(*value);
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
+  ModelConfig c;
+  const std::optional<std::string> arch = file.get_string("general.architecture");
+  if (!arch) fail(file, ErrorKind::kCorruptFile, "missing general.architecture");
+  c.architecture = *arch;
+  if (c.architecture != "llama") {
+    fail(file, ErrorKind::kUnsupported,
+         fmt::format("architecture '{}' is not supported (supported: llama)", c.architecture));
+  }
+  c.name = file.get_string("general.name").value_or(c.architecture);
+  const std::string p = c.architecture + ".";
+
+  c.n_layers = require_count(file, p + "block_count");
+  c.n_embd = require_count(file, p + "embedding_length");
+  c.n_ff = require_count(file, p + "feed_forward_length");
+  c.n_heads = require_count(file, p + "attention.head_count");
+  c.n_kv_heads = file.get_u64(p + "attention.head_count_kv") ? require_count(file, p + "attention.head_count_kv")
+                                                             : c.n_heads;
+  c.n_ctx_train = file.get_u64(p + "context_length") ? require_count(file, p + "context_length") : 2048;
+  if (c.n_embd % c.n_heads != 0) {
+    fail(file, ErrorKind::kCorruptFile,
+         fmt::format("embedding_length {} is not a multiple of head_count {}", c.n_embd, c.n_heads));
+  }
+  c.head_dim = c.n_embd / c.n_heads;
+  if (file.get_u64(p + "attention.key_length")) {
+    const int64_t key_length = require_count(file, p + "attention.key_length");
+    const int64_t value_length =
+        file.get_u64(p + "attention.value_length") ? require_count(file, p + "attention.value_length") : key_length;
+    if (key_length != c.head_dim || value_length != c.head_dim) {
+      fail(file, ErrorKind::kUnsupported,
+           fmt::format("head size {}/{} different from embedding_length / head_count = {}", key_length,
+                       value_length, c.head_dim));
+    }
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    fail(file, ErrorKind::kCorruptFile,
+         fmt::format("head_count {} is not a multiple of head_count_kv {}", c.n_heads, c.n_kv_heads));
+  }
+  c.n_rot = file.get_u64(p + "rope.dimension_count") ? require_count(file, p + "rope.dimension_count")
+                                                     : c.head_dim;
+  if (c.n_rot > c.head_dim || c.n_rot % 2 != 0 || c.n_rot > 1024) {
+    fail(file, ErrorKind::kCorruptFile,
+         fmt::format("rope.dimension_count {} does not fit head size {}", c.n_rot, c.head_dim));
+  }
+  c.rope_neox = false;  // `llama` GGUFs hold Q/K permuted for adjacent-pair rotation
+  c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
+  c.rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon").value_or(1e-5f);
+  if (!(c.rope_freq_base > 0.0f) || !(c.rms_eps > 0.0f)) {
+    fail(file, ErrorKind::kCorruptFile, "rope.freq_base and layer_norm_rms_epsilon must be positive");
+  }
+  const std::string scaling = file.get_string(p + "rope.scaling.type").value_or("none");
+  if (scaling == "linear") {
+    const float factor = file.get_f32(p + "rope.scaling.factor").value_or(1.0f);
+    if (!(factor > 0.0f)) fail(file, ErrorKind::kCorruptFile, "rope.scaling.factor must be positive");
+    c.rope_freq_scale = 1.0f / factor;
+  } else if (scaling != "none") {
+    fail(file, ErrorKind::kUnsupported, fmt::format("rope scaling '{}' is not supported", scaling));
+  }
+  if (file.get_u64(p + "attention.sliding_window")) {
+    fail(file, ErrorKind::kUnsupported, "sliding-window attention is not supported");
+  }
+
+  const GgufTensorInfo& embd = file.tensor("token_embd.weight");
+  if (embd.ne.size() != 2 || embd.ne[0] != c.n_embd) {
+    fail(file, ErrorKind::kCorruptFile,
+         fmt::format("token_embd.weight has shape {} but embedding_length is {}",
+                     fmt::join(embd.ne, "x"), c.n_embd));
+  }
+  c.n_vocab = embd.ne[1];
+  c.tied_embeddings = file.find_tensor("output.weight") == nullptr;
+  return c;
+}
+
+}  // namespace duet

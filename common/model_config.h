@@ -1,0 +1,37 @@
+// Hyper-parameters of a Llama-family model, read from GGUF metadata.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace duet {
+
+class GgufFile;
+
+struct ModelConfig {
+  std::string architecture;  // GGUF general.architecture
+  std::string name;          // general.name, for logs
+  int64_t n_vocab = 0;
+  int64_t n_embd = 0;
+  int64_t n_layers = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t n_ff = 0;
+  int64_t n_ctx_train = 0;
+  int64_t n_rot = 0;           // rotated dims per head
+  bool rope_neox = false;      // rotate halves (NeoX) instead of adjacent pairs
+  float rope_freq_base = 10000.0f;
+  float rope_freq_scale = 1.0f;
+  float rms_eps = 1e-5f;
+  bool tied_embeddings = false;  // no output.weight: the head reuses token_embd
+
+  // Reads and validates the metadata; throws kUnsupported for an architecture
+  // or feature Duet does not implement and kCorruptFile for contradictions.
+  static ModelConfig from_gguf(const GgufFile& file);
+
+  // Query heads per KV head.
+  int64_t group_size() const { return n_heads / n_kv_heads; }
+};
+
+}  // namespace duet

@@ -1,0 +1,206 @@
+// The AVX-512 path (F/BW/VL/DQ + VNNI). Quantized dot products compute the
+// same 8 int32 lanes per block as the AVX2 path with vpdpbusd, two (weight,
+// activation) pairs per 512-bit register: two activation rows against one
+// weight row in prefill, two weight rows against one activation row in
+// decode. Each half goes through exactly the AVX2 path's operations, so the
+// results are bit-identical to it. Dense and attention kernels are the shared
+// 256-bit ones, compiled here with AVX-512 encodings.
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/quantize_rows_inl.h"
+#include "kernels/cpu/x86_kernels_inl.h"
+
+namespace duet::cpu {
+namespace {
+
+inline __m512i join(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+inline __m512 join_scales(float lo, float hi) {
+  return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
+}
+
+inline __m512 lane_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), join(u0, u1), join(s0, s1)));
+}
+
+inline __m256 lane_dot1(__m256i u, __m256i s) {
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+}
+
+inline float hsum_lo(__m512 v) { return hsum_ps(_mm512_castps512_ps256(v)); }
+inline float hsum_hi(__m512 v) { return hsum_ps(_mm512_extractf32x8_ps(v, 1)); }
+
+template <typename Format>
+struct QuantTile {
+  using WB = typename Format::WeightBlock;
+  using XB = typename Format::ActBlock;
+
+  // One weight row against one activation row, 256 bits (the odd one out).
+  static float single(const WB* wb, const XB* xb, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i u, s;
+      Format::operands(Format::weights(wb[b]), xb[b], &u, &s);
+      const float scale = half_to_float(wb[b].d) * half_to_float(xb[b].d);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), lane_dot1(u, s), acc);
+      if constexpr (Format::kHasMin) mins += Format::min_term(wb[b], xb[b]);
+    }
+    return hsum_ps(acc) + mins;
+  }
+
+  // Decode shape: pairs of weight rows against one activation row.
+  static void one_row(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, int64_t k,
+                      float* y) {
+    const int64_t nb = k / kQuantBlock;
+    const auto* xb = reinterpret_cast<const XB*>(x);
+    int64_t j = 0;
+    for (; j + 2 <= n_w; j += 2) {
+      const auto* wb0 = reinterpret_cast<const WB*>(w + j * w_stride);
+      const auto* wb1 = reinterpret_cast<const WB*>(w + (j + 1) * w_stride);
+      __m512 acc = _mm512_setzero_ps();
+      float mins0 = 0.0f, mins1 = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256i u0, s0, u1, s1;
+        Format::operands(Format::weights(wb0[b]), xb[b], &u0, &s0);
+        Format::operands(Format::weights(wb1[b]), xb[b], &u1, &s1);
+        const float dx = half_to_float(xb[b].d);
+        const __m512 scale = join_scales(half_to_float(wb0[b].d) * dx, half_to_float(wb1[b].d) * dx);
+        acc = _mm512_fmadd_ps(scale, lane_dot2(u0, s0, u1, s1), acc);
+        if constexpr (Format::kHasMin) {
+          mins0 += Format::min_term(wb0[b], xb[b]);
+          mins1 += Format::min_term(wb1[b], xb[b]);
+        }
+      }
+      y[j] = hsum_lo(acc) + mins0;
+      y[j + 1] = hsum_hi(acc) + mins1;
+    }
+    if (j < n_w) y[j] = single(reinterpret_cast<const WB*>(w + j * w_stride), xb, nb);
+  }
+
+  // Prefill shape: one weight row against pairs of activation rows.
+  template <int NX>
+  struct Tile {
+    static void run(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
+                    size_t x_stride, int64_t k, float* y, int64_t ldy) {
+      if constexpr (NX == 1) {
+        one_row(w, w_stride, n_w, x, k, y);
+      } else {
+        constexpr int kPairs = NX / 2;
+        const int64_t nb = k / kQuantBlock;
+        for (int64_t j = 0; j < n_w; ++j) {
+          const auto* wb = reinterpret_cast<const WB*>(w + j * w_stride);
+          __m512 acc[kPairs];
+          float mins[NX];
+          for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
+          for (int r = 0; r < NX; ++r) mins[r] = 0.0f;
+          for (int64_t b = 0; b < nb; ++b) {
+            const __m256i wq = Format::weights(wb[b]);
+            const float dw = half_to_float(wb[b].d);
+            for (int p = 0; p < kPairs; ++p) {
+              const XB& x0 = reinterpret_cast<const XB*>(x + (2 * p) * x_stride)[b];
+              const XB& x1 = reinterpret_cast<const XB*>(x + (2 * p + 1) * x_stride)[b];
+              __m256i u0, s0, u1, s1;
+              Format::operands(wq, x0, &u0, &s0);
+              Format::operands(wq, x1, &u1, &s1);
+              const __m512 scale = join_scales(dw * half_to_float(x0.d), dw * half_to_float(x1.d));
+              acc[p] = _mm512_fmadd_ps(scale, lane_dot2(u0, s0, u1, s1), acc[p]);
+              if constexpr (Format::kHasMin) {
+                mins[2 * p] += Format::min_term(wb[b], x0);
+                mins[2 * p + 1] += Format::min_term(wb[b], x1);
+              }
+            }
+          }
+          for (int p = 0; p < kPairs; ++p) {
+            y[(2 * p) * ldy + j] = hsum_lo(acc[p]) + mins[2 * p];
+            y[(2 * p + 1) * ldy + j] = hsum_hi(acc[p]) + mins[2 * p + 1];
+          }
+          if constexpr (NX % 2 == 1) {
+            y[(NX - 1) * ldy + j] =
+                single(wb, reinterpret_cast<const XB*>(x + (NX - 1) * x_stride), nb);
+          }
+        }
+      }
+    }
+  };
+};
+
+template <int NX>
+using Q8_0Tile = QuantTile<Q8_0Format>::Tile<NX>;
+template <int NX>
+using Q4_0Tile = QuantTile<Q4_0Format>::Tile<NX>;
+template <int NX>
+using Q4_1Tile = QuantTile<Q4_1Format>::Tile<NX>;
+
+void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+              int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Q8_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+              int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Q4_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+              int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Q4_1Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+// ggml's 16-lane exponential, lane for lane the same as ggml_expf().
+inline __m512 expf16(__m512 x) {
+  const __m512 r = _mm512_set1_ps(0x1.8p23f);
+  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r);
+  const __m512 n = _mm512_sub_ps(z, r);
+  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+  const __mmask16 saturate = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+  const __m512 u = _mm512_mul_ps(b, b);
+  const __m512 j = _mm512_fmadd_ps(
+      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)),
+                      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+  const __m512 result = _mm512_scalef_ps(j, n);
+  if (_mm512_kortestz(saturate, saturate)) return result;
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 limit = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, zero, _CMP_LE_OQ),
+                                            _mm512_set1_ps(INFINITY), zero);
+  return _mm512_mask_blend_ps(saturate, result, limit);
+}
+
+double softmax_exp_avx512(const float* x, int64_t n, float max, float* y) {
+  double sum = 0.0;
+  const __m512 m = _mm512_set1_ps(max);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    // Lanes past n count as exp(-inf) = 0, as llama.cpp's masked columns do.
+    const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, x + i);
+    const __m512 e = expf16(_mm512_sub_ps(xv, m));
+    _mm512_mask_storeu_ps(y + i, valid, e);
+    sum += static_cast<double>(
+        tree_sum16(_mm512_castps512_ps256(e), _mm512_extractf32x8_ps(e, 1)));
+  }
+  return sum;
+}
+
+constexpr KernelTable kAvx512Table = {
+    .isa = Isa::kAvx512,
+    .quantize_q8_0 = quantize_rows_q8_0_inl,
+    .quantize_q8_1 = quantize_rows_q8_1_inl,
+    .convert_f16 = convert_f16_avx,
+    .dot_f32 = dot_f32_avx,
+    .dot_f16 = dot_f16_avx,
+    .dot_q8_0 = dot_q8_0,
+    .dot_q4_0 = dot_q4_0,
+    .dot_q4_1 = dot_q4_1,
+    .kq_scores = kq_scores_avx,
+    .kqv_accumulate = kqv_accumulate_avx,
+    .softmax_exp = softmax_exp_avx512,
+};
+
+}  // namespace
+
+const KernelTable& avx512_kernel_table() { return kAvx512Table; }
+
+}  // namespace duet::cpu

@@ -1,0 +1,159 @@
+// The portable path: plain C++ that any compiler and CPU runs. It computes the
+// same integer block sums as the SIMD paths, accumulating in a fixed order.
+#include <cmath>
+#include <cstring>
+
+#include "common/fp16.h"
+#include "common/quant_blocks.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/lane_math.h"
+#include "kernels/cpu/quantize.h"
+
+namespace duet::cpu {
+namespace {
+
+float dot_row_f32(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* a = reinterpret_cast<const float*>(w);
+  const auto* b = reinterpret_cast<const float*>(x);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < k; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+float dot_row_f16(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* a = reinterpret_cast<const uint16_t*>(w);
+  const auto* b = reinterpret_cast<const uint16_t*>(x);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < k; ++i) sum += fp16_to_fp32(a[i]) * fp16_to_fp32(b[i]);
+  return sum;
+}
+
+// The quantized dot products in the SIMD paths' order: per block, 8 int32
+// lanes (lane l sums elements 4l..4l+3), each added to its float lane as
+// fma(scale, lane, acc); the lanes summed as (l, l+4), then (0+2)+(1+3).
+float sum_lanes8(const float* acc) {
+  float c[4];
+  for (int l = 0; l < 4; ++l) c[l] = acc[l] + acc[l + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+template <typename WeightAt>
+void accumulate_block(WeightAt weight_at, const int8_t* x, float scale, float* acc) {
+  for (int l = 0; l < 8; ++l) {
+    int32_t lane = 0;
+    for (int e = 4 * l; e < 4 * l + 4; ++e) lane += weight_at(e) * x[e];
+    acc[l] = std::fma(scale, static_cast<float>(lane), acc[l]);
+  }
+}
+
+float dot_row_q8_0(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ8_0*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_0*>(x);
+  float acc[8] = {};
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float scale = fp16_to_fp32(wb[b].d) * fp16_to_fp32(xb[b].d);
+    accumulate_block([&](int e) { return static_cast<int32_t>(wb[b].qs[e]); }, xb[b].qs, scale, acc);
+  }
+  return sum_lanes8(acc);
+}
+
+inline int32_t nibble(const uint8_t* qs, int e) {
+  return e < kQuantBlock / 2 ? (qs[e] & 0x0f) : (qs[e - kQuantBlock / 2] >> 4);
+}
+
+float dot_row_q4_0(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ4_0*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_0*>(x);
+  float acc[8] = {};
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float scale = fp16_to_fp32(wb[b].d) * fp16_to_fp32(xb[b].d);
+    accumulate_block([&](int e) { return nibble(wb[b].qs, e) - 8; }, xb[b].qs, scale, acc);
+  }
+  return sum_lanes8(acc);
+}
+
+float dot_row_q4_1(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ4_1*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_1*>(x);
+  float acc[8] = {};
+  float mins = 0.0f;
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float scale = fp16_to_fp32(wb[b].d) * fp16_to_fp32(xb[b].d);
+    accumulate_block([&](int e) { return nibble(wb[b].qs, e); }, xb[b].qs, scale, acc);
+    mins += fp16_to_fp32(wb[b].m) * fp16_to_fp32(xb[b].s);
+  }
+  return sum_lanes8(acc) + mins;
+}
+
+template <float (*kDot)(const uint8_t*, const uint8_t*, int64_t)>
+void dot_tile(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+              int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  for (int64_t i = 0; i < n_x; ++i) {
+    for (int64_t j = 0; j < n_w; ++j) y[i * ldy + j] = kDot(w + j * w_stride, x + i * x_stride, k);
+  }
+}
+
+void kq_scores(const uint16_t* q, const uint16_t* k, int64_t n_rows, int64_t dim, int groups,
+               float* out) {
+  for (int64_t t = 0; t < n_rows; ++t) {
+    const uint16_t* kr = k + t * dim;
+    float acc[4][16] = {};
+    const int64_t chunk = groups == 1 ? 16 : 64;
+    const int64_t n_whole = dim - dim % chunk;
+    for (int64_t e = 0; e < n_whole; ++e) {
+      const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
+      acc[g][e % 16] = std::fma(fp16_to_fp32(kr[e]), fp16_to_fp32(q[e]), acc[g][e % 16]);
+    }
+    if (groups != 1) {
+      for (int l = 0; l < 16; ++l) {
+        acc[0][l] = acc[0][l] + acc[2][l];
+        acc[1][l] = acc[1][l] + acc[3][l];
+      }
+      for (int l = 0; l < 16; ++l) acc[0][l] = acc[0][l] + acc[1][l];
+    }
+    double sum = lane_tree_sum16(acc[0]);
+    for (int64_t e = n_whole; e < dim; ++e) {
+      sum += static_cast<double>(fp16_to_fp32(kr[e]) * fp16_to_fp32(q[e]));
+    }
+    out[t] = static_cast<float>(sum);
+  }
+}
+
+void kqv_accumulate(const float* p, const uint16_t* v, int64_t n_rows, int64_t dim, float* lanes) {
+  for (int64_t s = 0; s < n_rows; ++s) {
+    for (int64_t d = 0; d < dim; ++d) {
+      lanes[s * dim + d] = std::fma(fp16_to_fp32(v[s * dim + d]), p[s], lanes[s * dim + d]);
+    }
+  }
+}
+
+double softmax_exp(const float* x, int64_t n, float max, float* y) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i += 16) {
+    float chunk[16] = {};
+    for (int64_t l = 0; l < 16 && i + l < n; ++l) chunk[l] = y[i + l] = ggml_expf(x[i + l] - max);
+    sum += static_cast<double>(lane_tree_sum16(chunk));
+  }
+  return sum;
+}
+
+constexpr KernelTable kScalarTable = {
+    .isa = Isa::kScalar,
+    .quantize_q8_0 = quantize_row_q8_0,
+    .quantize_q8_1 = quantize_row_q8_1,
+    .convert_f16 = convert_row_f16,
+    .dot_f32 = dot_tile<dot_row_f32>,
+    .dot_f16 = dot_tile<dot_row_f16>,
+    .dot_q8_0 = dot_tile<dot_row_q8_0>,
+    .dot_q4_0 = dot_tile<dot_row_q4_0>,
+    .dot_q4_1 = dot_tile<dot_row_q4_1>,
+    .kq_scores = kq_scores,
+    .kqv_accumulate = kqv_accumulate,
+    .softmax_exp = softmax_exp,
+};
+
+}  // namespace
+
+const KernelTable& scalar_kernel_table() { return kScalarTable; }
+
+}  // namespace duet::cpu

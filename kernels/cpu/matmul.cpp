@@ -1,0 +1,118 @@
+#include "kernels/cpu/matmul.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace duet::cpu {
+namespace {
+
+constexpr int64_t kWeightRowsPerTask = 32;
+constexpr int64_t kActivationRowsPerTask = 64;
+
+DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
+  switch (weight_type) {
+    case DType::kF32: return kernels.dot_f32;
+    case DType::kF16: return kernels.dot_f16;
+    case DType::kQ8_0: return kernels.dot_q8_0;
+    case DType::kQ4_0: return kernels.dot_q4_0;
+    case DType::kQ4_1: return kernels.dot_q4_1;
+    default:
+      throw Error(ErrorKind::kUnsupported,
+                  fmt::format("no matrix kernel for {} weights", dtype_name(weight_type)));
+  }
+}
+
+}  // namespace
+
+WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t n_out) {
+  WeightMatrix w;
+  w.type = type;
+  w.data = static_cast<const uint8_t*>(data);
+  w.k = k;
+  w.n_out = n_out;
+  w.row_bytes = dtype_row_bytes(type, k);
+  return w;
+}
+
+DType activation_type(DType weight_type) {
+  switch (weight_type) {
+    case DType::kF32: return DType::kF32;
+    case DType::kF16: return DType::kF16;
+    case DType::kQ8_0:
+    case DType::kQ4_0: return DType::kQ8_0;
+    case DType::kQ4_1: return DType::kQ8_1;
+    default:
+      throw Error(ErrorKind::kUnsupported,
+                  fmt::format("{} weights are not supported", dtype_name(weight_type)));
+  }
+}
+
+int PackedActivations::slot(DType activation) {
+  switch (activation) {
+    case DType::kF32: return 0;
+    case DType::kF16: return 1;
+    case DType::kQ8_0: return 2;
+    case DType::kQ8_1: return 3;
+    default: DUET_ASSERT(false, "no activation slot for {}", dtype_name(activation));
+  }
+  return 0;
+}
+
+void PackedActivations::pack(const KernelTable& kernels, const float* x, int64_t n_x, int64_t k,
+                             std::initializer_list<DType> weight_types, ThreadPool& pool) {
+  source_ = x;
+  n_x_ = n_x;
+  k_ = k;
+  for (auto& packed : packed_) packed.valid = false;
+  for (DType weight_type : weight_types) {
+    const DType act = activation_type(weight_type);
+    Packed& packed = packed_[slot(act)];
+    if (packed.valid) continue;
+    packed.type = act;
+    packed.row_bytes = dtype_row_bytes(act, k);
+    packed.valid = true;
+    if (act == DType::kF32) continue;  // read straight from the source rows
+    packed.bytes.resize(packed.row_bytes * static_cast<size_t>(n_x));
+    ConvertRowFn convert = act == DType::kF16    ? kernels.convert_f16
+                           : act == DType::kQ8_0 ? kernels.quantize_q8_0
+                                                 : kernels.quantize_q8_1;
+    uint8_t* out = packed.bytes.data();
+    const size_t row_bytes = packed.row_bytes;
+    pool.parallel_for(n_x, [&](int64_t row, int) {
+      convert(x + row * k, out + static_cast<size_t>(row) * row_bytes, k);
+    });
+  }
+}
+
+const uint8_t* PackedActivations::rows(DType weight_type, size_t* row_bytes) const {
+  const Packed& packed = packed_[slot(activation_type(weight_type))];
+  DUET_ASSERT(packed.valid, "activations were not packed for {} weights", dtype_name(weight_type));
+  *row_bytes = packed.row_bytes;
+  if (packed.type == DType::kF32) return reinterpret_cast<const uint8_t*>(source_);
+  return packed.bytes.data();
+}
+
+void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActivations& x, float* y,
+            int64_t ldy, ThreadPool& pool) {
+  DUET_ASSERT(w.k == x.k(), "matmul: weight rows have {} elements, activations {}", w.k, x.k());
+  DUET_ASSERT(ldy >= w.n_out);
+  const DotTileFn dot = dot_fn(kernels, w.type);
+  size_t x_row_bytes = 0;
+  const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
+  const int64_t n_x = x.n_rows();
+  const int64_t n_w_tasks = (w.n_out + kWeightRowsPerTask - 1) / kWeightRowsPerTask;
+  const int64_t n_x_tasks = (n_x + kActivationRowsPerTask - 1) / kActivationRowsPerTask;
+  pool.parallel_for(n_w_tasks * n_x_tasks, [&](int64_t task, int) {
+    const int64_t j0 = (task % n_w_tasks) * kWeightRowsPerTask;
+    const int64_t i0 = (task / n_w_tasks) * kActivationRowsPerTask;
+    const int64_t n_j = std::min(kWeightRowsPerTask, w.n_out - j0);
+    const int64_t n_i = std::min(kActivationRowsPerTask, n_x - i0);
+    dot(w.data + static_cast<size_t>(j0) * w.row_bytes, w.row_bytes, n_j,
+        x_rows + static_cast<size_t>(i0) * x_row_bytes, x_row_bytes, n_i, w.k, y + i0 * ldy + j0,
+        ldy);
+  });
+}
+
+}  // namespace duet::cpu

@@ -1,0 +1,69 @@
+// Matrix products of activations with stored (possibly quantized) weights.
+//
+// y (n_x, n_out) = x (n_x, k) . W^T, W stored as n_out rows of k elements
+// (GGUF's ne = {k, n_out}). Activations are first converted into the type
+// the weight's dot product takes (llama.cpp's "vec_dot_type": Q8_0 for Q8_0
+// and Q4_0, Q8_1 for Q4_1, F16 for F16, F32 for F32), once per input and
+// reused by every weight that shares it (Q, K and V; gate and up).
+//
+// Batch invariance: every output element is one DotTileFn pair, so results do
+// not depend on n_x, on a row's place in the batch, or on the thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace duet::cpu {
+
+// A non-owning view of a weight matrix: n_out rows of k elements.
+struct WeightMatrix {
+  DType type = DType::kF32;
+  const uint8_t* data = nullptr;
+  int64_t k = 0;
+  int64_t n_out = 0;
+  size_t row_bytes = 0;
+};
+
+WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t n_out);
+
+// The activation type a weight type's dot product takes; throws kUnsupported.
+DType activation_type(DType weight_type);
+
+// Activation rows converted for one or more weight types. Owns its buffers;
+// reuse one object across steps to avoid allocations.
+class PackedActivations {
+ public:
+  // Converts x (n_x, k) for every type in `types` (no duplicates needed).
+  void pack(const KernelTable& kernels, const float* x, int64_t n_x, int64_t k,
+            std::initializer_list<DType> weight_types, ThreadPool& pool);
+
+  int64_t n_rows() const { return n_x_; }
+  int64_t k() const { return k_; }
+  // Rows for `weight_type`; it must have been packed.
+  const uint8_t* rows(DType weight_type, size_t* row_bytes) const;
+
+ private:
+  struct Packed {
+    DType type = DType::kF32;  // activation type
+    size_t row_bytes = 0;
+    std::vector<uint8_t> bytes;
+    bool valid = false;
+  };
+  static constexpr int kSlots = 4;  // F32, F16, Q8_0, Q8_1
+  static int slot(DType activation);
+  Packed packed_[kSlots];
+  const float* source_ = nullptr;
+  int64_t n_x_ = 0;
+  int64_t k_ = 0;
+};
+
+// y[i * ldy + j] for i < x.n_rows(), j < w.n_out.
+void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActivations& x, float* y,
+            int64_t ldy, ThreadPool& pool);
+
+}  // namespace duet::cpu

@@ -1,0 +1,79 @@
+#include "kernels/cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "kernels/cpu/lane_math.h"
+
+namespace duet::cpu {
+
+void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
+              float eps) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* xr = x + r * dim;
+    float* outr = out + r * dim;
+    double sum = 0.0;
+    for (int64_t i = 0; i < dim; ++i) sum += static_cast<double>(xr[i] * xr[i]);
+    const float mean = static_cast<float>(sum / static_cast<double>(dim));
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    for (int64_t i = 0; i < dim; ++i) outr[i] = xr[i] * scale * weight[i];
+  }
+}
+
+void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
+          const RopeParams& params) {
+  const int64_t half = params.n_rot / 2;
+  DUET_ASSERT(half <= 512 && params.n_rot <= head_dim, "n_rot {} head_dim {}", params.n_rot, head_dim);
+  const float theta_scale = std::pow(params.freq_base, -2.0f / static_cast<float>(params.n_rot));
+  float cos_table[512];
+  float sin_table[512];
+  for (int64_t r = 0; r < n_rows; ++r) {
+    // theta_i = pos * base^(-2i / n_rot), built by repeated multiplication as ggml does.
+    float theta = static_cast<float>(positions[r]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float factor = params.freq_factors != nullptr ? params.freq_factors[i] : 1.0f;
+      const float angle = params.freq_scale * (theta / factor);
+      cos_table[i] = std::cos(angle);
+      sin_table[i] = std::sin(angle);
+      theta *= theta_scale;
+    }
+    for (int64_t h = 0; h < n_heads; ++h) {
+      float* v = x + (r * n_heads + h) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t a = params.style == RopeStyle::kAdjacentPairs ? 2 * i : i;
+        const int64_t b = params.style == RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + half;
+        const float x0 = v[a], x1 = v[b];
+// The fused forms are the ones llama.cpp's compiler emits for
+        // x0*cos - x1*sin and x0*sin + x1*cos; matching them keeps the two
+        // engines bit-identical here.
+        v[a] = std::fma(x0, cos_table[i], -(x1 * sin_table[i]));
+        v[b] = std::fma(x0, sin_table[i], x1 * cos_table[i]);
+      }
+    }
+  }
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + ggml_expf(-g)) * up[i];
+  }
+}
+
+void add_in_place(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void softmax_in_place(float* x, int64_t n) {
+  const float max = *std::max_element(x, x + n);
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+}  // namespace duet::cpu

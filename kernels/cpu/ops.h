@@ -1,0 +1,40 @@
+// Element-wise and row-wise operations of the Llama forward pass (scalar C++;
+// their cost is small beside the matrix products). Shapes are row-major.
+#pragma once
+
+#include <cstdint>
+
+namespace duet::cpu {
+
+// out (n_rows, dim) = x / rms(x) * weight; the sum of squares is taken in
+// double, as llama.cpp does. out may alias x.
+void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
+              float eps);
+
+enum class RopeStyle {
+  kAdjacentPairs,  // (x[2i], x[2i+1]) rotate together: GGUF `llama` (converter permuted Q/K)
+  kHalves,         // (x[i], x[i + n_rot/2]) rotate together: NeoX, GGUF `qwen2`
+};
+
+struct RopeParams {
+  RopeStyle style = RopeStyle::kAdjacentPairs;
+  int64_t n_rot = 0;              // leading dims of each head that rotate
+  float freq_base = 10000.0f;
+  float freq_scale = 1.0f;        // linear position scaling (1 = none)
+  const float* freq_factors = nullptr;  // optional (n_rot / 2) divisors (Llama 3.1 rope_freqs)
+};
+
+// Rotates x (n_rows, n_heads * head_dim) in place; row r sits at positions[r].
+void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
+          const RopeParams& params);
+
+// out[i] = silu(gate[i]) * up[i]; out may alias gate.
+void silu_mul(const float* gate, const float* up, float* out, int64_t n);
+
+// x[i] += y[i]
+void add_in_place(float* x, const float* y, int64_t n);
+
+// Numerically safe softmax of x (n) in place; returns nothing, sums in double.
+void softmax_in_place(float* x, int64_t n);
+
+}  // namespace duet::cpu

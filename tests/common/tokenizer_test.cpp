@@ -1,0 +1,542 @@
+// Tokenizer tests: a tiny hand-built byte-level vocabulary for the mechanics
+// (merge order, special tokens, decoding, streaming, errors), and the default
+// model's real vocabulary, read from a JSON fixture when one is present.
+#include "common/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+#include "common/unicode.h"
+#include "tests/test_paths.h"
+
+namespace duet {
+namespace {
+
+// ---------------------------------------------------------------------------
+// A tiny vocabulary: three control tokens, the 256 byte-alphabet characters,
+// then one token per merge result, in merge order.
+
+constexpr TokenId kEndOfText = 0;
+constexpr TokenId kImStart = 1;
+constexpr TokenId kImEnd = 2;
+constexpr TokenId kFirstByteToken = 3;
+
+// Byte-level form of raw text ("a b" -> "aĠb").
+std::string bpe(std::string_view raw) {
+  std::string out;
+  for (char c : raw) out.append(byte_to_bpe_char(static_cast<uint8_t>(c)));
+  return out;
+}
+
+using RawMerge = std::pair<std::string, std::string>;  // raw text halves, e.g. {" ", "w"}
+
+// Every merge result becomes a token unless listed in `missing_results`.
+TokenizerSpec tiny_spec(const std::vector<RawMerge>& raw_merges, std::string pre = "smollm",
+                        const std::vector<std::string>& missing_results = {}) {
+  TokenizerSpec spec;
+  spec.model = "gpt2";
+  spec.pre = std::move(pre);
+  spec.tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+  spec.token_types = {TokenType::kControl, TokenType::kControl, TokenType::kControl};
+  for (int b = 0; b < 256; ++b) {
+    spec.tokens.emplace_back(byte_to_bpe_char(static_cast<uint8_t>(b)));
+    spec.token_types.push_back(TokenType::kNormal);
+  }
+  for (const auto& [left, right] : raw_merges) {
+    spec.merges.push_back(bpe(left) + " " + bpe(right));
+    const std::string result = bpe(left + right);
+    const bool missing = std::find(missing_results.begin(), missing_results.end(),
+                                   left + right) != missing_results.end();
+    const bool known =
+        std::find(spec.tokens.begin(), spec.tokens.end(), result) != spec.tokens.end();
+    if (!missing && !known) {
+      spec.tokens.push_back(result);
+      spec.token_types.push_back(TokenType::kNormal);
+    }
+  }
+  spec.bos_id = kImStart;
+  spec.eos_id = kEndOfText;
+  return spec;
+}
+
+// The default merges: enough for "hello world".
+const std::vector<RawMerge> kMerges = {{"h", "e"},   {"l", "l"},   {"he", "ll"},
+                                       {"hell", "o"}, {" ", "w"},   {"o", "r"},
+                                       {" w", "or"},  {" wor", "l"}, {" worl", "d"}};
+
+// Token ids of raw pieces, for readable expectations.
+std::vector<TokenId> ids_of(const Tokenizer& tokenizer, const std::vector<std::string>& pieces) {
+  std::vector<TokenId> ids;
+  for (const std::string& piece : pieces) {
+    const std::optional<TokenId> id = tokenizer.find_token(bpe(piece));
+    EXPECT_TRUE(id.has_value()) << "no token for '" << piece << "'";
+    ids.push_back(id.value_or(-1));
+  }
+  return ids;
+}
+
+template <typename F>
+ErrorKind error_kind_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.kind();
+  }
+  ADD_FAILURE() << "no duet::Error thrown";
+  return ErrorKind::kInternal;
+}
+
+// ---------------------------------------------------------------------------
+// UTF-8 and the byte alphabet
+
+TEST(Unicode, ByteAlphabetIsABijection) {
+  for (int b = 0; b < 256; ++b) {
+    const char32_t cpt = byte_to_bpe_cpt(static_cast<uint8_t>(b));
+    ASSERT_EQ(bpe_cpt_to_byte(cpt), std::optional<uint8_t>(static_cast<uint8_t>(b)));
+  }
+  EXPECT_EQ(byte_to_bpe_char(' '), "\xC4\xA0");   // Ġ
+  EXPECT_EQ(byte_to_bpe_char('\n'), "\xC4\x8A");  // Ċ
+  EXPECT_EQ(byte_to_bpe_char('a'), "a");
+  EXPECT_FALSE(bpe_cpt_to_byte(U' ').has_value());
+  EXPECT_FALSE(bpe_cpt_to_byte(0x4E2D).has_value());
+}
+
+TEST(Unicode, Utf8StepIsStrict) {
+  EXPECT_EQ(utf8_step("\xF0\x9F\x98\x80", 0).status, Utf8Status::kComplete);
+  EXPECT_EQ(utf8_step("\xF0\x9F\x98\x80", 0).cpt, char32_t(0x1F600));
+  EXPECT_EQ(utf8_step("\xF0\x9F\x98", 0).status, Utf8Status::kIncomplete);
+  EXPECT_EQ(utf8_step("\xF0\x9F" "A", 0).status, Utf8Status::kInvalid);
+  EXPECT_EQ(utf8_step("\xF0\x9F" "A", 0).length, 2u);
+  EXPECT_EQ(utf8_step("\xC0\x80", 0).status, Utf8Status::kInvalid);      // overlong
+  EXPECT_EQ(utf8_step("\xED\xA0\x80", 0).status, Utf8Status::kInvalid);  // surrogate
+  EXPECT_EQ(utf8_step("\x80", 0).status, Utf8Status::kInvalid);
+}
+
+TEST(Unicode, SanitizeAndLenientNormalization) {
+  EXPECT_EQ(utf8_sanitize("a\xF0\x9F" "b"), "a\xEF\xBF\xBD" "b");  // one U+FFFD per maximal subpart
+  EXPECT_EQ(utf8_sanitize("\xF0\x9F\x98"), "\xEF\xBF\xBD");
+  EXPECT_EQ(utf8_sanitize("ok \xE4\xB8\xAD"), "ok \xE4\xB8\xAD");
+  // llama.cpp's lenient decoding: one U+FFFD per undecodable byte, overlong forms shortened.
+  EXPECT_EQ(utf8_normalize_lenient("a\xF0\x9F" "b"), "a\xEF\xBF\xBD\xEF\xBF\xBD" "b");
+  EXPECT_EQ(utf8_normalize_lenient(std::string_view("\xC1\x81", 2)), "A");
+  EXPECT_EQ(utf8_normalize_lenient("\xE4\xB8\xAD"), "\xE4\xB8\xAD");
+}
+
+TEST(Unicode, RegexSplitterKeepsGapsAndCoversTheText) {
+  const RegexSplitter splitter({R"(\p{N})", R"( ?\p{L}+)"});
+  const std::vector<std::string_view> pieces = splitter.split("ab12 cd!");
+  const std::vector<std::string_view> expected = {"ab", "1", "2", " cd", "!"};
+  EXPECT_EQ(pieces, expected);
+  EXPECT_TRUE(splitter.split("").empty());
+}
+
+// ---------------------------------------------------------------------------
+// BPE merging
+
+TEST(Tokenizer, MergesApplyByRank) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  EXPECT_EQ(tokenizer.encode("hello world", false, false),
+            ids_of(tokenizer, {"hello", " world"}));
+  EXPECT_EQ(tokenizer.encode("hell", false, false), ids_of(tokenizer, {"hell"}));
+  EXPECT_EQ(tokenizer.encode("ohell", false, false), ids_of(tokenizer, {"o", "hell"}));
+}
+
+TEST(Tokenizer, LowerRankWinsOverTextOrder) {
+  const Tokenizer bc_first(tiny_spec({{"b", "c"}, {"a", "b"}}));
+  EXPECT_EQ(bc_first.encode("abc", false, false), ids_of(bc_first, {"a", "bc"}));
+  const Tokenizer ab_first(tiny_spec({{"a", "b"}, {"b", "c"}}));
+  EXPECT_EQ(ab_first.encode("abc", false, false), ids_of(ab_first, {"ab", "c"}));
+}
+
+TEST(Tokenizer, EqualRanksMergeLeftmostFirst) {
+  const Tokenizer tokenizer(tiny_spec({{"a", "a"}}));
+  EXPECT_EQ(tokenizer.encode("aaa", false, false), ids_of(tokenizer, {"aa", "a"}));
+  EXPECT_EQ(tokenizer.encode("aaaa", false, false), ids_of(tokenizer, {"aa", "aa"}));
+}
+
+TEST(Tokenizer, MergeResultThatIsNoTokenFallsBackToBytes) {
+  const Tokenizer tokenizer(tiny_spec({{"x", "y"}}, "smollm", {"xy"}));
+  EXPECT_EQ(tokenizer.encode("xy", false, false), ids_of(tokenizer, {"x", "y"}));
+}
+
+TEST(Tokenizer, ByteTokensCoverAnyText) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const std::string text = "\xE4\xB8\xAD\xF0\x9F\x98\x80";  // 中😀
+  EXPECT_EQ(tokenizer.encode(text, false, false).size(), text.size());
+}
+
+TEST(Tokenizer, InvalidUtf8IsTokenizedAsReplacementCharacters) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  EXPECT_EQ(tokenizer.encode("a\xFF" "b", false, false),
+            tokenizer.encode("a\xEF\xBF\xBD" "b", false, false));
+}
+
+// ---------------------------------------------------------------------------
+// Pre-tokenizers
+
+std::vector<std::string> pre_tokenize(const std::string& pre, std::string_view text) {
+  return Tokenizer(tiny_spec({}, pre)).pre_tokenize(text);
+}
+
+using Words = std::vector<std::string>;
+
+TEST(PreTokenizer, SmollmSplitsEveryDigitFirst) {
+  EXPECT_EQ(pre_tokenize("smollm", "abc 12345 de"),
+            (Words{"abc", " ", "1", "2", "3", "4", "5", " de"}));
+  EXPECT_EQ(pre_tokenize("smollm", "it's   x\n\n\n"), (Words{"it", "'s", "  ", " x", "\n\n\n"}));
+}
+
+TEST(PreTokenizer, Gpt2) {
+  EXPECT_EQ(pre_tokenize("gpt2", "abc 12345 de"), (Words{"abc", " 12345", " de"}));
+  EXPECT_EQ(pre_tokenize("gpt2", "Hi!! you"), (Words{"Hi", "!!", " you"}));
+  EXPECT_EQ(pre_tokenize("gpt-2", "a\nb"), (Words{"a", "\n", "b"}));
+}
+
+TEST(PreTokenizer, Llama3GroupsDigitsByThree) {
+  EXPECT_EQ(pre_tokenize("llama-bpe", "12345 HE'LL\n\n\nok"),
+            (Words{"123", "45", " HE", "'LL", "\n\n\n", "ok"}));
+}
+
+TEST(PreTokenizer, Qwen2SplitsSingleDigits) {
+  EXPECT_EQ(pre_tokenize("qwen2", "x=123;"), (Words{"x", "=", "1", "2", "3", ";"}));
+}
+
+TEST(PreTokenizer, StarcoderAndRefactAreSmollm) {
+  for (const char* pre : {"starcoder", "refact"}) {
+    EXPECT_EQ(pre_tokenize(pre, "v2 ok"), (Words{"v", "2", " ok"})) << pre;
+  }
+}
+
+TEST(PreTokenizer, UnicodeLettersAndNumbers) {
+  // \p{L} and \p{N} are Unicode-wide: Cyrillic letters, Arabic-Indic digits.
+  EXPECT_EQ(pre_tokenize("gpt2", "\xD0\xBC\xD0\xB8\xD1\x80 \xD9\xA3\xD9\xA4"),
+            (Words{"\xD0\xBC\xD0\xB8\xD1\x80", " \xD9\xA3\xD9\xA4"}));
+}
+
+TEST(PreTokenizer, EveryKnownNameCompiles) {
+  for (const char* pre :
+       {"default", "", "gpt2", "llama3", "llama-bpe", "dbrx", "qwen2", "qwen35", "smollm",
+        "starcoder", "refact", "falcon", "deepseek-llm", "deepseek-coder", "deepseek-v3",
+        "poro-chat", "viking", "gpt-4o", "tekken", "seed-coder", "bailingmoe", "chatglm-bpe"}) {
+    const Tokenizer tokenizer(tiny_spec(kMerges, pre));
+    const std::string text = "Hello, world! 12345 \xE4\xB8\xAD\xE6\x96\x87 it's\n\n  x";
+    EXPECT_EQ(tokenizer.decode(tokenizer.encode(text, false, false)), text) << pre;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Special tokens
+
+TEST(Tokenizer, SpecialTokensParsedOnlyWhenAsked) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const std::string text = "<|im_start|>hello<|im_end|>";
+  const std::vector<TokenId> parsed = tokenizer.encode(text, false, true);
+  ASSERT_EQ(parsed.size(), 3u);
+  EXPECT_EQ(parsed.front(), kImStart);
+  EXPECT_EQ(parsed[1], *tokenizer.find_token("hello"));
+  EXPECT_EQ(parsed.back(), kImEnd);
+
+  const std::vector<TokenId> plain = tokenizer.encode(text, false, false);
+  EXPECT_GT(plain.size(), 3u);
+  for (TokenId id : plain) EXPECT_GE(id, kFirstByteToken);
+  EXPECT_EQ(tokenizer.decode(plain), text);
+}
+
+TEST(Tokenizer, LongerSpecialTokenWins) {
+  TokenizerSpec spec = tiny_spec(kMerges);
+  spec.tokens.push_back("<|im_end|>!");
+  spec.token_types.push_back(TokenType::kControl);
+  const Tokenizer tokenizer(std::move(spec));
+  const TokenId longer = static_cast<TokenId>(tokenizer.vocab_size() - 1);
+  EXPECT_EQ(tokenizer.encode("<|im_end|>!<|im_end|>", false, true),
+            (std::vector<TokenId>{longer, kImEnd}));
+}
+
+TEST(Tokenizer, UserDefinedTokensAreAlwaysSplitOut) {
+  // As in llama.cpp and HF: only control tokens need parse_special.
+  TokenizerSpec spec = tiny_spec(kMerges);
+  spec.tokens.push_back("<tool>");
+  spec.token_types.push_back(TokenType::kUserDefined);
+  const Tokenizer tokenizer(std::move(spec));
+  const TokenId tool = static_cast<TokenId>(tokenizer.vocab_size() - 1);
+  EXPECT_EQ(tokenizer.encode("<tool>", false, false), std::vector<TokenId>{tool});
+  EXPECT_EQ(tokenizer.decode(std::vector<TokenId>{tool}, /*skip_special=*/true), "<tool>");
+}
+
+TEST(Tokenizer, AddSpecialFollowsTheSpec) {
+  TokenizerSpec spec = tiny_spec(kMerges);
+  spec.add_bos = true;
+  spec.add_eos = true;
+  const Tokenizer tokenizer(std::move(spec));
+  const std::vector<TokenId> ids = tokenizer.encode("hello", true, false);
+  EXPECT_EQ(ids, (std::vector<TokenId>{kImStart, *tokenizer.find_token("hello"), kEndOfText}));
+  EXPECT_EQ(tokenizer.encode("hello", false, false).size(), 1u);
+  EXPECT_EQ(tokenizer.encode("", true, false), (std::vector<TokenId>{kImStart, kEndOfText}));
+
+  const Tokenizer without(tiny_spec(kMerges));
+  EXPECT_EQ(without.encode("hello", true, false).size(), 1u);
+}
+
+TEST(Tokenizer, EndOfGenerationSet) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  EXPECT_EQ(tokenizer.end_of_generation_ids(), (std::vector<TokenId>{kEndOfText, kImEnd}));
+  EXPECT_TRUE(tokenizer.is_end_of_generation(kImEnd));
+  EXPECT_TRUE(tokenizer.is_end_of_generation(kEndOfText));
+  EXPECT_FALSE(tokenizer.is_end_of_generation(kImStart));
+  EXPECT_FALSE(tokenizer.is_end_of_generation(*tokenizer.find_token("hello")));
+}
+
+TEST(Tokenizer, EndOfGenerationTextsArePromotedToControl) {
+  // llama.cpp treats a normal-typed "<|eot_id|>" as control and end-of-generation.
+  TokenizerSpec spec = tiny_spec(kMerges);
+  spec.tokens.push_back("<|eot_id|>");
+  spec.token_types.push_back(TokenType::kNormal);
+  spec.eos_id.reset();
+  const Tokenizer tokenizer(std::move(spec));
+  const TokenId eot = *tokenizer.find_token("<|eot_id|>");
+  EXPECT_EQ(tokenizer.token_type(eot), TokenType::kControl);
+  EXPECT_TRUE(tokenizer.is_end_of_generation(eot));
+  EXPECT_EQ(tokenizer.encode("<|eot_id|>", false, true), std::vector<TokenId>{eot});
+}
+
+// ---------------------------------------------------------------------------
+// Decoding
+
+TEST(Tokenizer, DecodeRoundTrips) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  for (const std::string text :
+       {"hello world", "  two  spaces\n\n\tand tabs", "\xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x98\x80!",
+        "<|im_start|>user\nhello<|im_end|>", "digits 0123456789", ""}) {
+    EXPECT_EQ(tokenizer.decode(tokenizer.encode(text, false, true)), text);
+    EXPECT_EQ(tokenizer.decode(tokenizer.encode(text, false, false)), text);
+  }
+}
+
+TEST(Tokenizer, DecodeSkipsControlTokensOnRequest) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const std::vector<TokenId> ids = tokenizer.encode("<|im_start|>hello<|im_end|>", false, true);
+  EXPECT_EQ(tokenizer.decode(ids), "<|im_start|>hello<|im_end|>");
+  EXPECT_EQ(tokenizer.decode(ids, /*skip_special=*/true), "hello");
+}
+
+TEST(Tokenizer, PiecesAndTexts) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const TokenId world = *tokenizer.find_token(bpe(" world"));
+  EXPECT_EQ(tokenizer.token_text(world), "\xC4\xA0world");
+  EXPECT_EQ(tokenizer.token_to_piece(world), " world");
+  EXPECT_EQ(tokenizer.token_to_piece(kImEnd), "<|im_end|>");
+  EXPECT_EQ(tokenizer.token_to_piece(kFirstByteToken + 0xF0), "\xF0");
+  EXPECT_FALSE(tokenizer.find_token("no such token").has_value());
+  EXPECT_EQ(tokenizer.bos_id(), std::optional<TokenId>(kImStart));
+  EXPECT_EQ(tokenizer.eos_id(), std::optional<TokenId>(kEndOfText));
+}
+
+TEST(Tokenizer, DecodeRejectsIdsOutOfRange) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const auto n = static_cast<TokenId>(tokenizer.vocab_size());
+  EXPECT_EQ(error_kind_of([&] { tokenizer.decode(std::vector<TokenId>{n}); }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(error_kind_of([&] { tokenizer.decode(std::vector<TokenId>{-1}); }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(error_kind_of([&] { tokenizer.token_to_piece(n); }), ErrorKind::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------
+// Streaming
+
+TEST(IncrementalDecoder, EmojiSplitAcrossTokensComesOutWhole) {
+  // 😀 = F0 9F 98 80, here as "F0 9F" + "98" + "80" tokens.
+  TokenizerSpec spec = tiny_spec(kMerges);
+  spec.tokens.push_back(bpe("\xF0\x9F"));
+  spec.token_types.push_back(TokenType::kNormal);
+  const Tokenizer tokenizer(std::move(spec));
+  const TokenId f09f = static_cast<TokenId>(tokenizer.vocab_size() - 1);
+  const TokenId b98 = kFirstByteToken + 0x98, b80 = kFirstByteToken + 0x80;
+
+  IncrementalDecoder decoder(tokenizer);
+  EXPECT_EQ(decoder.push(*tokenizer.find_token("hello")), "hello");
+  EXPECT_EQ(decoder.push(f09f), "");
+  EXPECT_EQ(decoder.push(b98), "");
+  EXPECT_EQ(decoder.push(b80), "\xF0\x9F\x98\x80");
+  EXPECT_EQ(decoder.flush(), "");
+
+  // A dangling partial character is flushed as one U+FFFD.
+  EXPECT_EQ(decoder.push(f09f), "");
+  EXPECT_EQ(decoder.push(b98), "");
+  EXPECT_EQ(decoder.flush(), "\xEF\xBF\xBD");
+  EXPECT_EQ(decoder.flush(), "");
+
+  // Bytes that can never complete a character come out as U+FFFD at once.
+  EXPECT_EQ(decoder.push(f09f), "");
+  EXPECT_EQ(decoder.push(*tokenizer.find_token("hello")), "\xEF\xBF\xBDhello");
+  EXPECT_EQ(decoder.push(b80), "\xEF\xBF\xBD");
+}
+
+TEST(IncrementalDecoder, MatchesDecodeOnValidText) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const std::string text = "hello \xE4\xB8\xAD\xE6\x96\x87 world \xF0\x9F\x98\x80<|im_end|>";
+  IncrementalDecoder decoder(tokenizer);
+  std::string streamed;
+  for (TokenId id : tokenizer.encode(text, false, true)) {
+    const std::string part = decoder.push(id);
+    EXPECT_EQ(utf8_sanitize(part), part) << "emitted broken UTF-8";
+    streamed += part;
+  }
+  streamed += decoder.flush();
+  EXPECT_EQ(streamed, text);
+
+  IncrementalDecoder skipping(tokenizer, /*skip_special=*/true);
+  EXPECT_EQ(skipping.push(kImEnd), "");
+}
+
+// ---------------------------------------------------------------------------
+// Validation
+
+TEST(Tokenizer, RejectsBadSpecs) {
+  const auto kind_for = [](auto edit) {
+    TokenizerSpec spec = tiny_spec(kMerges);
+    edit(spec);
+    return error_kind_of([&] { Tokenizer tokenizer(std::move(spec)); });
+  };
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.pre = "no-such-pre"; }), ErrorKind::kUnsupported);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.model = "llama"; }), ErrorKind::kUnsupported);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.model = "bert"; }), ErrorKind::kUnsupported);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.merges.push_back("nospace"); }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.merges.push_back("a "); }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.bos_id = static_cast<TokenId>(s.tokens.size()); }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.eos_id = -1; }), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.token_types.pop_back(); }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) {
+              s.tokens.push_back("a");  // a duplicate of the byte token
+              s.token_types.push_back(TokenType::kNormal);
+            }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) {
+              s.add_bos = true;
+              s.bos_id.reset();
+            }),
+            ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.tokens.clear(); s.token_types.clear(); }),
+            ErrorKind::kInvalidArgument);
+
+  try {
+    TokenizerSpec spec = tiny_spec(kMerges);
+    spec.pre = "no-such-pre";
+    Tokenizer tokenizer(std::move(spec));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no-such-pre"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Tokenizer, ConcurrentEncodesAgree) {
+  const Tokenizer tokenizer(tiny_spec(kMerges));
+  const std::string text = "<|im_start|>hello world 123 \xF0\x9F\x98\x80<|im_end|>";
+  const std::vector<TokenId> expected = tokenizer.encode(text, false, true);
+  std::vector<std::thread> threads;
+  std::vector<int> failures(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) failures[t] += tokenizer.encode(text, false, true) != expected;
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int f : failures) EXPECT_EQ(f, 0);
+}
+
+// ---------------------------------------------------------------------------
+// The default model's vocabulary.
+//
+// The fixture is a JSON object keyed by GGUF metadata names
+// ("tokenizer.ggml.model", ".pre", ".tokens", ".token_type", ".merges",
+// ".bos_token_id", ".eos_token_id", ".unknown_token_id", ".padding_token_id",
+// ".add_bos_token"), as the gguf Python package reads them from
+// models/SmolLM2-135M-Instruct.Q4_1.gguf. Without it these tests skip; once
+// the GGUF reader lands they can build the spec from the model itself.
+
+std::optional<Tokenizer> load_smollm2_fixture() {
+  const std::filesystem::path path =
+      testing::fixture_path("fixtures/tokenizer/smollm2_vocab.json");
+  if (!std::filesystem::exists(path)) return std::nullopt;
+  std::ifstream in(path);
+  const nlohmann::json json = nlohmann::json::parse(in);
+  TokenizerSpec spec;
+  spec.model = json.at("tokenizer.ggml.model").get<std::string>();
+  spec.pre = json.value("tokenizer.ggml.pre", std::string());
+  spec.tokens = json.at("tokenizer.ggml.tokens").get<std::vector<std::string>>();
+  for (int type : json.value("tokenizer.ggml.token_type", std::vector<int>{})) {
+    spec.token_types.push_back(static_cast<TokenType>(type));
+  }
+  spec.merges = json.at("tokenizer.ggml.merges").get<std::vector<std::string>>();
+  const auto id = [&](const char* key) -> std::optional<TokenId> {
+    if (!json.contains(key)) return std::nullopt;
+    return json.at(key).get<TokenId>();
+  };
+  spec.bos_id = id("tokenizer.ggml.bos_token_id");
+  spec.eos_id = id("tokenizer.ggml.eos_token_id");
+  spec.unk_id = id("tokenizer.ggml.unknown_token_id");
+  spec.pad_id = id("tokenizer.ggml.padding_token_id");
+  spec.add_bos = json.value("tokenizer.ggml.add_bos_token", false);
+  return std::optional<Tokenizer>(std::in_place, std::move(spec));
+}
+
+#define DUET_SKIP_WITHOUT_SMOLLM2_FIXTURE(var)                                             \
+  std::optional<Tokenizer> var = load_smollm2_fixture();                                  \
+  if (!var) GTEST_SKIP() << "tests/fixtures/tokenizer/smollm2_vocab.json not present"
+
+TEST(SmolLM2Vocab, MatchesLlamaCpp) {
+  DUET_SKIP_WITHOUT_SMOLLM2_FIXTURE(tokenizer);
+  EXPECT_EQ(tokenizer->vocab_size(), 49152u);
+  // Ids from llama.cpp (llama-cpp-python 0.3.36, special=True, add_bos=False).
+  const std::vector<std::pair<std::string, std::vector<TokenId>>> cases = {
+      {"Hello world", {19556, 905}},
+      {"12345", {33, 34, 35, 36, 37}},
+      {"<|im_start|>user\nHi<|im_end|>", {1, 4093, 198, 26843, 2}},
+      {"   x", {256, 1792}},
+      {"\n\n\n", {16506}},
+      {"def f(x):\n    return x * 2\n",
+       {1604, 275, 24, 104, 727, 472, 1003, 1792, 1672, 216, 34, 198}},
+      {"\xE6\x88\x91\xE5\x96\x9C\xE6\xAC\xA2\xE8\x87\xAA\xE7\x84\xB6\xE8\xAF\xAD\xE8\xA8\x80"
+       "\xE5\xA4\x84\xE7\x90\x86\xE3\x80\x82",  // 我喜欢自然语言处理。
+       {19805, 235, 176, 240, 246, 177, 122, 112, 44974, 120, 178, 222, 131, 16313, 251, 48001, 218,
+        18614, 222, 45201, 19076}},
+      {"emoji \xF0\x9F\x98\x80\xF0\x9F\x8E\x89", {391, 33777, 40303, 218, 10813, 232, 227}},
+      {"It's 3.14, isn't it?", {1589, 506, 216, 35, 30, 33, 36, 28, 3247, 982, 357, 47}},
+  };
+  for (const auto& [text, ids] : cases) {
+    EXPECT_EQ(tokenizer->encode(text, false, true), ids) << text;
+    EXPECT_EQ(tokenizer->decode(ids), text);
+  }
+  EXPECT_EQ(tokenizer->encode("<|im_start|>user\nHi<|im_end|>", false, false).front(), 44);
+  EXPECT_EQ(tokenizer->end_of_generation_ids(), (std::vector<TokenId>{0, 2, 4}));
+}
+
+TEST(SmolLM2Vocab, EncodesTwoThousandWordsQuickly) {
+  DUET_SKIP_WITHOUT_SMOLLM2_FIXTURE(tokenizer);
+  const std::vector<std::string> words = {"the", "model", "serves", "tokens,", "and", "12",
+                                          "requests", "per", "second.\n", "Hello"};
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += words[(i * 7) % words.size()] + " ";
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<TokenId> ids = tokenizer->encode(text, false, true);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(tokenizer->decode(ids), text);
+  EXPECT_LT(ms, 50.0) << ids.size() << " tokens";
+}
+
+}  // namespace
+}  // namespace duet

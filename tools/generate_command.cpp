@@ -1,0 +1,107 @@
+#include "tools/generate_command.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <thread>
+
+#include "common/chat_template.h"
+#include "common/error.h"
+#include "common/tokenizer_gguf.h"
+#include "kernels/cpu/isa.h"
+#include "worker/generator.h"
+
+namespace duet::tools {
+namespace {
+
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, GenerateArgs& args) {
+  CLI::App* cmd = app.add_subcommand("generate", "Continue a prompt on the CPU, streaming text");
+  cmd->add_option("-m,--model", args.model, "Path of a GGUF model")->required();
+  cmd->add_option("-p,--prompt", args.prompt, "Prompt text")->required();
+  cmd->add_flag("--chat", args.chat, "Wrap the prompt as a user turn in the model's chat template");
+  cmd->add_option("-n,--n-tokens", args.n_tokens, "Tokens to generate at most")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  cmd->add_option("--temp", args.temperature, "Sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0f, 100.0f));
+  cmd->add_option("--seed", args.seed, "Seed of the sampling random stream");
+  cmd->add_option("-t,--threads", args.threads, "Compute threads (default: all cores)")
+      ->check(CLI::Range(0, 1024));
+  cmd->add_flag("--no-kv-cache", args.no_kv_cache,
+                "Recompute the whole context at every step (to measure what the cache saves)");
+}
+
+int run_generate(const GenerateArgs& args) {
+  const cpu::Isa isa = cpu::isa_from_environment();
+  const cpu::KernelTable& kernels = cpu::kernel_table(isa);
+  const int n_threads =
+      args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
+  const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
+  const ModelConfig& c = model->config();
+  spdlog::info("model {}: {} layers, {} heads ({} KV), embedding {}, vocabulary {}, {:.1f} MiB of weights",
+               c.name, c.n_layers, c.n_heads, c.n_kv_heads, c.n_embd, c.n_vocab,
+               static_cast<double>(model->weight_bytes()) / (1 << 20));
+  spdlog::info("kernels: {}, threads: {}, KV cache: {}", cpu::isa_name(isa), n_threads,
+               args.no_kv_cache ? "off (recompute)" : "on");
+
+  std::string prompt = args.prompt;
+  if (args.chat) {
+    const std::optional<std::string> template_text = model->file().get_string("tokenizer.chat_template");
+    if (!template_text) {
+      throw duet::Error(duet::ErrorKind::kUnsupported, fmt::format("{}: --chat: the model has no chat template",
+                                                       model->file().name()));
+    }
+    prompt = apply_chat_template(detect_chat_template(*template_text), {{"user", args.prompt}});
+  }
+  // Special-token text is parsed only where the template put it.
+  const std::vector<TokenId> prompt_ids = tokenizer.encode(prompt, /*add_special=*/true, /*parse_special=*/args.chat);
+
+  cpu::ThreadPool pool(n_threads);
+  Generator generator(*model, kernels, pool);
+  IncrementalDecoder decoder(tokenizer);
+  GenerateOptions options;
+  options.max_tokens = args.n_tokens;
+  options.sampling.temperature = args.temperature;
+  options.sampling.seed = args.seed;
+  options.use_kv_cache = !args.no_kv_cache;
+
+  auto emit = [&](TokenId id) {
+    if (tokenizer.is_end_of_generation(id)) return true;  // not part of the text
+    const std::string text = decoder.push(id);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    return true;
+  };
+  auto is_end = [&](TokenId id) { return tokenizer.is_end_of_generation(id); };
+  const GenerateResult result = generator.generate(prompt_ids, options, emit, is_end);
+  const std::string rest = decoder.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+
+  const int64_t n_decoded = std::max<int64_t>(0, static_cast<int64_t>(result.tokens.size()) - 1);
+  std::fprintf(stderr,
+               "prompt: %lld tokens in %.3f s (%.1f tokens/s); generation: %zu tokens, %lld decode "
+               "steps in %.3f s (%.1f tokens/s); finish: %s; peak RSS %.1f MiB\n",
+               static_cast<long long>(result.n_prompt), result.prompt_seconds,
+               result.n_prompt / std::max(result.prompt_seconds, 1e-9), result.tokens.size(),
+               static_cast<long long>(n_decoded), result.generate_seconds,
+               n_decoded / std::max(result.generate_seconds, 1e-9),
+               result.finish == FinishReason::kEndOfGeneration ? "end of generation"
+               : result.finish == FinishReason::kLength        ? "length"
+                                                               : "stopped",
+               peak_rss_mib());
+  return 0;
+}
+
+}  // namespace duet::tools

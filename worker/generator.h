@@ -1,0 +1,55 @@
+// Generation of one sequence at a time: prefill the prompt in one forward
+// batch, then decode token by token over the KV cache (or, with the cache
+// off, recompute the whole context every step, to show what the cache buys).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "common/sampling.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
+#include "worker/llama_forward.h"
+#include "worker/llama_model.h"
+
+namespace duet {
+
+struct GenerateOptions {
+  int64_t max_tokens = 128;
+  SamplingParams sampling;
+  bool use_kv_cache = true;
+};
+
+enum class FinishReason { kEndOfGeneration, kLength, kStopped };
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // generated tokens, including an end-of-generation one
+  FinishReason finish = FinishReason::kLength;
+  int64_t n_prompt = 0;
+  double prompt_seconds = 0.0;    // prefill, up to the first token's logits
+  double generate_seconds = 0.0;  // every later step
+};
+
+class Generator final {
+ public:
+  Generator(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool);
+
+  // Generates up to options.max_tokens tokens after `prompt`. on_token is
+  // called with each new token; returning false stops generation (kStopped).
+  // is_end tells the end-of-generation tokens (they are emitted, then stop).
+  GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options,
+                          const std::function<bool(int32_t)>& on_token,
+                          const std::function<bool(int32_t)>& is_end);
+
+  // Teacher-forced logits of every position of `tokens` in one forward pass:
+  // (tokens.size(), n_vocab), row i predicting token i + 1.
+  std::vector<float> logits_all(std::span<const int32_t> tokens);
+
+ private:
+  const LlamaModel& model_;
+  LlamaForward forward_;
+};
+
+}  // namespace duet

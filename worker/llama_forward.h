@@ -1,0 +1,52 @@
+// The Llama forward pass over a batch of tokens from one or more sequences.
+//
+// All rows of the batch go through each weight matrix together (one GEMM per
+// weight), attention runs per sequence over its blocks of the paged cache.
+// Intermediate tensors are named members, per layer overwritten:
+//   x (n, n_embd) residual stream, attn_norm/ffn_norm (n, n_embd),
+//   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
+//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff).
+// Not thread-safe: one forward at a time per object (the compute thread's).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/thread_pool.h"
+#include "worker/kv_cache.h"
+#include "worker/llama_model.h"
+
+namespace duet {
+
+// One sequence's rows in a forward batch.
+struct ForwardSequence {
+  std::span<const int32_t> block_table;  // physical blocks of positions [0, pos0 + n_tokens)
+  int64_t pos0 = 0;                      // position of its first row in this batch
+  int64_t n_tokens = 0;                  // its rows, consecutive in the batch, in order
+};
+
+class LlamaForward final {
+ public:
+  LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool);
+
+  // tokens: all rows of the batch, sequence after sequence. Writes K/V of every
+  // row into `cache`, and the logits of the batch rows in `logit_rows` into
+  // logits (logit_rows.size(), n_vocab).
+  void run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
+           KvCache& cache, std::span<const int64_t> logit_rows, float* logits);
+
+ private:
+  void resize(int64_t n_rows, int64_t n_logit_rows);
+
+  const LlamaModel& model_;
+  const cpu::KernelTable& kernels_;
+  cpu::ThreadPool& pool_;
+  cpu::PackedActivations packed_;
+  std::vector<int32_t> positions_;
+  std::vector<float> x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_;
+};
+
+}  // namespace duet

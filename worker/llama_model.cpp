@@ -1,0 +1,80 @@
+#include "worker/llama_model.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/error.h"
+#include "kernels/cpu/quantize.h"
+
+namespace duet {
+
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path) {
+  return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path)));
+}
+
+LlamaModel::LlamaModel(GgufFile file) : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)) {
+  const ModelConfig& c = config_;
+  token_embd_ = matrix("token_embd.weight", c.n_embd, c.n_vocab);
+  layers_.resize(static_cast<size_t>(c.n_layers));
+  const int64_t q_dim = c.n_heads * c.head_dim;
+  const int64_t kv_dim = c.n_kv_heads * c.head_dim;
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    const std::string p = fmt::format("blk.{}.", i);
+    LlamaLayerWeights& l = layers_[static_cast<size_t>(i)];
+    l.attn_norm = vector(p + "attn_norm.weight", c.n_embd);
+    l.wq = matrix(p + "attn_q.weight", c.n_embd, q_dim);
+    l.wk = matrix(p + "attn_k.weight", c.n_embd, kv_dim);
+    l.wv = matrix(p + "attn_v.weight", c.n_embd, kv_dim);
+    l.wo = matrix(p + "attn_output.weight", q_dim, c.n_embd);
+    l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
+    l.w_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
+    l.w_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
+    l.w_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
+    for (const char* bias : {"attn_q.bias", "attn_k.bias", "attn_v.bias"}) {
+      if (file_.find_tensor(p + bias) != nullptr) {
+        throw Error(ErrorKind::kUnsupported,
+                    fmt::format("{}: tensor {}{}: attention biases are not supported for '{}'",
+                                file_.name(), p, bias, c.architecture));
+      }
+    }
+  }
+  output_norm_ = vector("output_norm.weight", c.n_embd);
+  output_ = c.tied_embeddings ? token_embd_ : matrix("output.weight", c.n_embd, c.n_vocab);
+}
+
+cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t n_out) {
+  const GgufTensorInfo& t = file_.tensor(name);
+  if (t.ne.size() != 2 || t.ne[0] != k || t.ne[1] != n_out) {
+    throw Error(ErrorKind::kCorruptFile,
+                fmt::format("{}: tensor {} has shape [{}], expected [{}, {}]", file_.name(), name,
+                            fmt::join(t.ne, ", "), k, n_out));
+  }
+  if (!dtype_is_supported_weight(t.type)) {
+    throw Error(ErrorKind::kUnsupported,
+                fmt::format("{}: tensor {} has weight type {}, which is not supported "
+                            "(supported: F32, F16, Q8_0, Q4_0, Q4_1)",
+                            file_.name(), name, dtype_name(t.type)));
+  }
+  weight_bytes_ += t.n_bytes;
+  return cpu::make_weight_matrix(t.type, t.data, k, n_out);
+}
+
+std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {
+  const GgufTensorInfo& t = file_.tensor(name);
+  if (t.n_elements() != n) {
+    throw Error(ErrorKind::kCorruptFile,
+                fmt::format("{}: tensor {} has {} elements, expected {}", file_.name(), name,
+                            t.n_elements(), n));
+  }
+  if (t.type != DType::kF32 && t.type != DType::kF16 && t.type != DType::kBF16) {
+    throw Error(ErrorKind::kUnsupported, fmt::format("{}: tensor {} has type {}; norm weights must be "
+                                                     "F32, F16 or BF16",
+                                                     file_.name(), name, dtype_name(t.type)));
+  }
+  std::vector<float> out(static_cast<size_t>(n));
+  cpu::dequantize_row(t.type, t.data, out.data(), n);
+  weight_bytes_ += t.n_bytes;
+  return out;
+}
+
+}  // namespace duet
