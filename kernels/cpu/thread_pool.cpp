@@ -23,17 +23,18 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads) {
 }
 
 ThreadPool::~ThreadPool() {
-  stop_.store(true, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
+  stop_.store(true);
+  generation_.fetch_add(1);
   generation_.notify_all();
   for (auto& worker : workers_) worker.join();
 }
 
-void ThreadPool::drain(int thread) {
+void ThreadPool::drain(Job& job, int thread) {
   for (;;) {
-    const int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed);
-    if (task >= n_tasks_) return;
-    fn_(context_, task, thread);
+    const int64_t task = job.next_task.fetch_add(1, std::memory_order_relaxed);
+    if (task >= job.n_tasks) return;
+    job.fn(job.context, task, thread);
+    job.n_done.fetch_add(1, std::memory_order_release);
   }
 }
 
@@ -43,15 +44,15 @@ void ThreadPool::run(int64_t n_tasks, TaskFn fn, void* context) {
     for (int64_t task = 0; task < n_tasks; ++task) fn(context, task, 0);
     return;
   }
-  fn_ = fn;
-  context_ = context;
-  n_tasks_ = n_tasks;
-  next_task_.store(0, std::memory_order_relaxed);
-  n_busy_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-  generation_.fetch_add(1, std::memory_order_release);
+  Job job{fn, context, n_tasks};
+  job_.store(&job);
+  generation_.fetch_add(1);
   generation_.notify_all();
-  drain(0);
-  while (n_busy_.load(std::memory_order_acquire) != 0) DUET_CPU_RELAX();
+  drain(job, 0);
+  while (job.n_done.load(std::memory_order_acquire) != n_tasks) DUET_CPU_RELAX();
+  // No worker may enter `job` from here on; wait out those already inside.
+  job_.store(nullptr);
+  while (n_inside_.load() != 0) DUET_CPU_RELAX();
 }
 
 void ThreadPool::worker_main(int thread) {
@@ -65,13 +66,16 @@ void ThreadPool::worker_main(int thread) {
       now = generation_.load(std::memory_order_acquire);
     }
     while (now == seen) {
-      generation_.wait(seen, std::memory_order_acquire);
+      generation_.wait(seen);
       now = generation_.load(std::memory_order_acquire);
     }
     seen = now;
-    if (stop_.load(std::memory_order_acquire)) return;
-    drain(thread);
-    n_busy_.fetch_sub(1, std::memory_order_acq_rel);
+    if (stop_.load()) return;
+    // Announce before looking, so the caller cannot retire the job between
+    // our load of job_ and our use of it (both sequentially consistent).
+    n_inside_.fetch_add(1);
+    if (Job* job = job_.load()) drain(*job, thread);
+    n_inside_.fetch_sub(1);
   }
 }
 

@@ -1,0 +1,35 @@
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/device.h"
+
+namespace duet::cuda {
+
+std::vector<DeviceInfo> list_devices() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver / no device" error
+    return {};
+  }
+  std::vector<DeviceInfo> devices;
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    devices.push_back({i, prop.name, prop.totalGlobalMem, prop.major, prop.minor});
+  }
+  return devices;
+}
+
+std::string library_versions() {
+  int runtime = 0;
+  DUET_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  int cublas_major = 0, cublas_minor = 0, cublas_patch = 0;
+  DUET_CUBLAS_CHECK(cublasGetProperty(MAJOR_VERSION, &cublas_major));
+  DUET_CUBLAS_CHECK(cublasGetProperty(MINOR_VERSION, &cublas_minor));
+  DUET_CUBLAS_CHECK(cublasGetProperty(PATCH_LEVEL, &cublas_patch));
+  int nccl = 0;
+  DUET_NCCL_CHECK(ncclGetVersion(&nccl));
+  return fmt::format("CUDA runtime {}.{}, cuBLAS {}.{}.{}, NCCL {}.{}.{}", runtime / 1000,
+                     runtime % 1000 / 10, cublas_major, cublas_minor, cublas_patch,
+                     nccl / 10000, nccl % 10000 / 100, nccl % 100);
+}
+
+}  // namespace duet::cuda

@@ -1,0 +1,125 @@
+// `duet generate` as a user runs it: real processes, real files. Bad input
+// must give one line on stderr and exit code 2; good input writes only the
+// generated text to stdout.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tests/golden_file.h"
+#include "tests/test_paths.h"
+
+namespace duet {
+namespace {
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Runs `duet ARGS` with stdout and stderr captured into files.
+ProcessResult run_duet(const std::string& args) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("duet-cli-" + std::to_string(::getpid()) + "-" +
+                    ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  std::filesystem::create_directories(dir);
+  const std::string command = std::string(DUET_BINARY) + " " + args + " >" + (dir / "out").string() +
+                              " 2>" + (dir / "err").string() + " </dev/null";
+  const int status = std::system(command.c_str());
+  ProcessResult run;
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.out = read_file(dir / "out");
+  run.err = read_file(dir / "err");
+  std::filesystem::remove_all(dir);
+  return run;
+}
+
+int count_lines(const std::string& text) {
+  return static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+}
+
+std::string tiny_model() {
+  return testing::fixture_path("fixtures/tiny/tiny_q4_1_gqa_tied.gguf").string();
+}
+
+TEST(Cli, UnknownOptionIsOneLineAndExitTwo) {
+  const ProcessResult run = run_duet("generate -m " + tiny_model() + " -p hi --no-such-option");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(count_lines(run.err), 1) << run.err;
+  EXPECT_NE(run.err.find("--no-such-option"), std::string::npos) << run.err;
+  EXPECT_TRUE(run.out.empty());
+}
+
+TEST(Cli, MissingModelIsOneLineAndExitTwo) {
+  const ProcessResult run = run_duet("generate -m /nonexistent/model.gguf -p hi");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(count_lines(run.err), 1) << run.err;
+  EXPECT_NE(run.err.find("/nonexistent/model.gguf"), std::string::npos) << run.err;
+}
+
+TEST(Cli, NonGgufFileIsOneLineAndExitTwo) {
+  const ProcessResult run = run_duet("generate -m " + testing::fixture_path("CMakeLists.txt").string() + " -p hi");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(count_lines(run.err), 1) << run.err;
+  EXPECT_NE(run.err.find("not a GGUF file"), std::string::npos) << run.err;
+}
+
+TEST(Cli, TruncatedModelIsOneLineAndExitTwo) {
+  const auto path = std::filesystem::temp_directory_path() / ("duet-truncated-" + std::to_string(::getpid()) + ".gguf");
+  const std::string bytes = read_file(tiny_model());
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  const ProcessResult run = run_duet("generate -m " + path.string() + " -p hi");
+  std::filesystem::remove(path);
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(count_lines(run.err), 1) << run.err;
+  EXPECT_NE(run.err.find("offset"), std::string::npos) << run.err;
+}
+
+TEST(Cli, GeneratesOnlyTextOnStdout) {
+  const ProcessResult run = run_duet("generate -m " + tiny_model() + " -p hello -n 8 -t 1");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_FALSE(run.out.empty());
+  EXPECT_EQ(run.out.find("tokens/s"), std::string::npos) << "statistics leaked into stdout";
+  EXPECT_NE(run.err.find("tokens/s"), std::string::npos) << run.err;
+}
+
+TEST(Cli, GreedyTextOfTheDefaultModelMatchesLlamaCpp) {
+  DUET_SKIP_WITHOUT_DEFAULT_MODEL(model);
+  const nlohmann::json golden = testing::read_golden(testing::fixture_path("golden/smollm2_greedy.json"));
+  const auto& narrative = golden["cases"][0];
+  ASSERT_EQ(narrative["name"], "narrative");
+  const ProcessResult run = run_duet("generate -m " + model.string() + " -p \"" +
+                           narrative["prompt"].get<std::string>() + "\" -n 64 -t 2");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, narrative["generated_text"].get<std::string>() + "\n");
+}
+
+TEST(Cli, ChatAnswersAndStopsAtEndOfTurn) {
+  DUET_SKIP_WITHOUT_DEFAULT_MODEL(model);
+  const ProcessResult run = run_duet("generate -m " + model.string() +
+                           " --chat -p \"What is the capital of France?\" -n 64 -t 2");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("Paris"), std::string::npos) << run.out;
+  EXPECT_NE(run.err.find("end of generation"), std::string::npos) << run.err;
+}
+
+TEST(Cli, CacheOffGivesTheSameTextAsCacheOn) {
+  const ProcessResult on = run_duet("generate -m " + tiny_model() + " -p hello -n 12 -t 1");
+  const ProcessResult off = run_duet("generate -m " + tiny_model() + " -p hello -n 12 -t 1 --no-kv-cache");
+  EXPECT_EQ(on.exit_code, 0);
+  EXPECT_EQ(off.exit_code, 0);
+  EXPECT_EQ(on.out, off.out);
+}
+
+}  // namespace
+}  // namespace duet
