@@ -5,6 +5,7 @@
 // quantizes a row bit-identically.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -22,7 +23,9 @@ inline float quantize_block_q8_inl(const float* x, int8_t* qs, int32_t* sum) {
     amax = a > amax ? a : amax;
   }
   const float d = amax / 127.0f;
-  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;  // not 1 / d: as ggml rounds it
+  // 127 / amax (not 1 / d: as ggml rounds it); a block so small that this
+  // overflows quantizes to zeros instead of converting infinities to int.
+  const float id = amax > 127.0f / FLT_MAX ? 127.0f / amax : 0.0f;
   int32_t total = 0;
   for (int j = 0; j < kQuantBlock; ++j) {
     const int32_t q = static_cast<int32_t>(std::nearbyint(x[j] * id));

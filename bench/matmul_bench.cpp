@@ -1,0 +1,117 @@
+// Throughput of the CPU matrix products at the default model's shapes
+// (SmolLM2-135M: hidden 576, FFN 1536, vocabulary 49152), for each ISA path
+// this CPU runs, 1 and 2 threads, decode (n_x = 1) and prefill (n_x = 512).
+//
+// Reports tokens/s as items/s (n_x activation rows per iteration) and bytes/s
+// as weight bytes read per second. The timed loop is the matrix product
+// alone: activations are packed once outside it, as the forward pass packs an
+// input once for every weight that shares it (Q, K and V; gate and up).
+//
+//   duet-matmul-bench --benchmark_filter='avx512/Q4_1/.*n_x:1/'
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/quantize.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace duet::cpu {
+namespace {
+
+struct MatmulCase {
+  Isa isa;
+  DType type;
+  int64_t k;
+  int64_t n_out;
+  int64_t n_x;
+  int n_threads;
+};
+
+void bench_matmul(benchmark::State& state, MatmulCase c) {
+  const KernelTable& kernels = kernel_table(c.isa);
+  ThreadPool pool(c.n_threads);
+  std::mt19937 rng(42);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+
+  const size_t row_bytes = dtype_row_bytes(c.type, c.k);
+  std::vector<uint8_t> weights(row_bytes * static_cast<size_t>(c.n_out));
+  std::vector<float> row(static_cast<size_t>(c.k));
+  for (int64_t j = 0; j < c.n_out; ++j) {
+    for (float& v : row) v = normal(rng) * 0.05f;
+    quantize_row(c.type, row.data(), weights.data() + j * row_bytes, c.k);
+  }
+  const WeightMatrix w = make_weight_matrix(c.type, weights.data(), c.k, c.n_out);
+
+  std::vector<float> x(static_cast<size_t>(c.n_x * c.k));
+  for (float& v : x) v = normal(rng);
+  PackedActivations packed;
+  packed.pack(kernels, x.data(), c.n_x, c.k, {c.type}, pool);
+  std::vector<float> y(static_cast<size_t>(c.n_x * c.n_out));
+
+  for (auto _ : state) {
+    matmul(kernels, w, packed, y.data(), c.n_out, pool);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * c.n_x);  // tokens
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(weights.size()));
+  state.counters["FLOP"] = benchmark::Counter(
+      2.0 * static_cast<double>(c.k * c.n_out * c.n_x) * static_cast<double>(state.iterations()),
+      benchmark::Counter::kIsRate);
+}
+
+struct Shape {
+  int64_t k;
+  int64_t n_out;
+  std::vector<DType> types;
+  std::vector<int64_t> n_xs;
+};
+
+void register_benchmarks() {
+  const std::vector<Shape> shapes = {
+      {576, 1536, {DType::kQ4_1, DType::kQ8_0}, {1, 512}},  // FFN gate and up
+      {576, 576, {DType::kQ4_1, DType::kQ8_0}, {1, 512}},   // attention Q and output
+      {1536, 576, {DType::kQ4_1, DType::kQ8_0}, {1, 512}},  // FFN down
+      // The output head (Q8_0 in the default model). Prefill computes logits
+      // for the last token only, so it runs at decode shape.
+      {576, 49152, {DType::kQ8_0}, {1}},
+  };
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!cpu_supports(isa)) continue;
+    for (const Shape& shape : shapes) {
+      for (DType type : shape.types) {
+        for (int64_t n_x : shape.n_xs) {
+          for (int n_threads : {1, 2}) {
+            const MatmulCase c{isa, type, shape.k, shape.n_out, n_x, n_threads};
+            const std::string name =
+                "matmul/" + std::string(isa_name(isa)) + "/" + std::string(dtype_name(type)) +
+                "/k:" + std::to_string(shape.k) + "/n_out:" + std::to_string(shape.n_out) +
+                "/n_x:" + std::to_string(n_x) + "/threads:" + std::to_string(n_threads);
+            benchmark::RegisterBenchmark(name.c_str(), bench_matmul, c)
+                ->UseRealTime()
+                ->Unit(benchmark::kMicrosecond);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace duet::cpu
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  duet::cpu::register_benchmarks();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
