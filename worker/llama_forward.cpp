@@ -102,7 +102,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     packed_.pack(kernels_, norm_.data(), n, c.n_embd, {w.w_gate.type, w.w_up.type}, pool_);
     cpu::matmul(kernels_, w.w_gate, packed_, gate_.data(), c.n_ff, pool_);
     cpu::matmul(kernels_, w.w_up, packed_, up_.data(), c.n_ff, pool_);
-    cpu::silu_mul(gate_.data(), up_.data(), gate_.data(), n * c.n_ff);
+    kernels_.silu_mul(gate_.data(), up_.data(), gate_.data(), n * c.n_ff);
     packed_.pack(kernels_, gate_.data(), n, c.n_ff, {w.w_down.type}, pool_);
     cpu::matmul(kernels_, w.w_down, packed_, ffn_out_.data(), c.n_embd, pool_);
     cpu::add_in_place(x_.data(), ffn_out_.data(), n * c.n_embd);

@@ -28,10 +28,15 @@ void reduce_lanes(float* lanes, int groups, int64_t dim, float* out) {
     }
     for (int64_t i = 0; i < kLanes * dim; ++i) g0[i] = g0[i] + g1[i];
   }
-  float column[kLanes];
+  // lane_tree_sum16 for every d at once, row by row: (l, l+8), (l, l+4), (0+2)+(1+3).
+  for (int64_t l = 0; l < 8; ++l) {
+    for (int64_t d = 0; d < dim; ++d) g0[l * dim + d] = g0[(l + 8) * dim + d] + g0[l * dim + d];
+  }
+  for (int64_t l = 0; l < 4; ++l) {
+    for (int64_t d = 0; d < dim; ++d) g0[l * dim + d] = g0[(l + 4) * dim + d] + g0[l * dim + d];
+  }
   for (int64_t d = 0; d < dim; ++d) {
-    for (int64_t l = 0; l < kLanes; ++l) column[l] = g0[l * dim + d];
-    out[d] = lane_tree_sum16(column);
+    out[d] = (g0[d] + g0[2 * dim + d]) + (g0[dim + d] + g0[3 * dim + d]);
   }
 }
 
@@ -112,7 +117,8 @@ void attention(const KernelTable& kernels, const KvLayout& layout, const KvEleme
     }
     const double sum = kernels.softmax_exp(scores, n_keys, max, scores);
     const float inv = static_cast<float>(1.0 / sum);
-    for (int64_t i = 0; i < n_keys; ++i) scores[i] = fp16_to_fp32(fp32_to_fp16(scores[i] * inv));
+    for (int64_t i = 0; i < n_keys; ++i) scores[i] *= inv;
+    kernels.round_f16(scores, n_keys);
 
     std::fill(lanes, lanes + lanes_size, 0.0f);
     for (int64_t t0 = 0; t0 < n_keys; t0 += kLanes) {

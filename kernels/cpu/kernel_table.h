@@ -43,6 +43,11 @@ using KqvAccumulateFn = void (*)(const float* p, const uint16_t* v, int64_t n_ro
                                  float* lanes);
 using SoftmaxExpFn = double (*)(const float* x, int64_t n, float max, float* y);
 
+// out[i] = x[i] / (1 + exp(-x[i])) * g[i] with ggml's exp (llama.cpp's SwiGLU).
+using SiluMulFn = void (*)(const float* x, const float* g, float* out, int64_t n);
+// x[i] = x[i] rounded to the nearest F16 value (and back to F32).
+using RoundF16Fn = void (*)(float* x, int64_t n);
+
 struct KernelTable {
   Isa isa;
   ConvertRowFn quantize_q8_0;
@@ -56,6 +61,8 @@ struct KernelTable {
   KqScoresFn kq_scores;
   KqvAccumulateFn kqv_accumulate;
   SoftmaxExpFn softmax_exp;
+  SiluMulFn silu_mul;
+  RoundF16Fn round_f16;
 };
 
 // The table of `isa`; the caller must have checked cpu_supports(isa).

@@ -78,6 +78,10 @@ double softmax_exp_avx2(const float* x, int64_t n, float max, float* y) {
   return sum;
 }
 
+void silu_mul_avx2(const float* x, const float* g, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.0f + ggml_expf(-x[i])) * g[i];
+}
+
 constexpr KernelTable kAvx2Table = {
     .isa = Isa::kAvx2,
     .quantize_q8_0 = quantize_rows_q8_0_inl,
@@ -91,6 +95,8 @@ constexpr KernelTable kAvx2Table = {
     .kq_scores = kq_scores_avx,
     .kqv_accumulate = kqv_accumulate_avx,
     .softmax_exp = softmax_exp_avx2,
+    .silu_mul = silu_mul_avx2,
+    .round_f16 = round_f16_avx,
 };
 
 }  // namespace

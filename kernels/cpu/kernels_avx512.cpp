@@ -106,6 +106,9 @@ struct QuantTile {
   };
 };
 
+// Activation rows per prefill tile: four 512-bit pair accumulators.
+constexpr int kQuantRowTile = 8;
+
 template <int NX>
 using Q8_0Tile = QuantTile<Q8_0Format>::Tile<NX>;
 template <int NX>
@@ -115,17 +118,17 @@ using Q4_1Tile = QuantTile<Q4_1Format>::Tile<NX>;
 
 void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q8_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  run_row_tiles<Q8_0Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q4_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  run_row_tiles<Q4_0Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q4_1Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  run_row_tiles<Q4_1Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 // ggml's 16-lane exponential, lane for lane the same as ggml_expf().
@@ -164,6 +167,17 @@ double softmax_exp_avx512(const float* x, int64_t n, float max, float* y) {
   return sum;
 }
 
+void silu_mul_avx512(const float* x, const float* g, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    const __m512 e = expf16(_mm512_sub_ps(_mm512_setzero_ps(), xv));
+    const __m512 silu = _mm512_div_ps(xv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + i)));
+  }
+  for (; i < n; ++i) out[i] = x[i] / (1.0f + ggml_expf(-x[i])) * g[i];
+}
+
 constexpr KernelTable kAvx512Table = {
     .isa = Isa::kAvx512,
     .quantize_q8_0 = quantize_rows_q8_0_inl,
@@ -177,6 +191,8 @@ constexpr KernelTable kAvx512Table = {
     .kq_scores = kq_scores_avx,
     .kqv_accumulate = kqv_accumulate_avx,
     .softmax_exp = softmax_exp_avx512,
+    .silu_mul = silu_mul_avx512,
+    .round_f16 = round_f16_avx,
 };
 
 }  // namespace

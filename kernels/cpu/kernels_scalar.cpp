@@ -137,6 +137,14 @@ double softmax_exp(const float* x, int64_t n, float max, float* y) {
   return sum;
 }
 
+void silu_mul(const float* x, const float* g, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.0f + ggml_expf(-x[i])) * g[i];
+}
+
+void round_f16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
+}
+
 constexpr KernelTable kScalarTable = {
     .isa = Isa::kScalar,
     .quantize_q8_0 = quantize_row_q8_0,
@@ -150,6 +158,8 @@ constexpr KernelTable kScalarTable = {
     .kq_scores = kq_scores,
     .kqv_accumulate = kqv_accumulate,
     .softmax_exp = softmax_exp,
+    .silu_mul = silu_mul,
+    .round_f16 = round_f16,
 };
 
 }  // namespace

@@ -8,8 +8,19 @@
 namespace duet::cpu {
 namespace {
 
-constexpr int64_t kWeightRowsPerTask = 32;
+constexpr int64_t kMinWeightRowsPerTask = 32;
+constexpr int64_t kTasksPerThread = 4;  // enough to balance a noisy machine
 constexpr int64_t kActivationRowsPerTask = 64;
+
+// Weight rows per task: few large tasks when there are few activation rows
+// (decode: each task is short, so handing one out must stay rare), never
+// fewer than kMinWeightRowsPerTask. Results do not depend on the split.
+int64_t weight_rows_per_task(int64_t n_out, int64_t n_x_tasks, int n_threads) {
+  const int64_t wanted_tasks = kTasksPerThread * n_threads;
+  const int64_t n_w_tasks = std::max<int64_t>(1, (wanted_tasks + n_x_tasks - 1) / n_x_tasks);
+  const int64_t rows = (n_out + n_w_tasks - 1) / n_w_tasks;
+  return std::max(kMinWeightRowsPerTask, (rows + 3) / 4 * 4);
+}
 
 DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
   switch (weight_type) {
@@ -102,12 +113,13 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
   const int64_t n_x = x.n_rows();
-  const int64_t n_w_tasks = (w.n_out + kWeightRowsPerTask - 1) / kWeightRowsPerTask;
   const int64_t n_x_tasks = (n_x + kActivationRowsPerTask - 1) / kActivationRowsPerTask;
+  const int64_t rows_per_task = weight_rows_per_task(w.n_out, n_x_tasks, pool.size());
+  const int64_t n_w_tasks = (w.n_out + rows_per_task - 1) / rows_per_task;
   pool.parallel_for(n_w_tasks * n_x_tasks, [&](int64_t task, int) {
-    const int64_t j0 = (task % n_w_tasks) * kWeightRowsPerTask;
+    const int64_t j0 = (task % n_w_tasks) * rows_per_task;
     const int64_t i0 = (task / n_w_tasks) * kActivationRowsPerTask;
-    const int64_t n_j = std::min(kWeightRowsPerTask, w.n_out - j0);
+    const int64_t n_j = std::min(rows_per_task, w.n_out - j0);
     const int64_t n_i = std::min(kActivationRowsPerTask, n_x - i0);
     dot(w.data + static_cast<size_t>(j0) * w.row_bytes, w.row_bytes, n_j,
         x_rows + static_cast<size_t>(i0) * x_row_bytes, x_row_bytes, n_i, w.k, y + i0 * ldy + j0,

@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "common/error.h"
-#include "kernels/cpu/lane_math.h"
 
 namespace duet::cpu {
 
@@ -51,13 +50,6 @@ void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int
         v[b] = std::fma(x0, sin_table[i], x1 * cos_table[i]);
       }
     }
-  }
-}
-
-void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    out[i] = g / (1.0f + ggml_expf(-g)) * up[i];
   }
 }
 

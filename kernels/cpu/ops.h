@@ -28,9 +28,6 @@ struct RopeParams {
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
           const RopeParams& params);
 
-// out[i] = silu(gate[i]) * up[i]; out may alias gate.
-void silu_mul(const float* gate, const float* up, float* out, int64_t n);
-
 // x[i] += y[i]
 void add_in_place(float* x, const float* y, int64_t n);
 

@@ -19,7 +19,7 @@
 namespace duet::cpu {
 namespace {
 
-constexpr int kRowTile = 4;  // activation rows per tile
+constexpr int kRowTile = 4;  // activation rows per tile (the AVX-512 quantized tiles take 8)
 
 inline float hsum_ps(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -84,20 +84,30 @@ struct SymmetricFormat {
 using Q8_0Format = SymmetricFormat<BlockQ8_0>;
 using Q4_0Format = SymmetricFormat<BlockQ4_0>;
 
-// Runs a tile function over all activation rows in tiles of kRowTile.
-template <template <int> class Tile>
+// Runs Tile<kTile> over the activation rows in tiles of kTile rows, then one
+// smaller tile for the rest (Tile<r> for r < kTile computes each pair with
+// the same operations, so where a row falls does not change its result).
+template <int kTile, template <int> class Tile, int kRest = kTile - 1>
+void run_rest_tile(int64_t rest, const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
+                   size_t x_stride, int64_t k, float* y, int64_t ldy) {
+  if constexpr (kRest > 0) {
+    if (rest == kRest) {
+      Tile<kRest>::run(w, w_stride, n_w, x, x_stride, k, y, ldy);
+    } else {
+      run_rest_tile<kTile, Tile, kRest - 1>(rest, w, w_stride, n_w, x, x_stride, k, y, ldy);
+    }
+  }
+}
+
+template <template <int> class Tile, int kTile = kRowTile>
 void run_row_tiles(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
                    size_t x_stride, int64_t n_x, int64_t k, float* y, int64_t ldy) {
   int64_t i = 0;
-  for (; i + kRowTile <= n_x; i += kRowTile) {
-    Tile<kRowTile>::run(w, w_stride, n_w, x + i * x_stride, x_stride, k, y + i * ldy, ldy);
+  for (; i + kTile <= n_x; i += kTile) {
+    Tile<kTile>::run(w, w_stride, n_w, x + i * x_stride, x_stride, k, y + i * ldy, ldy);
   }
-  switch (n_x - i) {
-    case 3: Tile<3>::run(w, w_stride, n_w, x + i * x_stride, x_stride, k, y + i * ldy, ldy); break;
-    case 2: Tile<2>::run(w, w_stride, n_w, x + i * x_stride, x_stride, k, y + i * ldy, ldy); break;
-    case 1: Tile<1>::run(w, w_stride, n_w, x + i * x_stride, x_stride, k, y + i * ldy, ldy); break;
-    default: break;
-  }
+  run_rest_tile<kTile, Tile>(n_x - i, w, w_stride, n_w, x + i * x_stride, x_stride, k, y + i * ldy,
+                             ldy);
 }
 
 // F32 and F16 rows: 8 lanes per step, then a scalar tail in order.
@@ -202,6 +212,15 @@ void kq_scores_avx(const uint16_t* q, const uint16_t* k, int64_t n_rows, int64_t
     }
     out[t] = static_cast<float>(sum);
   }
+}
+
+void round_f16_avx(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
 }
 
 void kqv_accumulate_avx(const float* p, const uint16_t* v, int64_t n_rows, int64_t dim,
