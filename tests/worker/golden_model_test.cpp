@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "common/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
@@ -35,6 +36,10 @@ class GoldenModelTest : public ::testing::Test {
   }
   void SetUp() override {
     if (model_ == nullptr) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
+    if (const char* isa = std::getenv("DUET_ISA")) {
+      const auto parsed = cpu::parse_isa(isa);
+      if (parsed && !cpu::cpu_supports(*parsed)) GTEST_SKIP() << "this CPU cannot run DUET_ISA=" << isa;
+    }
     golden_ = testing::read_golden(testing::fixture_path("golden/smollm2_greedy.json"));
   }
 
