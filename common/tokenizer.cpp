@@ -5,6 +5,7 @@
 #include <queue>
 
 #include "common/error.h"
+#include "common/spm_tokenizer.h"
 
 namespace duet {
 
@@ -229,13 +230,24 @@ std::string byte_level_decode(const std::string& text) {
 // Construction
 
 Tokenizer::Tokenizer(TokenizerSpec spec) : splitter_(std::vector<std::string>{}) {
+  if (spec.model == "llama") {
+    // llama.cpp reads neither merges nor a pre-tokenizer for SentencePiece.
+    model_ = spec.model;
+    pre_ = spec.pre.empty() ? "default" : spec.pre;
+    sentencepiece_ = true;
+    add_space_prefix_ = spec.add_space_prefix;
+    validate_and_load(spec);
+    if (scores_.empty()) scores_.assign(tokens_.size(), 0.0f);
+    build_byte_tokens();
+    find_special_tokens();
+    build_pieces();
+    return;
+  }
   if (spec.model != "gpt2") {
     throw Error(ErrorKind::kUnsupported,
-                spec.model == "llama"
-                    ? std::string("SentencePiece tokenizers (tokenizer.ggml.model 'llama') are not "
-                                  "supported yet")
-                    : fmt::format("unsupported tokenizer model '{}' (only 'gpt2' byte-level BPE)",
-                                  spec.model));
+                fmt::format("unsupported tokenizer model '{}' (tokenizer.ggml.model: 'gpt2' "
+                            "byte-level BPE or 'llama' SentencePiece)",
+                            spec.model));
   }
   std::optional<PreTokenizerDef> pre = find_pre_tokenizer(spec.pre);
   if (!pre) {
@@ -334,8 +346,15 @@ void Tokenizer::build_merges(const std::vector<std::string>& merges) {
   for (int b = 0; b < 256; ++b) {
     const auto it = piece_index_.find(byte_to_bpe_char(static_cast<uint8_t>(b)));
     byte_piece_[b] = it != piece_index_.end() ? it->second : kNoPiece;
-    const auto single = find_token(std::string(1, static_cast<char>(b)));
-    single_byte_token_[b] = single.value_or(-1);
+  }
+  build_byte_tokens();
+}
+
+void Tokenizer::build_byte_tokens() {
+  for (int b = 0; b < 256; ++b) {
+    single_byte_token_[b] = find_token(std::string(1, static_cast<char>(b))).value_or(-1);
+    // As llama.cpp's byte_to_token: upper-case hex first, then the byte itself.
+    byte_token_[b] = find_token(fmt::format("<0x{:02X}>", b)).value_or(single_byte_token_[b]);
   }
 }
 
@@ -416,7 +435,7 @@ void Tokenizer::build_pieces() {
     const std::string& text = tokens_[id];
     switch (types_[id]) {
       case TokenType::kNormal:
-        pieces_[id] = byte_level_decode(text);
+        pieces_[id] = sentencepiece_ ? spm_unescape_whitespace(text) : byte_level_decode(text);
         break;
       case TokenType::kControl:
       case TokenType::kUnknown:
@@ -532,19 +551,10 @@ void Tokenizer::encode_word(std::string_view word, BpeScratch& scratch,
   }
 }
 
-std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special,
-                                       bool parse_special) const {
-  std::vector<TokenId> out;
-  out.reserve(text.size() / 3 + 2);
-  if (add_special && add_bos_) out.push_back(*bos_id_);
-
-  // Split special tokens out of the text (llama.cpp's tokenizer_st_partition):
-  // token by token, longest first, every occurrence in every remaining text
+std::vector<Tokenizer::Fragment> Tokenizer::split_special(std::string_view text,
+                                                          bool parse_special) const {
+  // Token by token, longest first, every occurrence in every remaining text
   // fragment becomes a token fragment.
-  struct Fragment {
-    TokenId token;  // -1: text [begin, end)
-    size_t begin, end;
-  };
   std::vector<Fragment> fragments;
   if (!text.empty()) fragments.push_back({-1, 0, text.size()});
   std::vector<Fragment> next;
@@ -570,7 +580,11 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special,
     }
     fragments.swap(next);
   }
+  return fragments;
+}
 
+void Tokenizer::encode_bpe(std::string_view text, const std::vector<Fragment>& fragments,
+                           std::vector<TokenId>& out) const {
   BpeScratch scratch;
   for (const Fragment& fragment : fragments) {
     if (fragment.token >= 0) {
@@ -581,12 +595,55 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special,
         utf8_normalize_lenient(text.substr(fragment.begin, fragment.end - fragment.begin));
     for (std::string_view word : splitter_.split(normalized)) encode_word(word, scratch, out);
   }
+}
 
+void Tokenizer::encode_spm(std::string_view text, const std::vector<Fragment>& fragments,
+                           std::vector<TokenId>& out) const {
+  const SpmVocab vocab{
+      [this](std::string_view piece) { return find_token(piece).value_or(-1); },
+      scores_,
+      byte_token_,
+      unk_id_.value_or(-1),
+  };
+  // As llama.cpp: a text fragment at the start or right after a special token
+  // gets the leading space, whether or not BOS was added.
+  bool after_special = true;
+  std::string fragment_text;
+  for (const Fragment& fragment : fragments) {
+    if (fragment.token >= 0) {
+      out.push_back(fragment.token);
+      after_special = true;
+      continue;
+    }
+    fragment_text.clear();
+    if (add_space_prefix_ && after_special) fragment_text.push_back(' ');
+    fragment_text.append(text.substr(fragment.begin, fragment.end - fragment.begin));
+    spm_tokenize(spm_escape_whitespace(fragment_text), vocab, out);
+    after_special = false;
+  }
+}
+
+std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special,
+                                       bool parse_special) const {
+  std::vector<TokenId> out;
+  out.reserve(text.size() / 3 + 2);
+  if (add_special && add_bos_) out.push_back(*bos_id_);
+  // Special tokens come out of the text first (llama.cpp's tokenizer_st_partition).
+  const std::vector<Fragment> fragments = split_special(text, parse_special);
+  if (sentencepiece_) {
+    encode_spm(text, fragments, out);
+  } else {
+    encode_bpe(text, fragments, out);
+  }
   if (add_special && add_eos_) out.push_back(*eos_id_);
   return out;
 }
 
 std::vector<std::string> Tokenizer::pre_tokenize(std::string_view text) const {
+  if (sentencepiece_) {  // no pre-tokenizer: one piece
+    if (text.empty()) return {};
+    return {std::string(text)};
+  }
   const std::string normalized = utf8_normalize_lenient(text);
   std::vector<std::string> words;
   for (std::string_view word : splitter_.split(normalized)) words.emplace_back(word);
@@ -600,13 +657,24 @@ bool Tokenizer::is_special_type(TokenId id) const {
   return types_[id] == TokenType::kControl || types_[id] == TokenType::kUnknown;
 }
 
+bool Tokenizer::strips_space_after_bos(std::span<const TokenId> ids) const {
+  return sentencepiece_ && add_space_prefix_ && bos_id_ && !ids.empty() && ids.front() == *bos_id_;
+}
+
 std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special) const {
   std::string out;
+  bool strip_space = strips_space_after_bos(ids);
   for (const TokenId id : ids) {
     DUET_REQUIRE(id >= 0 && size_t(id) < tokens_.size(), "token id {} is out of range [0, {})",
                  id, tokens_.size());
     if (skip_special && is_special_type(id)) continue;
-    out += pieces_[id];
+    std::string_view piece = pieces_[id];
+    // Only a space that starts the decoded text is dropped.
+    if (strip_space && !piece.empty()) {
+      if (piece.front() == ' ') piece.remove_prefix(1);
+      strip_space = false;
+    }
+    out += piece;
   }
   return out;
 }
@@ -646,8 +714,18 @@ std::string IncrementalDecoder::push(TokenId id) {
   const Tokenizer& tokenizer = *tokenizer_;
   DUET_REQUIRE(id >= 0 && size_t(id) < tokenizer.vocab_size(),
                "token id {} is out of range [0, {})", id, tokenizer.vocab_size());
+  if (leading_space_ == LeadingSpace::kUndecided) {
+    leading_space_ = tokenizer.strips_space_after_bos(std::span<const TokenId>(&id, 1))
+                         ? LeadingSpace::kStrip
+                         : LeadingSpace::kKeep;
+  }
   if (skip_special_ && tokenizer.is_special_type(id)) return {};
-  pending_ += tokenizer.pieces_[id];
+  std::string_view piece = tokenizer.pieces_[id];
+  if (leading_space_ == LeadingSpace::kStrip && !piece.empty()) {  // as Tokenizer::decode
+    if (piece.front() == ' ') piece.remove_prefix(1);
+    leading_space_ = LeadingSpace::kKeep;
+  }
+  pending_ += piece;
 
   std::string out;
   size_t pos = 0;

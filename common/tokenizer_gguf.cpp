@@ -7,9 +7,13 @@
 namespace duet {
 namespace {
 
-std::optional<TokenId> token_id(const GgufFile& file, const char* key) {
+// As llama.cpp: an id outside the vocabulary (converters write 0xFFFFFFFF for
+// "none") leaves the default, which is itself dropped when out of range.
+std::optional<TokenId> token_id(const GgufFile& file, const char* key, size_t n_tokens,
+                                std::optional<TokenId> fallback = std::nullopt) {
+  if (fallback && static_cast<size_t>(*fallback) >= n_tokens) fallback.reset();
   const std::optional<uint32_t> value = file.get_u32(key);
-  if (!value) return std::nullopt;
+  if (!value || *value >= n_tokens) return fallback;
   return static_cast<TokenId>(*value);
 }
 
@@ -35,14 +39,19 @@ TokenizerSpec tokenizer_spec_from_gguf(const GgufFile& file) {
   }
   if (auto merges = file.get_string_array("tokenizer.ggml.merges")) spec.merges = std::move(*merges);
   if (auto scores = file.get_f32_array("tokenizer.ggml.scores")) spec.scores = std::move(*scores);
-  spec.bos_id = token_id(file, "tokenizer.ggml.bos_token_id");
-  spec.eos_id = token_id(file, "tokenizer.ggml.eos_token_id");
-  spec.unk_id = token_id(file, "tokenizer.ggml.unknown_token_id");
-  spec.pad_id = token_id(file, "tokenizer.ggml.padding_token_id");
-  spec.eot_id = token_id(file, "tokenizer.ggml.eot_token_id");
-  spec.eom_id = token_id(file, "tokenizer.ggml.eom_token_id");
-  spec.add_bos = file.get_bool("tokenizer.ggml.add_bos_token").value_or(spec.model == "llama");
+  // SentencePiece vocabularies default to <unk> 0, <s> 1, </s> 2 (llama.cpp).
+  const bool spm = spec.model == "llama";
+  const size_t n = spec.tokens.size();
+  const auto spm_default = [spm](TokenId id) { return spm ? std::optional(id) : std::nullopt; };
+  spec.bos_id = token_id(file, "tokenizer.ggml.bos_token_id", n, spm_default(1));
+  spec.eos_id = token_id(file, "tokenizer.ggml.eos_token_id", n, spm_default(2));
+  spec.unk_id = token_id(file, "tokenizer.ggml.unknown_token_id", n, spm_default(0));
+  spec.pad_id = token_id(file, "tokenizer.ggml.padding_token_id", n);
+  spec.eot_id = token_id(file, "tokenizer.ggml.eot_token_id", n);
+  spec.eom_id = token_id(file, "tokenizer.ggml.eom_token_id", n);
+  spec.add_bos = file.get_bool("tokenizer.ggml.add_bos_token").value_or(spm);
   spec.add_eos = file.get_bool("tokenizer.ggml.add_eos_token").value_or(false);
+  spec.add_space_prefix = file.get_bool("tokenizer.ggml.add_space_prefix").value_or(spm);
   return spec;
 }
 

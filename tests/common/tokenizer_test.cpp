@@ -413,7 +413,7 @@ TEST(Tokenizer, RejectsBadSpecs) {
     return error_kind_of([&] { Tokenizer tokenizer(std::move(spec)); });
   };
   EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.pre = "no-such-pre"; }), ErrorKind::kUnsupported);
-  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.model = "llama"; }), ErrorKind::kUnsupported);
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.model = "t5"; }), ErrorKind::kUnsupported);
   EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.model = "bert"; }), ErrorKind::kUnsupported);
   EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.merges.push_back("nospace"); }),
             ErrorKind::kInvalidArgument);
@@ -643,31 +643,30 @@ TEST(SmolLM2Vocab, EncodesTwoThousandWordsQuickly) {
 }
 
 // ---------------------------------------------------------------------------
-// A SentencePiece vocabulary (tokenizer.ggml.model "llama"): not supported yet
-// (a later issue adds it); building one must fail cleanly, naming the model.
+// A SentencePiece vocabulary (tokenizer.ggml.model "llama") builds from the
+// same GGUF metadata; tests/common/spm_tokenizer_test.cpp checks it against
+// llama.cpp in depth.
 
-TEST(Stories260KVocab, SentencePieceIsUnsupportedForNow) {
+TEST(Stories260KVocab, SentencePieceBuildsFromGguf) {
   const std::optional<std::filesystem::path> path = testing::shared_model_path("stories260K.gguf");
   if (!path) GTEST_SKIP() << "../shared/models/stories260K.gguf not present";
   const GgufFile file = GgufFile::open(*path);
 
-  // The metadata itself reads fine.
   const TokenizerSpec spec = tokenizer_spec_from_gguf(file);
   EXPECT_EQ(spec.model, "llama");
   EXPECT_EQ(spec.tokens.size(), 512u);
   EXPECT_EQ(spec.scores.size(), 512u);
   EXPECT_TRUE(spec.add_bos);
+  EXPECT_TRUE(spec.add_space_prefix);
 
-  try {
-    const Tokenizer tokenizer = tokenizer_from_gguf(file);
-    ADD_FAILURE() << "building a SentencePiece tokenizer succeeded (vocab_size "
-                  << tokenizer.vocab_size() << "); expected kUnsupported";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
-    const std::string message = e.what();
-    EXPECT_NE(message.find("'llama'"), std::string::npos) << message;
-    EXPECT_NE(message.find("tokenizer.ggml.model"), std::string::npos) << message;
-  }
+  const Tokenizer tokenizer = tokenizer_from_gguf(file);
+  EXPECT_EQ(tokenizer.model(), "llama");
+  EXPECT_TRUE(tokenizer.is_sentencepiece());
+  EXPECT_EQ(tokenizer.vocab_size(), 512u);
+  // llama.cpp's prompt ids for the model README's example.
+  const std::vector<TokenId> ids = tokenizer.encode("Once upon a time", true, false);
+  EXPECT_EQ(ids, (std::vector<TokenId>{1, 403, 407, 261, 378}));
+  EXPECT_EQ(tokenizer.decode(ids, /*skip_special=*/true), "Once upon a time");
 }
 
 }  // namespace
