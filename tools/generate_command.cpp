@@ -8,6 +8,8 @@
 
 #include "common/chat_template.h"
 #include "common/error.h"
+#include "common/sampling.h"
+#include "common/stop_matcher.h"
 #include "common/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "worker/generator.h"
@@ -19,6 +21,13 @@ double peak_rss_mib() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+// kStopped comes only from a stop string here; the decoder's final flush may
+// also complete one after the generator finished for another reason.
+const char* finish_name(FinishReason finish, bool stop_string_matched) {
+  if (finish == FinishReason::kStopped || stop_string_matched) return "stop string";
+  return finish == FinishReason::kEndOfGeneration ? "end of generation" : "length";
 }
 
 }  // namespace
@@ -33,6 +42,23 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
   cmd->add_option("--temp", args.temperature, "Sampling temperature (0: greedy)")
       ->check(CLI::Range(0.0f, 100.0f));
   cmd->add_option("--seed", args.seed, "Seed of the sampling random stream");
+  cmd->add_option("--top-k", args.top_k, "Keep the k most likely tokens (0: off)");
+  cmd->add_option("--top-p", args.top_p,
+                  "Keep the most likely tokens up to this probability mass (1: off)");
+  cmd->add_option("--min-p", args.min_p,
+                  "Keep tokens at least this fraction as likely as the top one (0: off)");
+  cmd->add_option(
+      "--repeat-penalty", args.repeat_penalty,
+      "Divide positive logits, multiply negative ones, of recent tokens by this (1: off)");
+  cmd->add_option("--repeat-last-n", args.repeat_last_n,
+                  "Recent tokens the penalties look at (-1: the whole context, 0: off)");
+  cmd->add_option("--frequency-penalty", args.frequency_penalty,
+                  "Subtract this times a recent token's count from its logit (0: off)");
+  cmd->add_option("--presence-penalty", args.presence_penalty,
+                  "Subtract this from the logit of every recent token (0: off)");
+  cmd->add_option("--stop", args.stop,
+                  "Stop when the text contains this string, not printed (repeatable)")
+      ->allow_extra_args(false);
   cmd->add_option("-t,--threads", args.threads, "Compute threads (default: all cores)")
       ->check(CLI::Range(0, 1024));
   cmd->add_flag("--no-kv-cache", args.no_kv_cache,
@@ -40,6 +66,21 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
 }
 
 int run_generate(const GenerateArgs& args) {
+  GenerateOptions options;
+  options.max_tokens = args.n_tokens;
+  options.sampling.temperature = args.temperature;
+  options.sampling.seed = args.seed;
+  options.sampling.top_k = args.top_k;
+  options.sampling.top_p = args.top_p;
+  options.sampling.min_p = args.min_p;
+  options.sampling.repetition_penalty = args.repeat_penalty;
+  options.sampling.penalty_last_n = args.repeat_last_n;
+  options.sampling.frequency_penalty = args.frequency_penalty;
+  options.sampling.presence_penalty = args.presence_penalty;
+  options.use_kv_cache = !args.no_kv_cache;
+  validate_sampling_params(options.sampling);  // before the slow model load
+  StopMatcher stop_matcher(args.stop);
+
   const cpu::Isa isa = cpu::isa_from_environment();
   const cpu::KernelTable& kernels = cpu::kernel_table(isa);
   const int n_threads =
@@ -69,25 +110,26 @@ int run_generate(const GenerateArgs& args) {
   cpu::ThreadPool pool(n_threads);
   Generator generator(*model, kernels, pool);
   IncrementalDecoder decoder(tokenizer);
-  GenerateOptions options;
-  options.max_tokens = args.n_tokens;
-  options.sampling.temperature = args.temperature;
-  options.sampling.seed = args.seed;
-  options.use_kv_cache = !args.no_kv_cache;
 
-  auto emit = [&](TokenId id) {
-    if (tokenizer.is_end_of_generation(id)) return true;  // not part of the text
-    const std::string text = decoder.push(id);
+  // Text goes token -> decoder (whole UTF-8 characters) -> stop matcher (holds
+  // back what may begin a stop string) -> stdout.
+  auto print = [](const std::string& text) {
+    if (text.empty()) return;
     std::fwrite(text.data(), 1, text.size(), stdout);
     std::fflush(stdout);
-    return true;
+  };
+  auto emit = [&](TokenId id) {
+    if (tokenizer.is_end_of_generation(id)) return true;  // not part of the text
+    print(stop_matcher.push(decoder.push(id)));
+    return !stop_matcher.stopped();
   };
   auto is_end = [&](TokenId id) { return tokenizer.is_end_of_generation(id); };
   const GenerateResult result = generator.generate(prompt_ids, options, emit, is_end);
-  const std::string rest = decoder.flush();
-  std::fwrite(rest.data(), 1, rest.size(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
+  if (!stop_matcher.stopped()) {
+    print(stop_matcher.push(decoder.flush()));
+    print(stop_matcher.flush());
+  }
+  print("\n");
 
   const int64_t n_decoded = std::max<int64_t>(0, static_cast<int64_t>(result.tokens.size()) - 1);
   std::fprintf(stderr,
@@ -97,10 +139,7 @@ int run_generate(const GenerateArgs& args) {
                result.n_prompt / std::max(result.prompt_seconds, 1e-9), result.tokens.size(),
                static_cast<long long>(n_decoded), result.generate_seconds,
                n_decoded / std::max(result.generate_seconds, 1e-9),
-               result.finish == FinishReason::kEndOfGeneration ? "end of generation"
-               : result.finish == FinishReason::kLength        ? "length"
-                                                               : "stopped",
-               peak_rss_mib());
+               finish_name(result.finish, stop_matcher.stopped()), peak_rss_mib());
   return 0;
 }
 

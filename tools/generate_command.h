@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace duet::tools {
 
@@ -14,6 +15,15 @@ struct GenerateArgs {
   int64_t n_tokens = 128;
   float temperature = 0.0f;
   uint64_t seed = 0;
+  // Every control below defaults to off (see common/sampling.h).
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repeat_penalty = 1.0f;
+  int32_t repeat_last_n = 64;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  std::vector<std::string> stop;  // stop strings, not printed (see common/stop_matcher.h)
   int threads = 0;  // 0: all hardware threads
   bool no_kv_cache = false;
 };

@@ -43,9 +43,11 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
                "the prompt has {} tokens; the model's context holds {}", n_prompt, c.n_ctx_train);
   const int64_t max_tokens = std::min(options.max_tokens, c.n_ctx_train - n_prompt);
 
+  Sampler sampler(options.sampling);  // validates the sampling parameters
   GenerateResult result;
   result.n_prompt = n_prompt;
   if (max_tokens == 0) return result;
+  for (const int32_t token : prompt) sampler.accept(token);
 
   SequenceCache seq(c, n_prompt + max_tokens);
   std::vector<int32_t> context(prompt.begin(), prompt.end());
@@ -64,7 +66,8 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   result.finish = FinishReason::kLength;
   for (int64_t i = 0; i < max_tokens; ++i) {
     const int64_t position = static_cast<int64_t>(context.size());
-    const int32_t token = sample_token(logits, options.sampling, static_cast<uint64_t>(position));
+    const int32_t token = sampler.sample(logits, static_cast<uint64_t>(position));
+    sampler.accept(token);
     result.tokens.push_back(token);
     context.push_back(token);
     if (!on_token(token)) {

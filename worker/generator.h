@@ -16,9 +16,12 @@
 
 namespace duet {
 
+// A plain value. Stop strings are not here: the generator works on token ids,
+// and the caller that detokenizes (a CLI, a server) matches them and returns
+// false from on_token (see common/stop_matcher.h).
 struct GenerateOptions {
   int64_t max_tokens = 128;
-  SamplingParams sampling;
+  SamplingParams sampling;  // temperature, seed, top-k/p, min-p, penalties
   bool use_kv_cache = true;
 };
 
@@ -39,6 +42,9 @@ class Generator final {
   // Generates up to options.max_tokens tokens after `prompt`. on_token is
   // called with each new token; returning false stops generation (kStopped).
   // is_end tells the end-of-generation tokens (they are emitted, then stop).
+  // Sampling follows options.sampling, whose penalty window covers the prompt
+  // and the generated tokens; the draw for position p is keyed by (seed, p),
+  // so the same options give the same tokens on any thread count.
   GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                           const std::function<bool(int32_t)>& on_token,
                           const std::function<bool(int32_t)>& is_end);
