@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "common/error.h"
 #include "common/gguf.h"
 
@@ -22,6 +25,34 @@ int64_t require_count(const GgufFile& file, const std::string& key) {
   return static_cast<int64_t>(*value);
 }
 
+// RoPE frequency scaling as llama.cpp derives it (llama_model::load_hparams and the context
+// parameters): the type defaults to "linear"; the factor comes from rope.scaling.factor (or the
+// older rope.scale_linear), 0 or absent meaning none; type "none" never scales. YaRN and LongRoPE
+// change more than the frequencies and are refused; Llama 3.1's "llama3" scaling needs no key,
+// its converter bakes it into the rope_freqs tensor.
+float read_rope_freq_scale(const GgufFile& file, const std::string& p) {
+  const std::string type = file.get_string(p + "rope.scaling.type").value_or("linear");
+  if (type != "linear" && type != "none") {
+    fail(file, ErrorKind::kUnsupported,
+         fmt::format("{}rope.scaling.type = '{}': only 'linear' RoPE scaling is supported "
+                     "(YaRN and LongRoPE are not)",
+                     p, type));
+  }
+  std::optional<float> factor = file.get_f32(p + "rope.scaling.factor");
+  if (!factor) factor = file.get_f32(p + "rope.scale_linear");
+  if (const std::optional<float> attn_factor = file.get_f32(p + "rope.scaling.attn_factor");
+      attn_factor && *attn_factor != 1.0f) {
+    fail(file, ErrorKind::kUnsupported,
+         fmt::format("{}rope.scaling.attn_factor = {} is not supported", p, *attn_factor));
+  }
+  if (!factor || *factor == 0.0f || type == "none") return 1.0f;
+  if (!(*factor > 0.0f) || !std::isfinite(*factor)) {
+    fail(file, ErrorKind::kCorruptFile,
+         fmt::format("{}rope.scaling.factor = {} must be positive", p, *factor));
+  }
+  return 1.0f / *factor;
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
@@ -29,9 +60,11 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
   const std::optional<std::string> arch = file.get_string("general.architecture");
   if (!arch) fail(file, ErrorKind::kCorruptFile, "missing general.architecture");
   c.architecture = *arch;
-  if (c.architecture != "llama") {
+  if (std::find(kSupportedArchitectures.begin(), kSupportedArchitectures.end(), c.architecture) ==
+      kSupportedArchitectures.end()) {
     fail(file, ErrorKind::kUnsupported,
-         fmt::format("architecture '{}' is not supported (supported: llama)", c.architecture));
+         fmt::format("architecture '{}' is not supported (supported: {})", c.architecture,
+                     fmt::join(kSupportedArchitectures, ", ")));
   }
   c.name = file.get_string("general.name").value_or(c.architecture);
   const std::string p = c.architecture + ".";
@@ -68,22 +101,27 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
     fail(file, ErrorKind::kCorruptFile,
          fmt::format("rope.dimension_count {} does not fit head size {}", c.n_rot, c.head_dim));
   }
-  c.rope_neox = false;  // `llama` GGUFs hold Q/K permuted for adjacent-pair rotation
+  // The RoPE style follows the architecture, not a key: `llama` GGUFs hold Q/K permuted for
+  // adjacent-pair rotation, `qwen2` ones as trained (NeoX halves).
+  c.rope_neox = c.architecture == "qwen2";
   c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
   c.rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon").value_or(1e-5f);
   if (!(c.rope_freq_base > 0.0f) || !(c.rms_eps > 0.0f)) {
     fail(file, ErrorKind::kCorruptFile, "rope.freq_base and layer_norm_rms_epsilon must be positive");
   }
-  const std::string scaling = file.get_string(p + "rope.scaling.type").value_or("none");
-  if (scaling == "linear") {
-    const float factor = file.get_f32(p + "rope.scaling.factor").value_or(1.0f);
-    if (!(factor > 0.0f)) fail(file, ErrorKind::kCorruptFile, "rope.scaling.factor must be positive");
-    c.rope_freq_scale = 1.0f / factor;
-  } else if (scaling != "none") {
-    fail(file, ErrorKind::kUnsupported, fmt::format("rope scaling '{}' is not supported", scaling));
+  c.rope_freq_scale = read_rope_freq_scale(file, p);
+  if (const GgufValue* window = file.find(p + "attention.sliding_window")) {
+    const std::optional<uint64_t> size = window->integer_as<uint64_t>();
+    fail(file, ErrorKind::kUnsupported,
+         fmt::format(
+             "{}attention.sliding_window = {}: sliding-window attention (as in Mistral) is not "
+             "supported; Duet attends to the whole context",
+             p, size ? fmt::to_string(*size) : std::string(gguf_type_name(window->type()))));
   }
-  if (file.get_u64(p + "attention.sliding_window")) {
-    fail(file, ErrorKind::kUnsupported, "sliding-window attention is not supported");
+  if (const uint64_t n_experts = file.get_u64(p + "expert_count").value_or(0); n_experts > 0) {
+    fail(file, ErrorKind::kUnsupported,
+         fmt::format("{}expert_count = {}: mixture-of-experts models are not supported", p,
+                     n_experts));
   }
 
   const GgufTensorInfo& embd = file.tensor("token_embd.weight");

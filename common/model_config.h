@@ -1,12 +1,18 @@
 // Hyper-parameters of a Llama-family model, read from GGUF metadata.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace duet {
 
 class GgufFile;
+
+// general.architecture values Duet runs: `llama` (also Llama 3/3.1 and Mistral without sliding
+// windows) and `qwen2` (Q/K/V biases, NeoX RoPE).
+inline constexpr std::array<std::string_view, 2> kSupportedArchitectures = {"llama", "qwen2"};
 
 struct ModelConfig {
   std::string architecture;  // GGUF general.architecture
@@ -22,12 +28,13 @@ struct ModelConfig {
   int64_t n_rot = 0;           // rotated dims per head
   bool rope_neox = false;      // rotate halves (NeoX) instead of adjacent pairs
   float rope_freq_base = 10000.0f;
-  float rope_freq_scale = 1.0f;
+  float rope_freq_scale = 1.0f;  // linear position scaling: 1 / rope.scaling.factor
   float rms_eps = 1e-5f;
   bool tied_embeddings = false;  // no output.weight: the head reuses token_embd
 
   // Reads and validates the metadata; throws kUnsupported for an architecture
-  // or feature Duet does not implement and kCorruptFile for contradictions.
+  // or feature Duet does not implement (naming the key: sliding windows, YaRN,
+  // mixture of experts) and kCorruptFile for contradictions.
   static ModelConfig from_gguf(const GgufFile& file);
 
   // Query heads per KV head.

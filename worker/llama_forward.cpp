@@ -8,6 +8,16 @@
 #include "kernels/cpu/quantize.h"
 
 namespace duet {
+namespace {
+
+// x (n_rows, bias.size()) += bias on every row, as llama.cpp's ggml_add after the projection;
+// nothing when bias is empty.
+void add_bias(float* x, const std::vector<float>& bias, int64_t n_rows) {
+  const int64_t dim = static_cast<int64_t>(bias.size());
+  for (int64_t r = 0; r < n_rows; ++r) cpu::add_in_place(x + r * dim, bias.data(), dim);
+}
+
+}  // namespace
 
 LlamaForward::LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels,
                            cpu::ThreadPool& pool)
@@ -66,6 +76,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   rope.n_rot = c.n_rot;
   rope.freq_base = c.rope_freq_base;
   rope.freq_scale = c.rope_freq_scale;
+  rope.freq_factors = model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data();
   cpu::AttentionShape shape;
   shape.n_heads = c.n_heads;
   shape.n_kv_heads = c.n_kv_heads;
@@ -81,6 +92,9 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     cpu::matmul(kernels_, w.wq, packed_, q_.data(), q_dim, pool_);
     cpu::matmul(kernels_, w.wk, packed_, k_.data(), kv_dim, pool_);
     cpu::matmul(kernels_, w.wv, packed_, v_.data(), kv_dim, pool_);
+    add_bias(q_.data(), w.bq, n);
+    add_bias(k_.data(), w.bk, n);
+    add_bias(v_.data(), w.bv, n);
     cpu::rope(q_.data(), n, c.n_heads, c.head_dim, positions_.data(), rope);
     cpu::rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(), rope);
 

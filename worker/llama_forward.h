@@ -1,4 +1,6 @@
-// The Llama forward pass over a batch of tokens from one or more sequences.
+// The Llama forward pass over a batch of tokens from one or more sequences,
+// for every architecture LlamaModel loads: `llama` (adjacent-pair RoPE,
+// optional rope_freqs divisors) and `qwen2` (Q/K/V biases, NeoX RoPE).
 //
 // All rows of the batch go through each weight matrix together (one GEMM per
 // weight), attention runs per sequence over its blocks of the paged cache.

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
+
 #include "common/error.h"
 #include "kernels/cpu/quantize.h"
 
@@ -30,16 +32,39 @@ LlamaModel::LlamaModel(GgufFile file) : file_(std::move(file)), config_(ModelCon
     l.w_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
     l.w_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
     l.w_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
-    for (const char* bias : {"attn_q.bias", "attn_k.bias", "attn_v.bias"}) {
-      if (file_.find_tensor(p + bias) != nullptr) {
-        throw Error(ErrorKind::kUnsupported,
-                    fmt::format("{}: tensor {}{}: attention biases are not supported for '{}'",
-                                file_.name(), p, bias, c.architecture));
-      }
-    }
+    // Optional for both architectures, as in llama.cpp (Qwen2 files have them); absent means zero.
+    l.bq = optional_vector(p + "attn_q.bias", q_dim);
+    l.bk = optional_vector(p + "attn_k.bias", kv_dim);
+    l.bv = optional_vector(p + "attn_v.bias", kv_dim);
   }
   output_norm_ = vector("output_norm.weight", c.n_embd);
   output_ = c.tied_embeddings ? token_embd_ : matrix("output.weight", c.n_embd, c.n_vocab);
+  if (c.architecture == "llama") {  // llama.cpp reads rope_freqs for `llama` only
+    rope_freqs_ = optional_vector("rope_freqs.weight", c.n_rot / 2);
+    for (float factor : rope_freqs_) {
+      if (!(factor > 0.0f) || !std::isfinite(factor)) {
+        throw Error(
+            ErrorKind::kCorruptFile,
+            fmt::format("{}: tensor rope_freqs.weight holds {}; RoPE frequency divisors must be "
+                        "positive and finite",
+                        file_.name(), factor));
+      }
+    }
+  }
+  refuse_unused_tensors();
+  used_tensors_.clear();
+}
+
+void LlamaModel::refuse_unused_tensors() const {
+  for (const GgufTensorInfo& t : file_.tensors()) {
+    if (used_tensors_.count(t.name) == 0) {
+      throw Error(
+          ErrorKind::kUnsupported,
+          fmt::format("{}: tensor {} is not part of Duet's '{}' forward pass (a feature Duet does "
+                      "not implement); refusing the model rather than ignoring it",
+                      file_.name(), t.name, config_.architecture));
+    }
+  }
 }
 
 cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t n_out) {
@@ -56,6 +81,7 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
                             file_.name(), name, dtype_name(t.type)));
   }
   weight_bytes_ += t.n_bytes;
+  used_tensors_.insert(name);
   return cpu::make_weight_matrix(t.type, t.data, k, n_out);
 }
 
@@ -67,14 +93,22 @@ std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {
                             t.n_elements(), n));
   }
   if (t.type != DType::kF32 && t.type != DType::kF16 && t.type != DType::kBF16) {
-    throw Error(ErrorKind::kUnsupported, fmt::format("{}: tensor {} has type {}; norm weights must be "
-                                                     "F32, F16 or BF16",
-                                                     file_.name(), name, dtype_name(t.type)));
+    throw Error(
+        ErrorKind::kUnsupported,
+        fmt::format("{}: tensor {} has type {}; vectors (norm weights, biases, rope_freqs) must "
+                    "be F32, F16 or BF16",
+                    file_.name(), name, dtype_name(t.type)));
   }
   std::vector<float> out(static_cast<size_t>(n));
   cpu::dequantize_row(t.type, t.data, out.data(), n);
   weight_bytes_ += t.n_bytes;
+  used_tensors_.insert(name);
   return out;
+}
+
+std::vector<float> LlamaModel::optional_vector(const std::string& name, int64_t n) {
+  if (file_.find_tensor(name) == nullptr) return {};
+  return vector(name, n);
 }
 
 }  // namespace duet
