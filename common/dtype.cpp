@@ -60,9 +60,12 @@ bool dtype_is_supported_weight(DType type) {
   switch (type) {
     case DType::kF32:
     case DType::kF16:
+    case DType::kBF16:
     case DType::kQ4_0:
     case DType::kQ4_1:
     case DType::kQ8_0:
+    case DType::kQ4_K:
+    case DType::kQ6_K:
       return true;
     default:
       return false;

@@ -3,6 +3,23 @@
 // In Q4_0 and Q4_1, byte j of `qs` holds element j in its low nibble and
 // element j + 16 in its high nibble. Scales are IEEE half (bits in uint16_t).
 // Q8_1 is the activation format for Q4_1 dot products: `s` = d * sum(qs).
+//
+// K-quants pack 256 elements (a super-block) per block; rows must be multiples
+// of 256. Their layouts (ggml's block_q4_K, block_q6_K, block_q8_K):
+//  - Q4_K: 8 sub-blocks of 32, value = d * sc[s] * q - dmin * m[s], q in 0..15.
+//    Byte l of the 32-byte group g (g < 4) of `qs` holds element 64g + l in its
+//    low nibble and 64g + 32 + l in its high one, so sub-blocks 2g and 2g + 1.
+//    `scales` packs the 6-bit sc[s] and m[s]: for s < 4, sc = scales[s] & 63,
+//    m = scales[s + 4] & 63; for s >= 4, sc = (scales[s + 4] & 15) |
+//    (scales[s - 4] >> 6) << 4, m = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4.
+//  - Q6_K: 16 sub-blocks of 16, value = d * scales[e / 16] * (q - 32), q in
+//    0..63. In each half h (128 elements) byte l < 32 of ql[64h..] holds the
+//    low 4 bits of element 128h + l (low nibble) and 128h + 64 + l (high
+//    nibble), byte 32 + l those of 128h + 32 + l and 128h + 96 + l; byte l of
+//    qh[32h..] holds the top 2 bits of 128h + l, +32, +64, +96 (bits 0-1, 2-3,
+//    4-5, 6-7). The scale `d` comes last.
+//  - Q8_K: the activation format of Q4_K and Q6_K dot products: float d,
+//    value = d * qs[e], and bsums[b] = the sum of qs[16b .. 16b + 15].
 #pragma once
 
 #include <cstdint>
@@ -33,9 +50,47 @@ struct BlockQ8_1 {
   int8_t qs[kQuantBlock];
 };
 
+inline constexpr int kSuperBlock = 256;  // elements per K-quant block
+
+struct BlockQ4_K {
+  uint16_t d;     // half: scale of the sub-block scales
+  uint16_t dmin;  // half: scale of the sub-block mins
+  uint8_t scales[12];
+  uint8_t qs[kSuperBlock / 2];
+};
+
+struct BlockQ6_K {
+  uint8_t ql[kSuperBlock / 2];
+  uint8_t qh[kSuperBlock / 4];
+  int8_t scales[kSuperBlock / 16];
+  uint16_t d;  // half
+};
+
+struct BlockQ8_K {
+  float d;
+  int8_t qs[kSuperBlock];
+  int16_t bsums[kSuperBlock / 16];
+};
+
+// The 6-bit scale and min of Q4_K sub-block s (< 8) from the packed `scales`.
+// Internal linkage: the ISA kernel files include this with wider instruction
+// sets, and a shared out-of-line copy could be picked for the portable path.
+static inline void q4_k_scale_min(const uint8_t* scales, int s, uint8_t* sc, uint8_t* m) {
+  if (s < 4) {
+    *sc = scales[s] & 63;
+    *m = scales[s + 4] & 63;
+  } else {
+    *sc = static_cast<uint8_t>((scales[s + 4] & 15) | ((scales[s - 4] >> 6) << 4));
+    *m = static_cast<uint8_t>((scales[s + 4] >> 4) | ((scales[s] >> 6) << 4));
+  }
+}
+
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);
+static_assert(sizeof(BlockQ4_K) == 144);
+static_assert(sizeof(BlockQ6_K) == 210);
+static_assert(sizeof(BlockQ8_K) == 292);
 
 }  // namespace duet

@@ -22,6 +22,31 @@ using DotTileFn = void (*)(const uint8_t* w, size_t w_stride, int64_t n_w, const
 // x: (n) floats -> one row of the target type.
 using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 
+// Reduction orders of the dot products. Every path computes exactly these, so
+// all paths agree bit for bit (the scalar path spells them out):
+//  - Q8_0, Q4_0, Q4_1: see x86_kernels_inl.h (llama.cpp's AVX2 order).
+//  - BF16 x BF16: 16 float lanes over whole 32-element chunks; for chunk c,
+//    lane l adds the product of elements 32c + 2l + 1, then of 32c + 2l
+//    (what AVX512-BF16's vdpbf16ps computes, used by llama.cpp's tinyBLAS on
+//    CPUs that have it; a BF16 product is exact in float, so each step is one
+//    rounding: an FMA). The lanes are summed by lane_tree_sum16, then the
+//    elements past the last whole chunk are added in order by FMA. Unlike
+//    vdpbf16ps, subnormal inputs and results are not flushed to zero.
+//  - Q4_K x Q8_K (llama.cpp's AVX2 ggml_vec_dot_q4_K_q8_K): per 256-block, 8
+//    int32 lanes, lane l = sum over sub-blocks s of sc[s] * (the dot of
+//    elements 32s + 4l .. 32s + 4l + 3), added to float lane l as
+//    acc[l] = fma(d_x * d_w, float(lane), acc[l]); and 4 int32 min lanes,
+//    t = m[2t] * ys[2t] + m[2t + 1] * ys[2t + 1] with ys[s] the Q8_K sum of
+//    sub-block s, added as mins[t] = fma(-d_x * dmin_w, float(t), mins[t]).
+//    Result: hsum(acc) + ((mins[0] + mins[2]) + (mins[1] + mins[3])), hsum
+//    being (l, l+4), then (0+2)+(1+3).
+//  - Q6_K x Q8_K (ggml_vec_dot_q6_K_q8_K): per 256-block, 8 int32 lanes,
+//    lane l = sum over 32-element chunks c of sc[2c + l / 4] * (the dot of
+//    the unsigned 6-bit q with x over elements 32c + 4l .. 32c + 4l + 3),
+//    minus 32 * (bsums[2l] * sc[2l] + bsums[2l + 1] * sc[2l + 1]); then
+//    acc[l] = fma(d_x * d_w, float(lane), acc[l]); result hsum(acc).
+//  Integer lanes are exact, so a path may compute them any way it likes.
+
 // Attention primitives. Their reduction orders are fixed by contract, so all
 // paths give bit-identical results, and they follow llama.cpp's CPU build for
 // AVX-512 machines (see attention.h for where each order is used):
@@ -52,12 +77,17 @@ struct KernelTable {
   Isa isa;
   ConvertRowFn quantize_q8_0;
   ConvertRowFn quantize_q8_1;
+  ConvertRowFn quantize_q8_k;
   ConvertRowFn convert_f16;
+  ConvertRowFn convert_bf16;
   DotTileFn dot_f32;   // F32 weights, F32 activations
   DotTileFn dot_f16;   // F16 weights, F16 activations
   DotTileFn dot_q8_0;  // Q8_0 weights, Q8_0 activations
   DotTileFn dot_q4_0;  // Q4_0 weights, Q8_0 activations
   DotTileFn dot_q4_1;  // Q4_1 weights, Q8_1 activations
+  DotTileFn dot_bf16;  // BF16 weights, BF16 activations
+  DotTileFn dot_q4_k;  // Q4_K weights, Q8_K activations
+  DotTileFn dot_q6_k;  // Q6_K weights, Q8_K activations
   KqScoresFn kq_scores;
   KqvAccumulateFn kqv_accumulate;
   SoftmaxExpFn softmax_exp;

@@ -1,8 +1,10 @@
 // The AVX2 path (AVX2 + FMA + F16C). Integer block dot products use maddubs
-// (u8 x i8 -> i16 pairs) and madd (-> i32 lanes), one block per step.
+// (u8 x i8 -> i16 pairs) and madd (-> i32 lanes), one block per step; BF16 and
+// the K-quants are in x86_kquant_inl.h.
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86_kernels_inl.h"
+#include "kernels/cpu/x86_kquant_inl.h"
 
 namespace duet::cpu {
 namespace {
@@ -86,12 +88,17 @@ constexpr KernelTable kAvx2Table = {
     .isa = Isa::kAvx2,
     .quantize_q8_0 = quantize_rows_q8_0_inl,
     .quantize_q8_1 = quantize_rows_q8_1_inl,
+    .quantize_q8_k = quantize_rows_q8_k_inl,
     .convert_f16 = convert_f16_avx,
+    .convert_bf16 = convert_rows_bf16_inl,
     .dot_f32 = dot_f32_avx,
     .dot_f16 = dot_f16_avx,
     .dot_q8_0 = dot_q8_0,
     .dot_q4_0 = dot_q4_0,
     .dot_q4_1 = dot_q4_1,
+    .dot_bf16 = dot_bf16_x86,
+    .dot_q4_k = dot_q4_k_x86,
+    .dot_q6_k = dot_q6_k_x86,
     .kq_scores = kq_scores_avx,
     .kqv_accumulate = kqv_accumulate_avx,
     .softmax_exp = softmax_exp_avx2,

@@ -4,10 +4,12 @@
 // against one weight row) and one pair per 256-bit register in decode. Each
 // half goes through exactly the AVX2 path's operations, so the
 // results are bit-identical to it. Dense and attention kernels are the shared
-// 256-bit ones, compiled here with AVX-512 encodings.
+// 256-bit ones, compiled here with AVX-512 encodings; BF16 and the K-quants
+// (x86_kquant_inl.h) use 512-bit registers for their lanes.
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86_kernels_inl.h"
+#include "kernels/cpu/x86_kquant_inl.h"
 
 namespace duet::cpu {
 namespace {
@@ -182,12 +184,17 @@ constexpr KernelTable kAvx512Table = {
     .isa = Isa::kAvx512,
     .quantize_q8_0 = quantize_rows_q8_0_inl,
     .quantize_q8_1 = quantize_rows_q8_1_inl,
+    .quantize_q8_k = quantize_rows_q8_k_inl,
     .convert_f16 = convert_f16_avx,
+    .convert_bf16 = convert_rows_bf16_inl,
     .dot_f32 = dot_f32_avx,
     .dot_f16 = dot_f16_avx,
     .dot_q8_0 = dot_q8_0,
     .dot_q4_0 = dot_q4_0,
     .dot_q4_1 = dot_q4_1,
+    .dot_bf16 = dot_bf16_x86,
+    .dot_q4_k = dot_q4_k_x86,
+    .dot_q6_k = dot_q6_k_x86,
     .kq_scores = kq_scores_avx,
     .kqv_accumulate = kqv_accumulate_avx,
     .softmax_exp = softmax_exp_avx512,

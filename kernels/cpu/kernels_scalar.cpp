@@ -85,6 +85,94 @@ float dot_row_q4_1(const uint8_t* w, const uint8_t* x, int64_t k) {
   return sum_lanes8(acc) + mins;
 }
 
+// BF16 in vdpbf16ps's order (kernel_table.h): 16 lanes per 32-element chunk.
+float dot_row_bf16(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* a = reinterpret_cast<const uint16_t*>(w);
+  const auto* b = reinterpret_cast<const uint16_t*>(x);
+  float acc[16] = {};
+  const int64_t k32 = k - k % 32;
+  for (int64_t c = 0; c < k32; c += 32) {
+    for (int l = 0; l < 16; ++l) {
+      const int64_t odd = c + 2 * l + 1, even = c + 2 * l;
+      acc[l] = std::fma(bf16_to_fp32(a[odd]), bf16_to_fp32(b[odd]), acc[l]);
+      acc[l] = std::fma(bf16_to_fp32(a[even]), bf16_to_fp32(b[even]), acc[l]);
+    }
+  }
+  float sum = lane_tree_sum16(acc);
+  for (int64_t e = k32; e < k; ++e) sum = std::fma(bf16_to_fp32(a[e]), bf16_to_fp32(b[e]), sum);
+  return sum;
+}
+
+// The 4-element integer dot of int32 lane l within 32-element chunk c.
+template <typename WeightAt>
+int32_t lane_dot(WeightAt weight_at, const int8_t* x, int c, int l) {
+  int32_t dot = 0;
+  for (int e = 32 * c + 4 * l; e < 32 * c + 4 * l + 4; ++e) dot += weight_at(e) * x[e];
+  return dot;
+}
+
+// The 4-bit value (0..15) of Q4_K element e: group e / 64, low nibbles first.
+inline int32_t q4_k_at(const BlockQ4_K& b, int e) {
+  const int g = e / 64, r = e % 64;
+  return r < 32 ? (b.qs[32 * g + r] & 0x0f) : (b.qs[32 * g + r - 32] >> 4);
+}
+
+// Q6_K element e as stored, unsigned (0..63).
+inline int32_t q6_k_at(const BlockQ6_K& b, int e) {
+  const int h = e / 128, part = (e % 128) / 32, l = e % 32;
+  const uint8_t low = b.ql[64 * h + 32 * (part & 1) + l];
+  const int32_t low4 = part < 2 ? (low & 0x0f) : (low >> 4);
+  return low4 | (((b.qh[32 * h + l] >> (2 * part)) & 3) << 4);
+}
+
+// ggml_vec_dot_q4_K_q8_K's AVX2 order (kernel_table.h).
+float dot_row_q4_k(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ4_K*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
+  float acc[8] = {}, mins[4] = {};
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    const float d = xb[b].d * fp16_to_fp32(wb[b].d);
+    const float dmin = -xb[b].d * fp16_to_fp32(wb[b].dmin);
+    uint8_t sc[8], m[8];
+    for (int s = 0; s < 8; ++s) q4_k_scale_min(wb[b].scales, s, &sc[s], &m[s]);
+    for (int t = 0; t < 4; ++t) {
+      const int16_t* bs = xb[b].bsums + 4 * t;
+      const int32_t term = m[2 * t] * (bs[0] + bs[1]) + m[2 * t + 1] * (bs[2] + bs[3]);
+      mins[t] = std::fma(dmin, static_cast<float>(term), mins[t]);
+    }
+    for (int l = 0; l < 8; ++l) {
+      int32_t lane = 0;
+      for (int s = 0; s < 8; ++s) {
+        lane += sc[s] * lane_dot([&](int e) { return q4_k_at(wb[b], e); }, xb[b].qs, s, l);
+      }
+      acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
+    }
+  }
+  return sum_lanes8(acc) + ((mins[0] + mins[2]) + (mins[1] + mins[3]));
+}
+
+// ggml_vec_dot_q6_K_q8_K's AVX2 order (kernel_table.h).
+float dot_row_q6_k(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ6_K*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
+  float acc[8] = {};
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    const float d = xb[b].d * fp16_to_fp32(wb[b].d);
+    const int8_t* sc = wb[b].scales;
+    const int16_t* bs = xb[b].bsums;
+    for (int l = 0; l < 8; ++l) {
+      int32_t lane = 0;
+      for (int c = 0; c < 8; ++c) {
+        const int32_t dot = lane_dot([&](int e) { return q6_k_at(wb[b], e); }, xb[b].qs, c, l);
+        lane += sc[2 * c + l / 4] * dot;
+      }
+      lane -= 32 * (bs[2 * l] * sc[2 * l] + bs[2 * l + 1] * sc[2 * l + 1]);
+      acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
+    }
+  }
+  return sum_lanes8(acc);
+}
+
 template <float (*kDot)(const uint8_t*, const uint8_t*, int64_t)>
 void dot_tile(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
@@ -149,12 +237,17 @@ constexpr KernelTable kScalarTable = {
     .isa = Isa::kScalar,
     .quantize_q8_0 = quantize_row_q8_0,
     .quantize_q8_1 = quantize_row_q8_1,
+    .quantize_q8_k = quantize_row_q8_k,
     .convert_f16 = convert_row_f16,
+    .convert_bf16 = convert_row_bf16,
     .dot_f32 = dot_tile<dot_row_f32>,
     .dot_f16 = dot_tile<dot_row_f16>,
     .dot_q8_0 = dot_tile<dot_row_q8_0>,
     .dot_q4_0 = dot_tile<dot_row_q4_0>,
     .dot_q4_1 = dot_tile<dot_row_q4_1>,
+    .dot_bf16 = dot_tile<dot_row_bf16>,
+    .dot_q4_k = dot_tile<dot_row_q4_k>,
+    .dot_q6_k = dot_tile<dot_row_q6_k>,
     .kq_scores = kq_scores,
     .kqv_accumulate = kqv_accumulate,
     .softmax_exp = softmax_exp,

@@ -29,10 +29,25 @@ DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
     case DType::kQ8_0: return kernels.dot_q8_0;
     case DType::kQ4_0: return kernels.dot_q4_0;
     case DType::kQ4_1: return kernels.dot_q4_1;
+    case DType::kBF16: return kernels.dot_bf16;
+    case DType::kQ4_K: return kernels.dot_q4_k;
+    case DType::kQ6_K: return kernels.dot_q6_k;
     default:
       throw Error(ErrorKind::kUnsupported,
                   fmt::format("no matrix kernel for {} weights", dtype_name(weight_type)));
   }
+}
+
+ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
+  switch (activation) {
+    case DType::kF16: return kernels.convert_f16;
+    case DType::kBF16: return kernels.convert_bf16;
+    case DType::kQ8_0: return kernels.quantize_q8_0;
+    case DType::kQ8_1: return kernels.quantize_q8_1;
+    case DType::kQ8_K: return kernels.quantize_q8_k;
+    default: DUET_ASSERT(false, "no converter to {} activations", dtype_name(activation));
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -54,6 +69,9 @@ DType activation_type(DType weight_type) {
     case DType::kQ8_0:
     case DType::kQ4_0: return DType::kQ8_0;
     case DType::kQ4_1: return DType::kQ8_1;
+    case DType::kBF16: return DType::kBF16;
+    case DType::kQ4_K:
+    case DType::kQ6_K: return DType::kQ8_K;
     default:
       throw Error(ErrorKind::kUnsupported,
                   fmt::format("{} weights are not supported", dtype_name(weight_type)));
@@ -66,6 +84,8 @@ int PackedActivations::slot(DType activation) {
     case DType::kF16: return 1;
     case DType::kQ8_0: return 2;
     case DType::kQ8_1: return 3;
+    case DType::kQ8_K: return 4;
+    case DType::kBF16: return 5;
     default: DUET_ASSERT(false, "no activation slot for {}", dtype_name(activation));
   }
   return 0;
@@ -86,9 +106,7 @@ void PackedActivations::pack(const KernelTable& kernels, const float* x, int64_t
     packed.valid = true;
     if (act == DType::kF32) continue;  // read straight from the source rows
     packed.bytes.resize(packed.row_bytes * static_cast<size_t>(n_x));
-    ConvertRowFn convert = act == DType::kF16    ? kernels.convert_f16
-                           : act == DType::kQ8_0 ? kernels.quantize_q8_0
-                                                 : kernels.quantize_q8_1;
+    const ConvertRowFn convert = convert_fn(kernels, act);
     uint8_t* out = packed.bytes.data();
     const size_t row_bytes = packed.row_bytes;
     pool.parallel_for(n_x, [&](int64_t row, int) {

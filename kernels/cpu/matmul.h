@@ -3,8 +3,9 @@
 // y (n_x, n_out) = x (n_x, k) . W^T, W stored as n_out rows of k elements
 // (GGUF's ne = {k, n_out}). Activations are first converted into the type
 // the weight's dot product takes (llama.cpp's "vec_dot_type": Q8_0 for Q8_0
-// and Q4_0, Q8_1 for Q4_1, F16 for F16, F32 for F32), once per input and
-// reused by every weight that shares it (Q, K and V; gate and up).
+// and Q4_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K, F16 for F16, BF16 for
+// BF16, F32 for F32), once per input and reused by every weight that shares
+// it (Q, K and V; gate and up).
 //
 // Batch invariance: every output element is one DotTileFn pair, so results do
 // not depend on n_x, on a row's place in the batch, or on the thread count.
@@ -54,7 +55,7 @@ class PackedActivations {
     std::vector<uint8_t> bytes;
     bool valid = false;
   };
-  static constexpr int kSlots = 4;  // F32, F16, Q8_0, Q8_1
+  static constexpr int kSlots = 6;  // F32, F16, Q8_0, Q8_1, Q8_K, BF16
   static int slot(DType activation);
   Packed packed_[kSlots];
   const float* source_ = nullptr;

@@ -1,8 +1,8 @@
-// Activation quantizers shared by every ISA path. Included into each path's
-// translation unit (internal linkage) so that the compiler vectorizes them with
-// that unit's instruction set; the arithmetic is exact apart from the scale
-// computation, which is the same expression everywhere, so every path
-// quantizes a row bit-identically.
+// Activation quantizers and converters shared by every ISA path. Included into
+// each path's translation unit (internal linkage) so that the compiler
+// vectorizes them with that unit's instruction set; the arithmetic is exact
+// apart from the scale computation, which is the same expression everywhere,
+// so every path quantizes a row bit-identically.
 #pragma once
 
 #include <cfloat>
@@ -52,6 +52,46 @@ inline void quantize_rows_q8_1_inl(const float* x, void* out, int64_t n) {
     blocks[b].d = fp32_to_fp16(d);
     blocks[b].s = fp32_to_fp16(d * static_cast<float>(sum));
   }
+}
+
+// llama.cpp's quantize_row_q8_K_ref (which its x86 CPU backend uses): the
+// element of largest magnitude, `max`, maps to -127 (iscale = -127 / max, so
+// d = 1 / iscale is negative when max is positive), values round half to even
+// (ggml's nearest_int), and an all-zero block stores d = 0 (and zero sums).
+inline void quantize_rows_q8_k_inl(const float* x, void* out, int64_t n) {
+  auto* blocks = static_cast<BlockQ8_K*>(out);
+  for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+    const float* xb = x + b * kSuperBlock;
+    BlockQ8_K& y = blocks[b];
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < kSuperBlock; ++j) {
+      const float a = std::fabs(xb[j]);
+      if (a > amax) {
+        amax = a;
+        max = xb[j];
+      }
+    }
+    if (amax == 0.0f) {
+      y = BlockQ8_K{};
+      continue;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < kSuperBlock; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(iscale * xb[j]));
+      y.qs[j] = static_cast<int8_t>(q < 127 ? q : 127);
+    }
+    for (int s = 0; s < kSuperBlock / 16; ++s) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += y.qs[16 * s + j];
+      y.bsums[s] = static_cast<int16_t>(sum);
+    }
+    y.d = 1.0f / iscale;
+  }
+}
+
+inline void convert_rows_bf16_inl(const float* x, void* out, int64_t n) {
+  auto* h = static_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) h[i] = fp32_to_bf16(x[i]);
 }
 
 }  // namespace

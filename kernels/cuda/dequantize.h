@@ -1,5 +1,6 @@
-// GPU twin of cpu::dequantize_row for the weight types (F32, F16, Q8_0, Q4_0,
-// Q4_1): converts n_rows rows of k stored elements to floats on device 0.
+// GPU twin of cpu::dequantize_row for the weight types F32, F16, Q8_0, Q4_0
+// and Q4_1 (BF16 and the K-quants: not yet on the GPU): converts n_rows rows
+// of k stored elements to floats on device 0.
 #pragma once
 
 #include <cstdint>

@@ -400,7 +400,10 @@ TEST(Matmul, ActivationTypes) {
   EXPECT_EQ(activation_type(DType::kQ8_0), DType::kQ8_0);
   EXPECT_EQ(activation_type(DType::kQ4_0), DType::kQ8_0);
   EXPECT_EQ(activation_type(DType::kQ4_1), DType::kQ8_1);
-  EXPECT_THROW(activation_type(DType::kQ6_K), std::exception);
+  EXPECT_EQ(activation_type(DType::kQ4_K), DType::kQ8_K);
+  EXPECT_EQ(activation_type(DType::kQ6_K), DType::kQ8_K);
+  EXPECT_EQ(activation_type(DType::kBF16), DType::kBF16);
+  EXPECT_THROW(activation_type(DType::kQ5_K), std::exception);
 }
 
 }  // namespace

@@ -1,0 +1,637 @@
+// BF16, Q4_K and Q6_K weights (and their activation types BF16 and Q8_K):
+// the block layouts against hand-built blocks and hand-computed values, the
+// Q8_K quantizer against llama.cpp's rounding, matmul on every ISA path
+// against a double reference computed from the dequantized inputs, every
+// path bit-identical to the scalar one, and batch invariance (a row alone, in
+// batches of 1..9 rows at any position, with 1, 2 or 3 threads, any split of
+// the weight rows).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/fp16.h"
+#include "common/quant_blocks.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/quantize.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace duet::cpu {
+namespace {
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (cpu_supports(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+bool bitwise_equal(const float* a, const float* b, size_t n) {
+  return std::memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+DotTileFn dot_fn_of(const KernelTable& kernels, DType type) {
+  switch (type) {
+    case DType::kBF16:
+      return kernels.dot_bf16;
+    case DType::kQ4_K:
+      return kernels.dot_q4_k;
+    case DType::kQ6_K:
+      return kernels.dot_q6_k;
+    default:
+      ADD_FAILURE() << "no dot for " << dtype_name(type);
+      return nullptr;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Hand-built blocks.
+
+// A Q4_K block with the given 6-bit scales and mins, packed as the layout
+// comment in quant_blocks.h describes, and q(e) = (7e + 3) % 16.
+BlockQ4_K hand_q4_k(const uint8_t* sc, const uint8_t* m) {
+  BlockQ4_K b{};
+  b.d = fp32_to_fp16(0.5f);
+  b.dmin = fp32_to_fp16(0.25f);
+  for (int s = 0; s < 4; ++s) {
+    b.scales[s] = static_cast<uint8_t>(sc[s] | ((sc[s + 4] >> 4) << 6));
+    b.scales[s + 4] = static_cast<uint8_t>(m[s] | ((m[s + 4] >> 4) << 6));
+    b.scales[s + 8] = static_cast<uint8_t>((sc[s + 4] & 15) | ((m[s + 4] & 15) << 4));
+  }
+  for (int e = 0; e < kSuperBlock; ++e) {
+    const int q = (7 * e + 3) % 16, g = e / 64, l = e % 64;
+    if (l < 32) {
+      b.qs[32 * g + l] = static_cast<uint8_t>(b.qs[32 * g + l] | q);
+    } else {
+      b.qs[32 * g + l - 32] = static_cast<uint8_t>(b.qs[32 * g + l - 32] | (q << 4));
+    }
+  }
+  return b;
+}
+
+// A Q6_K block with d = 0.125, the given scales and q(e) = (5e + 1) % 64.
+BlockQ6_K hand_q6_k(const int8_t* scales) {
+  BlockQ6_K b{};
+  b.d = fp32_to_fp16(0.125f);
+  std::memcpy(b.scales, scales, 16);
+  for (int e = 0; e < kSuperBlock; ++e) {
+    const int q = (5 * e + 1) % 64, h = e / 128, part = (e % 128) / 32, l = e % 32;
+    uint8_t& low = b.ql[64 * h + 32 * (part & 1) + l];
+    low = static_cast<uint8_t>(low | (part < 2 ? (q & 15) : ((q & 15) << 4)));
+    b.qh[32 * h + l] = static_cast<uint8_t>(b.qh[32 * h + l] | ((q >> 4) << (2 * part)));
+  }
+  return b;
+}
+
+constexpr uint8_t kSc[8] = {1, 2, 3, 63, 17, 33, 48, 5};
+constexpr uint8_t kMin[8] = {0, 1, 62, 7, 20, 40, 63, 9};
+constexpr int8_t kQ6Scales[16] = {-128, 127, -1, 5, 0, 64, -64, 3, 9, -7, 100, -100, 1, 2, 33, -33};
+
+TEST(KQuantBlocks, Q4_KDequantizesToHandComputedValues) {
+  const BlockQ4_K b = hand_q4_k(kSc, kMin);
+  for (int s = 0; s < 8; ++s) {
+    uint8_t sc = 0, m = 0;
+    q4_k_scale_min(b.scales, s, &sc, &m);
+    EXPECT_EQ(sc, kSc[s]) << "sub-block " << s;
+    EXPECT_EQ(m, kMin[s]) << "sub-block " << s;
+  }
+  float out[kSuperBlock];
+  dequantize_row(DType::kQ4_K, &b, out, kSuperBlock);
+  for (int e = 0; e < kSuperBlock; ++e) {
+    const float expected =
+        0.5f * kSc[e / 32] * static_cast<float>((7 * e + 3) % 16) - 0.25f * kMin[e / 32];
+    ASSERT_EQ(out[e], expected) << "element " << e;
+  }
+}
+
+TEST(KQuantBlocks, Q6_KDequantizesToHandComputedValues) {
+  const BlockQ6_K b = hand_q6_k(kQ6Scales);
+  // The scale d is the block's last two bytes.
+  const auto* bytes = reinterpret_cast<const uint8_t*>(&b);
+  EXPECT_EQ(bytes[208] | (bytes[209] << 8), fp32_to_fp16(0.125f));
+  float out[kSuperBlock];
+  dequantize_row(DType::kQ6_K, &b, out, kSuperBlock);
+  for (int e = 0; e < kSuperBlock; ++e) {
+    const float expected = 0.125f * kQ6Scales[e / 16] * static_cast<float>((5 * e + 1) % 64 - 32);
+    ASSERT_EQ(out[e], expected) << "element " << e;
+  }
+}
+
+TEST(KQuantBlocks, Q8_KQuantizesLikeLlamaCpp) {
+  // The largest magnitude maps to -127 (d = -1 here), ties round to even.
+  std::vector<float> x(2 * kSuperBlock, 0.0f);
+  x[0] = 127.0f;
+  x[1] = -63.5f;  // 63.5 -> 64
+  x[2] = 0.5f;    // -0.5 -> 0
+  x[3] = 1.5f;    // -1.5 -> -2
+  x[20] = -2.5f;  // 2.5 -> 2
+  // The second block is all zeros: d = 0, qs and bsums 0.
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(std::string(isa_name(isa)));
+    BlockQ8_K b[2];
+    std::memset(b, 0x5a, sizeof(b));
+    kernel_table(isa).quantize_q8_k(x.data(), b, 2 * kSuperBlock);
+    EXPECT_EQ(b[0].d, -1.0f);
+    EXPECT_EQ(b[0].qs[0], -127);
+    EXPECT_EQ(b[0].qs[1], 64);
+    EXPECT_EQ(b[0].qs[2], 0);
+    EXPECT_EQ(b[0].qs[3], -2);
+    EXPECT_EQ(b[0].qs[20], 2);
+    EXPECT_EQ(b[0].bsums[0], -127 + 64 + 0 - 2);
+    EXPECT_EQ(b[0].bsums[1], 2);
+    for (int s = 2; s < 16; ++s) EXPECT_EQ(b[0].bsums[s], 0);
+    EXPECT_EQ(b[1].d, 0.0f);
+    for (int j = 0; j < kSuperBlock; ++j) ASSERT_EQ(b[1].qs[j], 0);
+    for (int s = 0; s < 16; ++s) EXPECT_EQ(b[1].bsums[s], 0);
+  }
+}
+
+// ggml's nearest_int: the float magic-number rounding (half to even).
+int ggml_nearest_int(float fval) {
+  const float val = fval + 12582912.0f;
+  int32_t i = 0;
+  std::memcpy(&i, &val, sizeof(i));
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+TEST(KQuantBlocks, Q8_KMatchesGgmlReferenceOnRandomRows) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n = 4 * kSuperBlock;
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<float> x(n);
+    for (float& v : x) v = normal(rng) * (trial % 2 ? 3.0f : 0.01f);
+    if (trial % 5 == 0) x[trial] = -40.0f;  // a negative largest magnitude (d > 0)
+    for (Isa isa : supported_isas()) {
+      std::vector<BlockQ8_K> got(n / kSuperBlock);
+      kernel_table(isa).quantize_q8_k(x.data(), got.data(), n);
+      for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+        const float* xb = x.data() + b * kSuperBlock;
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < kSuperBlock; ++j) {
+          if (std::fabs(xb[j]) > amax) {
+            amax = std::fabs(xb[j]);
+            max = xb[j];
+          }
+        }
+        const float iscale = -127.0f / max;
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[b].d), std::bit_cast<uint32_t>(1 / iscale));
+        for (int j = 0; j < kSuperBlock; ++j) {
+          ASSERT_EQ(got[b].qs[j], std::min(127, ggml_nearest_int(iscale * xb[j])))
+              << isa_name(isa) << " block " << b << " element " << j;
+        }
+        for (int s = 0; s < 16; ++s) {
+          int sum = 0;
+          for (int j = 0; j < 16; ++j) sum += got[b].qs[16 * s + j];
+          ASSERT_EQ(got[b].bsums[s], sum);
+        }
+      }
+    }
+  }
+}
+
+TEST(KQuantBlocks, SimpleQuantizersStayClose) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n = 2 * kSuperBlock;
+  for (DType type : {DType::kQ4_K, DType::kQ6_K}) {
+    for (float offset : {0.0f, 0.5f, -0.5f}) {
+      std::vector<float> x(n), back(n);
+      for (float& v : x) v = normal(rng) + offset;
+      std::vector<uint8_t> bytes(dtype_row_bytes(type, n));
+      quantize_row(type, x.data(), bytes.data(), n);
+      dequantize_row(type, bytes.data(), back.data(), n);
+      double err = 0.0, norm = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        err += (x[i] - back[i]) * (x[i] - back[i]);
+        norm += x[i] * x[i];
+      }
+      // Relative RMS error of a 4-bit (6-bit) format with 6-bit (8-bit) scales.
+      EXPECT_LT(std::sqrt(err / norm), type == DType::kQ4_K ? 0.12 : 0.03)
+          << dtype_name(type) << " offset " << offset;
+    }
+    std::vector<float> zeros(n, 0.0f), back(n, 1.0f);
+    std::vector<uint8_t> bytes(dtype_row_bytes(type, n));
+    quantize_row(type, zeros.data(), bytes.data(), n);
+    dequantize_row(type, bytes.data(), back.data(), n);
+    for (float v : back) ASSERT_EQ(v, 0.0f) << dtype_name(type);
+  }
+}
+
+TEST(KQuantBlocks, Bf16ConversionMatchesScalarOnEveryIsa) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(1001);
+  for (float& v : x) v = normal(rng) * 100.0f;
+  x[0] = NAN;
+  x[1] = INFINITY;
+  x[2] = -0.0f;
+  x[3] = 1.0f + 0x1p-8f;  // a tie, to even
+  std::vector<uint16_t> want(x.size());
+  convert_row_bf16(x.data(), want.data(), static_cast<int64_t>(x.size()));
+  EXPECT_EQ(want[3], fp32_to_bf16(1.0f));
+  for (Isa isa : supported_isas()) {
+    std::vector<uint16_t> got(x.size());
+    kernel_table(isa).convert_bf16(x.data(), got.data(), static_cast<int64_t>(x.size()));
+    EXPECT_EQ(got, want) << isa_name(isa);
+  }
+}
+
+// The hand-built blocks against hand-computed dot products: exact integer
+// sums scaled once, so every path must land within float rounding of them.
+TEST(KQuantBlocks, HandBuiltDotProductsOnEveryIsa) {
+  std::vector<float> x(kSuperBlock);
+  for (int e = 0; e < kSuperBlock; ++e) x[e] = static_cast<float>((e * 37) % 255 - 127);  // d = -1
+  x[0] = -127.0f;
+  std::vector<BlockQ8_K> xq(1);
+  quantize_row_q8_k(x.data(), xq.data(), kSuperBlock);
+  ASSERT_EQ(xq[0].d, 1.0f);
+  const BlockQ4_K q4 = hand_q4_k(kSc, kMin);
+  const BlockQ6_K q6 = hand_q6_k(kQ6Scales);
+  double want4 = 0.0, want6 = 0.0;
+  for (int e = 0; e < kSuperBlock; ++e) {
+    want4 += (0.5 * kSc[e / 32] * ((7 * e + 3) % 16) - 0.25 * kMin[e / 32]) * xq[0].qs[e];
+    want6 += 0.125 * kQ6Scales[e / 16] * ((5 * e + 1) % 64 - 32) * xq[0].qs[e];
+  }
+  for (Isa isa : supported_isas()) {
+    const KernelTable& kernels = kernel_table(isa);
+    float got4 = NAN, got6 = NAN;
+    kernels.dot_q4_k(reinterpret_cast<const uint8_t*>(&q4), sizeof(q4), 1,
+                     reinterpret_cast<const uint8_t*>(xq.data()), sizeof(BlockQ8_K), 1, kSuperBlock,
+                     &got4, 1);
+    kernels.dot_q6_k(reinterpret_cast<const uint8_t*>(&q6), sizeof(q6), 1,
+                     reinterpret_cast<const uint8_t*>(xq.data()), sizeof(BlockQ8_K), 1, kSuperBlock,
+                     &got6, 1);
+    EXPECT_NEAR(got4, want4, std::fabs(want4) * 1e-6) << isa_name(isa);
+    EXPECT_NEAR(got6, want6, std::fabs(want6) * 1e-6) << isa_name(isa);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Matrix products.
+
+struct Weights {
+  DType type = DType::kF32;
+  int64_t k = 0;
+  int64_t n_out = 0;
+  size_t row_bytes = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;  // (n_out, k), dequantized
+
+  WeightMatrix matrix() const { return make_weight_matrix(type, bytes.data(), k, n_out); }
+  WeightMatrix rows(int64_t j0, int64_t n) const {
+    return make_weight_matrix(type, bytes.data() + j0 * row_bytes, k, n);
+  }
+};
+
+Weights make_weights(DType type, int64_t k, int64_t n_out, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Weights w;
+  w.type = type;
+  w.k = k;
+  w.n_out = n_out;
+  w.row_bytes = dtype_row_bytes(type, k);
+  w.bytes.resize(w.row_bytes * n_out);
+  w.values.resize(static_cast<size_t>(k * n_out));
+  std::vector<float> row(static_cast<size_t>(k));
+  for (int64_t j = 0; j < n_out; ++j) {
+    const float offset = j % 3 == 0 ? 0.5f : 0.0f;  // some rows off-centre (Q4_K's mins)
+    for (int64_t e = 0; e < k; ++e) {
+      // Every fifth row has a zero sub-block (scale 0) and a large one.
+      const bool zero = j % 5 == 1 && e >= 32 && e < 64;
+      const float big = j % 5 == 1 && e >= 96 && e < 112 ? 20.0f : 1.0f;
+      row[e] = zero ? 0.0f : (normal(rng) * 0.1f + offset) * big;
+    }
+    quantize_row(type, row.data(), w.bytes.data() + j * w.row_bytes, k);
+    dequantize_row(type, w.bytes.data() + j * w.row_bytes, w.values.data() + j * k, k);
+  }
+  return w;
+}
+
+std::vector<float> random_activations(int64_t n_x, int64_t k, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n_x * k));
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+std::vector<float> packed_values(const PackedActivations& packed, DType w_type) {
+  size_t row_bytes = 0;
+  const uint8_t* rows = packed.rows(w_type, &row_bytes);
+  const int64_t k = packed.k();
+  std::vector<float> out(static_cast<size_t>(packed.n_rows() * k));
+  for (int64_t i = 0; i < packed.n_rows(); ++i) {
+    dequantize_row(activation_type(w_type), rows + i * row_bytes, out.data() + i * k, k);
+  }
+  return out;
+}
+
+std::vector<double> reference_matmul(const std::vector<float>& w, const std::vector<float>& x,
+                                     int64_t k, int64_t n_out, int64_t n_x) {
+  std::vector<double> y(static_cast<size_t>(n_x * n_out));
+  for (int64_t i = 0; i < n_x; ++i) {
+    for (int64_t j = 0; j < n_out; ++j) {
+      double sum = 0.0;
+      for (int64_t e = 0; e < k; ++e) sum += static_cast<double>(w[j * k + e]) * x[i * k + e];
+      y[i * n_out + j] = sum;
+    }
+  }
+  return y;
+}
+
+std::vector<float> run_matmul(const KernelTable& kernels, const WeightMatrix& w,
+                              const std::vector<float>& x, int64_t n_x, ThreadPool& pool) {
+  PackedActivations packed;
+  packed.pack(kernels, x.data(), n_x, w.k, {w.type}, pool);
+  std::vector<float> y(static_cast<size_t>(n_x * w.n_out), NAN);
+  matmul(kernels, w, packed, y.data(), w.n_out, pool);
+  return y;
+}
+
+std::string shape_name(DType type, int64_t k, int64_t n_out, int64_t n_x) {
+  return std::string(dtype_name(type)) + " k=" + std::to_string(k) +
+         " n_out=" + std::to_string(n_out) + " n_x=" + std::to_string(n_x);
+}
+
+std::vector<int64_t> test_ks(DType type) {
+  if (type == DType::kBF16) return {32, 64, 256, 576, 7, 40, 100};  // and tails past 32-chunks
+  return {256, 512, 1536};
+}
+
+class KQuantMatmulTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(KQuantMatmulTest, MatchesReferenceAndScalarOnEveryIsa) {
+  const DType type = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(type) + 100);
+  ThreadPool pool(2);
+  int n_cases = 0;
+  for (int64_t k : test_ks(type)) {
+    for (int64_t n_out : {1, 3, 33, 100}) {
+      const Weights w = make_weights(type, k, n_out, rng);
+      for (int64_t n_x : {1, 2, 3, 5, 8, 9, 17}) {
+        SCOPED_TRACE(shape_name(type, k, n_out, n_x));
+        const std::vector<float> x = random_activations(n_x, k, rng);
+        PackedActivations scalar_packed;
+        scalar_packed.pack(scalar_kernel_table(), x.data(), n_x, k, {type}, pool);
+        const std::vector<double> ref =
+            reference_matmul(w.values, packed_values(scalar_packed, type), k, n_out, n_x);
+        double ref_max = 0.0;
+        for (double v : ref) ref_max = std::max(ref_max, std::fabs(v));
+        ASSERT_GT(ref_max, 0.0);
+        std::vector<float> scalar_y;
+        for (Isa isa : supported_isas()) {
+          SCOPED_TRACE(std::string(isa_name(isa)));
+          const KernelTable& kernels = kernel_table(isa);
+          PackedActivations packed;
+          packed.pack(kernels, x.data(), n_x, k, {type}, pool);
+          size_t rb = 0, scalar_rb = 0;
+          const uint8_t* rows = packed.rows(type, &rb);
+          const uint8_t* scalar_rows = scalar_packed.rows(type, &scalar_rb);
+          ASSERT_EQ(rb, scalar_rb);
+          ASSERT_EQ(std::memcmp(rows, scalar_rows, rb * n_x), 0) << "packed activations differ";
+          std::vector<float> y(static_cast<size_t>(n_x * n_out), NAN);
+          matmul(kernels, w.matrix(), packed, y.data(), n_out, pool);
+          double max_diff = 0.0;
+          for (size_t e = 0; e < y.size(); ++e) {
+            max_diff = std::max(max_diff, std::fabs(static_cast<double>(y[e]) - ref[e]));
+          }
+          EXPECT_LT(max_diff / ref_max, 1e-5)
+              << "max |diff| " << max_diff << " max |ref| " << ref_max;
+          if (isa == Isa::kScalar) {
+            scalar_y = y;
+          } else {
+            for (size_t e = 0; e < y.size(); ++e) {
+              ASSERT_EQ(std::bit_cast<uint32_t>(y[e]), std::bit_cast<uint32_t>(scalar_y[e]))
+                  << "differs from the scalar path at row " << e / n_out << " column " << e % n_out
+                  << ": " << y[e] << " vs " << scalar_y[e];
+            }
+          }
+          ++n_cases;
+        }
+      }
+    }
+  }
+  EXPECT_GT(n_cases, 0);
+}
+
+// Integer extremes: every weight and activation at the largest magnitude its
+// format holds, so any saturating or overflowing integer step would show.
+class KQuantExtremeTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
+  const DType type = GetParam();
+  const int64_t k = 4 * kSuperBlock, n_out = 4, n_x = 3;
+  Weights w;
+  w.type = type;
+  w.k = k;
+  w.n_out = n_out;
+  w.row_bytes = dtype_row_bytes(type, k);
+  w.bytes.resize(w.row_bytes * n_out);
+  w.values.resize(static_cast<size_t>(k * n_out));
+  for (int64_t j = 0; j < n_out; ++j) {
+    uint8_t* row = w.bytes.data() + j * w.row_bytes;
+    for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+      if (type == DType::kQ4_K) {
+        auto& blk = reinterpret_cast<BlockQ4_K*>(row)[b];
+        blk.d = fp32_to_fp16(0.01f);
+        blk.dmin = fp32_to_fp16(0.02f);
+        std::memset(blk.scales, j % 2 ? 0xff : 0x3f,
+                    sizeof(blk.scales));  // sc = m = 63 (or low bits)
+        std::memset(blk.qs, j < 2 ? 0xff : 0x0f, sizeof(blk.qs));
+      } else {
+        auto& blk = reinterpret_cast<BlockQ6_K*>(row)[b];
+        blk.d = fp32_to_fp16(0.01f);
+        std::memset(blk.scales, j % 2 ? 0x80 : 0x7f, sizeof(blk.scales));  // -128 or 127
+        std::memset(blk.ql, j < 2 ? 0xff : 0x00, sizeof(blk.ql));
+        std::memset(blk.qh, j < 2 ? 0xff : 0x00, sizeof(blk.qh));  // q = 63 or 0
+      }
+    }
+    dequantize_row(type, row, w.values.data() + j * k, k);
+  }
+  std::vector<float> x(static_cast<size_t>(n_x * k));
+  for (int64_t e = 0; e < k; ++e) {
+    x[e] = 1.0f;                          // all +127
+    x[k + e] = -1.0f;                     // all -127
+    x[2 * k + e] = e % 2 ? 1.0f : -1.0f;  // alternating
+  }
+  ThreadPool pool(1);
+  PackedActivations scalar_packed;
+  scalar_packed.pack(scalar_kernel_table(), x.data(), n_x, k, {type}, pool);
+  const std::vector<double> ref =
+      reference_matmul(w.values, packed_values(scalar_packed, type), k, n_out, n_x);
+  double ref_max = 0.0;
+  for (double v : ref) ref_max = std::max(ref_max, std::fabs(v));
+  std::vector<float> scalar_y;
+  for (Isa isa : supported_isas()) {
+    const std::vector<float> y = run_matmul(kernel_table(isa), w.matrix(), x, n_x, pool);
+    for (size_t e = 0; e < y.size(); ++e) {
+      EXPECT_LT(std::fabs(y[e] - ref[e]) / ref_max, 1e-5) << isa_name(isa) << " output " << e;
+    }
+    if (isa == Isa::kScalar) {
+      scalar_y = y;
+    } else {
+      EXPECT_TRUE(bitwise_equal(y.data(), scalar_y.data(), y.size())) << isa_name(isa);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KQuantTypes, KQuantExtremeTest,
+                         ::testing::Values(DType::kQ4_K, DType::kQ6_K),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(dtype_name(info.param));
+                         });
+
+// Row i of a batch is bitwise the row computed alone or in any smaller batch
+// at any position, with any thread count; any split of the weight rows gives
+// the same columns.
+TEST_P(KQuantMatmulTest, BatchInvariantOnEveryIsa) {
+  const DType type = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(type) + 200);
+  const int64_t n_x = 70;    // two activation tasks (64 + 6)
+  const int64_t n_out = 75;  // three weight tasks (32 + 32 + 11)
+  const int64_t k = type == DType::kBF16 ? 100 : 512;
+  ThreadPool pool1(1), pool2(2), pool3(3);
+  ThreadPool* pools[] = {&pool1, &pool2, &pool3};
+  const Weights w = make_weights(type, k, n_out, rng);
+  const std::vector<float> x = random_activations(n_x, k, rng);
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
+    const KernelTable& kernels = kernel_table(isa);
+    const std::vector<float> full = run_matmul(kernels, w.matrix(), x, n_x, pool1);
+    for (ThreadPool* pool : pools) {
+      for (int64_t i = 0; i < n_x; ++i) {
+        const std::vector<float> xi(x.begin() + i * k, x.begin() + (i + 1) * k);
+        const std::vector<float> yi = run_matmul(kernels, w.matrix(), xi, 1, *pool);
+        ASSERT_TRUE(bitwise_equal(yi.data(), full.data() + i * n_out, n_out))
+            << "row " << i << " alone, " << pool->size() << " threads";
+      }
+    }
+    for (int64_t n = 1; n <= 9; ++n) {
+      for (int64_t start : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{13}, n_x - n}) {
+        const std::vector<float> xs(x.begin() + start * k, x.begin() + (start + n) * k);
+        for (ThreadPool* pool : pools) {
+          const std::vector<float> ys = run_matmul(kernels, w.matrix(), xs, n, *pool);
+          ASSERT_TRUE(bitwise_equal(ys.data(), full.data() + start * n_out, n * n_out))
+              << "rows [" << start << ", " << start + n << "), " << pool->size() << " threads";
+        }
+      }
+    }
+    std::vector<float> reversed(x.size());
+    for (int64_t i = 0; i < n_x; ++i) {
+      std::copy_n(x.begin() + i * k, k, reversed.begin() + (n_x - 1 - i) * k);
+    }
+    for (ThreadPool* pool : pools) {
+      const std::vector<float> yr = run_matmul(kernels, w.matrix(), reversed, n_x, *pool);
+      for (int64_t i = 0; i < n_x; ++i) {
+        ASSERT_TRUE(
+            bitwise_equal(yr.data() + (n_x - 1 - i) * n_out, full.data() + i * n_out, n_out))
+            << "row " << i << " at position " << n_x - 1 - i << ", " << pool->size() << " threads";
+      }
+    }
+    for (int64_t split : {1, 7, 32, 33, 50}) {
+      PackedActivations packed;
+      packed.pack(kernels, x.data(), n_x, k, {type}, pool2);
+      std::vector<float> y(full.size(), NAN);
+      matmul(kernels, w.rows(0, split), packed, y.data(), n_out, pool2);
+      matmul(kernels, w.rows(split, n_out - split), packed, y.data() + split, n_out, pool3);
+      ASSERT_TRUE(bitwise_equal(y.data(), full.data(), full.size())) << "split at " << split;
+    }
+  }
+}
+
+// The dot tile functions called directly: any tiling writes the same bits
+// and nothing past n_w.
+TEST_P(KQuantMatmulTest, DotTileSplitsAreBitIdentical) {
+  const DType type = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(type) + 300);
+  ThreadPool pool(1);
+  const int64_t k = type == DType::kBF16 ? 72 : 768;
+  const int64_t n_out = 37, n_x = 11;
+  const Weights w = make_weights(type, k, n_out, rng);
+  const std::vector<float> x = random_activations(n_x, k, rng);
+  for (Isa isa : supported_isas()) {
+    SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
+    const KernelTable& kernels = kernel_table(isa);
+    const DotTileFn dot = dot_fn_of(kernels, type);
+    PackedActivations packed;
+    packed.pack(kernels, x.data(), n_x, k, {type}, pool);
+    size_t x_stride = 0;
+    const uint8_t* xr = packed.rows(type, &x_stride);
+    const int64_t ldy = n_out + 5;
+    std::vector<float> whole(static_cast<size_t>(n_x * ldy), NAN);
+    dot(w.bytes.data(), w.row_bytes, n_out, xr, x_stride, n_x, k, whole.data(), ldy);
+    for (int64_t tile_w : {1, 2, 5, 37}) {
+      for (int64_t tile_x : {1, 2, 3, 4, 7, 8, 9, 11}) {
+        std::vector<float> y(whole.size(), NAN);
+        for (int64_t j0 = 0; j0 < n_out; j0 += tile_w) {
+          for (int64_t i0 = 0; i0 < n_x; i0 += tile_x) {
+            const int64_t nw = std::min(tile_w, n_out - j0), nx = std::min(tile_x, n_x - i0);
+            dot(w.bytes.data() + j0 * w.row_bytes, w.row_bytes, nw, xr + i0 * x_stride, x_stride,
+                nx, k, y.data() + i0 * ldy + j0, ldy);
+          }
+        }
+        for (int64_t i = 0; i < n_x; ++i) {
+          ASSERT_TRUE(bitwise_equal(y.data() + i * ldy, whole.data() + i * ldy, n_out))
+              << "tiles of " << tile_w << " x " << tile_x << ", row " << i;
+          for (int64_t j = n_out; j < ldy; ++j) ASSERT_TRUE(std::isnan(y[i * ldy + j]));
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightTypes, KQuantMatmulTest,
+                         ::testing::Values(DType::kBF16, DType::kQ4_K, DType::kQ6_K),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(dtype_name(info.param));
+                         });
+
+TEST(KQuantMatmul, OnePackServesEveryWeightType) {
+  std::mt19937 rng(400);
+  ThreadPool pool(2);
+  const int64_t k = 512, n_out = 9, n_x = 6;
+  const std::vector<float> x = random_activations(n_x, k, rng);
+  const DType types[] = {DType::kQ4_K, DType::kBF16, DType::kQ6_K, DType::kQ4_1,
+                         DType::kQ8_0, DType::kF16,  DType::kF32};
+  for (Isa isa : supported_isas()) {
+    const KernelTable& kernels = kernel_table(isa);
+    PackedActivations shared;
+    shared.pack(kernels, x.data(), n_x, k,
+                {DType::kQ4_K, DType::kBF16, DType::kQ6_K, DType::kQ4_1, DType::kQ8_0, DType::kF16,
+                 DType::kF32},
+                pool);
+    for (DType type : types) {
+      const Weights w = make_weights(type, k, n_out, rng);
+      std::vector<float> y(static_cast<size_t>(n_x * n_out));
+      matmul(kernels, w.matrix(), shared, y.data(), n_out, pool);
+      const std::vector<float> alone = run_matmul(kernels, w.matrix(), x, n_x, pool);
+      EXPECT_TRUE(bitwise_equal(y.data(), alone.data(), y.size()))
+          << isa_name(isa) << " " << dtype_name(type);
+    }
+  }
+}
+
+TEST(KQuantMatmul, TypesAreWired) {
+  EXPECT_EQ(activation_type(DType::kBF16), DType::kBF16);
+  EXPECT_EQ(activation_type(DType::kQ4_K), DType::kQ8_K);
+  EXPECT_EQ(activation_type(DType::kQ6_K), DType::kQ8_K);
+  EXPECT_THROW(activation_type(DType::kQ5_K), std::exception);
+  for (DType type : {DType::kBF16, DType::kQ4_K, DType::kQ6_K}) {
+    EXPECT_TRUE(dtype_is_supported_weight(type)) << dtype_name(type);
+  }
+  for (DType type : {DType::kQ2_K, DType::kQ3_K, DType::kQ5_K, DType::kQ8_K}) {
+    EXPECT_FALSE(dtype_is_supported_weight(type)) << dtype_name(type);
+  }
+}
+
+}  // namespace
+}  // namespace duet::cpu
