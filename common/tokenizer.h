@@ -76,7 +76,10 @@ class Tokenizer {
   // "<|im_start|>", become their ids. As in llama.cpp (and HF), user-defined
   // tokens are split out of the text in either case. Invalid UTF-8 in `text`
   // is tokenized as U+FFFD, byte by byte, like llama.cpp, by BPE; SentencePiece
-  // keeps the bytes and falls back to byte tokens.
+  // keeps the bytes and falls back to byte tokens. A byte-level BPE
+  // vocabulary without a token for some byte value drops that byte, as
+  // llama.cpp does (SmolLM2 lacks 21 of them, e.g. 0x06 and 0xF5..0xFF), so
+  // decode(encode(text)) can be shorter than text.
   std::vector<TokenId> encode(std::string_view text, bool add_special, bool parse_special) const;
 
   // Concatenated token_to_piece; skip_special drops control and unknown
