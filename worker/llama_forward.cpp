@@ -20,8 +20,8 @@ void add_bias(float* x, const std::vector<float>& bias, int64_t n_rows) {
 }  // namespace
 
 LlamaForward::LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels,
-                           cpu::ThreadPool& pool)
-    : model_(model), kernels_(kernels), pool_(pool) {}
+                           cpu::ThreadPool& pool, cpu::AttentionOrder attention_order)
+    : model_(model), kernels_(kernels), pool_(pool), attention_order_(attention_order) {}
 
 void LlamaForward::resize(int64_t n, int64_t n_logit_rows) {
   const ModelConfig& c = model_.config();
@@ -82,6 +82,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   shape.n_kv_heads = c.n_kv_heads;
   shape.head_dim = c.head_dim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  shape.order = attention_order_;
 
   for (int64_t il = 0; il < c.n_layers; ++il) {
     const LlamaLayerWeights& w = model_.layer(il);

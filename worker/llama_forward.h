@@ -15,6 +15,7 @@
 #include <span>
 #include <vector>
 
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/thread_pool.h"
@@ -32,7 +33,12 @@ struct ForwardSequence {
 
 class LlamaForward final {
  public:
-  LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool);
+  // attention_order: kLlamaCpp reproduces llama.cpp for one sequence decoded
+  // token by token; kBatchInvariant makes every token's result independent of
+  // how its sequence's tokens are split into steps (what a batching engine
+  // with chunked prefill, preemption and prefix caching needs).
+  LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
+               cpu::AttentionOrder attention_order = cpu::AttentionOrder::kLlamaCpp);
 
   // tokens: all rows of the batch, sequence after sequence. Writes K/V of every
   // row into `cache`, and the logits of the batch rows in `logit_rows` into
@@ -46,6 +52,7 @@ class LlamaForward final {
   const LlamaModel& model_;
   const cpu::KernelTable& kernels_;
   cpu::ThreadPool& pool_;
+  const cpu::AttentionOrder attention_order_;
   cpu::PackedActivations packed_;
   std::vector<int32_t> positions_;
   std::vector<float> x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_;

@@ -42,8 +42,9 @@ void reduce_lanes(float* lanes, int groups, int64_t dim, float* out) {
 
 }  // namespace
 
-int attention_groups(int64_t n_q, int64_t head_dim) {
-  return n_q == 1 || head_dim % kLanes != 0 ? static_cast<int>(kGroups) : 1;
+int attention_groups(int64_t n_q, int64_t head_dim, AttentionOrder order) {
+  if (head_dim % kLanes != 0) return static_cast<int>(kGroups);  // the GEMM order needs whole lanes
+  return order == AttentionOrder::kLlamaCpp && n_q == 1 ? static_cast<int>(kGroups) : 1;
 }
 
 void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
@@ -81,9 +82,8 @@ void attention(const KernelTable& kernels, const KvLayout& layout, const KvEleme
   const int64_t group = shape.n_heads / shape.n_kv_heads;
   const int64_t n_ctx = pos0 + n_q;
   DUET_ASSERT(n_ctx <= static_cast<int64_t>(block_table.size()) * layout.block_size);
-  // One query token reduces as llama.cpp's ggml_vec_dot_f16 (4 accumulator
-  // groups); several as its tinyBLAS GEMM (one group).
-  const int groups = attention_groups(n_q, head_dim);
+  // 4 accumulator groups: llama.cpp's ggml_vec_dot_f16; 1: its tinyBLAS GEMM.
+  const int groups = attention_groups(n_q, head_dim, shape.order);
   // Per thread: scores (n_ctx rounded up to 16), F16 query (head_dim halves),
   // and 4 groups x 16 lanes x head_dim accumulators.
   const int64_t n_scores = (n_ctx + kLanes - 1) / kLanes * kLanes;

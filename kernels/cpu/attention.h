@@ -4,11 +4,9 @@
 // the bit where we could: Q is rounded to F16 before Q.K; scores are scaled,
 // exponentiated with ggml's polynomial and normalized in F32 with a double
 // sum; the probabilities are rounded to F16 before they weight V; every dot
-// product reduces in the fixed lane orders of kernel_table.h. Like llama.cpp,
-// a step with a single query token of the sequence reduces in the
-// ggml_vec_dot_f16 order and a step with several in the GEMM order, so a
-// sequence's results depend only on its own tokens, never on other sequences
-// in the batch. Block sizes must be multiples of 16.
+// product reduces in the fixed lane orders of kernel_table.h. Which order is
+// an AttentionOrder (below); either way a sequence's results never depend on
+// the other sequences of a batch. Block sizes must be multiples of 16.
 #pragma once
 
 #include <cstdint>
@@ -20,11 +18,23 @@
 
 namespace duet::cpu {
 
+enum class AttentionOrder {
+  // As llama.cpp: a step holding a single query token of the sequence reduces
+  // in ggml_vec_dot_f16's order, a step holding several in its GEMM order.
+  // Bit-exact with llama.cpp for one sequence run alone, token by token.
+  kLlamaCpp,
+  // Always the GEMM order (what llama.cpp does for any batch of two or more
+  // tokens): a token's result is the same whether it is computed alone, in a
+  // prefill chunk of any size, or recomputed after preemption.
+  kBatchInvariant,
+};
+
 struct AttentionShape {
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;  // query head h reads KV head h / (n_heads / n_kv_heads)
   int64_t head_dim = 0;
   float scale = 1.0f;      // usually 1 / sqrt(head_dim)
+  AttentionOrder order = AttentionOrder::kLlamaCpp;
 };
 
 // Writes K and V rows of n_tokens tokens at positions [pos0, pos0 + n_tokens)
@@ -34,7 +44,7 @@ void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
                     const float* k, const float* v);
 
 // The accumulator groups for a step with n_q query tokens of one sequence.
-int attention_groups(int64_t n_q, int64_t head_dim);
+int attention_groups(int64_t n_q, int64_t head_dim, AttentionOrder order = AttentionOrder::kLlamaCpp);
 
 // q: (n_q, n_heads * head_dim) for the query tokens at positions
 // [pos0, pos0 + n_q); the cache must already hold positions [0, pos0 + n_q).
