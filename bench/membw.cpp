@@ -20,7 +20,8 @@ __attribute__((target("avx2"))) uint64_t stream_read(const uint8_t* data, size_t
   __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
   for (size_t i = 0; i + 64 <= bytes; i += 64) {
     acc0 = _mm256_add_epi64(acc0, _mm256_load_si256(reinterpret_cast<const __m256i*>(data + i)));
-    acc1 = _mm256_add_epi64(acc1, _mm256_load_si256(reinterpret_cast<const __m256i*>(data + i + 32)));
+    acc1 =
+        _mm256_add_epi64(acc1, _mm256_load_si256(reinterpret_cast<const __m256i*>(data + i + 32)));
   }
   acc0 = _mm256_add_epi64(acc0, acc1);
   uint64_t lanes[4];
@@ -58,7 +59,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::memset(data, 1, bytes);  // fault every page in before timing
-  std::printf("| threads | read GB/s (median of %d passes over %zu MiB) |\n|---:|---:|\n", passes, mib);
+  std::printf("| threads | read GB/s (median of %d passes over %zu MiB) |\n|---:|---:|\n", passes,
+              mib);
   uint64_t sink = 0;
   for (int n_threads = 1; n_threads <= max_threads; ++n_threads) {
     std::vector<double> rates;
@@ -71,7 +73,8 @@ int main(int argc, char** argv) {
         threads.emplace_back([&, t] { sums[t] = stream_read(data + t * share, share); });
       }
       for (auto& thread : threads) thread.join();
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       for (uint64_t s : sums) sink += s;
       rates.push_back(static_cast<double>(share) * n_threads / seconds / 1e9);
     }

@@ -7,7 +7,8 @@
 namespace duet {
 
 ChatTemplateKind detect_chat_template(std::string_view template_text) {
-  if (template_text.find("<|im_start|>") != std::string_view::npos) return ChatTemplateKind::kChatMl;
+  if (template_text.find("<|im_start|>") != std::string_view::npos)
+    return ChatTemplateKind::kChatMl;
   throw Error(ErrorKind::kUnsupported,
               fmt::format("unsupported chat template (supported: ChatML); it begins: {:.60}",
                           template_text));

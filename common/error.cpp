@@ -4,11 +4,16 @@ namespace duet {
 
 std::string_view error_kind_name(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kInvalidArgument: return "invalid argument";
-    case ErrorKind::kNotFound: return "not found";
-    case ErrorKind::kCorruptFile: return "corrupt file";
-    case ErrorKind::kUnsupported: return "unsupported";
-    case ErrorKind::kInternal: return "internal error";
+    case ErrorKind::kInvalidArgument:
+      return "invalid argument";
+    case ErrorKind::kNotFound:
+      return "not found";
+    case ErrorKind::kCorruptFile:
+      return "corrupt file";
+    case ErrorKind::kUnsupported:
+      return "unsupported";
+    case ErrorKind::kInternal:
+      return "internal error";
   }
   return "unknown error";
 }

@@ -46,16 +46,15 @@ std::string assert_detail(fmt::format_string<Args...> format, Args&&... args) {
 }  // namespace duet
 
 // The caller's fault: `DUET_REQUIRE(n > 0, "n must be positive, got {}", n)`.
-#define DUET_REQUIRE(cond, ...)                                                        \
-  do {                                                                                 \
-    if (!(cond)) [[unlikely]]                                                          \
+#define DUET_REQUIRE(cond, ...)                                                             \
+  do {                                                                                      \
+    if (!(cond)) [[unlikely]]                                                               \
       throw ::duet::Error(::duet::ErrorKind::kInvalidArgument, ::fmt::format(__VA_ARGS__)); \
   } while (0)
 
 // Our fault: `DUET_ASSERT(i < size)` or `DUET_ASSERT(i < size, "i={}", i)`.
-#define DUET_ASSERT(cond, ...)                                                        \
-  do {                                                                                \
-    if (!(cond)) [[unlikely]]                                                         \
-      ::duet::throw_assert_failure(#cond, __FILE__, __LINE__,                         \
-                                   ::duet::assert_detail(__VA_ARGS__));      \
+#define DUET_ASSERT(cond, ...)                                                                     \
+  do {                                                                                             \
+    if (!(cond)) [[unlikely]]                                                                      \
+      ::duet::throw_assert_failure(#cond, __FILE__, __LINE__, ::duet::assert_detail(__VA_ARGS__)); \
   } while (0)

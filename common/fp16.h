@@ -35,9 +35,9 @@ static inline uint16_t fp32_to_fp16(float f) {
   const uint32_t x = std::bit_cast<uint32_t>(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t abs = x & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow to inf
-  if (abs < 0x38800000u) {  // subnormal or zero in half precision
+  if (abs < 0x38800000u) {                                    // subnormal or zero in half precision
     const float value = std::bit_cast<float>(abs) * 0x1p24f;  // exact scale into integer range
     // Round to nearest even through the FPU's default rounding.
     const float rounded = value + 0x1p23f - 0x1p23f;
@@ -47,7 +47,9 @@ static inline uint16_t fp32_to_fp16(float f) {
   return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
 }
 
-static inline float bf16_to_fp32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+static inline float bf16_to_fp32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 static inline uint16_t fp32_to_bf16(float f) {
   const uint32_t x = std::bit_cast<uint32_t>(f);

@@ -49,9 +49,12 @@ T load(const uint8_t* p) {
 // A scalar's bits as GgufValue keeps them: signed integers sign-extended, the rest zero-extended.
 uint64_t load_scalar_bits(GgufType type, const uint8_t* p) {
   switch (type) {
-    case GgufType::kI8: return static_cast<uint64_t>(static_cast<int64_t>(load<int8_t>(p)));
-    case GgufType::kI16: return static_cast<uint64_t>(static_cast<int64_t>(load<int16_t>(p)));
-    case GgufType::kI32: return static_cast<uint64_t>(static_cast<int64_t>(load<int32_t>(p)));
+    case GgufType::kI8:
+      return static_cast<uint64_t>(static_cast<int64_t>(load<int8_t>(p)));
+    case GgufType::kI16:
+      return static_cast<uint64_t>(static_cast<int64_t>(load<int16_t>(p)));
+    case GgufType::kI32:
+      return static_cast<uint64_t>(static_cast<int64_t>(load<int32_t>(p)));
     default: {
       uint64_t bits = 0;
       std::memcpy(&bits, p, scalar_size(type));
@@ -406,9 +409,12 @@ GgufType GgufValue::element_type() const {
 
 size_t GgufValue::size() const {
   switch (element_type()) {
-    case GgufType::kString: return strings_.size();
-    case GgufType::kArray: return arrays_.size();
-    default: return element_bytes_.size() / scalar_size(element_type_);
+    case GgufType::kString:
+      return strings_.size();
+    case GgufType::kArray:
+      return arrays_.size();
+    default:
+      return element_bytes_.size() / scalar_size(element_type_);
   }
 }
 

@@ -133,7 +133,8 @@ class GgufValue {
         if (std::in_range<T>(static_cast<int64_t>(bits)))
           return static_cast<T>(static_cast<int64_t>(bits));
         return std::nullopt;
-      default: return std::nullopt;
+      default:
+        return std::nullopt;
     }
   }
   uint64_t scalar_bits(GgufType expected) const;

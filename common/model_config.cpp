@@ -73,30 +73,36 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
   c.n_embd = require_count(file, p + "embedding_length");
   c.n_ff = require_count(file, p + "feed_forward_length");
   c.n_heads = require_count(file, p + "attention.head_count");
-  c.n_kv_heads = file.get_u64(p + "attention.head_count_kv") ? require_count(file, p + "attention.head_count_kv")
-                                                             : c.n_heads;
-  c.n_ctx_train = file.get_u64(p + "context_length") ? require_count(file, p + "context_length") : 2048;
+  c.n_kv_heads = file.get_u64(p + "attention.head_count_kv")
+                     ? require_count(file, p + "attention.head_count_kv")
+                     : c.n_heads;
+  c.n_ctx_train =
+      file.get_u64(p + "context_length") ? require_count(file, p + "context_length") : 2048;
   if (c.n_embd % c.n_heads != 0) {
-    fail(file, ErrorKind::kCorruptFile,
-         fmt::format("embedding_length {} is not a multiple of head_count {}", c.n_embd, c.n_heads));
+    fail(
+        file, ErrorKind::kCorruptFile,
+        fmt::format("embedding_length {} is not a multiple of head_count {}", c.n_embd, c.n_heads));
   }
   c.head_dim = c.n_embd / c.n_heads;
   if (file.get_u64(p + "attention.key_length")) {
     const int64_t key_length = require_count(file, p + "attention.key_length");
-    const int64_t value_length =
-        file.get_u64(p + "attention.value_length") ? require_count(file, p + "attention.value_length") : key_length;
+    const int64_t value_length = file.get_u64(p + "attention.value_length")
+                                     ? require_count(file, p + "attention.value_length")
+                                     : key_length;
     if (key_length != c.head_dim || value_length != c.head_dim) {
       fail(file, ErrorKind::kUnsupported,
-           fmt::format("head size {}/{} different from embedding_length / head_count = {}", key_length,
-                       value_length, c.head_dim));
+           fmt::format("head size {}/{} different from embedding_length / head_count = {}",
+                       key_length, value_length, c.head_dim));
     }
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     fail(file, ErrorKind::kCorruptFile,
-         fmt::format("head_count {} is not a multiple of head_count_kv {}", c.n_heads, c.n_kv_heads));
+         fmt::format("head_count {} is not a multiple of head_count_kv {}", c.n_heads,
+                     c.n_kv_heads));
   }
-  c.n_rot = file.get_u64(p + "rope.dimension_count") ? require_count(file, p + "rope.dimension_count")
-                                                     : c.head_dim;
+  c.n_rot = file.get_u64(p + "rope.dimension_count")
+                ? require_count(file, p + "rope.dimension_count")
+                : c.head_dim;
   if (c.n_rot > c.head_dim || c.n_rot % 2 != 0 || c.n_rot > 1024) {
     fail(file, ErrorKind::kCorruptFile,
          fmt::format("rope.dimension_count {} does not fit head size {}", c.n_rot, c.head_dim));
@@ -107,7 +113,8 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
   c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
   c.rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon").value_or(1e-5f);
   if (!(c.rope_freq_base > 0.0f) || !(c.rms_eps > 0.0f)) {
-    fail(file, ErrorKind::kCorruptFile, "rope.freq_base and layer_norm_rms_epsilon must be positive");
+    fail(file, ErrorKind::kCorruptFile,
+         "rope.freq_base and layer_norm_rms_epsilon must be positive");
   }
   c.rope_freq_scale = read_rope_freq_scale(file, p);
   if (const GgufValue* window = file.find(p + "attention.sliding_window")) {

@@ -25,8 +25,8 @@ struct ModelConfig {
   int64_t head_dim = 0;
   int64_t n_ff = 0;
   int64_t n_ctx_train = 0;
-  int64_t n_rot = 0;           // rotated dims per head
-  bool rope_neox = false;      // rotate halves (NeoX) instead of adjacent pairs
+  int64_t n_rot = 0;       // rotated dims per head
+  bool rope_neox = false;  // rotate halves (NeoX) instead of adjacent pairs
   float rope_freq_base = 10000.0f;
   float rope_freq_scale = 1.0f;  // linear position scaling: 1 / rope.scaling.factor
   float rms_eps = 1e-5f;

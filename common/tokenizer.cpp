@@ -76,8 +76,8 @@ bool name_in(std::string_view name, std::initializer_list<std::string_view> name
 
 std::optional<PreTokenizerDef> find_pre_tokenizer(std::string_view name) {
   if (name.empty() || name == "default") {
-    return PreTokenizerDef{{R"re([\p{P}\$\+<=>\^~\|]+)re", kGpt2Pattern, R"re(\p{N}+)re",
-                            "[0-9][0-9][0-9]"}};
+    return PreTokenizerDef{
+        {R"re([\p{P}\$\+<=>\^~\|]+)re", kGpt2Pattern, R"re(\p{N}+)re", "[0-9][0-9][0-9]"}};
   }
   if (name_in(name, {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                      "midm-2.0", "lfm2", "jina-v5-nano"})) {
@@ -99,23 +99,25 @@ std::optional<PreTokenizerDef> find_pre_tokenizer(std::string_view name) {
     // Every digit alone first, then GPT-2's pattern.
     return PreTokenizerDef{{R"re(\p{N})re", kGpt2Pattern}};
   }
-  if (name_in(name, {"gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
-                     "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "exaone4", "mpt", "olmo",
-                     "jais", "trillion", "granite-docling", "jina-v1-en", "jina-v2-code",
-                     "roberta-bpe"})) {
+  if (name_in(name,
+              {"gpt2",        "gpt-2",           "phi-2",      "jina-es",      "jina-de",
+               "gigachat",    "jina-v2-es",      "jina-v2-de", "a.x-4.0",      "mellum",
+               "modern-bert", "exaone4",         "mpt",        "olmo",         "jais",
+               "trillion",    "granite-docling", "jina-v1-en", "jina-v2-code", "roberta-bpe"})) {
     return PreTokenizerDef{{kGpt2Pattern}};
   }
   if (name == "falcon") {
     return PreTokenizerDef{{R"re([\p{P}\$\+<=>\^~\|`]+)re", kGpt2Pattern, "[0-9][0-9][0-9]"}};
   }
   if (name == "deepseek-llm") {
-    return PreTokenizerDef{{"[\\r\\n]", kDeepseekLetterPattern,
-                            R"re(\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+)re",
-                            R"re(\s+$)re", kDeepseekCjkPattern, R"re(\p{N}+)re"}};
+    return PreTokenizerDef{
+        {"[\\r\\n]", kDeepseekLetterPattern,
+         R"re(\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+)re",
+         R"re(\s+$)re", kDeepseekCjkPattern, R"re(\p{N}+)re"}};
   }
   if (name == "deepseek-coder") {
-    return PreTokenizerDef{{"[\\r\\n]", R"re(\s?\p{L}+)re", R"re(\s?\p{P}+)re",
-                            kDeepseekCjkPattern, R"re(\p{N})re"}};
+    return PreTokenizerDef{
+        {"[\\r\\n]", R"re(\s?\p{L}+)re", R"re(\s?\p{P}+)re", kDeepseekCjkPattern, R"re(\p{N})re"}};
   }
   if (name_in(name, {"deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"})) {
     return PreTokenizerDef{
@@ -151,30 +153,62 @@ std::optional<PreTokenizerDef> find_pre_tokenizer(std::string_view name) {
 #define DUET_FW_BAR "\xEF\xBD\x9C"
 #define DUET_LOW_BLOCK "\xE2\x96\x81"
 
-constexpr std::string_view kEotTexts[] = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<" DUET_FW_BAR "end" DUET_LOW_BLOCK "of" DUET_LOW_BLOCK
-    "sentence" DUET_FW_BAR ">", "<end_of_utterance>"};
+constexpr std::string_view kEotTexts[] = {"<|eot_id|>",
+                                          "<|im_end|>",
+                                          "<|end|>",
+                                          "<end_of_turn>",
+                                          "<|endoftext|>",
+                                          "<|end_of_text|>",
+                                          "<EOT>",
+                                          "_<EOT>",
+                                          "[EOT]",
+                                          "<" DUET_FW_BAR "end" DUET_LOW_BLOCK "of" DUET_LOW_BLOCK
+                                          "sentence" DUET_FW_BAR ">",
+                                          "<end_of_utterance>"};
 constexpr std::string_view kEomTexts[] = {"<|eom_id|>"};
 constexpr std::string_view kFimPreTexts[] = {
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<" DUET_FW_BAR "fim" DUET_LOW_BLOCK
-    "begin" DUET_FW_BAR ">", "<PRE>", DUET_LOW_BLOCK "<PRE>", "<|code_prefix|>", "<|prefix|>"};
+    "<|fim_prefix|>",  "<fim-prefix>",
+    "<fim_prefix>",    "<" DUET_FW_BAR "fim" DUET_LOW_BLOCK "begin" DUET_FW_BAR ">",
+    "<PRE>",           DUET_LOW_BLOCK "<PRE>",
+    "<|code_prefix|>", "<|prefix|>"};
 constexpr std::string_view kFimSufTexts[] = {
-    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<" DUET_FW_BAR "fim" DUET_LOW_BLOCK
-    "hole" DUET_FW_BAR ">", "<SUF>", DUET_LOW_BLOCK "<SUF>", "<|code_suffix|>", "<|suffix|>"};
+    "<|fim_suffix|>",  "<fim-suffix>",
+    "<fim_suffix>",    "<" DUET_FW_BAR "fim" DUET_LOW_BLOCK "hole" DUET_FW_BAR ">",
+    "<SUF>",           DUET_LOW_BLOCK "<SUF>",
+    "<|code_suffix|>", "<|suffix|>"};
 constexpr std::string_view kFimMidTexts[] = {
-    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<" DUET_FW_BAR "fim" DUET_LOW_BLOCK
-    "end" DUET_FW_BAR ">", "<MID>", DUET_LOW_BLOCK "<MID>", "<|code_middle|>", "<|middle|>"};
+    "<|fim_middle|>",  "<fim-middle>",
+    "<fim_middle>",    "<" DUET_FW_BAR "fim" DUET_LOW_BLOCK "end" DUET_FW_BAR ">",
+    "<MID>",           DUET_LOW_BLOCK "<MID>",
+    "<|code_middle|>", "<|middle|>"};
 constexpr std::string_view kFimPadTexts[] = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
                                              "[PAD]"};
 constexpr std::string_view kFimRepTexts[] = {"<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
                                              "<REPO>", "<reponame>"};
 constexpr std::string_view kFimSepTexts[] = {"<|file_sep|>"};
-constexpr std::string_view kEogTexts[] = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<" DUET_FW_BAR "end" DUET_LOW_BLOCK "of" DUET_LOW_BLOCK "sentence" DUET_FW_BAR ">", "[e~["};
+constexpr std::string_view kEogTexts[] = {"<|eot_id|>",
+                                          "<|im_end|>",
+                                          "<|end|>",
+                                          "<|return|>",
+                                          "<|call|>",
+                                          "<|flush|>",
+                                          "<|calls|>",
+                                          "<end_of_turn>",
+                                          "<|endoftext|>",
+                                          "</s>",
+                                          "<|eom_id|>",
+                                          "<EOT>",
+                                          "_<EOT>",
+                                          "[EOT]",
+                                          "[EOS]",
+                                          "<|end_of_text|>",
+                                          "<end_of_utterance>",
+                                          "<eos>",
+                                          "<turn|>",
+                                          "<|tool_response>",
+                                          "<" DUET_FW_BAR "end" DUET_LOW_BLOCK "of" DUET_LOW_BLOCK
+                                          "sentence" DUET_FW_BAR ">",
+                                          "[e~["};
 // gpt-oss (harmony) tokens that llama.cpp always renders.
 constexpr std::string_view kAlwaysRenderedTexts[] = {"<|channel|>", "<|message|>", "<|start|>",
                                                      "<|constrain|>"};
@@ -424,9 +458,8 @@ void Tokenizer::find_special_tokens() {
     }
   }
   // Longest first, so that a token is never split out of a longer one.
-  std::stable_sort(special_tokens_.begin(), special_tokens_.end(), [this](TokenId a, TokenId b) {
-    return tokens_[a].size() > tokens_[b].size();
-  });
+  std::stable_sort(special_tokens_.begin(), special_tokens_.end(),
+                   [this](TokenId a, TokenId b) { return tokens_[a].size() > tokens_[b].size(); });
 }
 
 void Tokenizer::build_pieces() {
@@ -665,8 +698,8 @@ std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special) c
   std::string out;
   bool strip_space = strips_space_after_bos(ids);
   for (const TokenId id : ids) {
-    DUET_REQUIRE(id >= 0 && size_t(id) < tokens_.size(), "token id {} is out of range [0, {})",
-                 id, tokens_.size());
+    DUET_REQUIRE(id >= 0 && size_t(id) < tokens_.size(), "token id {} is out of range [0, {})", id,
+                 tokens_.size());
     if (skip_special && is_special_type(id)) continue;
     std::string_view piece = pieces_[id];
     // Only a space that starts the decoded text is dropped.

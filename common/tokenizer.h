@@ -132,7 +132,7 @@ class Tokenizer {
     int32_t result;  // piece id of the merged text
   };
   struct Fragment {  // of encode's input, after splitting out special tokens
-    TokenId token;  // -1: text [begin, end)
+    TokenId token;   // -1: text [begin, end)
     size_t begin, end;
   };
   struct StringHash {
@@ -176,8 +176,8 @@ class Tokenizer {
   // that only occurs as a part or result of a merge.
   StringIndex piece_index_;
   std::vector<std::string> extra_pieces_;
-  std::unordered_map<uint64_t, Merge> merges_;  // key: (left piece << 32) | right piece
-  std::array<int32_t, 256> byte_piece_{};       // piece of each byte's alphabet char, -1: none
+  std::unordered_map<uint64_t, Merge> merges_;    // key: (left piece << 32) | right piece
+  std::array<int32_t, 256> byte_piece_{};         // piece of each byte's alphabet char, -1: none
   std::array<TokenId, 256> single_byte_token_{};  // token whose text is that one byte, -1: none
   // SentencePiece byte fallback: the "<0xXX>" token of each byte, else
   // single_byte_token_, -1: none.

@@ -23,8 +23,9 @@ TokenizerSpec tokenizer_spec_from_gguf(const GgufFile& file) {
   TokenizerSpec spec;
   const std::optional<std::string> model = file.get_string("tokenizer.ggml.model");
   if (!model) {
-    throw Error(ErrorKind::kCorruptFile,
-                fmt::format("{}: no tokenizer.ggml.model: the file carries no vocabulary", file.name()));
+    throw Error(
+        ErrorKind::kCorruptFile,
+        fmt::format("{}: no tokenizer.ggml.model: the file carries no vocabulary", file.name()));
   }
   spec.model = *model;
   spec.pre = file.get_string("tokenizer.ggml.pre").value_or("default");
@@ -37,7 +38,8 @@ TokenizerSpec tokenizer_spec_from_gguf(const GgufFile& file) {
     spec.token_types.reserve(types->size());
     for (int32_t t : *types) spec.token_types.push_back(static_cast<TokenType>(t));
   }
-  if (auto merges = file.get_string_array("tokenizer.ggml.merges")) spec.merges = std::move(*merges);
+  if (auto merges = file.get_string_array("tokenizer.ggml.merges"))
+    spec.merges = std::move(*merges);
   if (auto scores = file.get_f32_array("tokenizer.ggml.scores")) spec.scores = std::move(*scores);
   // SentencePiece vocabularies default to <unk> 0, <s> 1, </s> 2 (llama.cpp).
   const bool spm = spec.model == "llama";

@@ -198,8 +198,7 @@ RegexSplitter::RegexSplitter(const std::vector<std::string>& patterns) {
     PCRE2_SIZE error_offset = 0;
     // DOLLAR_ENDONLY: `$` means the end of the piece, as in ECMAScript (llama.cpp's std::regex).
     // MATCH_INVALID_UTF: lenient input may hold surrogates; they simply never match.
-    const uint32_t options =
-        PCRE2_UTF | PCRE2_UCP | PCRE2_DOLLAR_ENDONLY | PCRE2_MATCH_INVALID_UTF;
+    const uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_DOLLAR_ENDONLY | PCRE2_MATCH_INVALID_UTF;
     pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(),
                                      options, &error, &error_offset, nullptr);
     if (code == nullptr) {

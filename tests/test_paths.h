@@ -32,7 +32,7 @@ inline std::optional<std::filesystem::path> shared_model_path(const std::string&
 
 }  // namespace duet::testing
 
-#define DUET_SKIP_WITHOUT_DEFAULT_MODEL(var)                                                     \
-  auto var##_opt = ::duet::testing::default_model_path();                                        \
-  if (!var##_opt) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";    \
+#define DUET_SKIP_WITHOUT_DEFAULT_MODEL(var)                                                  \
+  auto var##_opt = ::duet::testing::default_model_path();                                     \
+  if (!var##_opt) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it"; \
   const std::filesystem::path var = *var##_opt

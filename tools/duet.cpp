@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("generate")) return duet::tools::run_generate(generate_args);
   } catch (const duet::Error& e) {
-    std::fprintf(stderr, "duet: %s: %s\n", std::string(duet::error_kind_name(e.kind())).c_str(), e.what());
+    std::fprintf(stderr, "duet: %s: %s\n", std::string(duet::error_kind_name(e.kind())).c_str(),
+                 e.what());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "duet: error: %s\n", e.what());

@@ -72,7 +72,8 @@ std::pair<double, double> run_once(duet::LlamaForward& forward, const duet::Mode
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"duet-engine-bench: prompt and generation tokens/s of one model (llama-bench style)"};
+  CLI::App app{
+      "duet-engine-bench: prompt and generation tokens/s of one model (llama-bench style)"};
   std::string model_path;
   std::vector<int64_t> prompt_sizes{512};
   std::vector<int64_t> gen_sizes{128};
@@ -83,7 +84,8 @@ int main(int argc, char** argv) {
   app.add_option("-p,--n-prompt", prompt_sizes, "Prompt sizes (pp tests)")->delimiter(',');
   app.add_option("-n,--n-gen", gen_sizes, "Generation lengths (tg tests)")->delimiter(',');
   app.add_option("-t,--threads", threads, "Thread counts")->delimiter(',');
-  app.add_option("-r,--repetitions", repetitions, "Timed runs per test")->check(CLI::Range(1, 1000));
+  app.add_option("-r,--repetitions", repetitions, "Timed runs per test")
+      ->check(CLI::Range(1, 1000));
   app.add_flag("--json", json, "Print JSON instead of a Markdown table");
   try {
     app.parse(argc, argv);
@@ -114,13 +116,17 @@ int main(int argc, char** argv) {
         }
         const Stats s = stats(rates);
         if (json) {
-          results.push_back({{"model", model->config().name}, {"isa", duet::cpu::isa_name(isa)},
-                             {"threads", n_threads}, {"test", test}, {"tokens_per_second", rates},
-                             {"mean", s.mean}, {"stddev", s.stddev}});
+          results.push_back({{"model", model->config().name},
+                             {"isa", duet::cpu::isa_name(isa)},
+                             {"threads", n_threads},
+                             {"test", test},
+                             {"tokens_per_second", rates},
+                             {"mean", s.mean},
+                             {"stddev", s.stddev}});
         } else {
           std::printf("| %s | %s | %d | %s | %.2f ± %.2f |\n", model->config().name.c_str(),
-                      std::string(duet::cpu::isa_name(isa)).c_str(), n_threads, test.c_str(), s.mean,
-                      s.stddev);
+                      std::string(duet::cpu::isa_name(isa)).c_str(), n_threads, test.c_str(),
+                      s.mean, s.stddev);
           std::fflush(stdout);
         }
       };

@@ -83,29 +83,34 @@ int run_generate(const GenerateArgs& args) {
 
   const cpu::Isa isa = cpu::isa_from_environment();
   const cpu::KernelTable& kernels = cpu::kernel_table(isa);
-  const int n_threads =
-      args.threads > 0 ? args.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int n_threads = args.threads > 0
+                            ? args.threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
   std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   const ModelConfig& c = model->config();
-  spdlog::info("model {}: {} layers, {} heads ({} KV), embedding {}, vocabulary {}, {:.1f} MiB of weights",
-               c.name, c.n_layers, c.n_heads, c.n_kv_heads, c.n_embd, c.n_vocab,
-               static_cast<double>(model->weight_bytes()) / (1 << 20));
+  spdlog::info(
+      "model {}: {} layers, {} heads ({} KV), embedding {}, vocabulary {}, {:.1f} MiB of weights",
+      c.name, c.n_layers, c.n_heads, c.n_kv_heads, c.n_embd, c.n_vocab,
+      static_cast<double>(model->weight_bytes()) / (1 << 20));
   spdlog::info("kernels: {}, threads: {}, KV cache: {}", cpu::isa_name(isa), n_threads,
                args.no_kv_cache ? "off (recompute)" : "on");
 
   std::string prompt = args.prompt;
   if (args.chat) {
-    const std::optional<std::string> template_text = model->file().get_string("tokenizer.chat_template");
+    const std::optional<std::string> template_text =
+        model->file().get_string("tokenizer.chat_template");
     if (!template_text) {
-      throw duet::Error(duet::ErrorKind::kUnsupported, fmt::format("{}: --chat: the model has no chat template",
-                                                       model->file().name()));
+      throw duet::Error(
+          duet::ErrorKind::kUnsupported,
+          fmt::format("{}: --chat: the model has no chat template", model->file().name()));
     }
     prompt = apply_chat_template(detect_chat_template(*template_text), {{"user", args.prompt}});
   }
   // Special-token text is parsed only where the template put it.
-  const std::vector<TokenId> prompt_ids = tokenizer.encode(prompt, /*add_special=*/true, /*parse_special=*/args.chat);
+  const std::vector<TokenId> prompt_ids =
+      tokenizer.encode(prompt, /*add_special=*/true, /*parse_special=*/args.chat);
 
   cpu::ThreadPool pool(n_threads);
   Generator generator(*model, kernels, pool);

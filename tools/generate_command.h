@@ -24,7 +24,7 @@ struct GenerateArgs {
   float frequency_penalty = 0.0f;
   float presence_penalty = 0.0f;
   std::vector<std::string> stop;  // stop strings, not printed (see common/stop_matcher.h)
-  int threads = 0;  // 0: all hardware threads
+  int threads = 0;                // 0: all hardware threads
   bool no_kv_cache = false;
 };
 

@@ -17,8 +17,8 @@ double seconds_since(Clock::time_point start) {
 // A cache for one sequence of up to n_tokens, blocks in order 0, 1, 2, ...
 struct SequenceCache {
   SequenceCache(const ModelConfig& config, int64_t n_tokens)
-      : cache(make_kv_layout(config, (n_tokens + KvLayout::kDefaultBlockSize - 1) /
-                                         KvLayout::kDefaultBlockSize)),
+      : cache(make_kv_layout(
+            config, (n_tokens + KvLayout::kDefaultBlockSize - 1) / KvLayout::kDefaultBlockSize)),
         block_table(static_cast<size_t>(cache.layout().n_blocks)) {
     std::iota(block_table.begin(), block_table.end(), 0);
   }
@@ -39,8 +39,8 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   const int64_t n_prompt = static_cast<int64_t>(prompt.size());
   DUET_REQUIRE(n_prompt > 0, "the prompt is empty");
   DUET_REQUIRE(options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens);
-  DUET_REQUIRE(n_prompt < c.n_ctx_train,
-               "the prompt has {} tokens; the model's context holds {}", n_prompt, c.n_ctx_train);
+  DUET_REQUIRE(n_prompt < c.n_ctx_train, "the prompt has {} tokens; the model's context holds {}",
+               n_prompt, c.n_ctx_train);
   const int64_t max_tokens = std::min(options.max_tokens, c.n_ctx_train - n_prompt);
 
   Sampler sampler(options.sampling);  // validates the sampling parameters
@@ -92,7 +92,8 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
 std::vector<float> Generator::logits_all(std::span<const int32_t> tokens) {
   const ModelConfig& c = model_.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
-  DUET_REQUIRE(n > 0 && n <= c.n_ctx_train, "logits_all needs 1..{} tokens, got {}", c.n_ctx_train, n);
+  DUET_REQUIRE(n > 0 && n <= c.n_ctx_train, "logits_all needs 1..{} tokens, got {}", c.n_ctx_train,
+               n);
   SequenceCache seq(c, n);
   std::vector<int64_t> rows(static_cast<size_t>(n));
   std::iota(rows.begin(), rows.end(), 0);

@@ -65,7 +65,8 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   {
     int64_t r = 0;
     for (const ForwardSequence& s : sequences) {
-      for (int64_t t = 0; t < s.n_tokens; ++t) positions_[static_cast<size_t>(r++)] = static_cast<int32_t>(s.pos0 + t);
+      for (int64_t t = 0; t < s.n_tokens; ++t)
+        positions_[static_cast<size_t>(r++)] = static_cast<int32_t>(s.pos0 + t);
     }
   }
 

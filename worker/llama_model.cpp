@@ -14,7 +14,8 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path) 
   return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path)));
 }
 
-LlamaModel::LlamaModel(GgufFile file) : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)) {
+LlamaModel::LlamaModel(GgufFile file)
+    : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)) {
   const ModelConfig& c = config_;
   token_embd_ = matrix("token_embd.weight", c.n_embd, c.n_vocab);
   layers_.resize(static_cast<size_t>(c.n_layers));
@@ -88,9 +89,8 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
 std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {
   const GgufTensorInfo& t = file_.tensor(name);
   if (t.n_elements() != n) {
-    throw Error(ErrorKind::kCorruptFile,
-                fmt::format("{}: tensor {} has {} elements, expected {}", file_.name(), name,
-                            t.n_elements(), n));
+    throw Error(ErrorKind::kCorruptFile, fmt::format("{}: tensor {} has {} elements, expected {}",
+                                                     file_.name(), name, t.n_elements(), n));
   }
   if (t.type != DType::kF32 && t.type != DType::kF16 && t.type != DType::kBF16) {
     throw Error(

@@ -25,11 +25,11 @@ struct LlamaLayerWeights {
   // Projection biases, added after the product (qwen2 has them; llama may): (n_heads * head_dim)
   // for bq, (n_kv_heads * head_dim) for bk and bv; empty when the file has none.
   std::vector<float> bq, bk, bv;
-  cpu::WeightMatrix wo;          // n_embd rows of (n_heads * head_dim)
-  std::vector<float> ffn_norm;   // (n_embd)
-  cpu::WeightMatrix w_gate;      // n_ff rows of n_embd
-  cpu::WeightMatrix w_up;        // n_ff rows of n_embd
-  cpu::WeightMatrix w_down;      // n_embd rows of n_ff
+  cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim)
+  std::vector<float> ffn_norm;  // (n_embd)
+  cpu::WeightMatrix w_gate;     // n_ff rows of n_embd
+  cpu::WeightMatrix w_up;       // n_ff rows of n_embd
+  cpu::WeightMatrix w_down;     // n_embd rows of n_ff
 };
 
 class LlamaModel final {

@@ -33,7 +33,7 @@ struct AttentionShape {
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;  // query head h reads KV head h / (n_heads / n_kv_heads)
   int64_t head_dim = 0;
-  float scale = 1.0f;      // usually 1 / sqrt(head_dim)
+  float scale = 1.0f;  // usually 1 / sqrt(head_dim)
   AttentionOrder order = AttentionOrder::kLlamaCpp;
 };
 
@@ -44,7 +44,8 @@ void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
                     const float* k, const float* v);
 
 // The accumulator groups for a step with n_q query tokens of one sequence.
-int attention_groups(int64_t n_q, int64_t head_dim, AttentionOrder order = AttentionOrder::kLlamaCpp);
+int attention_groups(int64_t n_q, int64_t head_dim,
+                     AttentionOrder order = AttentionOrder::kLlamaCpp);
 
 // q: (n_q, n_heads * head_dim) for the query tokens at positions
 // [pos0, pos0 + n_q); the cache must already hold positions [0, pos0 + n_q).

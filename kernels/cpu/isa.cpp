@@ -8,9 +8,12 @@ namespace duet::cpu {
 
 std::string_view isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }

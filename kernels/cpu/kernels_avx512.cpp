@@ -23,7 +23,8 @@ inline __m512 join_scales(float lo, float hi) {
 }
 
 inline __m512 lane_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), join(u0, u1), join(s0, s1)));
+  return _mm512_cvtepi32_ps(
+      _mm512_dpbusd_epi32(_mm512_setzero_si512(), join(u0, u1), join(s0, s1)));
 }
 
 inline __m256 lane_dot1(__m256i u, __m256i s) {
@@ -58,7 +59,8 @@ struct QuantTile {
                       float* y) {
     const int64_t nb = k / kQuantBlock;
     const auto* xb = reinterpret_cast<const XB*>(x);
-    for (int64_t j = 0; j < n_w; ++j) y[j] = single(reinterpret_cast<const WB*>(w + j * w_stride), xb, nb);
+    for (int64_t j = 0; j < n_w; ++j)
+      y[j] = single(reinterpret_cast<const WB*>(w + j * w_stride), xb, nb);
   }
 
   // Prefill shape: one weight row against pairs of activation rows.
@@ -143,14 +145,15 @@ inline __m512 expf16(__m512 x) {
   const __mmask16 saturate = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
   const __m512 u = _mm512_mul_ps(b, b);
   const __m512 j = _mm512_fmadd_ps(
-      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)),
-                      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      _mm512_fmadd_ps(
+          _mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+          _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
       u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
   const __m512 result = _mm512_scalef_ps(j, n);
   if (_mm512_kortestz(saturate, saturate)) return result;
   const __m512 zero = _mm512_setzero_ps();
-  const __m512 limit = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, zero, _CMP_LE_OQ),
-                                            _mm512_set1_ps(INFINITY), zero);
+  const __m512 limit =
+      _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, zero, _CMP_LE_OQ), _mm512_set1_ps(INFINITY), zero);
   return _mm512_mask_blend_ps(saturate, result, limit);
 }
 
@@ -163,8 +166,7 @@ double softmax_exp_avx512(const float* x, int64_t n, float max, float* y) {
     const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, x + i);
     const __m512 e = expf16(_mm512_sub_ps(xv, m));
     _mm512_mask_storeu_ps(y + i, valid, e);
-    sum += static_cast<double>(
-        tree_sum16(_mm512_castps512_ps256(e), _mm512_extractf32x8_ps(e, 1)));
+    sum += static_cast<double>(tree_sum16(_mm512_castps512_ps256(e), _mm512_extractf32x8_ps(e, 1)));
   }
   return sum;
 }

@@ -52,7 +52,8 @@ float dot_row_q8_0(const uint8_t* w, const uint8_t* x, int64_t k) {
   float acc[8] = {};
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     const float scale = fp16_to_fp32(wb[b].d) * fp16_to_fp32(xb[b].d);
-    accumulate_block([&](int e) { return static_cast<int32_t>(wb[b].qs[e]); }, xb[b].qs, scale, acc);
+    accumulate_block([&](int e) { return static_cast<int32_t>(wb[b].qs[e]); }, xb[b].qs, scale,
+                     acc);
   }
   return sum_lanes8(acc);
 }

@@ -24,14 +24,22 @@ int64_t weight_rows_per_task(int64_t n_out, int64_t n_x_tasks, int n_threads) {
 
 DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
   switch (weight_type) {
-    case DType::kF32: return kernels.dot_f32;
-    case DType::kF16: return kernels.dot_f16;
-    case DType::kQ8_0: return kernels.dot_q8_0;
-    case DType::kQ4_0: return kernels.dot_q4_0;
-    case DType::kQ4_1: return kernels.dot_q4_1;
-    case DType::kBF16: return kernels.dot_bf16;
-    case DType::kQ4_K: return kernels.dot_q4_k;
-    case DType::kQ6_K: return kernels.dot_q6_k;
+    case DType::kF32:
+      return kernels.dot_f32;
+    case DType::kF16:
+      return kernels.dot_f16;
+    case DType::kQ8_0:
+      return kernels.dot_q8_0;
+    case DType::kQ4_0:
+      return kernels.dot_q4_0;
+    case DType::kQ4_1:
+      return kernels.dot_q4_1;
+    case DType::kBF16:
+      return kernels.dot_bf16;
+    case DType::kQ4_K:
+      return kernels.dot_q4_k;
+    case DType::kQ6_K:
+      return kernels.dot_q6_k;
     default:
       throw Error(ErrorKind::kUnsupported,
                   fmt::format("no matrix kernel for {} weights", dtype_name(weight_type)));
@@ -40,12 +48,18 @@ DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
 
 ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
   switch (activation) {
-    case DType::kF16: return kernels.convert_f16;
-    case DType::kBF16: return kernels.convert_bf16;
-    case DType::kQ8_0: return kernels.quantize_q8_0;
-    case DType::kQ8_1: return kernels.quantize_q8_1;
-    case DType::kQ8_K: return kernels.quantize_q8_k;
-    default: DUET_ASSERT(false, "no converter to {} activations", dtype_name(activation));
+    case DType::kF16:
+      return kernels.convert_f16;
+    case DType::kBF16:
+      return kernels.convert_bf16;
+    case DType::kQ8_0:
+      return kernels.quantize_q8_0;
+    case DType::kQ8_1:
+      return kernels.quantize_q8_1;
+    case DType::kQ8_K:
+      return kernels.quantize_q8_k;
+    default:
+      DUET_ASSERT(false, "no converter to {} activations", dtype_name(activation));
   }
   return nullptr;
 }
@@ -64,14 +78,20 @@ WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t
 
 DType activation_type(DType weight_type) {
   switch (weight_type) {
-    case DType::kF32: return DType::kF32;
-    case DType::kF16: return DType::kF16;
+    case DType::kF32:
+      return DType::kF32;
+    case DType::kF16:
+      return DType::kF16;
     case DType::kQ8_0:
-    case DType::kQ4_0: return DType::kQ8_0;
-    case DType::kQ4_1: return DType::kQ8_1;
-    case DType::kBF16: return DType::kBF16;
+    case DType::kQ4_0:
+      return DType::kQ8_0;
+    case DType::kQ4_1:
+      return DType::kQ8_1;
+    case DType::kBF16:
+      return DType::kBF16;
     case DType::kQ4_K:
-    case DType::kQ6_K: return DType::kQ8_K;
+    case DType::kQ6_K:
+      return DType::kQ8_K;
     default:
       throw Error(ErrorKind::kUnsupported,
                   fmt::format("{} weights are not supported", dtype_name(weight_type)));
@@ -80,13 +100,20 @@ DType activation_type(DType weight_type) {
 
 int PackedActivations::slot(DType activation) {
   switch (activation) {
-    case DType::kF32: return 0;
-    case DType::kF16: return 1;
-    case DType::kQ8_0: return 2;
-    case DType::kQ8_1: return 3;
-    case DType::kQ8_K: return 4;
-    case DType::kBF16: return 5;
-    default: DUET_ASSERT(false, "no activation slot for {}", dtype_name(activation));
+    case DType::kF32:
+      return 0;
+    case DType::kF16:
+      return 1;
+    case DType::kQ8_0:
+      return 2;
+    case DType::kQ8_1:
+      return 3;
+    case DType::kQ8_K:
+      return 4;
+    case DType::kBF16:
+      return 5;
+    default:
+      DUET_ASSERT(false, "no activation slot for {}", dtype_name(activation));
   }
   return 0;
 }

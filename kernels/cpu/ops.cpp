@@ -23,7 +23,8 @@ void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, i
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
           const RopeParams& params) {
   const int64_t half = params.n_rot / 2;
-  DUET_ASSERT(half <= 512 && params.n_rot <= head_dim, "n_rot {} head_dim {}", params.n_rot, head_dim);
+  DUET_ASSERT(half <= 512 && params.n_rot <= head_dim, "n_rot {} head_dim {}", params.n_rot,
+              head_dim);
   const float theta_scale = std::pow(params.freq_base, -2.0f / static_cast<float>(params.n_rot));
   float cos_table[512];
   float sin_table[512];
@@ -43,7 +44,7 @@ void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int
         const int64_t a = params.style == RopeStyle::kAdjacentPairs ? 2 * i : i;
         const int64_t b = params.style == RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + half;
         const float x0 = v[a], x1 = v[b];
-// The fused forms are the ones llama.cpp's compiler emits for
+        // The fused forms are the ones llama.cpp's compiler emits for
         // x0*cos - x1*sin and x0*sin + x1*cos; matching them keeps the two
         // engines bit-identical here.
         v[a] = std::fma(x0, cos_table[i], -(x1 * sin_table[i]));

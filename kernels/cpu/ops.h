@@ -18,9 +18,9 @@ enum class RopeStyle {
 
 struct RopeParams {
   RopeStyle style = RopeStyle::kAdjacentPairs;
-  int64_t n_rot = 0;              // leading dims of each head that rotate
+  int64_t n_rot = 0;  // leading dims of each head that rotate
   float freq_base = 10000.0f;
-  float freq_scale = 1.0f;        // linear position scaling (1 = none)
+  float freq_scale = 1.0f;              // linear position scaling (1 = none)
   const float* freq_factors = nullptr;  // optional (n_rot / 2) divisors (Llama 3.1 rope_freqs)
 };
 

@@ -175,11 +175,10 @@ void quantize_row_q6_k(const float* x, void* out, int64_t n) {
       const uint8_t* qs = q + 128 * h;
       for (int l = 0; l < 32; ++l) {
         y.ql[64 * h + l] = static_cast<uint8_t>((qs[l] & 15) | ((qs[l + 64] & 15) << 4));
-        y.ql[64 * h + 32 + l] =
-            static_cast<uint8_t>((qs[l + 32] & 15) | ((qs[l + 96] & 15) << 4));
-        y.qh[32 * h + l] = static_cast<uint8_t>((qs[l] >> 4) | ((qs[l + 32] >> 4) << 2) |
-                                                ((qs[l + 64] >> 4) << 4) |
-                                                ((qs[l + 96] >> 4) << 6));
+        y.ql[64 * h + 32 + l] = static_cast<uint8_t>((qs[l + 32] & 15) | ((qs[l + 96] & 15) << 4));
+        y.qh[32 * h + l] =
+            static_cast<uint8_t>((qs[l] >> 4) | ((qs[l + 32] >> 4) << 2) |
+                                 ((qs[l + 64] >> 4) << 4) | ((qs[l + 96] >> 4) << 6));
       }
     }
   }
@@ -312,16 +311,36 @@ void dequantize_row(DType type, const void* row, float* out, int64_t n) {
 
 void quantize_row(DType type, const float* x, void* out, int64_t n) {
   switch (type) {
-    case DType::kF32: std::copy_n(x, n, static_cast<float*>(out)); return;
-    case DType::kF16: convert_row_f16(x, out, n); return;
-    case DType::kBF16: convert_row_bf16(x, out, n); return;
-    case DType::kQ4_0: quantize_row_q4_0(x, out, n); return;
-    case DType::kQ4_1: quantize_row_q4_1(x, out, n); return;
-    case DType::kQ8_0: quantize_row_q8_0(x, out, n); return;
-    case DType::kQ8_1: quantize_row_q8_1(x, out, n); return;
-    case DType::kQ4_K: quantize_row_q4_k(x, out, n); return;
-    case DType::kQ6_K: quantize_row_q6_k(x, out, n); return;
-    case DType::kQ8_K: quantize_row_q8_k(x, out, n); return;
+    case DType::kF32:
+      std::copy_n(x, n, static_cast<float*>(out));
+      return;
+    case DType::kF16:
+      convert_row_f16(x, out, n);
+      return;
+    case DType::kBF16:
+      convert_row_bf16(x, out, n);
+      return;
+    case DType::kQ4_0:
+      quantize_row_q4_0(x, out, n);
+      return;
+    case DType::kQ4_1:
+      quantize_row_q4_1(x, out, n);
+      return;
+    case DType::kQ8_0:
+      quantize_row_q8_0(x, out, n);
+      return;
+    case DType::kQ8_1:
+      quantize_row_q8_1(x, out, n);
+      return;
+    case DType::kQ4_K:
+      quantize_row_q4_k(x, out, n);
+      return;
+    case DType::kQ6_K:
+      quantize_row_q6_k(x, out, n);
+      return;
+    case DType::kQ8_K:
+      quantize_row_q8_k(x, out, n);
+      return;
     default:
       throw Error(ErrorKind::kUnsupported, fmt::format("cannot quantize to {}", dtype_name(type)));
   }

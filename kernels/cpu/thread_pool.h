@@ -53,8 +53,8 @@ class ThreadPool final {
 
   const int n_threads_;
   std::vector<std::thread> workers_;
-  std::atomic<Job*> job_{nullptr};      // the job being run, or null
-  std::atomic<int> n_inside_{0};        // workers that may be touching *job_
+  std::atomic<Job*> job_{nullptr};       // the job being run, or null
+  std::atomic<int> n_inside_{0};         // workers that may be touching *job_
   std::atomic<uint32_t> generation_{0};  // bumped per job, futex for sleepers
   std::atomic<bool> stop_{false};
 };

@@ -8,8 +8,8 @@
 
 #include <immintrin.h>
 
-#include <cstddef>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "common/fp16.h"
@@ -139,7 +139,8 @@ struct DenseTile {
         for (int r = 0; r < NX; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t e = 0; e < k8; e += 8) {
           const __m256 wv = load(wr, e);
-          for (int r = 0; r < NX; ++r) acc[r] = _mm256_fmadd_ps(wv, load(x + r * x_stride, e), acc[r]);
+          for (int r = 0; r < NX; ++r)
+            acc[r] = _mm256_fmadd_ps(wv, load(x + r * x_stride, e), acc[r]);
         }
         for (int r = 0; r < NX; ++r) {
           float sum = hsum_ps(acc[r]);
@@ -156,13 +157,13 @@ using F32Tile = DenseTile<false>::Tile<NX>;
 template <int NX>
 using F16Tile = DenseTile<true>::Tile<NX>;
 
-void dot_f32_avx(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
-                 size_t x_stride, int64_t n_x, int64_t k, float* y, int64_t ldy) {
+void dot_f32_avx(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
   run_row_tiles<F32Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
-void dot_f16_avx(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
-                 size_t x_stride, int64_t n_x, int64_t k, float* y, int64_t ldy) {
+void dot_f16_avx(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
   run_row_tiles<F16Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 

@@ -8,29 +8,29 @@
 
 #include "common/error.h"
 
-#define DUET_CUDA_CHECK(call)                                                            \
-  do {                                                                                   \
-    const cudaError_t duet_status = (call);                                              \
-    if (duet_status != cudaSuccess)                                                      \
-      throw ::duet::Error(::duet::ErrorKind::kInternal,                                  \
+#define DUET_CUDA_CHECK(call)                                                              \
+  do {                                                                                     \
+    const cudaError_t duet_status = (call);                                                \
+    if (duet_status != cudaSuccess)                                                        \
+      throw ::duet::Error(::duet::ErrorKind::kInternal,                                    \
                           ::fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, \
-                                        cudaGetErrorString(duet_status)));               \
+                                        cudaGetErrorString(duet_status)));                 \
   } while (0)
 
-#define DUET_CUBLAS_CHECK(call)                                                             \
-  do {                                                                                      \
-    const cublasStatus_t duet_status = (call);                                              \
-    if (duet_status != CUBLAS_STATUS_SUCCESS)                                               \
-      throw ::duet::Error(::duet::ErrorKind::kInternal,                                     \
+#define DUET_CUBLAS_CHECK(call)                                                                   \
+  do {                                                                                            \
+    const cublasStatus_t duet_status = (call);                                                    \
+    if (duet_status != CUBLAS_STATUS_SUCCESS)                                                     \
+      throw ::duet::Error(::duet::ErrorKind::kInternal,                                           \
                           ::fmt::format("{}:{}: {} failed: cuBLAS status {}", __FILE__, __LINE__, \
-                                        #call, static_cast<int>(duet_status)));             \
+                                        #call, static_cast<int>(duet_status)));                   \
   } while (0)
 
-#define DUET_NCCL_CHECK(call)                                                            \
-  do {                                                                                   \
-    const ncclResult_t duet_status = (call);                                             \
-    if (duet_status != ncclSuccess)                                                      \
-      throw ::duet::Error(::duet::ErrorKind::kInternal,                                  \
+#define DUET_NCCL_CHECK(call)                                                              \
+  do {                                                                                     \
+    const ncclResult_t duet_status = (call);                                               \
+    if (duet_status != ncclSuccess)                                                        \
+      throw ::duet::Error(::duet::ErrorKind::kInternal,                                    \
                           ::fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, \
-                                        ncclGetErrorString(duet_status)));               \
+                                        ncclGetErrorString(duet_status)));                 \
   } while (0)

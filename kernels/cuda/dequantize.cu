@@ -8,9 +8,7 @@
 namespace duet::cuda {
 namespace {
 
-__device__ float half_bits_to_float(uint16_t bits) {
-  return __half2float(__ushort_as_half(bits));
-}
+__device__ float half_bits_to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
 
 // One thread per output element; element e of a block sits in the low nibble
 // of byte e (e < 16) or the high nibble of byte e - 16.
@@ -23,8 +21,12 @@ __global__ void dequantize_kernel(int type, const uint8_t* rows, size_t row_byte
   const int64_t b = e / kQuantBlock, j = e % kQuantBlock;
   float value = 0.0f;
   switch (static_cast<DType>(type)) {
-    case DType::kF32: value = reinterpret_cast<const float*>(r)[e]; break;
-    case DType::kF16: value = half_bits_to_float(reinterpret_cast<const uint16_t*>(r)[e]); break;
+    case DType::kF32:
+      value = reinterpret_cast<const float*>(r)[e];
+      break;
+    case DType::kF16:
+      value = half_bits_to_float(reinterpret_cast<const uint16_t*>(r)[e]);
+      break;
     case DType::kQ8_0: {
       const BlockQ8_0& blk = reinterpret_cast<const BlockQ8_0*>(r)[b];
       value = blk.qs[j] * half_bits_to_float(blk.d);
@@ -42,14 +44,16 @@ __global__ void dequantize_kernel(int type, const uint8_t* rows, size_t row_byte
       value = q * half_bits_to_float(blk.d) + half_bits_to_float(blk.m);
       break;
     }
-    default: break;
+    default:
+      break;
   }
   out[i] = value;
 }
 
 }  // namespace
 
-void dequantize_rows(DType type, const void* host_rows, int64_t n_rows, int64_t k, float* host_out) {
+void dequantize_rows(DType type, const void* host_rows, int64_t n_rows, int64_t k,
+                     float* host_out) {
   if (list_devices().empty()) {
     throw Error(ErrorKind::kUnsupported, "no CUDA device is available");
   }
@@ -71,7 +75,8 @@ void dequantize_rows(DType type, const void* host_rows, int64_t n_rows, int64_t 
     const int64_t n = n_rows * k;
     const int threads = 256;
     const unsigned blocks = static_cast<unsigned>((n + threads - 1) / threads);
-    dequantize_kernel<<<blocks, threads>>>(static_cast<int>(type), d_rows, row_bytes, n_rows, k, d_out);
+    dequantize_kernel<<<blocks, threads>>>(static_cast<int>(type), d_rows, row_bytes, n_rows, k,
+                                           d_out);
     DUET_CUDA_CHECK(cudaGetLastError());
     DUET_CUDA_CHECK(cudaMemcpy(host_out, d_out, out_bytes, cudaMemcpyDeviceToHost));
   } catch (...) {

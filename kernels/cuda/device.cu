@@ -28,8 +28,8 @@ std::string library_versions() {
   int nccl = 0;
   DUET_NCCL_CHECK(ncclGetVersion(&nccl));
   return fmt::format("CUDA runtime {}.{}, cuBLAS {}.{}.{}, NCCL {}.{}.{}", runtime / 1000,
-                     runtime % 1000 / 10, cublas_major, cublas_minor, cublas_patch,
-                     nccl / 10000, nccl % 10000 / 100, nccl % 100);
+                     runtime % 1000 / 10, cublas_major, cublas_minor, cublas_patch, nccl / 10000,
+                     nccl % 10000 / 100, nccl % 100);
 }
 
 }  // namespace duet::cuda

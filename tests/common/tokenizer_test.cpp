@@ -59,8 +59,8 @@ TokenizerSpec tiny_spec(const std::vector<RawMerge>& raw_merges, std::string pre
   for (const auto& [left, right] : raw_merges) {
     spec.merges.push_back(bpe(left) + " " + bpe(right));
     const std::string result = bpe(left + right);
-    const bool missing = std::find(missing_results.begin(), missing_results.end(),
-                                   left + right) != missing_results.end();
+    const bool missing = std::find(missing_results.begin(), missing_results.end(), left + right) !=
+                         missing_results.end();
     const bool known =
         std::find(spec.tokens.begin(), spec.tokens.end(), result) != spec.tokens.end();
     if (!missing && !known) {
@@ -74,8 +74,8 @@ TokenizerSpec tiny_spec(const std::vector<RawMerge>& raw_merges, std::string pre
 }
 
 // The default merges: enough for "hello world".
-const std::vector<RawMerge> kMerges = {{"h", "e"},   {"l", "l"},   {"he", "ll"},
-                                       {"hell", "o"}, {" ", "w"},   {"o", "r"},
+const std::vector<RawMerge> kMerges = {{"h", "e"},    {"l", "l"},    {"he", "ll"},
+                                       {"hell", "o"}, {" ", "w"},    {"o", "r"},
                                        {" w", "or"},  {" wor", "l"}, {" worl", "d"}};
 
 // Token ids of raw pieces, for readable expectations.
@@ -119,19 +119,33 @@ TEST(Unicode, Utf8StepIsStrict) {
   EXPECT_EQ(utf8_step("\xF0\x9F\x98\x80", 0).status, Utf8Status::kComplete);
   EXPECT_EQ(utf8_step("\xF0\x9F\x98\x80", 0).cpt, char32_t(0x1F600));
   EXPECT_EQ(utf8_step("\xF0\x9F\x98", 0).status, Utf8Status::kIncomplete);
-  EXPECT_EQ(utf8_step("\xF0\x9F" "A", 0).status, Utf8Status::kInvalid);
-  EXPECT_EQ(utf8_step("\xF0\x9F" "A", 0).length, 2u);
+  EXPECT_EQ(utf8_step("\xF0\x9F"
+                      "A",
+                      0)
+                .status,
+            Utf8Status::kInvalid);
+  EXPECT_EQ(utf8_step("\xF0\x9F"
+                      "A",
+                      0)
+                .length,
+            2u);
   EXPECT_EQ(utf8_step("\xC0\x80", 0).status, Utf8Status::kInvalid);      // overlong
   EXPECT_EQ(utf8_step("\xED\xA0\x80", 0).status, Utf8Status::kInvalid);  // surrogate
   EXPECT_EQ(utf8_step("\x80", 0).status, Utf8Status::kInvalid);
 }
 
 TEST(Unicode, SanitizeAndLenientNormalization) {
-  EXPECT_EQ(utf8_sanitize("a\xF0\x9F" "b"), "a\xEF\xBF\xBD" "b");  // one U+FFFD per maximal subpart
+  EXPECT_EQ(utf8_sanitize("a\xF0\x9F"
+                          "b"),
+            "a\xEF\xBF\xBD"
+            "b");  // one U+FFFD per maximal subpart
   EXPECT_EQ(utf8_sanitize("\xF0\x9F\x98"), "\xEF\xBF\xBD");
   EXPECT_EQ(utf8_sanitize("ok \xE4\xB8\xAD"), "ok \xE4\xB8\xAD");
   // llama.cpp's lenient decoding: one U+FFFD per undecodable byte, overlong forms shortened.
-  EXPECT_EQ(utf8_normalize_lenient("a\xF0\x9F" "b"), "a\xEF\xBF\xBD\xEF\xBF\xBD" "b");
+  EXPECT_EQ(utf8_normalize_lenient("a\xF0\x9F"
+                                   "b"),
+            "a\xEF\xBF\xBD\xEF\xBF\xBD"
+            "b");
   EXPECT_EQ(utf8_normalize_lenient(std::string_view("\xC1\x81", 2)), "A");
   EXPECT_EQ(utf8_normalize_lenient("\xE4\xB8\xAD"), "\xE4\xB8\xAD");
 }
@@ -149,8 +163,7 @@ TEST(Unicode, RegexSplitterKeepsGapsAndCoversTheText) {
 
 TEST(Tokenizer, MergesApplyByRank) {
   const Tokenizer tokenizer(tiny_spec(kMerges));
-  EXPECT_EQ(tokenizer.encode("hello world", false, false),
-            ids_of(tokenizer, {"hello", " world"}));
+  EXPECT_EQ(tokenizer.encode("hello world", false, false), ids_of(tokenizer, {"hello", " world"}));
   EXPECT_EQ(tokenizer.encode("hell", false, false), ids_of(tokenizer, {"hell"}));
   EXPECT_EQ(tokenizer.encode("ohell", false, false), ids_of(tokenizer, {"o", "hell"}));
 }
@@ -181,8 +194,12 @@ TEST(Tokenizer, ByteTokensCoverAnyText) {
 
 TEST(Tokenizer, InvalidUtf8IsTokenizedAsReplacementCharacters) {
   const Tokenizer tokenizer(tiny_spec(kMerges));
-  EXPECT_EQ(tokenizer.encode("a\xFF" "b", false, false),
-            tokenizer.encode("a\xEF\xBF\xBD" "b", false, false));
+  EXPECT_EQ(tokenizer.encode("a\xFF"
+                             "b",
+                             false, false),
+            tokenizer.encode("a\xEF\xBF\xBD"
+                             "b",
+                             false, false));
 }
 
 // ---------------------------------------------------------------------------
@@ -229,9 +246,11 @@ TEST(PreTokenizer, UnicodeLettersAndNumbers) {
 
 TEST(PreTokenizer, EveryKnownNameCompiles) {
   for (const char* pre :
-       {"default", "", "gpt2", "llama3", "llama-bpe", "dbrx", "qwen2", "qwen35", "smollm",
-        "starcoder", "refact", "falcon", "deepseek-llm", "deepseek-coder", "deepseek-v3",
-        "poro-chat", "viking", "gpt-4o", "tekken", "seed-coder", "bailingmoe", "chatglm-bpe"}) {
+       {"default",    "",           "gpt2",         "llama3",         "llama-bpe",
+        "dbrx",       "qwen2",      "qwen35",       "smollm",         "starcoder",
+        "refact",     "falcon",     "deepseek-llm", "deepseek-coder", "deepseek-v3",
+        "poro-chat",  "viking",     "gpt-4o",       "tekken",         "seed-coder",
+        "bailingmoe", "chatglm-bpe"}) {
     const Tokenizer tokenizer(tiny_spec(kMerges, pre));
     const std::string text = "Hello, world! 12345 \xE4\xB8\xAD\xE6\x96\x87 it's\n\n  x";
     EXPECT_EQ(tokenizer.decode(tokenizer.encode(text, false, false)), text) << pre;
@@ -434,7 +453,10 @@ TEST(Tokenizer, RejectsBadSpecs) {
               s.bos_id.reset();
             }),
             ErrorKind::kInvalidArgument);
-  EXPECT_EQ(kind_for([](TokenizerSpec& s) { s.tokens.clear(); s.token_types.clear(); }),
+  EXPECT_EQ(kind_for([](TokenizerSpec& s) {
+              s.tokens.clear();
+              s.token_types.clear();
+            }),
             ErrorKind::kInvalidArgument);
 
   try {
@@ -526,7 +548,9 @@ TEST(Utf8Checker, AcceptsValidAndRejectsInvalid) {
   EXPECT_FALSE(is_valid_utf8("\xED\xA0\x80"));      // surrogate
   EXPECT_FALSE(is_valid_utf8("\xF4\x90\x80\x80"));  // above U+10FFFF
   EXPECT_FALSE(is_valid_utf8("\xF0\x9F\x98"));      // truncated
-  EXPECT_FALSE(is_valid_utf8("\xF0\x9F" "A"));
+  EXPECT_FALSE(
+      is_valid_utf8("\xF0\x9F"
+                    "A"));
   EXPECT_FALSE(is_valid_utf8("\xFF"));
 }
 
@@ -568,8 +592,8 @@ TEST(SmolLM2Vocab, MatchesLlamaCpp) {
        {1604, 275, 24, 104, 727, 472, 1003, 1792, 1672, 216, 34, 198}},
       {"\xE6\x88\x91\xE5\x96\x9C\xE6\xAC\xA2\xE8\x87\xAA\xE7\x84\xB6\xE8\xAF\xAD\xE8\xA8\x80"
        "\xE5\xA4\x84\xE7\x90\x86\xE3\x80\x82",  // 我喜欢自然语言处理。
-       {19805, 235, 176, 240, 246, 177, 122, 112, 44974, 120, 178, 222, 131, 16313, 251, 48001, 218,
-        18614, 222, 45201, 19076}},
+       {19805, 235, 176,   240, 246,   177, 122,   112, 44974, 120,  178,
+        222,   131, 16313, 251, 48001, 218, 18614, 222, 45201, 19076}},
       {"emoji \xF0\x9F\x98\x80\xF0\x9F\x8E\x89", {391, 33777, 40303, 218, 10813, 232, 227}},
       {"It's 3.14, isn't it?", {1589, 506, 216, 35, 30, 33, 36, 28, 3247, 982, 357, 47}},
   };
@@ -630,8 +654,8 @@ TEST(SmolLM2Vocab, EndOfGenerationAndStreamingDecode) {
 
 TEST(SmolLM2Vocab, EncodesTwoThousandWordsQuickly) {
   DUET_SKIP_WITHOUT_DEFAULT_TOKENIZER(tokenizer);
-  const std::vector<std::string> words = {"the", "model", "serves", "tokens,", "and", "12",
-                                          "requests", "per", "second.\n", "Hello"};
+  const std::vector<std::string> words = {"the", "model",    "serves", "tokens,",   "and",
+                                          "12",  "requests", "per",    "second.\n", "Hello"};
   std::string text;
   for (int i = 0; i < 2000; ++i) text += words[(i * 7) % words.size()] + " ";
   const auto start = std::chrono::steady_clock::now();

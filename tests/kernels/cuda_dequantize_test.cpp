@@ -34,7 +34,8 @@ TEST(CudaDequantize, MatchesCpuForEveryWeightType) {
       cpu::dequantize_row(type, stored.data() + r * row_bytes, cpu.data() + r * k, k);
     }
     cuda::dequantize_rows(type, stored.data(), n_rows, k, gpu.data());
-    for (size_t i = 0; i < cpu.size(); ++i) ASSERT_EQ(cpu[i], gpu[i]) << dtype_name(type) << " element " << i;
+    for (size_t i = 0; i < cpu.size(); ++i)
+      ASSERT_EQ(cpu[i], gpu[i]) << dtype_name(type) << " element " << i;
   }
 }
 

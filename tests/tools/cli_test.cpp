@@ -33,8 +33,9 @@ ProcessResult run_duet(const std::string& args) {
                    ("duet-cli-" + std::to_string(::getpid()) + "-" +
                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
   std::filesystem::create_directories(dir);
-  const std::string command = std::string(DUET_BINARY) + " " + args + " >" + (dir / "out").string() +
-                              " 2>" + (dir / "err").string() + " </dev/null";
+  const std::string command = std::string(DUET_BINARY) + " " + args + " >" +
+                              (dir / "out").string() + " 2>" + (dir / "err").string() +
+                              " </dev/null";
   const int status = std::system(command.c_str());
   ProcessResult run;
   run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -68,16 +69,19 @@ TEST(Cli, MissingModelIsOneLineAndExitTwo) {
 }
 
 TEST(Cli, NonGgufFileIsOneLineAndExitTwo) {
-  const ProcessResult run = run_duet("generate -m " + testing::fixture_path("CMakeLists.txt").string() + " -p hi");
+  const ProcessResult run =
+      run_duet("generate -m " + testing::fixture_path("CMakeLists.txt").string() + " -p hi");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_EQ(count_lines(run.err), 1) << run.err;
   EXPECT_NE(run.err.find("not a GGUF file"), std::string::npos) << run.err;
 }
 
 TEST(Cli, TruncatedModelIsOneLineAndExitTwo) {
-  const auto path = std::filesystem::temp_directory_path() / ("duet-truncated-" + std::to_string(::getpid()) + ".gguf");
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("duet-truncated-" + std::to_string(::getpid()) + ".gguf");
   const std::string bytes = read_file(tiny_model());
-  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  std::ofstream(path, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
   const ProcessResult run = run_duet("generate -m " + path.string() + " -p hi");
   std::filesystem::remove(path);
   EXPECT_EQ(run.exit_code, 2);
@@ -95,11 +99,12 @@ TEST(Cli, GeneratesOnlyTextOnStdout) {
 
 TEST(Cli, GreedyTextOfTheDefaultModelMatchesLlamaCpp) {
   DUET_SKIP_WITHOUT_DEFAULT_MODEL(model);
-  const nlohmann::json golden = testing::read_golden(testing::fixture_path("golden/smollm2_greedy.json"));
+  const nlohmann::json golden =
+      testing::read_golden(testing::fixture_path("golden/smollm2_greedy.json"));
   const auto& narrative = golden["cases"][0];
   ASSERT_EQ(narrative["name"], "narrative");
   const ProcessResult run = run_duet("generate -m " + model.string() + " -p \"" +
-                           narrative["prompt"].get<std::string>() + "\" -n 64 -t 2");
+                                     narrative["prompt"].get<std::string>() + "\" -n 64 -t 2");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, narrative["generated_text"].get<std::string>() + "\n");
 }
@@ -107,7 +112,7 @@ TEST(Cli, GreedyTextOfTheDefaultModelMatchesLlamaCpp) {
 TEST(Cli, ChatAnswersAndStopsAtEndOfTurn) {
   DUET_SKIP_WITHOUT_DEFAULT_MODEL(model);
   const ProcessResult run = run_duet("generate -m " + model.string() +
-                           " --chat -p \"What is the capital of France?\" -n 64 -t 2");
+                                     " --chat -p \"What is the capital of France?\" -n 64 -t 2");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("Paris"), std::string::npos) << run.out;
   EXPECT_NE(run.err.find("end of generation"), std::string::npos) << run.err;
@@ -115,7 +120,8 @@ TEST(Cli, ChatAnswersAndStopsAtEndOfTurn) {
 
 TEST(Cli, CacheOffGivesTheSameTextAsCacheOn) {
   const ProcessResult on = run_duet("generate -m " + tiny_model() + " -p hello -n 12 -t 1");
-  const ProcessResult off = run_duet("generate -m " + tiny_model() + " -p hello -n 12 -t 1 --no-kv-cache");
+  const ProcessResult off =
+      run_duet("generate -m " + tiny_model() + " -p hello -n 12 -t 1 --no-kv-cache");
   EXPECT_EQ(on.exit_code, 0);
   EXPECT_EQ(off.exit_code, 0);
   EXPECT_EQ(on.out, off.out);

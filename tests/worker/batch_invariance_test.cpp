@@ -47,7 +47,8 @@ class BatchInvariance : public ::testing::TestWithParam<std::string> {
   // Physical blocks for a sequence of n tokens, taken from a shuffled pool.
   std::vector<int32_t> take_blocks(int64_t n_tokens) {
     std::vector<int32_t> table;
-    for (int64_t i = 0; i < (n_tokens + kBlock - 1) / kBlock; ++i) table.push_back(free_blocks_[next_free_++]);
+    for (int64_t i = 0; i < (n_tokens + kBlock - 1) / kBlock; ++i)
+      table.push_back(free_blocks_[next_free_++]);
     return table;
   }
 
@@ -68,7 +69,8 @@ class BatchInvariance : public ::testing::TestWithParam<std::string> {
     std::vector<float> logits(tokens.size() * n_vocab_);
     int64_t pos = 0;
     for (size_t s = 0; pos < static_cast<int64_t>(tokens.size()); ++s) {
-      const int64_t n = std::min(steps[s % steps.size()], static_cast<int64_t>(tokens.size()) - pos);
+      const int64_t n =
+          std::min(steps[s % steps.size()], static_cast<int64_t>(tokens.size()) - pos);
       std::vector<int64_t> rows(n);
       std::iota(rows.begin(), rows.end(), 0);
       const ForwardSequence seq{table, pos, n};
@@ -86,12 +88,16 @@ class BatchInvariance : public ::testing::TestWithParam<std::string> {
   size_t next_free_ = 0;
 };
 
-bool bitwise_equal(const float* x, const float* y, size_t n) { return std::memcmp(x, y, n * sizeof(float)) == 0; }
+bool bitwise_equal(const float* x, const float* y, size_t n) {
+  return std::memcmp(x, y, n * sizeof(float)) == 0;
+}
 
 TEST_P(BatchInvariance, AnySplitIntoStepsGivesTheSameLogits) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool, cpu::AttentionOrder::kBatchInvariant);
-  const std::vector<float> one_prefill = run_in_steps(forward, a_, {static_cast<int64_t>(a_.size())});
+  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool,
+                       cpu::AttentionOrder::kBatchInvariant);
+  const std::vector<float> one_prefill =
+      run_in_steps(forward, a_, {static_cast<int64_t>(a_.size())});
   for (const std::vector<int64_t>& steps :
        std::vector<std::vector<int64_t>>{{1}, {7, 1, 16, 3}, {16}, {2, 30}}) {
     const std::vector<float> split = run_in_steps(forward, a_, steps);
@@ -102,7 +108,8 @@ TEST_P(BatchInvariance, AnySplitIntoStepsGivesTheSameLogits) {
 
 TEST_P(BatchInvariance, OtherSequencesInTheBatchChangeNothing) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool, cpu::AttentionOrder::kBatchInvariant);
+  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool,
+                       cpu::AttentionOrder::kBatchInvariant);
   const std::vector<float> alone = run_in_steps(forward, a_, {1});
 
   // a_ decodes token by token while c_ prefills in chunks of 9 beside it.
@@ -133,14 +140,16 @@ TEST_P(BatchInvariance, OtherSequencesInTheBatchChangeNothing) {
 
 TEST_P(BatchInvariance, SharedPrefixBlocksGiveTheSameLogits) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool, cpu::AttentionOrder::kBatchInvariant);
+  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool,
+                       cpu::AttentionOrder::kBatchInvariant);
   const std::vector<float> full = run_in_steps(forward, b_, {static_cast<int64_t>(b_.size())});
 
   // a_ fills two blocks; b_ then reuses them and computes only its own tail.
   auto cache = make_cache();
   const std::vector<int32_t> table_a = take_blocks(static_cast<int64_t>(a_.size()));
   std::vector<int32_t> table_b(table_a.begin(), table_a.begin() + 2);
-  for (int32_t block : take_blocks(static_cast<int64_t>(b_.size()) - 2 * kBlock)) table_b.push_back(block);
+  for (int32_t block : take_blocks(static_cast<int64_t>(b_.size()) - 2 * kBlock))
+    table_b.push_back(block);
   std::vector<float> scratch(a_.size() * n_vocab_);
   {
     std::vector<int64_t> rows(a_.size());
@@ -154,7 +163,8 @@ TEST_P(BatchInvariance, SharedPrefixBlocksGiveTheSameLogits) {
   std::iota(rows.begin(), rows.end(), 0);
   std::vector<float> tail(rest * n_vocab_);
   const ForwardSequence seq{table_b, cached, rest};
-  forward.run({b_.data() + cached, static_cast<size_t>(rest)}, {&seq, 1}, *cache, rows, tail.data());
+  forward.run({b_.data() + cached, static_cast<size_t>(rest)}, {&seq, 1}, *cache, rows,
+              tail.data());
   EXPECT_TRUE(bitwise_equal(full.data() + cached * n_vocab_, tail.data(), tail.size()));
 }
 

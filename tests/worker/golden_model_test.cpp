@@ -35,10 +35,12 @@ class GoldenModelTest : public ::testing::Test {
     model_ = nullptr;
   }
   void SetUp() override {
-    if (model_ == nullptr) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
+    if (model_ == nullptr)
+      GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
     if (const char* isa = std::getenv("DUET_ISA")) {
       const auto parsed = cpu::parse_isa(isa);
-      if (parsed && !cpu::cpu_supports(*parsed)) GTEST_SKIP() << "this CPU cannot run DUET_ISA=" << isa;
+      if (parsed && !cpu::cpu_supports(*parsed))
+        GTEST_SKIP() << "this CPU cannot run DUET_ISA=" << isa;
     }
     golden_ = testing::read_golden(testing::fixture_path("golden/smollm2_greedy.json"));
   }
@@ -66,7 +68,8 @@ TEST_F(GoldenModelTest, TeacherForcedLogitsMatchReference) {
       const int64_t pos = p["pos"];
       const float* row = logits.data() + pos * n_vocab;
       for (const char* ids_key : {"top_ids", "sample_ids"}) {
-        const std::string logits_key = std::string(ids_key) == "top_ids" ? "top_logits" : "sample_logits";
+        const std::string logits_key =
+            std::string(ids_key) == "top_ids" ? "top_logits" : "sample_logits";
         const auto ids = p[ids_key].get<std::vector<int32_t>>();
         const auto ref = p[logits_key].get<std::vector<float>>();
         for (size_t i = 0; i < ids.size(); ++i) {
@@ -106,7 +109,8 @@ TEST_F(GoldenModelTest, FreeRunningGreedyMatchesReference) {
     ++total;
     if (result.tokens == expected) {
       ++identical;
-      std::printf("  %-16s identical (%zu tokens)\n", c["name"].get<std::string>().c_str(), expected.size());
+      std::printf("  %-16s identical (%zu tokens)\n", c["name"].get<std::string>().c_str(),
+                  expected.size());
       continue;
     }
     const size_t n = std::min(result.tokens.size(), expected.size());

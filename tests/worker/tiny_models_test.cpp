@@ -26,7 +26,8 @@ std::vector<cpu::Isa> supported_isas() {
 }
 
 TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
-  const nlohmann::json golden = testing::read_golden(testing::fixture_path("golden/tiny_models.json"));
+  const nlohmann::json golden =
+      testing::read_golden(testing::fixture_path("golden/tiny_models.json"));
   const std::filesystem::path dir = testing::source_dir() / golden["model_dir"].get<std::string>();
   cpu::ThreadPool pool(2);
   for (const auto& m : golden["models"]) {
@@ -53,7 +54,8 @@ TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
 }
 
 TEST(TinyModels, GreedyContinuationMatchesReference) {
-  const nlohmann::json golden = testing::read_golden(testing::fixture_path("golden/tiny_models.json"));
+  const nlohmann::json golden =
+      testing::read_golden(testing::fixture_path("golden/tiny_models.json"));
   const std::filesystem::path dir = testing::source_dir() / golden["model_dir"].get<std::string>();
   cpu::ThreadPool pool(2);
   for (const auto& m : golden["models"]) {
@@ -66,12 +68,13 @@ TEST(TinyModels, GreedyContinuationMatchesReference) {
     GenerateOptions options;
     options.max_tokens = static_cast<int64_t>(expected.size());
     const GenerateResult result = generator.generate(
-        std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(prefix)), options,
-        [](int32_t) { return true; }, [](int32_t) { return false; });
+        std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(prefix)),
+        options, [](int32_t) { return true; }, [](int32_t) { return false; });
     ASSERT_EQ(result.tokens.size(), expected.size());
     for (size_t i = 0; i < expected.size(); ++i) {
       if (result.tokens[i] != expected[i]) {
-        EXPECT_LT(margins[i], 0.05f) << m["file"] << ": token " << i << " differs where the reference was sure";
+        EXPECT_LT(margins[i], 0.05f)
+            << m["file"] << ": token " << i << " differs where the reference was sure";
         break;  // later tokens follow a different context
       }
     }
