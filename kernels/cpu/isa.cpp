@@ -48,6 +48,14 @@ bool cpu_supports(Isa isa) {
   return false;
 }
 
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (cpu_supports(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
 Isa best_isa() {
   if (cpu_supports(Isa::kAvx512)) return Isa::kAvx512;
   if (cpu_supports(Isa::kAvx2)) return Isa::kAvx2;

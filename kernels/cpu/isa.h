@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <string_view>
+#include <vector>
 
 namespace duet::cpu {
 
@@ -13,6 +14,9 @@ std::optional<Isa> parse_isa(std::string_view name);
 
 // Whether this CPU can run `isa` (kAvx2: AVX2+FMA+F16C; kAvx512: F/BW/VL/DQ/VNNI).
 bool cpu_supports(Isa isa);
+
+// Every path this CPU can run, narrowest first.
+std::vector<Isa> supported_isas();
 
 // The best path this CPU supports.
 Isa best_isa();

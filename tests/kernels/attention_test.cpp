@@ -26,14 +26,6 @@
 namespace duet::cpu {
 namespace {
 
-std::vector<Isa> supported_isas() {
-  std::vector<Isa> isas;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }

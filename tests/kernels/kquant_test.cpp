@@ -27,14 +27,6 @@
 namespace duet::cpu {
 namespace {
 
-std::vector<Isa> supported_isas() {
-  std::vector<Isa> isas;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 bool bitwise_equal(const float* a, const float* b, size_t n) {
   return std::memcmp(a, b, n * sizeof(float)) == 0;
 }

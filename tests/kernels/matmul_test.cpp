@@ -28,14 +28,6 @@
 namespace duet::cpu {
 namespace {
 
-std::vector<Isa> supported_isas() {
-  std::vector<Isa> isas;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 bool is_quantized(DType type) { return type != DType::kF32 && type != DType::kF16; }
 
 // Random weights stored in `type` by the scalar reference quantizers, and

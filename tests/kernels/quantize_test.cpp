@@ -25,14 +25,6 @@
 namespace duet::cpu {
 namespace {
 
-std::vector<Isa> supported_isas() {
-  std::vector<Isa> isas;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 uint32_t bits(float f) { return std::bit_cast<uint32_t>(f); }
 float from_bits(uint32_t b) { return std::bit_cast<float>(b); }
 

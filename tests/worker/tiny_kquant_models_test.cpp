@@ -21,14 +21,6 @@ namespace {
 
 constexpr float kLogitTolerance = 0.02f;
 
-std::vector<cpu::Isa> supported_isas() {
-  std::vector<cpu::Isa> isas;
-  for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
-    if (cpu::cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 float max_abs_diff(const std::vector<float>& logits, const nlohmann::json& ref, int64_t n_vocab) {
   float worst = 0.0f;
   for (size_t pos = 0; pos < ref.size(); ++pos) {
@@ -55,7 +47,7 @@ TEST(TinyKQuantModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
     const auto ids = m["ids"].get<std::vector<int32_t>>();
     const int64_t n_vocab = model->config().n_vocab;
     std::vector<float> first;
-    for (cpu::Isa isa : supported_isas()) {
+    for (cpu::Isa isa : cpu::supported_isas()) {
       Generator generator(*model, cpu::kernel_table(isa), pool);
       const std::vector<float> logits = generator.logits_all(ids);
       const float worst = max_abs_diff(logits, m["logits"], n_vocab);
@@ -76,7 +68,7 @@ TEST(TinyKQuantModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
         ASSERT_EQ(logits.size(), first.size());
         EXPECT_EQ(std::memcmp(logits.data(), first.data(), logits.size() * sizeof(float)), 0)
             << file << ": " << cpu::isa_name(isa) << " differs from "
-            << cpu::isa_name(supported_isas()[0]);
+            << cpu::isa_name(cpu::supported_isas()[0]);
       }
     }
   }
@@ -92,7 +84,7 @@ TEST(TinyKQuantModels, GreedyContinuationMatchesReference) {
     const size_t prefix = m["greedy_prefix_len"];
     const auto expected = m["greedy"].get<std::vector<int32_t>>();
     const auto margins = m["greedy_margins"].get<std::vector<float>>();
-    for (cpu::Isa isa : supported_isas()) {
+    for (cpu::Isa isa : cpu::supported_isas()) {
       Generator generator(*model, cpu::kernel_table(isa), pool);
       GenerateOptions options;
       options.max_tokens = static_cast<int64_t>(expected.size());

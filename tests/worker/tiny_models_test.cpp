@@ -17,14 +17,6 @@ namespace {
 
 constexpr float kLogitTolerance = 0.02f;
 
-std::vector<cpu::Isa> supported_isas() {
-  std::vector<cpu::Isa> isas;
-  for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
-    if (cpu::cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
   const nlohmann::json golden =
       testing::read_golden(testing::fixture_path("golden/tiny_models.json"));
@@ -35,7 +27,7 @@ TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
     auto model = LlamaModel::load(dir / file);
     const auto ids = m["ids"].get<std::vector<int32_t>>();
     const auto ref = m["logits"].get<std::vector<std::vector<float>>>();
-    for (cpu::Isa isa : supported_isas()) {
+    for (cpu::Isa isa : cpu::supported_isas()) {
       Generator generator(*model, cpu::kernel_table(isa), pool);
       const std::vector<float> logits = generator.logits_all(ids);
       const int64_t n_vocab = model->config().n_vocab;

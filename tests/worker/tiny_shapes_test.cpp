@@ -30,14 +30,6 @@ namespace {
 
 constexpr float kLogitTolerance = 0.02f;
 
-std::vector<cpu::Isa> supported_isas() {
-  std::vector<cpu::Isa> isas;
-  for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
-    if (cpu::cpu_supports(isa)) isas.push_back(isa);
-  }
-  return isas;
-}
-
 nlohmann::json golden() {
   return testing::read_golden(testing::fixture_path("golden/tiny_shapes.json"));
 }
@@ -83,7 +75,7 @@ TEST(TinyShapes, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
       // The fixture tells its feature apart: without it, llama.cpp's logits move this much.
       EXPECT_GT(effect.get<float>(), 10 * kLogitTolerance) << file << " " << feature;
     }
-    for (cpu::Isa isa : supported_isas()) {
+    for (cpu::Isa isa : cpu::supported_isas()) {
       Generator generator(*model, cpu::kernel_table(isa), pool);
       const std::vector<float> logits = generator.logits_all(ids);
       float worst = 0.0f;
