@@ -35,7 +35,18 @@ const char* finish_name(FinishReason finish, bool stop_string_matched) {
 void add_generate_command(CLI::App& app, GenerateArgs& args) {
   CLI::App* cmd = app.add_subcommand("generate", "Continue a prompt on the CPU, streaming text");
   cmd->add_option("-m,--model", args.model, "Path of a GGUF model")->required();
-  cmd->add_option("-p,--prompt", args.prompt, "Prompt text")->required();
+  CLI::Option* prompt = cmd->add_option("-p,--prompt", args.prompt, "Prompt text");
+  CLI::Option* prompts = cmd->add_option(
+      "--prompts-file", args.prompts_file,
+      "Run every line of this file as a prompt through the batching engine (JSON lines out)");
+  prompt->excludes(prompts);
+  prompts->excludes(prompt);
+  cmd->add_option("--kv-cache-mem", args.kv_cache_mem,
+                  "Batch mode: KV cache size, bytes (512MiB, 2GiB) or a fraction of free memory");
+  cmd->add_option("--max-running", args.max_running, "Batch mode: sequences decoded at once")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  cmd->add_option("--step-tokens", args.step_tokens, "Batch mode: token budget of one step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_flag("--chat", args.chat, "Wrap the prompt as a user turn in the model's chat template");
   cmd->add_option("-n,--n-tokens", args.n_tokens, "Tokens to generate at most")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
@@ -79,6 +90,9 @@ int run_generate(const GenerateArgs& args) {
   options.sampling.presence_penalty = args.presence_penalty;
   options.use_kv_cache = !args.no_kv_cache;
   validate_sampling_params(options.sampling);  // before the slow model load
+  DUET_REQUIRE(!args.prompt.empty() || !args.prompts_file.empty(),
+               "give a prompt (--prompt) or a file of prompts (--prompts-file)");
+  if (!args.prompts_file.empty()) return run_batch_generate(args, options);
   StopMatcher stop_matcher(args.stop);
 
   const cpu::Isa isa = cpu::isa_from_environment();

@@ -6,6 +6,10 @@
 #include <string>
 #include <vector>
 
+namespace duet {
+struct GenerateOptions;
+}
+
 namespace duet::tools {
 
 struct GenerateArgs {
@@ -26,7 +30,15 @@ struct GenerateArgs {
   std::vector<std::string> stop;  // stop strings, not printed (see common/stop_matcher.h)
   int threads = 0;                // 0: all hardware threads
   bool no_kv_cache = false;
+  // Batch mode: every line of this file is a prompt, run through the batching engine.
+  std::string prompts_file;
+  std::string kv_cache_mem = "0.2";  // bytes ("512MiB", "2GiB", "1000000") or a fraction of free memory
+  int64_t max_running = 64;
+  int64_t step_tokens = 512;
 };
+
+// Batch mode (tools/batch_generate.cpp); `options` are already validated.
+int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options);
 
 void add_generate_command(CLI::App& app, GenerateArgs& args);
 

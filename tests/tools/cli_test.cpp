@@ -127,5 +127,27 @@ TEST(Cli, CacheOffGivesTheSameTextAsCacheOn) {
   EXPECT_EQ(on.out, off.out);
 }
 
+TEST(Cli, PromptsFileRunsEveryPromptThroughTheBatchingEngine) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("duet-prompts-" + std::to_string(::getpid()) + ".txt");
+  std::ofstream(path) << "hello\nthe sea\n\nonce upon a time\n";  // the blank line is skipped
+  const ProcessResult run =
+      run_duet("generate -m " + tiny_model() + " --prompts-file " + path.string() + " -n 5 -t 2");
+  std::filesystem::remove(path);
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(count_lines(run.out), 3) << run.out;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NE(run.out.find("\"index\":" + std::to_string(i)), std::string::npos) << run.out;
+  }
+  EXPECT_NE(run.err.find("requests/s"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("bytes per token"), std::string::npos) << run.err;
+}
+
+TEST(Cli, PromptAndPromptsFileAreExclusive) {
+  const ProcessResult run = run_duet("generate -m " + tiny_model() + " -p hi --prompts-file x");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_EQ(count_lines(run.err), 1) << run.err;
+}
+
 }  // namespace
 }  // namespace duet
