@@ -54,9 +54,12 @@ int64_t parse_memory(const std::string& text) {
 
 std::string finish_name(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kEndOfGeneration: return "end of generation";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStopped: return "stopped";
+    case FinishReason::kEndOfGeneration:
+      return "end of generation";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStopped:
+      return "stopped";
   }
   return "unknown";
 }
@@ -82,7 +85,8 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   std::optional<ChatTemplateKind> chat;
   if (args.chat) {
     const auto text = model->file().get_string("tokenizer.chat_template");
-    DUET_REQUIRE(text.has_value(), "{}: --chat: the model has no chat template", model->file().name());
+    DUET_REQUIRE(text.has_value(), "{}: --chat: the model has no chat template",
+                 model->file().name());
     chat = detect_chat_template(*text);
   }
 
@@ -141,21 +145,22 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
                                  {"text", tokenizer.decode(text_ids)},
                                  {"completion_tokens", outputs[i].tokens.size()},
                                  {"finish", finish_name(outputs[i].finish)}};
-    std::printf("%s\n", line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    std::printf("%s\n",
+                line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   }
   std::fflush(stdout);
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   const EngineStats stats = engine.stats();
-  std::fprintf(stderr,
-               "batch: %zu requests in %.3f s (%.2f requests/s); %lld output tokens (%.1f tokens/s); "
-               "%lld steps; prefix-cache hits %lld of %lld prompt tokens; %lld preemptions; "
-               "peak RSS %.1f MiB\n",
-               prompts.size(), seconds, prompts.size() / seconds, static_cast<long long>(n_output),
-               n_output / seconds, static_cast<long long>(stats.steps),
-               static_cast<long long>(stats.prefix_hit_tokens),
-               static_cast<long long>(stats.prompt_tokens), static_cast<long long>(stats.preemptions),
-               static_cast<double>(usage.ru_maxrss) / 1024.0);
+  std::fprintf(
+      stderr,
+      "batch: %zu requests in %.3f s (%.2f requests/s); %lld output tokens (%.1f tokens/s); "
+      "%lld steps; prefix-cache hits %lld of %lld prompt tokens; %lld preemptions; "
+      "peak RSS %.1f MiB\n",
+      prompts.size(), seconds, prompts.size() / seconds, static_cast<long long>(n_output),
+      n_output / seconds, static_cast<long long>(stats.steps),
+      static_cast<long long>(stats.prefix_hit_tokens), static_cast<long long>(stats.prompt_tokens),
+      static_cast<long long>(stats.preemptions), static_cast<double>(usage.ru_maxrss) / 1024.0);
   return 0;
 }
 

@@ -6,6 +6,7 @@
 // Each test runs once to warm up, then --repetitions times; it prints the
 // mean and standard deviation as a Markdown table (or JSON with --json).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,7 @@
 
 #include "common/error.h"
 #include "kernels/cpu/isa.h"
+#include "worker/engine.h"
 #include "worker/llama_forward.h"
 
 namespace {
@@ -69,6 +71,38 @@ std::pair<double, double> run_once(duet::LlamaForward& forward, const duet::Mode
   return {prompt_seconds, gen_seconds};
 }
 
+// Aggregate decode speed of the batching engine with n_seq sequences of
+// n_prompt random tokens generating n_gen tokens each (no end of generation):
+// all prompts prefill in the first step, every later step decodes one token
+// of every sequence, as llama-batched-bench measures. Returns {prefill t/s, decode t/s}.
+std::pair<double, double> run_batch(const duet::LlamaModel& model,
+                                    const duet::cpu::KernelTable& kernels,
+                                    duet::cpu::ThreadPool& pool, int64_t n_seq, int64_t n_prompt,
+                                    int64_t n_gen, std::mt19937& rng) {
+  duet::EngineConfig config;
+  config.n_kv_blocks = n_seq * ((n_prompt + n_gen + 15) / 16 + 1);
+  config.scheduler.max_running = n_seq;
+  config.scheduler.max_step_tokens = n_seq * n_prompt + n_seq;
+  duet::Engine engine(model, kernels, pool, config);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(model.config().n_vocab - 1));
+  duet::RequestOptions options;
+  options.max_tokens = n_gen + 1;  // the first token comes from the prefill step
+  for (int64_t i = 0; i < n_seq; ++i) {
+    std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
+    for (auto& t : prompt) t = token(rng);
+    engine.submit(std::move(prompt), options, nullptr);
+  }
+  const auto start = Clock::now();
+  engine.step();
+  const auto decode_start = Clock::now();
+  engine.run_until_idle();
+  const auto end = Clock::now();
+  const double prefill = std::chrono::duration<double>(decode_start - start).count();
+  const double decode = std::chrono::duration<double>(end - decode_start).count();
+  return {static_cast<double>(n_seq * n_prompt) / prefill,
+          static_cast<double>(n_seq * n_gen) / decode};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -80,6 +114,7 @@ int main(int argc, char** argv) {
   std::vector<int> threads{1, 2};
   int repetitions = 5;
   bool json = false;
+  std::vector<int64_t> batches;
   app.add_option("-m,--model", model_path, "GGUF model")->required();
   app.add_option("-p,--n-prompt", prompt_sizes, "Prompt sizes (pp tests)")->delimiter(',');
   app.add_option("-n,--n-gen", gen_sizes, "Generation lengths (tg tests)")->delimiter(',');
@@ -87,6 +122,10 @@ int main(int argc, char** argv) {
   app.add_option("-r,--repetitions", repetitions, "Timed runs per test")
       ->check(CLI::Range(1, 1000));
   app.add_flag("--json", json, "Print JSON instead of a Markdown table");
+  app.add_option(
+         "--batch", batches,
+         "Batching engine mode: sequence counts (e.g. 1,2,4,...,64); uses the first -p and -n")
+      ->delimiter(',');
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -100,6 +139,43 @@ int main(int argc, char** argv) {
     const duet::cpu::Isa isa = duet::cpu::isa_from_environment();
     const auto& kernels = duet::cpu::kernel_table(isa);
     nlohmann::json results = nlohmann::json::array();
+    if (!batches.empty()) {
+      const int64_t n_prompt = prompt_sizes.at(0), n_gen = gen_sizes.at(0);
+      if (!json)
+        std::printf(
+            "| threads | batch | prefill t/s | decode t/s (aggregate) |\n|---:|---:|---:|---:|\n");
+      for (int n_threads : threads) {
+        duet::cpu::ThreadPool pool(n_threads);
+        std::mt19937 rng(99);
+        for (int64_t b : batches) {
+          run_batch(*model, kernels, pool, b, n_prompt, std::min<int64_t>(n_gen, 8),
+                    rng);  // warm-up
+          std::vector<double> prefill, decode;
+          for (int r = 0; r < repetitions; ++r) {
+            const auto [pp, tg] = run_batch(*model, kernels, pool, b, n_prompt, n_gen, rng);
+            prefill.push_back(pp);
+            decode.push_back(tg);
+          }
+          std::sort(prefill.begin(), prefill.end());
+          std::sort(decode.begin(), decode.end());
+          const double pp = prefill[prefill.size() / 2], tg = decode[decode.size() / 2];
+          if (json) {
+            results.push_back({{"threads", n_threads},
+                               {"batch", b},
+                               {"n_prompt", n_prompt},
+                               {"n_gen", n_gen},
+                               {"prefill_tps", pp},
+                               {"decode_tps", tg}});
+          } else {
+            std::printf("| %d | %lld | %.1f | %.1f |\n", n_threads, static_cast<long long>(b), pp,
+                        tg);
+            std::fflush(stdout);
+          }
+        }
+      }
+      if (json) std::printf("%s\n", results.dump(2).c_str());
+      return 0;
+    }
     if (!json) {
       std::printf("| model | isa | threads | test | t/s |\n|---|---|---:|---:|---:|\n");
     }

@@ -101,14 +101,16 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     cpu::rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(), rope);
 
     int64_t row = 0;
+    attention_sequences_.clear();
     for (const ForwardSequence& s : sequences) {
       cpu::kv_cache_store(cache.layout(), cache.data(), il, s.block_table, s.pos0, s.n_tokens,
                           k_.data() + row * kv_dim, v_.data() + row * kv_dim);
-      cpu::attention(kernels_, cache.layout(), cache.data(), il, s.block_table, shape,
-                     q_.data() + row * q_dim, s.n_tokens, s.pos0, attn_.data() + row * q_dim,
-                     pool_);
+      attention_sequences_.push_back({s.block_table, s.pos0, s.n_tokens, row});
       row += s.n_tokens;
     }
+    // Every sequence's attention in one parallel pass.
+    cpu::attention_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_, shape,
+                         q_.data(), attn_.data(), pool_);
     packed_.pack(kernels_, attn_.data(), n, q_dim, {w.wo.type}, pool_);
     cpu::matmul(kernels_, w.wo, packed_, attn_out_.data(), c.n_embd, pool_);
     cpu::add_in_place(x_.data(), attn_out_.data(), n * c.n_embd);

@@ -55,6 +55,7 @@ class LlamaForward final {
   const cpu::AttentionOrder attention_order_;
   cpu::PackedActivations packed_;
   std::vector<int32_t> positions_;
+  std::vector<cpu::AttentionSequence> attention_sequences_;
   std::vector<float> x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_;
 };
 

@@ -74,28 +74,47 @@ void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
 void attention(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
                int64_t layer, std::span<const int32_t> block_table, const AttentionShape& shape,
                const float* q, int64_t n_q, int64_t pos0, float* out, ThreadPool& pool) {
+  const AttentionSequence seq{block_table, pos0, n_q, 0};
+  attention_batch(kernels, layout, cache, layer, {&seq, 1}, shape, q, out, pool);
+}
+
+void attention_batch(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
+                     int64_t layer, std::span<const AttentionSequence> sequences,
+                     const AttentionShape& shape, const float* q, float* out, ThreadPool& pool) {
   DUET_ASSERT(shape.n_heads % shape.n_kv_heads == 0);
   DUET_ASSERT(shape.head_dim == layout.head_dim && shape.n_kv_heads == layout.n_kv_heads);
   DUET_ASSERT(layout.block_size % kLanes == 0, "block size {} is not a multiple of {}",
               layout.block_size, kLanes);
   const int64_t head_dim = shape.head_dim;
   const int64_t group = shape.n_heads / shape.n_kv_heads;
-  const int64_t n_ctx = pos0 + n_q;
-  DUET_ASSERT(n_ctx <= static_cast<int64_t>(block_table.size()) * layout.block_size);
-  // 4 accumulator groups: llama.cpp's ggml_vec_dot_f16; 1: its tinyBLAS GEMM.
-  const int groups = attention_groups(n_q, head_dim, shape.order);
-  // Per thread: scores (n_ctx rounded up to 16), F16 query (head_dim halves),
-  // and 4 groups x 16 lanes x head_dim accumulators.
-  const int64_t n_scores = (n_ctx + kLanes - 1) / kLanes * kLanes;
+  // Tasks are (sequence, query token, head), sequence after sequence.
+  std::vector<int64_t> first_task(sequences.size() + 1, 0);
+  int64_t max_ctx = 0;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const AttentionSequence& s = sequences[i];
+    DUET_ASSERT(s.pos0 + s.n_q <= static_cast<int64_t>(s.block_table.size()) * layout.block_size);
+    first_task[i + 1] = first_task[i] + s.n_q * shape.n_heads;
+    max_ctx = std::max(max_ctx, s.pos0 + s.n_q);
+  }
+  // Per thread: scores (the longest context rounded up to 16), F16 query
+  // (head_dim halves), and 4 groups x 16 lanes x head_dim accumulators.
+  const int64_t n_scores = (max_ctx + kLanes - 1) / kLanes * kLanes;
   const int64_t lanes_size = kGroups * kLanes * head_dim;
   const int64_t scratch_per_thread = n_scores + head_dim + lanes_size;
   std::vector<float> scratch(static_cast<size_t>(scratch_per_thread * pool.size()));
 
-  pool.parallel_for(n_q * shape.n_heads, [&](int64_t task, int thread) {
-    const int64_t t = task / shape.n_heads;
-    const int64_t h = task % shape.n_heads;
+  pool.parallel_for(first_task.back(), [&](int64_t task, int thread) {
+    const size_t i = static_cast<size_t>(
+        std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1);
+    const AttentionSequence& seq = sequences[i];
+    const std::span<const int32_t> block_table = seq.block_table;
+    const int64_t local = task - first_task[i];
+    const int64_t t = seq.row + local / shape.n_heads;  // row in q and out
+    const int64_t h = local % shape.n_heads;
     const int64_t kv_head = h / group;
-    const int64_t n_keys = pos0 + t + 1;  // causal
+    const int64_t n_keys = seq.pos0 + local / shape.n_heads + 1;  // causal
+    // 4 accumulator groups: llama.cpp's ggml_vec_dot_f16; 1: its tinyBLAS GEMM.
+    const int groups = attention_groups(seq.n_q, head_dim, shape.order);
     float* scores = scratch.data() + thread * scratch_per_thread;
     auto* q16 = reinterpret_cast<KvElement*>(scores + n_scores);
     float* lanes = scores + n_scores + head_dim;
@@ -120,7 +139,7 @@ void attention(const KernelTable& kernels, const KvLayout& layout, const KvEleme
     for (int64_t i = 0; i < n_keys; ++i) scores[i] *= inv;
     kernels.round_f16(scores, n_keys);
 
-    std::fill(lanes, lanes + lanes_size, 0.0f);
+    std::fill(lanes, lanes + groups * kLanes * head_dim, 0.0f);
     for (int64_t t0 = 0; t0 < n_keys; t0 += kLanes) {
       const int64_t block = block_table[t0 / layout.block_size];
       const int64_t rows = std::min<int64_t>(kLanes, n_keys - t0);

@@ -54,4 +54,19 @@ void attention(const KernelTable& kernels, const KvLayout& layout, const KvEleme
                int64_t layer, std::span<const int32_t> block_table, const AttentionShape& shape,
                const float* q, int64_t n_q, int64_t pos0, float* out, ThreadPool& pool);
 
+// One sequence's query rows in a batched attention call.
+struct AttentionSequence {
+  std::span<const int32_t> block_table;
+  int64_t pos0 = 0;  // position of its first query row
+  int64_t n_q = 0;   // its query rows
+  int64_t row = 0;   // index of its first row in q and out
+};
+
+// attention() for several sequences in one parallel pass (one task per
+// sequence, query token and head); each sequence's result is exactly what
+// attention() gives it alone.
+void attention_batch(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
+                     int64_t layer, std::span<const AttentionSequence> sequences,
+                     const AttentionShape& shape, const float* q, float* out, ThreadPool& pool);
+
 }  // namespace duet::cpu
