@@ -32,7 +32,8 @@ struct GenerateArgs {
   bool no_kv_cache = false;
   // Batch mode: every line of this file is a prompt, run through the batching engine.
   std::string prompts_file;
-  std::string kv_cache_mem = "0.2";  // bytes ("512MiB", "2GiB", "1000000") or a fraction of free memory
+  std::string kv_cache_mem =
+      "0.2";  // bytes ("512MiB", "2GiB", "1000000") or a fraction of free memory
   int64_t max_running = 64;
   int64_t step_tokens = 512;
 };

@@ -24,9 +24,14 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/thread_pool.h"
+#include "tests/kernels/matmul_reference.h"
 
 namespace duet::cpu {
 namespace {
+
+using test_support::packed_values;
+using test_support::random_activations;
+using test_support::reference_matmul;
 
 bool is_quantized(DType type) { return type != DType::kF32 && type != DType::kF16; }
 
@@ -64,41 +69,6 @@ Weights make_weights(DType type, int64_t k, int64_t n_out, std::mt19937& rng) {
     dequantize_row(type, w.bytes.data() + j * w.row_bytes, w.values.data() + j * k, k);
   }
   return w;
-}
-
-std::vector<float> random_activations(int64_t n_x, int64_t k, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(n_x * k));
-  for (float& v : x) v = normal(rng);
-  return x;
-}
-
-// The packed activation rows for `w_type`, dequantized: (n_x, k).
-std::vector<float> packed_values(const PackedActivations& packed, DType w_type) {
-  size_t row_bytes = 0;
-  const uint8_t* rows = packed.rows(w_type, &row_bytes);
-  const int64_t k = packed.k();
-  std::vector<float> out(static_cast<size_t>(packed.n_rows() * k));
-  for (int64_t i = 0; i < packed.n_rows(); ++i) {
-    dequantize_row(activation_type(w_type), rows + i * row_bytes, out.data() + i * k, k);
-  }
-  return out;
-}
-
-// y (n_x, n_out) in double.
-std::vector<double> reference_matmul(const std::vector<float>& w, const std::vector<float>& x,
-                                     int64_t k, int64_t n_out, int64_t n_x) {
-  std::vector<double> y(static_cast<size_t>(n_x * n_out));
-  for (int64_t i = 0; i < n_x; ++i) {
-    for (int64_t j = 0; j < n_out; ++j) {
-      double sum = 0.0;
-      const float* wr = w.data() + j * k;
-      const float* xr = x.data() + i * k;
-      for (int64_t e = 0; e < k; ++e) sum += static_cast<double>(wr[e]) * xr[e];
-      y[i * n_out + j] = sum;
-    }
-  }
-  return y;
 }
 
 // Q4_1 times Q8_1 as the format defines it: per block, d_w d_x sum(q_w q_x)

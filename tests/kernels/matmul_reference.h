@@ -1,0 +1,51 @@
+// Shared by the matrix-kernel tests: random activations, the activations a
+// kernel actually sees (packed, then dequantized), and a double-precision
+// reference product.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/quantize.h"
+
+namespace duet::cpu::test_support {
+
+inline std::vector<float> random_activations(int64_t n_x, int64_t k, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n_x * k));
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+// The packed activation rows for `w_type`, dequantized: (n_x, k).
+inline std::vector<float> packed_values(const PackedActivations& packed, DType w_type) {
+  size_t row_bytes = 0;
+  const uint8_t* rows = packed.rows(w_type, &row_bytes);
+  const int64_t k = packed.k();
+  std::vector<float> out(static_cast<size_t>(packed.n_rows() * k));
+  for (int64_t i = 0; i < packed.n_rows(); ++i) {
+    dequantize_row(activation_type(w_type), rows + i * row_bytes, out.data() + i * k, k);
+  }
+  return out;
+}
+
+// y (n_x, n_out) = x (n_x, k) . w (n_out, k)^T in double.
+inline std::vector<double> reference_matmul(const std::vector<float>& w,
+                                            const std::vector<float>& x, int64_t k, int64_t n_out,
+                                            int64_t n_x) {
+  std::vector<double> y(static_cast<size_t>(n_x * n_out));
+  for (int64_t i = 0; i < n_x; ++i) {
+    for (int64_t j = 0; j < n_out; ++j) {
+      double sum = 0.0;
+      const float* wr = w.data() + j * k;
+      const float* xr = x.data() + i * k;
+      for (int64_t e = 0; e < k; ++e) sum += static_cast<double>(wr[e]) * xr[e];
+      y[i * n_out + j] = sum;
+    }
+  }
+  return y;
+}
+
+}  // namespace duet::cpu::test_support
