@@ -39,6 +39,10 @@ struct QuantTile {
   using WB = typename Format::WeightBlock;
   using XB = typename Format::ActBlock;
 
+  // Rows of up to this many blocks (k <= 8192) use activation scales converted
+  // once per call instead of once per weight row.
+  static constexpr int64_t kMaxScaleBlocks = 256;
+
   // One weight row against one activation row, 256 bits (the odd one out).
   static float single(const WB* wb, const XB* xb, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
@@ -53,19 +57,86 @@ struct QuantTile {
     return hsum_ps(acc) + mins;
   }
 
+  // single() with the activation's scales (and Q4_1 sums) already converted.
+  static float single_scaled(const WB* wb, const XB* xb, const float* dx, const float* sx,
+                             int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i u, s;
+      Format::operands(Format::weights(wb[b]), xb[b], &u, &s);
+      const float scale = half_to_float(wb[b].d) * dx[b];
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), lane_dot1(u, s), acc);
+      if constexpr (Format::kHasMin) mins += half_to_float(wb[b].m) * sx[b];
+    }
+    return hsum_ps(acc) + mins;
+  }
+
   // Decode shape: one weight row after the other, so the weights stream
-  // through memory in order (interleaving rows measured slower here).
+  // through memory in order (interleaving rows measured slower here); the
+  // activation's scales are converted once for all rows.
   static void one_row(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, int64_t k,
                       float* y) {
     const int64_t nb = k / kQuantBlock;
     const auto* xb = reinterpret_cast<const XB*>(x);
+    if (nb > kMaxScaleBlocks) {
+      for (int64_t j = 0; j < n_w; ++j)
+        y[j] = single(reinterpret_cast<const WB*>(w + j * w_stride), xb, nb);
+      return;
+    }
+    float dx[kMaxScaleBlocks];
+    float sx[kMaxScaleBlocks];
+    for (int64_t b = 0; b < nb; ++b) {
+      dx[b] = half_to_float(xb[b].d);
+      if constexpr (Format::kHasMin) sx[b] = half_to_float(xb[b].s);
+    }
     for (int64_t j = 0; j < n_w; ++j)
-      y[j] = single(reinterpret_cast<const WB*>(w + j * w_stride), xb, nb);
+      y[j] = single_scaled(reinterpret_cast<const WB*>(w + j * w_stride), xb, dx, sx, nb);
   }
 
   // Prefill shape: one weight row against pairs of activation rows.
+
   template <int NX>
   struct Tile {
+    // Scales converted per weight row: for rows longer than kMaxScaleBlocks blocks.
+    static void run_direct(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
+                           size_t x_stride, int64_t k, float* y, int64_t ldy) {
+      constexpr int kPairs = NX / 2;
+      const int64_t nb = k / kQuantBlock;
+      for (int64_t j = 0; j < n_w; ++j) {
+        const auto* wb = reinterpret_cast<const WB*>(w + j * w_stride);
+        __m512 acc[kPairs];
+        float mins[NX];
+        for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
+        for (int r = 0; r < NX; ++r) mins[r] = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256i wq = Format::weights(wb[b]);
+          const float dw = half_to_float(wb[b].d);
+          for (int p = 0; p < kPairs; ++p) {
+            const XB& x0 = reinterpret_cast<const XB*>(x + (2 * p) * x_stride)[b];
+            const XB& x1 = reinterpret_cast<const XB*>(x + (2 * p + 1) * x_stride)[b];
+            __m256i u0, s0, u1, s1;
+            Format::operands(wq, x0, &u0, &s0);
+            Format::operands(wq, x1, &u1, &s1);
+            const __m512 scale = join_scales(dw * half_to_float(x0.d), dw * half_to_float(x1.d));
+            acc[p] = _mm512_fmadd_ps(scale, lane_dot2(u0, s0, u1, s1), acc[p]);
+            if constexpr (Format::kHasMin) {
+              mins[2 * p] += Format::min_term(wb[b], x0);
+              mins[2 * p + 1] += Format::min_term(wb[b], x1);
+            }
+          }
+        }
+        for (int p = 0; p < kPairs; ++p) {
+          y[(2 * p) * ldy + j] = hsum_lo(acc[p]) + mins[2 * p];
+          y[(2 * p + 1) * ldy + j] = hsum_hi(acc[p]) + mins[2 * p + 1];
+        }
+        if constexpr (NX % 2 == 1) {
+          y[(NX - 1) * ldy + j] =
+              single(wb, reinterpret_cast<const XB*>(x + (NX - 1) * x_stride), nb);
+        }
+      }
+    }
+
     static void run(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
                     size_t x_stride, int64_t k, float* y, int64_t ldy) {
       if constexpr (NX == 1) {
@@ -73,32 +144,53 @@ struct QuantTile {
       } else {
         constexpr int kPairs = NX / 2;
         const int64_t nb = k / kQuantBlock;
+        if (nb > kMaxScaleBlocks) return run_direct(w, w_stride, n_w, x, x_stride, k, y, ldy);
+        // The activations' scales, converted once for all weight rows: per
+        // pair and block the 16 lanes {dx0 x8, dx1 x8}, and per block every
+        // row's Q8_1 sum s (Q4_1 only). The products below are the same
+        // IEEE operations as run_direct's, lane for lane.
+        alignas(64) __m512 dx[kPairs][kMaxScaleBlocks];
+        alignas(32) float sx[kMaxScaleBlocks][8];
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int p = 0; p < kPairs; ++p) {
+            const XB& x0 = reinterpret_cast<const XB*>(x + (2 * p) * x_stride)[b];
+            const XB& x1 = reinterpret_cast<const XB*>(x + (2 * p + 1) * x_stride)[b];
+            dx[p][b] = join_scales(half_to_float(x0.d), half_to_float(x1.d));
+          }
+          if constexpr (Format::kHasMin) {
+            for (int r = 0; r < 8; ++r) {
+              sx[b][r] =
+                  r < NX ? half_to_float(reinterpret_cast<const XB*>(x + r * x_stride)[b].s) : 0.0f;
+            }
+          }
+        }
         for (int64_t j = 0; j < n_w; ++j) {
           const auto* wb = reinterpret_cast<const WB*>(w + j * w_stride);
           __m512 acc[kPairs];
-          float mins[NX];
+          __m256 mins = _mm256_setzero_ps();
           for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
-          for (int r = 0; r < NX; ++r) mins[r] = 0.0f;
           for (int64_t b = 0; b < nb; ++b) {
             const __m256i wq = Format::weights(wb[b]);
-            const float dw = half_to_float(wb[b].d);
+            const __m512 dw = _mm512_set1_ps(half_to_float(wb[b].d));
             for (int p = 0; p < kPairs; ++p) {
               const XB& x0 = reinterpret_cast<const XB*>(x + (2 * p) * x_stride)[b];
               const XB& x1 = reinterpret_cast<const XB*>(x + (2 * p + 1) * x_stride)[b];
               __m256i u0, s0, u1, s1;
               Format::operands(wq, x0, &u0, &s0);
               Format::operands(wq, x1, &u1, &s1);
-              const __m512 scale = join_scales(dw * half_to_float(x0.d), dw * half_to_float(x1.d));
-              acc[p] = _mm512_fmadd_ps(scale, lane_dot2(u0, s0, u1, s1), acc[p]);
-              if constexpr (Format::kHasMin) {
-                mins[2 * p] += Format::min_term(wb[b], x0);
-                mins[2 * p + 1] += Format::min_term(wb[b], x1);
-              }
+              acc[p] =
+                  _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[p][b]), lane_dot2(u0, s0, u1, s1), acc[p]);
+            }
+            if constexpr (Format::kHasMin) {
+              const __m256 mw = _mm256_set1_ps(half_to_float(wb[b].m));
+              mins = _mm256_add_ps(mins, _mm256_mul_ps(mw, _mm256_load_ps(sx[b])));
             }
           }
+          alignas(32) float min_lanes[8];
+          _mm256_store_ps(min_lanes, mins);
           for (int p = 0; p < kPairs; ++p) {
-            y[(2 * p) * ldy + j] = hsum_lo(acc[p]) + mins[2 * p];
-            y[(2 * p + 1) * ldy + j] = hsum_hi(acc[p]) + mins[2 * p + 1];
+            y[(2 * p) * ldy + j] = hsum_lo(acc[p]) + min_lanes[2 * p];
+            y[(2 * p + 1) * ldy + j] = hsum_hi(acc[p]) + min_lanes[2 * p + 1];
           }
           if constexpr (NX % 2 == 1) {
             y[(NX - 1) * ldy + j] =
