@@ -23,8 +23,8 @@ std::vector<int32_t> prompt_of(int64_t n, int32_t first) {
   return p;
 }
 
-// Runs a plan as a model would: samples token 7 for every sampling chunk.
-std::vector<int32_t> fake_samples(const StepPlan& plan) {
+// What a model step would return for `plan`: token 7 for every sampling chunk.
+std::vector<int32_t> constant_samples(const StepPlan& plan) {
   std::vector<int32_t> sampled;
   for (const ScheduledChunk& c : plan.chunks) {
     if (c.samples) sampled.push_back(7);
@@ -47,7 +47,7 @@ TEST(Scheduler, NeverExceedsTheTokenBudgetAndDecodesEveryRunningSequenceEachStep
   scheduler.add({2}, prompt_of(30, 200), 50);
   StepPlan first = scheduler.schedule();
   EXPECT_EQ(first.n_tokens, 50);
-  scheduler.complete(first, fake_samples(first));
+  scheduler.complete(first, constant_samples(first));
   scheduler.add({3}, prompt_of(500, 300), 5);  // a long prompt arrives while 1 and 2 decode
   for (int step = 0; step < 12; ++step) {
     const StepPlan plan = scheduler.schedule();
@@ -55,7 +55,7 @@ TEST(Scheduler, NeverExceedsTheTokenBudgetAndDecodesEveryRunningSequenceEachStep
     EXPECT_EQ(chunk_tokens(plan, {1}), 1) << "step " << step;  // never stalled by the prefill
     EXPECT_EQ(chunk_tokens(plan, {2}), 1) << "step " << step;
     EXPECT_LE(chunk_tokens(plan, {3}), 62);
-    scheduler.complete(plan, fake_samples(plan));
+    scheduler.complete(plan, constant_samples(plan));
   }
   EXPECT_TRUE(pool.check_invariants());
 }
@@ -72,7 +72,7 @@ TEST(Scheduler, AdmitsFirstComeFirstServedWithinMaxRunning) {
   EXPECT_EQ(plan.admitted[1], SequenceId{1});
   std::vector<SequenceId> finished;
   while (!scheduler.idle()) {
-    scheduler.complete(plan, fake_samples(plan));
+    scheduler.complete(plan, constant_samples(plan));
     plan = scheduler.schedule();
     EXPECT_LE(scheduler.n_running(), 2);
     finished.insert(finished.end(), plan.finished.begin(), plan.finished.end());
@@ -92,7 +92,7 @@ TEST(Scheduler, PreemptsTheNewestAndRecomputesItsTokensLater) {
   bool preempted = false, readmitted = false;
   int64_t generated_at_preemption = 0;
   for (int step = 0; step < 200 && !scheduler.idle(); ++step) {
-    scheduler.complete(plan, fake_samples(plan));
+    scheduler.complete(plan, constant_samples(plan));
     plan = scheduler.schedule();
     EXPECT_LE(plan.n_tokens, 64);
     EXPECT_TRUE(pool.check_invariants());
@@ -128,7 +128,7 @@ TEST(Scheduler, ReusesCachedPrefixBlocks) {
   std::vector<int32_t> shared = prompt_of(40, 1000);
   scheduler.add({1}, shared, 1);
   StepPlan plan = scheduler.schedule();
-  scheduler.complete(plan, fake_samples(plan));  // finishes after one token
+  scheduler.complete(plan, constant_samples(plan));  // finishes after one token
   std::vector<int32_t> longer = shared;
   longer.push_back(5);
   scheduler.add({2}, longer, 1);
@@ -136,7 +136,7 @@ TEST(Scheduler, ReusesCachedPrefixBlocks) {
   ASSERT_EQ(plan.chunks.size(), 1u);
   EXPECT_EQ(plan.chunks[0].pos0, 2 * kBlock) << "two full blocks came from the cache";
   EXPECT_EQ(kv.n_prefix_hit_tokens(), 2 * kBlock);
-  scheduler.complete(plan, fake_samples(plan));
+  scheduler.complete(plan, constant_samples(plan));
 }
 
 TEST(Scheduler, NoBlockLeaksAfterRandomFinishCancelAndPreemption) {
@@ -162,7 +162,7 @@ TEST(Scheduler, NoBlockLeaksAfterRandomFinishCancelAndPreemption) {
     ASSERT_LE(plan.n_tokens, 96);
     ASSERT_LE(scheduler.n_running(), 6);
     ASSERT_TRUE(pool.check_invariants());
-    scheduler.complete(plan, fake_samples(plan));
+    scheduler.complete(plan, constant_samples(plan));
   }
   for (SequenceId id : live) scheduler.finish(id);
   EXPECT_TRUE(scheduler.idle());
