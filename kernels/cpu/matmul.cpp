@@ -22,7 +22,27 @@ int64_t weight_rows_per_task(int64_t n_out, int64_t n_x_tasks, int n_threads) {
   return std::max(kMinWeightRowsPerTask, (rows + 3) / 4 * 4);
 }
 
-DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
+ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
+  switch (activation) {
+    case DType::kF16:
+      return kernels.convert_f16;
+    case DType::kBF16:
+      return kernels.convert_bf16;
+    case DType::kQ8_0:
+      return kernels.quantize_q8_0;
+    case DType::kQ8_1:
+      return kernels.quantize_q8_1;
+    case DType::kQ8_K:
+      return kernels.quantize_q8_k;
+    default:
+      DUET_ASSERT(false, "no converter to {} activations", dtype_name(activation));
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type) {
   switch (weight_type) {
     case DType::kF32:
       return kernels.dot_f32;
@@ -45,26 +65,6 @@ DotTileFn dot_fn(const KernelTable& kernels, DType weight_type) {
                   fmt::format("no matrix kernel for {} weights", dtype_name(weight_type)));
   }
 }
-
-ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
-  switch (activation) {
-    case DType::kF16:
-      return kernels.convert_f16;
-    case DType::kBF16:
-      return kernels.convert_bf16;
-    case DType::kQ8_0:
-      return kernels.quantize_q8_0;
-    case DType::kQ8_1:
-      return kernels.quantize_q8_1;
-    case DType::kQ8_K:
-      return kernels.quantize_q8_k;
-    default:
-      DUET_ASSERT(false, "no converter to {} activations", dtype_name(activation));
-  }
-  return nullptr;
-}
-
-}  // namespace
 
 WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t n_out) {
   WeightMatrix w;
@@ -154,7 +154,7 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
             int64_t ldy, ThreadPool& pool) {
   DUET_ASSERT(w.k == x.k(), "matmul: weight rows have {} elements, activations {}", w.k, x.k());
   DUET_ASSERT(ldy >= w.n_out);
-  const DotTileFn dot = dot_fn(kernels, w.type);
+  const DotTileFn dot = dot_tile_fn(kernels, w.type);
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
   const int64_t n_x = x.n_rows();

@@ -32,6 +32,9 @@ struct WeightMatrix {
 
 WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t n_out);
 
+// The kernel path's dot-product tile for a weight type; throws kUnsupported.
+DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type);
+
 // The activation type a weight type's dot product takes; throws kUnsupported.
 DType activation_type(DType weight_type);
 

@@ -28,26 +28,14 @@
 namespace duet::cpu {
 namespace {
 
+using test_support::make_weights_with;
 using test_support::packed_values;
 using test_support::random_activations;
 using test_support::reference_matmul;
+using test_support::Weights;
 
 bool bitwise_equal(const float* a, const float* b, size_t n) {
   return std::memcmp(a, b, n * sizeof(float)) == 0;
-}
-
-DotTileFn dot_fn_of(const KernelTable& kernels, DType type) {
-  switch (type) {
-    case DType::kBF16:
-      return kernels.dot_bf16;
-    case DType::kQ4_K:
-      return kernels.dot_q4_k;
-    case DType::kQ6_K:
-      return kernels.dot_q6_k;
-    default:
-      ADD_FAILURE() << "no dot for " << dtype_name(type);
-      return nullptr;
-  }
 }
 
 // ---------------------------------------------------------------------------
@@ -276,31 +264,9 @@ TEST(KQuantBlocks, HandBuiltDotProductsOnEveryIsa) {
 // ---------------------------------------------------------------------------
 // Matrix products.
 
-struct Weights {
-  DType type = DType::kF32;
-  int64_t k = 0;
-  int64_t n_out = 0;
-  size_t row_bytes = 0;
-  std::vector<uint8_t> bytes;
-  std::vector<float> values;  // (n_out, k), dequantized
-
-  WeightMatrix matrix() const { return make_weight_matrix(type, bytes.data(), k, n_out); }
-  WeightMatrix rows(int64_t j0, int64_t n) const {
-    return make_weight_matrix(type, bytes.data() + j0 * row_bytes, k, n);
-  }
-};
-
 Weights make_weights(DType type, int64_t k, int64_t n_out, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  Weights w;
-  w.type = type;
-  w.k = k;
-  w.n_out = n_out;
-  w.row_bytes = dtype_row_bytes(type, k);
-  w.bytes.resize(w.row_bytes * n_out);
-  w.values.resize(static_cast<size_t>(k * n_out));
-  std::vector<float> row(static_cast<size_t>(k));
-  for (int64_t j = 0; j < n_out; ++j) {
+  return make_weights_with(type, k, n_out, [&](int64_t j, std::vector<float>& row) {
     const float offset = j % 3 == 0 ? 0.5f : 0.0f;  // some rows off-centre (Q4_K's mins)
     for (int64_t e = 0; e < k; ++e) {
       // Every fifth row has a zero sub-block (scale 0) and a large one.
@@ -308,10 +274,7 @@ Weights make_weights(DType type, int64_t k, int64_t n_out, std::mt19937& rng) {
       const float big = j % 5 == 1 && e >= 96 && e < 112 ? 20.0f : 1.0f;
       row[e] = zero ? 0.0f : (normal(rng) * 0.1f + offset) * big;
     }
-    quantize_row(type, row.data(), w.bytes.data() + j * w.row_bytes, k);
-    dequantize_row(type, w.bytes.data() + j * w.row_bytes, w.values.data() + j * k, k);
-  }
-  return w;
+  });
 }
 
 std::vector<float> run_matmul(const KernelTable& kernels, const WeightMatrix& w,
@@ -527,7 +490,7 @@ TEST_P(KQuantMatmulTest, DotTileSplitsAreBitIdentical) {
   for (Isa isa : supported_isas()) {
     SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
     const KernelTable& kernels = kernel_table(isa);
-    const DotTileFn dot = dot_fn_of(kernels, type);
+    const DotTileFn dot = dot_tile_fn(kernels, type);
     PackedActivations packed;
     packed.pack(kernels, x.data(), n_x, k, {type}, pool);
     size_t x_stride = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -11,6 +12,43 @@
 #include "kernels/cpu/quantize.h"
 
 namespace duet::cpu::test_support {
+
+// Weights stored in `type` by the scalar reference quantizers, and their
+// dequantized values (what the kernel multiplies by).
+struct Weights {
+  DType type = DType::kF32;
+  int64_t k = 0;
+  int64_t n_out = 0;
+  size_t row_bytes = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;  // (n_out, k), dequantized
+
+  WeightMatrix matrix() const { return make_weight_matrix(type, bytes.data(), k, n_out); }
+  // Rows [j0, j0 + n) as a matrix of their own.
+  WeightMatrix rows(int64_t j0, int64_t n) const {
+    return make_weight_matrix(type, bytes.data() + j0 * row_bytes, k, n);
+  }
+};
+
+// fill_row(j, row) writes the k float values of weight row j before quantization.
+inline Weights make_weights_with(
+    DType type, int64_t k, int64_t n_out,
+    const std::function<void(int64_t, std::vector<float>&)>& fill_row) {
+  Weights w;
+  w.type = type;
+  w.k = k;
+  w.n_out = n_out;
+  w.row_bytes = dtype_row_bytes(type, k);
+  w.bytes.resize(w.row_bytes * n_out);
+  w.values.resize(static_cast<size_t>(k * n_out));
+  std::vector<float> row(static_cast<size_t>(k));
+  for (int64_t j = 0; j < n_out; ++j) {
+    fill_row(j, row);
+    quantize_row(type, row.data(), w.bytes.data() + j * w.row_bytes, k);
+    dequantize_row(type, w.bytes.data() + j * w.row_bytes, w.values.data() + j * k, k);
+  }
+  return w;
+}
 
 inline std::vector<float> random_activations(int64_t n_x, int64_t k, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);

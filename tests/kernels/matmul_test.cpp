@@ -29,46 +29,20 @@
 namespace duet::cpu {
 namespace {
 
+using test_support::make_weights_with;
 using test_support::packed_values;
 using test_support::random_activations;
 using test_support::reference_matmul;
+using test_support::Weights;
 
 bool is_quantized(DType type) { return type != DType::kF32 && type != DType::kF16; }
 
-// Random weights stored in `type` by the scalar reference quantizers, and
-// their dequantized values (what the kernel multiplies by).
-struct Weights {
-  DType type = DType::kF32;
-  int64_t k = 0;
-  int64_t n_out = 0;
-  size_t row_bytes = 0;
-  std::vector<uint8_t> bytes;
-  std::vector<float> values;  // (n_out, k), dequantized
-
-  WeightMatrix matrix() const { return make_weight_matrix(type, bytes.data(), k, n_out); }
-  // Rows [j0, j0 + n) as a matrix of their own.
-  WeightMatrix rows(int64_t j0, int64_t n) const {
-    return make_weight_matrix(type, bytes.data() + j0 * row_bytes, k, n);
-  }
-};
-
 Weights make_weights(DType type, int64_t k, int64_t n_out, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  Weights w;
-  w.type = type;
-  w.k = k;
-  w.n_out = n_out;
-  w.row_bytes = dtype_row_bytes(type, k);
-  w.bytes.resize(w.row_bytes * n_out);
-  w.values.resize(static_cast<size_t>(k * n_out));
-  std::vector<float> row(static_cast<size_t>(k));
-  for (int64_t j = 0; j < n_out; ++j) {
+  return make_weights_with(type, k, n_out, [&](int64_t j, std::vector<float>& row) {
     const float offset = j % 3 == 0 ? 0.5f : 0.0f;  // some rows off-centre (Q4_1's min)
     for (float& v : row) v = normal(rng) * 0.1f + offset;
-    quantize_row(type, row.data(), w.bytes.data() + j * w.row_bytes, k);
-    dequantize_row(type, w.bytes.data() + j * w.row_bytes, w.values.data() + j * k, k);
-  }
-  return w;
+  });
 }
 
 // Q4_1 times Q8_1 as the format defines it: per block, d_w d_x sum(q_w q_x)
