@@ -66,6 +66,15 @@ Utf8Step utf8_step(std::string_view text, size_t pos) {
   return {Utf8Status::kComplete, n, cpt};
 }
 
+bool is_valid_utf8(std::string_view text) {
+  for (size_t pos = 0; pos < text.size();) {
+    const Utf8Step step = utf8_step(text, pos);
+    if (step.status != Utf8Status::kComplete) return false;
+    pos += step.length;
+  }
+  return true;
+}
+
 std::string utf8_sanitize(std::string_view text) {
   std::string out;
   out.reserve(text.size());

@@ -37,6 +37,9 @@ struct Utf8Step {
 // overlong forms, no surrogates, nothing above U+10FFFF.
 Utf8Step utf8_step(std::string_view text, size_t pos);
 
+// Whether `text` is well-formed UTF-8 from start to end (strict, as utf8_step).
+bool is_valid_utf8(std::string_view text);
+
 // `text` with every ill-formed subpart (an incomplete tail included) replaced
 // by one U+FFFD: always valid UTF-8.
 std::string utf8_sanitize(std::string_view text);

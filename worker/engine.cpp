@@ -17,7 +17,7 @@ Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::Th
       end_of_generation_(std::move(config.end_of_generation)) {}
 
 SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& options,
-                          TokenSink sink) {
+                          TokenSink sink, AdmitSink on_admitted) {
   const ModelConfig& c = model_.config();
   DUET_REQUIRE(!prompt.empty(), "the prompt is empty");
   DUET_REQUIRE(options.max_tokens >= 1, "max_tokens must be >= 1, got {}", options.max_tokens);
@@ -35,7 +35,8 @@ SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& opt
                prompt.size(), options.max_tokens, capacity);
   validate_sampling_params(options.sampling);
   const SequenceId id{next_id_++};
-  Live live{Sampler(options.sampling), std::move(sink), options.max_tokens, 0};
+  Live live{Sampler(options.sampling), std::move(sink), std::move(on_admitted), options.max_tokens,
+            0, options.ignore_eos};
   for (int32_t token : prompt) live.sampler.accept(token);  // penalties see the prompt
   live_.emplace(id, std::move(live));
   scheduler_.add(id, std::move(prompt), options.max_tokens);
@@ -55,6 +56,15 @@ bool Engine::step() {
   const StepPlan plan = scheduler_.schedule();
   stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
   if (plan.empty()) return false;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (std::find(plan.admitted.begin(), plan.admitted.end(), chunk.id) == plan.admitted.end())
+      continue;
+    Live& live = live_.at(chunk.id);
+    if (!live.on_admitted) continue;  // readmitted after preemption
+    AdmitSink on_admitted = std::move(live.on_admitted);
+    live.on_admitted = nullptr;
+    on_admitted(chunk.id, chunk.pos0);  // pos0 of a first admission = prefix-cache hit tokens
+  }
 
   batch_tokens_.clear();
   batch_sequences_.clear();
@@ -94,8 +104,9 @@ bool Engine::step() {
     live.sampler.accept(token);
     ++live.n_generated;
     ++stats_.generated_tokens;
-    const bool end = std::find(end_of_generation_.begin(), end_of_generation_.end(), token) !=
-                     end_of_generation_.end();
+    const bool end = !live.ignore_eos &&
+                     std::find(end_of_generation_.begin(), end_of_generation_.end(), token) !=
+                         end_of_generation_.end();
     const bool length = live.n_generated >= live.max_tokens;
     TokenEvent event{chunk.id, token, chunk.pos0 + static_cast<int64_t>(chunk.tokens.size()),
                      end || length, end ? FinishReason::kEndOfGeneration : FinishReason::kLength};

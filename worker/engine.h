@@ -37,6 +37,7 @@ struct EngineConfig {
 struct RequestOptions {
   int64_t max_tokens = 128;
   SamplingParams sampling;
+  bool ignore_eos = false;  // end-of-generation tokens do not end it: exactly max_tokens
 };
 
 struct TokenEvent {
@@ -48,6 +49,9 @@ struct TokenEvent {
 };
 
 using TokenSink = std::function<void(const TokenEvent&)>;
+// Called once, when a request first gets KV and compute (its queueing ends),
+// with how many of its prompt tokens the prefix cache held.
+using AdmitSink = std::function<void(SequenceId id, int64_t cached_tokens)>;
 
 struct EngineStats {
   int64_t steps = 0;
@@ -68,7 +72,8 @@ class Engine final {
   // Queues a request. Throws duet::Error (kInvalidArgument) for an empty
   // prompt, an id outside the vocabulary, or a prompt plus max_tokens longer
   // than the model's context or the KV cache.
-  SequenceId submit(std::vector<int32_t> prompt, const RequestOptions& options, TokenSink sink);
+  SequenceId submit(std::vector<int32_t> prompt, const RequestOptions& options, TokenSink sink,
+                    AdmitSink on_admitted = {});
 
   // Ends a request at once and frees its KV blocks; its sink gets a final
   // event (reason kStopped). Unknown or finished ids are ignored.
@@ -79,6 +84,8 @@ class Engine final {
   void run_until_idle();
 
   bool idle() const { return scheduler_.idle(); }
+  int64_t n_running() const { return scheduler_.n_running(); }
+  int64_t n_waiting() const { return scheduler_.n_waiting(); }
   EngineStats stats() const;
   int64_t n_free_kv_blocks() const { return kv_.n_free_blocks(); }
   int64_t n_kv_blocks() const { return pool_.n_blocks(); }
@@ -87,8 +94,10 @@ class Engine final {
   struct Live {
     Sampler sampler;
     TokenSink sink;
+    AdmitSink on_admitted;  // emptied once called
     int64_t max_tokens = 0;
     int64_t n_generated = 0;
+    bool ignore_eos = false;
   };
 
   const LlamaModel& model_;

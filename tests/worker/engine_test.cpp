@@ -154,6 +154,32 @@ TEST_P(EngineTest, CancelFreesBlocksAtOnce) {
   EXPECT_FALSE(engine.step());
 }
 
+TEST_P(EngineTest, IgnoreEosGeneratesExactlyMaxTokens) {
+  std::mt19937 rng(5);
+  const std::vector<int32_t> prompt = random_prompt(rng, 20);
+  // Every sampled token counts as an end of generation: without ignore_eos
+  // a request ends after one token, with it after max_tokens.
+  EngineConfig config;
+  for (int32_t id = 0; id < model_->config().n_vocab; ++id) config.end_of_generation.push_back(id);
+  RequestOptions options = sampled(7, 9);
+  EXPECT_EQ(run({prompt}, {options}, config)[0].size(), 1u);
+  options.ignore_eos = true;
+  EXPECT_EQ(run({prompt}, {options}, config)[0].size(), 9u);
+}
+
+TEST_P(EngineTest, AdmissionIsReportedOnceWithThePrefixCacheHit) {
+  std::mt19937 rng(6);
+  const std::vector<int32_t> prompt = random_prompt(rng, 40);  // two full blocks and a bit
+  Engine engine(*model_, cpu::kernel_table(cpu::best_isa()), *pool_, EngineConfig{});
+  std::vector<int64_t> admitted;
+  auto on_admitted = [&](SequenceId, int64_t cached) { admitted.push_back(cached); };
+  engine.submit(prompt, sampled(1, 4), [](const TokenEvent&) {}, on_admitted);
+  engine.run_until_idle();
+  engine.submit(prompt, sampled(1, 4), [](const TokenEvent&) {}, on_admitted);
+  engine.run_until_idle();
+  EXPECT_EQ(admitted, (std::vector<int64_t>{0, 32}));
+}
+
 TEST_P(EngineTest, RefusesRequestsThatCannotFit) {
   EngineConfig config;
   config.n_kv_blocks = 4;

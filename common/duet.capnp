@@ -1,0 +1,184 @@
+@0xb0c3f6b1ad0f7396;
+# Duet's client protocol over Cap'n Proto RPC.
+#
+# Versioning: `protocolVersion` grows when a change is not backward
+# compatible; fields are only ever added (new ordinals), never renumbered or
+# retyped, so an older client keeps working against a newer server. A client
+# checks `Gateway.version` before it relies on a newer field.
+#
+# The bootstrap capability is a `Gateway`. Nothing else is reachable without
+# `login`: when the server runs with an API key, `login` must be given it;
+# without one, any key (the empty one included) is accepted.
+
+$import "/capnp/c++.capnp".namespace("duet::rpc");
+
+const protocolVersion :UInt32 = 1;
+
+# ---------------------------------------------------------------- errors
+
+enum ErrorKind {
+  invalidArgument @0;  # malformed or impossible request
+  tooLong @1;          # prompt, or prompt + maxTokens, over a limit
+  overloaded @2;       # queue full: retry later
+  unavailable @3;      # the server is shutting down
+  internal @4;         # a bug of ours
+  unauthenticated @5;  # wrong API key
+  notFound @6;         # unknown model
+}
+
+struct Error {
+  kind @0 :ErrorKind;
+  message @1 :Text;  # for humans
+}
+
+# ---------------------------------------------------------------- requests
+
+struct ChatMessage {
+  role @0 :Text;     # "system", "user" or "assistant"
+  content @1 :Text;
+}
+
+struct Sampling {
+  temperature @0 :Float32 = 0;  # 0: greedy
+  topK @1 :Int32 = 0;           # 0: off
+  topP @2 :Float32 = 1;         # 1: off
+  minP @3 :Float32 = 0;         # 0: off
+  seed @4 :UInt64 = 0;          # draws are keyed by (seed, position): same seed, same text
+  repetitionPenalty @5 :Float32 = 1;
+  frequencyPenalty @6 :Float32 = 0;
+  presencePenalty @7 :Float32 = 0;
+}
+
+struct GenerateRequest {
+  prompt :union {
+    text @0 :Text;                # tokenized as is (special tokens parsed)
+    tokens @1 :List(Int32);       # token ids
+    chat @2 :List(ChatMessage);   # the model's chat template is applied
+  }
+  maxTokens @3 :UInt32 = 0;       # 0: the server's default
+  sampling @4 :Sampling;
+  stop @5 :List(Text);            # stop strings; the text ends before the first match
+  ignoreEos @6 :Bool = false;     # generate exactly maxTokens tokens
+  includeTokenIds @7 :Bool = false;  # chunks carry token ids too
+  model @8 :Text;                 # empty: the served model
+}
+
+# ---------------------------------------------------------------- streaming
+
+struct TokenChunk {
+  text @0 :Text;              # new text: valid UTF-8, stop strings held back
+  tokenIds @1 :List(Int32);   # the new tokens, when includeTokenIds
+}
+
+enum FinishReason {
+  stop @0;       # end-of-generation token or stop string
+  length @1;     # maxTokens reached
+  cancelled @2;  # cancel() or the handle was dropped
+  error @3;      # failed after it started; see Finish.error
+}
+
+struct Timings {
+  queueMs @0 :Float64;   # arrival to first compute
+  ttftMs @1 :Float64;    # arrival to first token
+  tpotMs @2 :Float64;    # mean gap between later tokens
+  e2eMs @3 :Float64;     # arrival to finish
+  promptTokens @4 :UInt32;
+  completionTokens @5 :UInt32;
+  cachedTokens @6 :UInt32;  # prompt tokens served from the prefix cache
+}
+
+struct Finish {
+  reason @0 :FinishReason;
+  timings @1 :Timings;
+  error @2 :Error;  # set when reason is error
+}
+
+interface TokenSink {
+  # Implemented by the client. The server calls write() as tokens are made
+  # (several tokens per chunk when the client is slower than the model) and
+  # done() exactly once at the end.
+  write @0 (chunk :TokenChunk) -> stream;
+  done @1 (finish :Finish);
+}
+
+interface RequestHandle {
+  # Dropping the handle cancels the request too.
+  cancel @0 ();
+}
+
+# ---------------------------------------------------------------- service
+
+struct ModelInfo {
+  name @0 :Text;
+  contextLength @1 :UInt32;
+  vocabSize @2 :UInt32;
+  kvCapacityTokens @3 :UInt32;
+  maxPromptTokens @4 :UInt32;
+  maxTokens @5 :UInt32;
+}
+
+struct Stats {
+  runningSequences @0 :UInt32;
+  waitingSequences @1 :UInt32;
+  activeRequests @2 :UInt32;
+  finishedRequests @3 :UInt64;
+  refusedRequests @4 :UInt64;
+  kvBlocksTotal @5 :UInt32;
+  kvBlocksFree @6 :UInt32;
+  kvBlockTokens @7 :UInt32;
+  promptTokens @8 :UInt64;
+  prefixHitTokens @9 :UInt64;
+  generatedTokens @10 :UInt64;
+  steps @11 :UInt64;
+  preemptions @12 :UInt64;
+}
+
+enum HealthStatus {
+  serving @0;
+  shuttingDown @1;
+}
+
+interface Inference {
+  generate @0 (request :GenerateRequest, sink :TokenSink) -> (result :GenerateResult);
+  tokenize @1 (text :Text, addSpecial :Bool) -> (result :TokenizeResult);
+  detokenize @2 (tokens :List(Int32)) -> (result :DetokenizeResult);
+  modelInfo @3 () -> (info :ModelInfo);
+  stats @4 () -> (stats :Stats);
+  health @5 () -> (status :HealthStatus);
+}
+
+struct GenerateResult {
+  union {
+    started :group {
+      handle @0 :RequestHandle;
+      promptTokens @1 :UInt32;
+    }
+    error @2 :Error;  # refused; the sink is never called
+  }
+}
+
+struct TokenizeResult {
+  union {
+    tokens @0 :List(Int32);
+    error @1 :Error;
+  }
+}
+
+struct DetokenizeResult {
+  union {
+    text @0 :Text;
+    error @1 :Error;
+  }
+}
+
+interface Gateway {
+  version @0 () -> (protocolVersion :UInt32, server :Text);
+  login @1 (apiKey :Text) -> (result :LoginResult);
+}
+
+struct LoginResult {
+  union {
+    inference @0 :Inference;
+    error @1 :Error;  # unauthenticated
+  }
+}

@@ -1,0 +1,128 @@
+// The contract between the coordinator and the instances that run the model.
+//
+// The coordinator speaks token ids to an instance: it tokenizes, applies the
+// chat template, detokenizes and matches stop strings itself, so an instance
+// only prefills, decodes and samples. An instance is reached through
+// InstanceClient, whatever it is: an engine thread in this process
+// (worker/local_instance.h) or, later, a group of MPI ranks.
+//
+// Every submitted request gets exactly one finished event, also when the
+// instance refuses it (finish kFailed with a typed error). Events come in
+// batches, one batch per engine step, so a front that forwards them to a
+// network loop crosses threads once per step, not once per token.
+#pragma once
+
+#include <compare>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "common/sampling.h"
+
+namespace duet {
+
+// A request's id, unique within one coordinator's lifetime.
+struct RequestId {
+  uint64_t value = 0;
+  auto operator<=>(const RequestId&) const = default;
+};
+
+// Why a request was refused or failed, in the words of the client protocols
+// (HTTP status and Cap'n Proto error kind follow from it).
+enum class ServeErrorKind {
+  kInvalidArgument,  // malformed or impossible request (HTTP 400)
+  kTooLong,          // prompt or prompt + max_tokens over a limit (HTTP 400)
+  kNotFound,         // unknown model or route (HTTP 404)
+  kUnauthenticated,  // missing or wrong API key (HTTP 401)
+  kOverloaded,       // queue full; retry later (HTTP 429)
+  kUnavailable,      // shutting down or no instance (HTTP 503)
+  kInternal,         // a broken invariant of ours (HTTP 500)
+};
+
+std::string_view serve_error_kind_name(ServeErrorKind kind);  // "invalid_argument", ...
+
+struct ServeError {
+  ServeErrorKind kind = ServeErrorKind::kInternal;
+  std::string message;
+};
+
+// A value or the typed reason there is none: expected outcomes (a full queue,
+// an over-long prompt) are results, not exceptions.
+template <typename T>
+using Result = std::variant<T, ServeError>;
+
+struct InstanceRequest {
+  RequestId id;
+  std::vector<int32_t> prompt;  // token ids, chat template applied
+  int64_t max_tokens = 128;
+  SamplingParams sampling;
+  bool ignore_eos = false;  // generate exactly max_tokens tokens (benchmarks)
+};
+
+enum class InstanceFinish {
+  kEndOfGeneration,  // sampled an end-of-generation token (it is the last token event)
+  kLength,           // reached max_tokens
+  kCancelled,        // cancel() arrived first
+  kFailed,           // refused or failed; `error` says why
+};
+
+struct InstanceEvent {
+  RequestId id;
+  // The sequence got KV and its first compute step (its queueing ended);
+  // cached_tokens of its prompt came from the prefix cache. At most once.
+  bool admitted = false;
+  int64_t cached_tokens = 0;
+  int32_t token = -1;  // a generated token, or -1
+  bool finished = false;
+  InstanceFinish finish = InstanceFinish::kLength;
+  std::optional<ServeError> error;  // with kFailed
+};
+
+// A snapshot; counters are cumulative since start.
+struct InstanceStats {
+  int64_t running = 0;  // sequences holding KV
+  int64_t waiting = 0;  // submitted, not yet admitted
+  int64_t kv_blocks_total = 0;
+  int64_t kv_blocks_free = 0;
+  int64_t kv_block_tokens = 0;  // tokens per block
+  int64_t steps = 0;
+  int64_t prompt_tokens = 0;      // looked up in the prefix cache
+  int64_t prefix_hit_tokens = 0;  // of those, found cached
+  int64_t generated_tokens = 0;
+  int64_t preemptions = 0;
+};
+
+// What the coordinator needs to know of the model to validate requests.
+struct InstanceInfo {
+  std::string model_name;
+  int64_t n_ctx = 0;              // the model's context (prompt + generated tokens)
+  int64_t n_vocab = 0;
+  int64_t kv_capacity_tokens = 0;  // the most tokens one sequence can hold
+  std::vector<int32_t> end_of_generation;
+};
+
+// An instance as the coordinator sees it. Thread-safe: submit, cancel and
+// stats may be called from any thread and never wait for a model step.
+class InstanceClient {
+ public:
+  // Receives the events of one step (or of one refusal) on the instance's
+  // event thread; must not block for long: it holds up the next step.
+  using EventHandler = std::function<void(std::span<const InstanceEvent>)>;
+
+  virtual ~InstanceClient() = default;
+
+  virtual const InstanceInfo& info() const = 0;
+  // Set once, before the first submit.
+  virtual void set_event_handler(EventHandler handler) = 0;
+  virtual void submit(InstanceRequest request) = 0;
+  // Ends a request and frees its KV at once; unknown or finished ids are ignored.
+  virtual void cancel(RequestId id) = 0;
+  virtual InstanceStats stats() const = 0;
+};
+
+}  // namespace duet

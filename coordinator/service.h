@@ -1,0 +1,177 @@
+// The coordinator's core, shared by its fronts (Cap'n Proto RPC and HTTP).
+//
+// A front turns its protocol's request into a ServeRequest and calls start():
+// the service validates it (typed errors, never an exception for bad input),
+// tokenizes it and applies the chat template, admits it or refuses it with a
+// typed overload, and hands it to the instance through the instance's one
+// queue. The instance's events come back once per step; the service
+// detokenizes them incrementally, matches stop strings, keeps per-request
+// timings and metrics, and passes each front the updates of its own requests
+// in one call (UpdateSink::deliver), so a front crosses into its network loop
+// once per step.
+//
+// Thread affinity: start, cancel and the queries may be called from any
+// thread. deliver() runs on the instance's event thread. Mutable request state
+// is guarded by mutex_.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "common/chat_template.h"
+#include "common/serving.h"
+#include "common/stop_matcher.h"
+#include "common/tokenizer.h"
+#include "coordinator/metrics.h"
+
+namespace duet {
+
+struct ServiceLimits {
+  int64_t max_waiting = 256;          // admitted requests not yet running; more -> kOverloaded
+  int64_t max_prompt_tokens = 0;      // 0: the model's context
+  int64_t max_tokens = 0;             // the most a request may ask for; 0: the model's context
+  int64_t default_max_tokens = 256;   // when a request names none
+  size_t max_stop_strings = 16;
+};
+
+// The prompt in one of three forms.
+using PromptInput = std::variant<std::string,                // text, tokenized as is
+                                 std::vector<int32_t>,       // token ids
+                                 std::vector<ChatMessage>>;  // chat, template applied
+
+struct ServeRequest {
+  PromptInput prompt;
+  std::optional<int64_t> max_tokens;  // nullopt: limits.default_max_tokens
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  bool include_token_ids = false;  // updates carry token ids too (RPC clients that ask)
+};
+
+enum class ServeFinish {
+  kStop,       // an end-of-generation token or a stop string
+  kLength,     // max_tokens
+  kCancelled,  // the client cancelled or went away
+  kError,      // failed after admission; see RequestUpdate::error
+};
+
+std::string_view serve_finish_name(ServeFinish finish);  // "stop", "length", "cancelled", "error"
+
+// Times in seconds; queue = arrival to first compute, ttft = arrival to first
+// token, tpot = mean gap between later tokens (0 with fewer than 2), e2e =
+// arrival to finish.
+struct RequestTimings {
+  double queue_s = 0;
+  double ttft_s = 0;
+  double tpot_s = 0;
+  double e2e_s = 0;
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+};
+
+// New output of one request. The text is safe to show: it is valid UTF-8 and
+// holds nothing that could still turn out to start a stop string.
+struct RequestUpdate {
+  RequestId id;
+  std::string text;
+  std::vector<int32_t> tokens;  // filled when the request asked for token ids
+  bool finished = false;
+  ServeFinish finish = ServeFinish::kStop;
+  RequestTimings timings;           // complete when finished
+  std::optional<ServeError> error;  // with kError
+};
+
+// A front's receiver of updates; one per front (not per request).
+class UpdateSink {
+ public:
+  virtual ~UpdateSink() = default;
+  // The updates of one instance step for this front's requests, in order.
+  // Runs on the instance's event thread; must hand them to the front's own
+  // thread and return (never wait for the network).
+  virtual void deliver(std::vector<RequestUpdate> updates) = 0;
+};
+
+struct Admitted {
+  RequestId id;
+  int64_t prompt_tokens = 0;
+};
+
+struct ModelSummary {
+  std::string name;  // the id clients use ("model" in OpenAI requests)
+  int64_t n_ctx = 0;
+  int64_t n_vocab = 0;
+  int64_t kv_capacity_tokens = 0;
+  int64_t max_prompt_tokens = 0;
+  int64_t max_tokens = 0;
+};
+
+struct ServiceStats {
+  InstanceStats instance;
+  int64_t active_requests = 0;  // started, not finished
+  int64_t waiting_requests = 0;  // started, not yet admitted by the instance
+  int64_t finished_requests = 0;
+  int64_t refused_requests = 0;
+};
+
+class Service final {
+ public:
+  // `instance` and `tokenizer` outlive the service. `model_name` is the id
+  // that requests must name (an empty model field is accepted too).
+  Service(InstanceClient& instance, const Tokenizer& tokenizer,
+          std::optional<ChatTemplateKind> chat_template, std::string model_name,
+          ServiceLimits limits);
+  ~Service();
+  Service(const Service&) = delete;
+  Service& operator=(const Service&) = delete;
+
+  // Validates, tokenizes and admits a request, whose updates go to `sink`
+  // (which must outlive the request's final update).
+  Result<Admitted> start(ServeRequest request, UpdateSink& sink);
+  // Ends a request at once and frees its KV; its final update says kCancelled.
+  void cancel(RequestId id);
+  // Refuses every later start with kUnavailable and cancels what runs.
+  void shut_down();
+
+  // Whether `name` names the served model (empty counts as yes).
+  bool serves_model(std::string_view name) const;
+  const ModelSummary& model() const { return model_; }
+  Result<std::vector<int32_t>> tokenize(std::string_view text, bool add_special) const;
+  Result<std::string> detokenize(std::span<const int32_t> ids) const;
+  ServiceStats stats() const;
+  bool healthy() const;
+  // The Prometheus text exposition of every metric.
+  std::string metrics_text() const;
+  const Metrics& metrics() const { return metrics_; }
+
+ private:
+  struct Live;
+  using Clock = std::chrono::steady_clock;
+
+  Result<std::vector<int32_t>> prompt_tokens(const PromptInput& prompt) const;
+  void on_events(std::span<const InstanceEvent> events);  // the instance's event thread
+
+  InstanceClient& instance_;
+  const Tokenizer& tokenizer_;
+  const std::optional<ChatTemplateKind> chat_template_;
+  const ServiceLimits limits_;
+  ModelSummary model_;
+  Metrics metrics_;  // thread-safe itself
+
+  mutable std::mutex mutex_;  // guards everything below
+  bool shut_down_ = false;
+  uint64_t next_id_ = 1;
+  std::map<RequestId, std::unique_ptr<Live>> live_;
+  int64_t n_waiting_ = 0;
+  int64_t n_finished_ = 0;
+  int64_t n_refused_ = 0;
+};
+
+}  // namespace duet
