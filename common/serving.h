@@ -12,6 +12,7 @@
 // network loop crosses threads once per step, not once per token.
 #pragma once
 
+#include <chrono>
 #include <compare>
 #include <cstdint>
 #include <functional>
@@ -77,6 +78,9 @@ struct InstanceEvent {
   // cached_tokens of its prompt came from the prefix cache. At most once.
   bool admitted = false;
   int64_t cached_tokens = 0;
+  // When the admission happened (this host's steady clock): events reach the
+  // coordinator at the end of the step, the admission was at its start.
+  std::chrono::steady_clock::time_point admitted_at{};
   int32_t token = -1;  // a generated token, or -1
   bool finished = false;
   InstanceFinish finish = InstanceFinish::kLength;

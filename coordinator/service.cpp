@@ -219,6 +219,12 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
 
 void Service::cancel(RequestId id) { instance_.cancel(id); }
 
+void Service::record_refused(ServeErrorKind kind) {
+  metrics_.record_refused(kind);
+  std::lock_guard lock(mutex_);
+  ++n_refused_;
+}
+
 void Service::shut_down() {
   std::vector<RequestId> ids;
   {
@@ -247,7 +253,7 @@ void Service::on_events(std::span<const InstanceEvent> events) {
       Live& live = *it->second;
       if (event.admitted && !live.is_admitted) {
         live.is_admitted = true;
-        live.admitted = now;
+        live.admitted = event.admitted_at == Clock::time_point{} ? now : event.admitted_at;
         live.cached_tokens = event.cached_tokens;
         --n_waiting_;
       }

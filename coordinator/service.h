@@ -11,8 +11,10 @@
 // once per step.
 //
 // Thread affinity: start, cancel and the queries may be called from any
-// thread. deliver() runs on the instance's event thread. Mutable request state
-// is guarded by mutex_.
+// thread. deliver() runs on the instance's event thread, never under mutex_:
+// a front may block in deliver() until its loop thread runs (kj's
+// executeSync), and that loop thread may be inside start() waiting for
+// mutex_. Mutable request state is guarded by mutex_.
 #pragma once
 
 #include <chrono>
@@ -137,6 +139,9 @@ class Service final {
   Result<Admitted> start(ServeRequest request, UpdateSink& sink);
   // Ends a request at once and frees its KV; its final update says kCancelled.
   void cancel(RequestId id);
+  // Counts a request a front refused before it reached start() (bad JSON,
+  // unknown model, wrong API key), so the metrics see every refusal.
+  void record_refused(ServeErrorKind kind);
   // Refuses every later start with kUnavailable and cancels what runs.
   void shut_down();
 

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "tools/generate_command.h"
+#include "tools/serve_command.h"
 
 int main(int argc, char** argv) {
   auto logger = spdlog::stderr_color_mt("duet");
@@ -20,6 +21,8 @@ int main(int argc, char** argv) {
   app.add_flag("-v,--verbose", verbose, "Log more detail to stderr");
   duet::tools::GenerateArgs generate_args;
   duet::tools::add_generate_command(app, generate_args);
+  duet::tools::ServeArgs serve_args;
+  duet::tools::add_serve_command(app, serve_args);
 
   try {
     app.parse(argc, argv);
@@ -35,6 +38,7 @@ int main(int argc, char** argv) {
 
   try {
     if (app.got_subcommand("generate")) return duet::tools::run_generate(generate_args);
+    if (app.got_subcommand("serve")) return duet::tools::run_serve(serve_args);
   } catch (const duet::Error& e) {
     std::fprintf(stderr, "duet: %s: %s\n", std::string(duet::error_kind_name(e.kind())).c_str(),
                  e.what());

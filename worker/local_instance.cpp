@@ -88,7 +88,10 @@ void LocalInstance::apply(Command& command) {
     events_.push_back(std::move(event));
   };
   auto on_admitted = [this, rid](SequenceId, int64_t cached_tokens) {
-    events_.push_back({.id = rid, .admitted = true, .cached_tokens = cached_tokens});
+    events_.push_back({.id = rid,
+                       .admitted = true,
+                       .cached_tokens = cached_tokens,
+                       .admitted_at = std::chrono::steady_clock::now()});
   };
   try {
     const SequenceId sid = engine_.submit(std::move(request.prompt), options, on_token, on_admitted);

@@ -153,7 +153,7 @@ TEST_F(ServiceTest, GreedyTextEqualsTheEnginesOwn) {
   EXPECT_EQ(out.timings.completion_tokens, static_cast<int64_t>(expected.size()));
   EXPECT_GT(out.timings.ttft_s, 0.0);
   EXPECT_GE(out.timings.e2e_s, out.timings.ttft_s);
-  EXPECT_GE(out.timings.ttft_s, out.timings.queue_s);
+  EXPECT_LT(out.timings.queue_s, out.timings.ttft_s);  // admitted before its first forward step
   expect_kv_free();
 }
 

@@ -1,0 +1,312 @@
+// `duet-client`: a command-line client of a Duet server over Cap'n Proto RPC
+// (common/duet.capnp). Wiring only: flags become requests (client_session.h
+// runs them), generated text goes to stdout, everything else to stderr.
+//
+//   duet-client --connect HOST:PORT [--api-key KEY] generate --prompt TEXT [-n N] ...
+//   duet-client --connect HOST:PORT chat      (one user message per line; EOF ends)
+//   duet-client --connect HOST:PORT stats | info
+//
+// Errors print one line on stderr naming their kind; exit code 1 when the
+// server cannot be reached, 2 for a refused request or bad flags, 130 after
+// Ctrl-C (which first cancels the request on the server).
+#include <poll.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "tools/client_session.h"
+
+namespace duet::client {
+namespace {
+
+struct GenerateFlags {
+  std::string prompt;
+  bool chat = false;  // send the prompt as a user message
+  std::string system;
+  uint32_t n_tokens = 0;  // 0: the server's default
+  float temperature = 0.0f;
+  uint64_t seed = 0;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  float min_p = 0.0f;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+};
+
+void add_sampling_flags(CLI::App& cmd, GenerateFlags& flags) {
+  cmd.add_option("-n,--n-tokens", flags.n_tokens,
+                 "Tokens to generate at most (0: the server's default)");
+  cmd.add_option("--temp", flags.temperature, "Sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0f, 100.0f));
+  cmd.add_option("--seed", flags.seed, "Seed of the sampling random stream");
+  cmd.add_option("--top-p", flags.top_p,
+                 "Keep the most likely tokens up to this probability mass (1: off)");
+  cmd.add_option("--top-k", flags.top_k, "Keep the k most likely tokens (0: off)");
+  cmd.add_option("--min-p", flags.min_p,
+                 "Keep tokens at least this fraction as likely as the top one (0: off)");
+  cmd.add_option("--stop", flags.stop, "Stop string (repeatable); the text ends before it");
+  cmd.add_flag("--ignore-eos", flags.ignore_eos, "Generate exactly --n-tokens tokens");
+}
+
+struct ChatTurn {
+  std::string role;
+  std::string content;
+};
+
+// Writes everything but the prompt of a request.
+void fill_options(rpc::GenerateRequest::Builder request, const GenerateFlags& flags) {
+  request.setMaxTokens(flags.n_tokens);
+  auto sampling = request.initSampling();
+  sampling.setTemperature(flags.temperature);
+  sampling.setSeed(flags.seed);
+  sampling.setTopP(flags.top_p);
+  sampling.setTopK(flags.top_k);
+  sampling.setMinP(flags.min_p);
+  auto stop = request.initStop(static_cast<unsigned>(flags.stop.size()));
+  for (size_t i = 0; i < flags.stop.size(); ++i) stop.set(static_cast<unsigned>(i), flags.stop[i]);
+  request.setIgnoreEos(flags.ignore_eos);
+}
+
+void fill_chat(rpc::GenerateRequest::Builder request, const std::vector<ChatTurn>& turns) {
+  auto messages = request.initPrompt().initChat(static_cast<unsigned>(turns.size()));
+  for (size_t i = 0; i < turns.size(); ++i) {
+    messages[static_cast<unsigned>(i)].setRole(turns[i].role);
+    messages[static_cast<unsigned>(i)].setContent(turns[i].content);
+  }
+}
+
+void print_text(std::string_view text) {
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fflush(stdout);
+}
+
+void print_timings(const GenerateOutcome& outcome) {
+  const Timings& t = outcome.timings;
+  std::fprintf(stderr,
+               "finish: %s; prompt %u tokens (%u cached), completion %u tokens; "
+               "TTFT %.1f ms, TPOT %.1f ms, E2E %.1f ms\n",
+               std::string(finish_reason_name(outcome.reason)).c_str(), t.prompt_tokens,
+               t.cached_tokens, t.completion_tokens, t.ttft_ms, t.tpot_ms, t.e2e_ms);
+}
+
+void throw_if_failed(const GenerateOutcome& outcome) {
+  if (outcome.reason == rpc::FinishReason::ERROR) {
+    throw ClientError(kExitRefused, outcome.error_kind, outcome.error_message);
+  }
+  if (outcome.reason == rpc::FinishReason::CANCELLED && !outcome.interrupted) {
+    throw ClientError(kExitRefused, "cancelled", "the server ended the request (shutting down?)");
+  }
+}
+
+int run_generate(Session& session, const GenerateFlags& flags) {
+  const GenerateOutcome outcome = session.generate(
+      [&](rpc::GenerateRequest::Builder request) {
+        if (flags.chat) {
+          std::vector<ChatTurn> turns;
+          if (!flags.system.empty()) turns.push_back({"system", flags.system});
+          turns.push_back({"user", flags.prompt});
+          fill_chat(request, turns);
+        } else {
+          request.initPrompt().setText(flags.prompt);
+        }
+        fill_options(request, flags);
+      },
+      print_text);
+  print_text("\n");
+  print_timings(outcome);
+  throw_if_failed(outcome);
+  return outcome.interrupted ? kExitInterrupted : 0;
+}
+
+// Reads stdin line by line. Waiting happens in the kj event loop, so a
+// Ctrl-C (the captured SIGINT) ends it; a stdin that epoll cannot watch (a
+// regular file, /dev/null) is read with plain blocking reads.
+class LineReader {
+ public:
+  enum class Status { kLine, kEnd, kInterrupted };
+
+  explicit LineReader(kj::UnixEventPort& port) : port_(port) {
+    try {
+      observer_ = kj::heap<kj::UnixEventPort::FdObserver>(
+          port, STDIN_FILENO, kj::UnixEventPort::FdObserver::OBSERVE_READ);
+    } catch (const kj::Exception&) {
+      observer_ = nullptr;
+    }
+  }
+
+  Status next(kj::WaitScope& wait_scope, std::string& line) {
+    for (;;) {
+      const size_t newline = buffer_.find('\n');
+      if (newline != std::string::npos) {
+        line = buffer_.substr(0, newline);
+        buffer_.erase(0, newline + 1);
+        if (!line.empty() && line.back() == '\r') line.pop_back();
+        return Status::kLine;
+      }
+      if (end_) {
+        if (buffer_.empty()) return Status::kEnd;
+        line = std::move(buffer_);
+        buffer_.clear();
+        return Status::kLine;
+      }
+      if (observer_.get() != nullptr && !readable_now()) {
+        bool interrupted = false;
+        observer_->whenBecomesReadable()
+            .exclusiveJoin(port_.onSignal(SIGINT).then([&](siginfo_t) { interrupted = true; }))
+            .wait(wait_scope);
+        if (interrupted) return Status::kInterrupted;
+      }
+      char chunk[4096];
+      const ssize_t n = ::read(STDIN_FILENO, chunk, sizeof chunk);
+      if (n > 0) {
+        buffer_.append(chunk, static_cast<size_t>(n));
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        end_ = true;
+      }
+    }
+  }
+
+ private:
+  // Edge-triggered epoll reports only new data: look first.
+  static bool readable_now() {
+    pollfd fd{STDIN_FILENO, POLLIN, 0};
+    return ::poll(&fd, 1, 0) > 0;
+  }
+
+  kj::UnixEventPort& port_;
+  kj::Own<kj::UnixEventPort::FdObserver> observer_;
+  std::string buffer_;
+  bool end_ = false;
+};
+
+int run_chat(Session& session, const GenerateFlags& flags) {
+  std::vector<ChatTurn> history;
+  if (!flags.system.empty()) history.push_back({"system", flags.system});
+  LineReader reader(session.event_port());
+  const bool interactive = ::isatty(STDIN_FILENO) != 0;
+  for (;;) {
+    if (interactive) {
+      std::fputs("> ", stderr);
+      std::fflush(stderr);
+    }
+    std::string line;
+    const LineReader::Status status = reader.next(session.wait_scope(), line);
+    if (status == LineReader::Status::kEnd) return 0;
+    if (status == LineReader::Status::kInterrupted) {
+      std::fputs("\n", stderr);
+      return kExitInterrupted;
+    }
+    if (line.empty()) continue;
+    history.push_back({"user", line});
+    const GenerateOutcome outcome = session.generate(
+        [&](rpc::GenerateRequest::Builder request) {
+          fill_chat(request, history);
+          fill_options(request, flags);
+        },
+        print_text);
+    print_text("\n");
+    throw_if_failed(outcome);
+    // A cancelled answer stays in the history as far as it got.
+    history.push_back({"assistant", outcome.text});
+  }
+}
+
+int run_stats(Session& session) {
+  auto response = session.stats();
+  const auto s = response.getStats();
+  std::printf(
+      "running_sequences %u\nwaiting_sequences %u\nactive_requests %u\nfinished_requests %llu\n"
+      "refused_requests %llu\nkv_blocks_total %u\nkv_blocks_free %u\nkv_block_tokens %u\n"
+      "prompt_tokens %llu\nprefix_hit_tokens %llu\ngenerated_tokens %llu\nsteps %llu\n"
+      "preemptions %llu\n",
+      s.getRunningSequences(), s.getWaitingSequences(), s.getActiveRequests(),
+      static_cast<unsigned long long>(s.getFinishedRequests()),
+      static_cast<unsigned long long>(s.getRefusedRequests()), s.getKvBlocksTotal(),
+      s.getKvBlocksFree(), s.getKvBlockTokens(),
+      static_cast<unsigned long long>(s.getPromptTokens()),
+      static_cast<unsigned long long>(s.getPrefixHitTokens()),
+      static_cast<unsigned long long>(s.getGeneratedTokens()),
+      static_cast<unsigned long long>(s.getSteps()),
+      static_cast<unsigned long long>(s.getPreemptions()));
+  return 0;
+}
+
+int run_info(Session& session) {
+  auto response = session.model_info();
+  const auto info = response.getInfo();
+  std::printf(
+      "name %s\ncontext_length %u\nvocab_size %u\nkv_capacity_tokens %u\n"
+      "max_prompt_tokens %u\nmax_tokens %u\n",
+      info.getName().cStr(), info.getContextLength(), info.getVocabSize(),
+      info.getKvCapacityTokens(), info.getMaxPromptTokens(), info.getMaxTokens());
+  return 0;
+}
+
+}  // namespace
+}  // namespace duet::client
+
+int main(int argc, char** argv) {
+  using namespace duet::client;
+  CLI::App app{"duet-client: talk to a Duet server over Cap'n Proto RPC"};
+  app.require_subcommand(1);
+  std::string connect;
+  std::string api_key;
+  app.add_option("--connect", connect, "Server address, HOST:PORT")->required();
+  app.add_option("--api-key", api_key, "API key, when the server requires one")
+      ->envname("DUET_API_KEY");
+
+  GenerateFlags generate_flags;
+  CLI::App* generate = app.add_subcommand("generate", "Stream the continuation of one prompt");
+  generate->add_option("-p,--prompt", generate_flags.prompt, "Prompt text")->required();
+  generate->add_flag("--chat", generate_flags.chat,
+                     "Send the prompt as a user message (the model's chat template applies)");
+  generate->add_option("--system", generate_flags.system, "With --chat: a system message first");
+  add_sampling_flags(*generate, generate_flags);
+
+  GenerateFlags chat_flags;
+  CLI::App* chat = app.add_subcommand("chat", "Chat: one user message per stdin line; EOF ends");
+  chat->add_option("--system", chat_flags.system, "A system message first");
+  add_sampling_flags(*chat, chat_flags);
+
+  app.add_subcommand("stats", "Print the server's statistics");
+  app.add_subcommand("info", "Print the served model's description");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "duet-client: invalid_argument: %s (see duet-client --help)\n", e.what());
+    return kExitRefused;
+  }
+
+  // Before any thread exists and before the event loop: Ctrl-C becomes an
+  // event (see Session::generate and LineReader), not the end of the process.
+  kj::UnixEventPort::captureSignal(SIGINT);
+  try {
+    const Endpoint endpoint = parse_endpoint(connect);
+    kj::AsyncIoContext io = kj::setupAsyncIo();
+    Session session(io, endpoint, api_key);
+    if (app.got_subcommand("generate")) return run_generate(session, generate_flags);
+    if (app.got_subcommand("chat")) return run_chat(session, chat_flags);
+    if (app.got_subcommand("stats")) return run_stats(session);
+    if (app.got_subcommand("info")) return run_info(session);
+  } catch (const ClientError& e) {
+    std::fprintf(stderr, "duet-client: %s: %s\n", e.kind().c_str(), e.what());
+    return e.exit_code();
+  } catch (const kj::Exception& e) {
+    std::fprintf(stderr, "duet-client: connection: %s\n", e.getDescription().cStr());
+    return kExitConnection;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "duet-client: internal: %s\n", e.what());
+    return kExitConnection;
+  }
+  return 0;
+}

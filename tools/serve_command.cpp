@@ -1,0 +1,144 @@
+#include "tools/serve_command.h"
+
+#include <pthread.h>
+#include <spdlog/spdlog.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <thread>
+
+#include "common/chat_template.h"
+#include "common/error.h"
+#include "common/kv_layout.h"
+#include "common/tokenizer_gguf.h"
+#include "coordinator/http_server.h"
+#include "coordinator/rpc_server.h"
+#include "coordinator/service.h"
+#include "kernels/cpu/isa.h"
+#include "tools/memory_size.h"
+#include "worker/local_instance.h"
+
+namespace duet::tools {
+
+void add_serve_command(CLI::App& app, ServeArgs& args) {
+  CLI::App* cmd = app.add_subcommand(
+      "serve", "Serve a model over Cap'n Proto RPC and OpenAI-compatible HTTP until interrupted");
+  cmd->add_option("-m,--model", args.model, "Path of a GGUF model")->required();
+  cmd->add_option("--model-name", args.model_name,
+                  "The model id clients name (default: the file name without .gguf)");
+  cmd->add_option("--host", args.host, "Address both fronts bind")->capture_default_str();
+  cmd->add_option("--rpc-port", args.rpc_port, "Cap'n Proto port (0: any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  cmd->add_option("--http-port", args.http_port, "HTTP port (0: any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  cmd->add_option("--api-key", args.api_key,
+                  "Require this key: HTTP bearer token, Cap'n Proto login (default: none)");
+  cmd->add_option("-t,--threads", args.threads, "Compute threads (default: all cores)")
+      ->check(CLI::Range(0, 1024));
+  cmd->add_option("--kv-cache-mem", args.kv_cache_mem,
+                  "KV cache size, bytes (512MiB, 2GiB) or a fraction of free memory")
+      ->capture_default_str();
+  cmd->add_option("--max-running", args.max_running, "Sequences decoded at once")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->capture_default_str();
+  cmd->add_option("--step-tokens", args.step_tokens, "Token budget of one engine step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  cmd->add_option("--max-waiting", args.max_waiting,
+                  "Requests waiting for the engine before new ones are refused (overloaded)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  cmd->add_option("--max-prompt-tokens", args.max_prompt_tokens,
+                  "Longest prompt accepted (0: the model's context)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  cmd->add_option("--max-tokens", args.max_tokens,
+                  "Most tokens a request may ask for (0: the model's context)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  cmd->add_option("--default-max-tokens", args.default_max_tokens,
+                  "Tokens generated when a request names no limit")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
+  cmd->add_option("--max-body-bytes", args.max_body_bytes, "Largest HTTP request body")
+      ->check(CLI::Range(size_t{1024}, size_t{1} << 30))
+      ->capture_default_str();
+}
+
+int run_serve(const ServeArgs& args) {
+  // Signals are taken by sigwait below, so every thread started from here on
+  // inherits the blocked mask and none is interrupted.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);  // a vanished client is a write error, not a death
+
+  const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
+  const int n_threads = args.threads > 0
+                            ? args.threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
+  const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
+  std::optional<ChatTemplateKind> chat;
+  if (const auto text = model->file().get_string("tokenizer.chat_template")) {
+    try {
+      chat = detect_chat_template(*text);
+    } catch (const Error& e) {
+      spdlog::warn("chat requests will be refused: {}", e.what());
+    }
+  }
+  const std::string model_name =
+      args.model_name.empty() ? std::filesystem::path(args.model).stem().string() : args.model_name;
+
+  const KvLayout probe = make_kv_layout(model->config(), 1);
+  const auto block_bytes = static_cast<int64_t>(probe.bytes_per_block());
+  const int64_t n_blocks = std::max<int64_t>(1, kv_budget / block_bytes);
+  spdlog::info("KV cache: {} bytes per token, {} blocks of {} = {} tokens ({:.1f} MiB)",
+               probe.bytes_per_token(), n_blocks, KvLayout::kDefaultBlockSize,
+               n_blocks * KvLayout::kDefaultBlockSize,
+               static_cast<double>(n_blocks * block_bytes) / (1 << 20));
+
+  cpu::ThreadPool pool(n_threads);
+  EngineConfig config;
+  config.n_kv_blocks = n_blocks;
+  config.scheduler.max_running = args.max_running;
+  config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
+  config.end_of_generation = tokenizer.end_of_generation_ids();
+  LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
+                         model_name);
+
+  ServiceLimits limits;
+  limits.max_waiting = args.max_waiting;
+  limits.max_prompt_tokens = args.max_prompt_tokens;
+  limits.max_tokens = args.max_tokens;
+  limits.default_max_tokens = args.default_max_tokens;
+  Service service(instance, tokenizer, chat, model_name, limits);
+
+  RpcServer rpc(service, {.host = args.host,
+                          .port = static_cast<uint16_t>(args.rpc_port),
+                          .api_key = args.api_key});
+  HttpServer http(service, {.host = args.host,
+                            .port = static_cast<uint16_t>(args.http_port),
+                            .api_key = args.api_key,
+                            .max_body_bytes = args.max_body_bytes});
+  // Machine-readable lines on stdout (tests and scripts read the ports here).
+  std::printf("rpc listening on %s:%u\nhttp listening on %s:%u\n", args.host.c_str(), rpc.port(),
+              args.host.c_str(), http.port());
+  std::fflush(stdout);
+  spdlog::info("serving {} ({} threads){}", model_name, n_threads,
+               args.api_key.empty() ? "" : ", API key required");
+
+  int signal = 0;
+  sigwait(&signals, &signal);
+  spdlog::info("{}: shutting down", signal == SIGINT ? "SIGINT" : "SIGTERM");
+  service.shut_down();  // refuse new requests, cancel running ones
+  http.stop();
+  rpc.stop();
+  return 0;
+}
+
+}  // namespace duet::tools
