@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-bench` (CPU) from the llama.cpp bundled with the
-# llama-cpp-python 0.3.36 source distribution -- the same llama.cpp that the
-# golden fixtures under tests/golden/ were generated with.
+# Build llama.cpp's `llama-bench`, `llama-batched-bench` and `llama-server`
+# (CPU) from the llama.cpp bundled with the llama-cpp-python 0.3.36 source
+# distribution -- the same llama.cpp that the golden fixtures under
+# tests/golden/ were generated with.
 #
 # Usage: bench/build_llama_cpp.sh            (from anywhere)
 #   env JOBS=N               parallel build jobs (default 2)
 #   env TARGETS="a b"        CMake targets (default "llama-bench"; e.g. add
-#                            "llama-batched-bench" or "llama-completion")
+#                            "llama-batched-bench", "llama-server" or
+#                            "llama-completion")
 #   env LLAMA_CPP_PYTHON_SDIST=/path/llama_cpp_python-0.3.36.tar.gz
 #                            use this local sdist instead of `pip download`
 #
@@ -14,14 +16,18 @@
 #   1. pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 into .cache/
 #   2. extract it to .cache/llama_cpp_python-0.3.36/
 #   3. configure vendor/llama.cpp with CMake (Release, GGML_NATIVE=ON, static
-#      libraries, no tests/examples/server/UI, no OpenSSL, nothing that downloads)
-#      into .cache/llama.cpp-build/ and build the targets with -j$JOBS.
-# Prints the absolute path of the built llama-bench on the last line of stdout.
+#      libraries, no tests/examples, the server without its web UI, no OpenSSL,
+#      nothing that downloads) into .cache/llama.cpp-build/ and build the
+#      targets with -j$JOBS.
+# Prints the absolute path of the first target's binary on the last line of
+# stdout (llama-bench by default).
 #
 # Notes: llama.cpp in this version no longer has LLAMA_CURL (passing it only
 # warns "deprecated and will be ignored"); its downloader uses cpp-httplib, which
-# LLAMA_OPENSSL=OFF leaves without HTTPS.  llama-cli now lives under
-# LLAMA_BUILD_SERVER (it pulls in the server and web UI), so it is not built here.
+# LLAMA_OPENSSL=OFF leaves without HTTPS.  LLAMA_BUILD_SERVER=ON only adds the
+# server's targets (llama-server, llama-cli); the web UI it embeds is neither
+# built with npm (LLAMA_BUILD_UI=OFF) nor fetched from Hugging Face
+# (LLAMA_USE_PREBUILT_UI=OFF), so llama-server serves the API with an empty UI.
 set -euo pipefail
 
 VERSION=0.3.36
@@ -73,7 +79,7 @@ cmake -S "$LLAMA_SRC" -B "$BUILD" "${GEN[@]}" \
     -DGGML_CCACHE=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF \
@@ -87,6 +93,8 @@ log "building $TARGETS with -j$JOBS"
 # shellcheck disable=SC2086
 cmake --build "$BUILD" --config Release -j "$JOBS" --target $TARGETS >&2
 
-BIN="$BUILD/bin/llama-bench"
-[[ -x "$BIN" ]] || { log "llama-bench not found at $BIN"; exit 1; }
-echo "$BIN"
+for target in $TARGETS; do
+    [[ -x "$BUILD/bin/$target" ]] || { log "$target not found at $BUILD/bin/$target"; exit 1; }
+done
+first=($TARGETS)
+echo "$BUILD/bin/${first[0]}"

@@ -1,0 +1,373 @@
+// duet-bench: drives a Duet deployment (Cap'n Proto, by default) or any
+// OpenAI-compatible server (--http URL) with open-loop (--rate, a sweep of
+// rates) or closed-loop (--concurrency) traffic and reports TTFT, TPOT, ITL,
+// E2E, throughput and goodput; `duet-bench make-trace` writes a synthetic
+// trace. Wiring only: the work is in bench/loadgen/.
+//
+//   duet-bench --rate 2,4,8 -n 200 --input-len uniform:64:512 --output-len 128
+//              --slo ttft=500,tpot=50 --json out.json --plot out.png
+//   duet-bench --http http://127.0.0.1:8080 --concurrency 16 --trace chat.csv
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/loadgen/http_client.h"
+#include "bench/loadgen/prompts.h"
+#include "bench/loadgen/report.h"
+#include "bench/loadgen/rpc_client.h"
+#include "bench/loadgen/runner.h"
+#include "bench/loadgen/stats.h"
+#include "bench/loadgen/workload.h"
+#include "common/error.h"
+
+extern char** environ;
+
+namespace {
+
+using namespace duet::loadgen;
+
+struct Flags {
+  std::string connect = "127.0.0.1:7433";
+  std::string http;
+  std::string api_key;
+  std::string model;
+  std::string rates;
+  std::string concurrencies;
+  double burstiness = 1;
+  int64_t n_requests = 100;
+  std::string input_len = "128";
+  std::string output_len = "128";
+  std::string trace;
+  double time_scale = 1;
+  uint64_t seed = 0;
+  std::string corpus = DUET_BENCH_CORPUS;
+  bool no_stream = false;
+  std::string slo;
+  std::string json;
+  std::string plot;
+  double timeout_s = 600;
+  bool no_progress = false;
+  int64_t warmup = 0;
+};
+
+struct MakeTraceFlags {
+  std::string mix = "chat";
+  int64_t n = 1000;
+  double rate = 1;
+  uint64_t seed = 0;
+  std::string output;
+};
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  for (std::string part; std::getline(stream, part, separator);)
+    if (!part.empty()) parts.push_back(part);
+  return parts;
+}
+
+double parse_number(const std::string& text, const char* what) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  DUET_REQUIRE(used == text.size() && used > 0, "{}: '{}' is not a number", what, text);
+  return value;
+}
+
+// "4", "1,2,4", "inf".
+std::vector<double> parse_rates(const std::string& text) {
+  std::vector<double> rates;
+  for (const std::string& part : split(text, ',')) {
+    const double rate =
+        part == "inf" ? std::numeric_limits<double>::infinity() : parse_number(part, "--rate");
+    DUET_REQUIRE(rate > 0, "--rate must be positive, got {}", part);
+    rates.push_back(rate);
+  }
+  return rates;
+}
+
+// "ttft=500,tpot=50" (milliseconds; either may be left out).
+Slo parse_slo(const std::string& text) {
+  Slo slo;
+  for (const std::string& part : split(text, ',')) {
+    const size_t eq = part.find('=');
+    DUET_REQUIRE(eq != std::string::npos, "--slo {}: expected ttft=MS,tpot=MS", text);
+    const std::string key = part.substr(0, eq);
+    const double ms = parse_number(part.substr(eq + 1), "--slo");
+    DUET_REQUIRE(ms > 0, "--slo {}: bounds must be positive", text);
+    DUET_REQUIRE(key == "ttft" || key == "tpot", "--slo {}: unknown bound '{}'", text, key);
+    (key == "ttft" ? slo.ttft : slo.tpot) = ms / 1e3;
+  }
+  return slo;
+}
+
+std::string format_rate(double rate) {
+  return std::isinf(rate) ? "rate inf" : fmt::format("rate {:g} req/s", rate);
+}
+
+// The requests of one open-loop run at `rate` (nullopt: the trace's own times).
+std::vector<PlannedRequest> open_loop_plan(const Flags& flags,
+                                           const std::vector<PlannedRequest>& workload,
+                                           std::optional<double> rate, bool from_trace) {
+  std::vector<PlannedRequest> plan = workload;
+  if (from_trace) {
+    if (!rate) return scale_trace(std::move(plan), flags.time_scale);
+    const double span = plan.back().at - plan.front().at;
+    if (std::isinf(*rate) || span <= 0) {
+      for (PlannedRequest& p : plan) p.at = 0;
+      return plan;
+    }
+    // Scaled so that its mean rate is `rate`.
+    const double recorded = static_cast<double>(plan.size() - 1) / span;
+    return scale_trace(std::move(plan), *rate / recorded);
+  }
+  if (std::isinf(*rate)) {
+    for (PlannedRequest& p : plan) p.at = 0;
+    return plan;
+  }
+  // The same seed for every rate: one arrival pattern, stretched.
+  std::mt19937_64 rng(flags.seed + 1);
+  const std::vector<double> at =
+      arrival_times(static_cast<int64_t>(plan.size()), *rate, flags.burstiness, rng);
+  for (size_t i = 0; i < plan.size(); ++i) plan[i].at = at[i];
+  return plan;
+}
+
+// Runs bench/plot_bench.py on the JSON; a missing matplotlib is a message, not a failure.
+void plot(const std::string& json_path, const std::string& png_path) {
+  const char* script_env = std::getenv("DUET_BENCH_PLOT_SCRIPT");
+  const std::string script = script_env != nullptr ? script_env : DUET_BENCH_PLOT_SCRIPT;
+  const char* python_env = std::getenv("DUET_PYTHON");
+  const std::string python = python_env != nullptr ? python_env : "python3";
+  std::vector<std::string> args = {python, script, json_path, png_path};
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  int status = 0;
+  if (posix_spawnp(&pid, python.c_str(), nullptr, nullptr, argv.data(), environ) != 0 ||
+      waitpid(pid, &status, 0) < 0) {
+    std::cerr << "duet-bench: no plot: cannot run " << python << "\n";
+    return;
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::cerr << "duet-bench: no plot written (" << script << " failed; see above)\n";
+    return;
+  }
+  std::cerr << "duet-bench: wrote " << png_path << "\n";
+}
+
+int make_trace_command(const MakeTraceFlags& flags) {
+  const std::vector<PlannedRequest> trace = make_trace(flags.mix, flags.n, flags.rate, flags.seed);
+  write_trace(flags.output, trace);
+  std::cerr << "duet-bench: wrote " << trace.size() << " requests (" << flags.mix << ", "
+            << flags.rate << " req/s) to " << flags.output << "\n";
+  return 0;
+}
+
+int bench_command(const Flags& flags) {
+  const Slo slo = parse_slo(flags.slo);
+  const std::vector<double> rates = parse_rates(flags.rates);
+  std::vector<int64_t> concurrencies;
+  for (const std::string& part : split(flags.concurrencies, ','))
+    concurrencies.push_back(static_cast<int64_t>(parse_number(part, "--concurrency")));
+  const bool from_trace = !flags.trace.empty();
+  DUET_REQUIRE(from_trace || !rates.empty() || !concurrencies.empty(),
+               "say how to send: --rate R[,R...], --concurrency C[,C...] or --trace FILE");
+  DUET_REQUIRE(flags.n_requests >= 1, "--num-requests must be at least 1");
+  if (flags.no_stream && slo.ttft)
+    std::cerr << "duet-bench: warning: --no-stream requests have no TTFT; none meets a TTFT SLO\n";
+
+  // The workload: lengths (and, from a trace, arrival times), the same for every run.
+  std::vector<PlannedRequest> workload;
+  if (from_trace) {
+    workload = read_trace(flags.trace);
+    DUET_REQUIRE(!workload.empty(), "{} holds no requests", flags.trace);
+    if (static_cast<int64_t>(workload.size()) > flags.n_requests)
+      workload.resize(static_cast<size_t>(flags.n_requests));
+  } else {
+    const LengthSpec input = parse_length_spec(flags.input_len);
+    const LengthSpec output = parse_length_spec(flags.output_len);
+    std::mt19937_64 rng(flags.seed);
+    for (int64_t i = 0; i < flags.n_requests; ++i) {
+      const int64_t prompt_tokens = draw_length(input, rng);
+      workload.push_back({0, prompt_tokens, draw_length(output, rng)});
+    }
+  }
+
+  std::unique_ptr<Client> client;
+  try {
+    if (!flags.http.empty()) {
+      client = make_http_client({flags.http, flags.api_key, flags.model, flags.timeout_s});
+    } else {
+      client = make_rpc_client({flags.connect, flags.api_key, flags.timeout_s});
+    }
+  } catch (const duet::Error& e) {
+    std::cerr << "duet-bench: " << e.what() << "\n";
+    return 1;
+  }
+  std::cerr << "duet-bench: " << client->describe() << "; tokenizing the corpus\n";
+  const std::string corpus = read_corpus(flags.corpus);
+  std::vector<int32_t> corpus_tokens;
+  try {
+    corpus_tokens = client->tokenize(corpus);
+  } catch (const duet::Error& e) {
+    std::cerr << "duet-bench: " << e.what() << "\n";
+    return 1;
+  }
+  const PromptSource prompts(std::move(corpus_tokens));
+  std::cerr << "duet-bench: corpus of " << prompts.size() << " tokens\n";
+
+  // Runs: every rate (open loop), then every concurrency (closed loop).
+  std::vector<std::pair<RunOptions, RunResult>> plans;
+  const auto add = [&](RunOptions options, RunResult result) {
+    options.stream = !flags.no_stream;
+    options.progress = !flags.no_progress;
+    options.label = result.label;
+    plans.emplace_back(std::move(options), std::move(result));
+  };
+  for (const double rate : rates) {
+    add({open_loop_plan(flags, workload, rate, from_trace)}, {format_rate(rate), rate});
+  }
+  for (const int64_t c : concurrencies) {
+    RunOptions options{workload, c};
+    add(std::move(options), {fmt::format("concurrency {}", c), std::nullopt, c});
+  }
+  if (from_trace && plans.empty()) {
+    add({open_loop_plan(flags, workload, std::nullopt, true)},
+        {fmt::format("trace x{:g}", flags.time_scale)});
+  }
+
+  std::mt19937_64 prompt_rng(flags.seed ^ 0x9e3779b97f4a7c15ULL);  // fresh windows every run
+  if (flags.warmup > 0) {
+    // Unrecorded: lets the server allocate and the client open its connections.
+    RunOptions warmup{
+        {workload.begin(), workload.begin() + std::min<int64_t>(flags.warmup, workload.size())},
+        flags.warmup};
+    warmup.stream = !flags.no_stream;
+    warmup.progress = false;
+    const std::vector<RequestRecord> records = run(*client, prompts, prompt_rng, warmup);
+    const auto n_ok = std::count_if(records.begin(), records.end(), [](auto& r) { return r.ok; });
+    std::cerr << "duet-bench: warm-up: " << n_ok << " of " << records.size() << " ok\n";
+  }
+  std::vector<RunResult> results;
+  for (auto& [options, result] : plans) {
+    result.records = run(*client, prompts, prompt_rng, options);
+    result.summary = summarize(result.records, slo);
+    print_run(std::cout, result, slo);
+    results.push_back(std::move(result));
+  }
+  if (results.size() > 1) print_sweep(std::cout, results);
+  std::cout.flush();
+
+  const nlohmann::json config = {{"server", client->describe()},
+                                 {"protocol", flags.http.empty() ? "rpc" : "http"},
+                                 {"model", flags.model},
+                                 {"rates", flags.rates},
+                                 {"concurrency", flags.concurrencies},
+                                 {"burstiness", flags.burstiness},
+                                 {"num_requests", flags.n_requests},
+                                 {"input_len", from_trace ? "trace" : flags.input_len},
+                                 {"output_len", from_trace ? "trace" : flags.output_len},
+                                 {"trace", flags.trace},
+                                 {"time_scale", flags.time_scale},
+                                 {"seed", flags.seed},
+                                 {"stream", !flags.no_stream},
+                                 {"warmup", flags.warmup},
+                                 {"corpus_tokens", prompts.size()}};
+  std::string json_path = flags.json;
+  if (json_path.empty() && !flags.plot.empty())
+    json_path = (std::filesystem::temp_directory_path() /
+                 fmt::format("duet-bench-{}.json", static_cast<long>(getpid())))
+                    .string();
+  if (!json_path.empty()) {
+    write_json(json_path, report_json(config, slo, results));
+    if (!flags.json.empty()) std::cerr << "duet-bench: wrote " << json_path << "\n";
+  }
+  if (!flags.plot.empty()) plot(json_path, flags.plot);
+  if (flags.json.empty() && !json_path.empty()) std::filesystem::remove(json_path);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"duet-bench: serving benchmark (TTFT, TPOT, throughput, goodput)"};
+  Flags flags;
+  app.add_option("--connect", flags.connect, "Duet's Cap'n Proto endpoint, HOST:PORT")
+      ->capture_default_str();
+  app.add_option("--http", flags.http,
+                 "Drive an OpenAI-compatible server instead, e.g. http://127.0.0.1:8000");
+  app.add_option("--api-key", flags.api_key, "API key, when the server requires one");
+  app.add_option("--model", flags.model,
+                 "The request's model field (HTTP; default: the "
+                 "first of GET /v1/models)");
+  app.add_option("--rate", flags.rates,
+                 "Open loop: requests/s, a list for a sweep (2,4,8), "
+                 "or inf (all at once)");
+  app.add_option("--burstiness", flags.burstiness, "Gamma arrivals' shape: 1 Poisson, < 1 burstier")
+      ->capture_default_str();
+  app.add_option("--concurrency", flags.concurrencies,
+                 "Closed loop: requests kept in flight, or a list for a sweep");
+  app.add_option("-n,--num-requests", flags.n_requests, "Requests per run (a trace: its first N)")
+      ->capture_default_str();
+  app.add_option("--input-len", flags.input_len,
+                 "Prompt tokens: N, uniform:MIN:MAX or normal:MEAN:SD")
+      ->capture_default_str();
+  app.add_option("--output-len", flags.output_len, "Generated tokens, as --input-len")
+      ->capture_default_str();
+  app.add_option("--trace", flags.trace,
+                 "CSV trace (TIMESTAMP,ContextTokens,GeneratedTokens) instead of the lengths; "
+                 "replayed at its times, or scaled to --rate");
+  app.add_option("--time-scale", flags.time_scale, "Replay a trace this many times faster")
+      ->capture_default_str();
+  app.add_option("--seed", flags.seed, "Seed of lengths, arrivals and prompts")
+      ->capture_default_str();
+  app.add_option("--corpus", flags.corpus, "Text the prompts are cut from");
+  app.add_flag("--no-stream", flags.no_stream, "Whole responses: latency and throughput only");
+  app.add_option("--slo", flags.slo, "Goodput's bounds, ttft=MS,tpot=MS");
+  app.add_option("--json", flags.json, "Write the summary and every request here");
+  app.add_option("--plot", flags.plot, "Write latency CDFs (and sweep curves) to this PNG");
+  app.add_option("--timeout", flags.timeout_s, "Per-request timeout, seconds")
+      ->capture_default_str();
+  app.add_flag("--no-progress", flags.no_progress, "No progress line on stderr");
+  app.add_option("--warmup", flags.warmup,
+                 "Requests sent all at once before the runs, not recorded")
+      ->capture_default_str();
+
+  MakeTraceFlags trace_flags;
+  CLI::App* make_trace_cmd = app.add_subcommand("make-trace", "Write a synthetic trace file");
+  make_trace_cmd->add_option("--mix", trace_flags.mix, "chat, long or mixed")
+      ->capture_default_str();
+  make_trace_cmd->add_option("-n", trace_flags.n, "Requests")->capture_default_str();
+  make_trace_cmd->add_option("--rate", trace_flags.rate, "Mean requests/s")->capture_default_str();
+  make_trace_cmd->add_option("--seed", trace_flags.seed, "Seed")->capture_default_str();
+  make_trace_cmd->add_option("-o,--output", trace_flags.output, "Trace file to write")->required();
+  app.require_subcommand(0, 1);
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*make_trace_cmd) return make_trace_command(trace_flags);
+    return bench_command(flags);
+  } catch (const duet::Error& e) {
+    std::cerr << "duet-bench: " << e.what() << "\n";
+    return 2;
+  }
+}

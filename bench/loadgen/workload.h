@@ -1,0 +1,57 @@
+// What duet-bench sends and when: arrival times, prompt and output lengths.
+//
+// Open loop: arrivals are a Poisson process at `rate` requests/s, or a gamma
+// renewal process with the same mean rate whose shape is `burstiness` (1 is
+// Poisson; under 1 burstier, over 1 more regular), as in vLLM's benchmark.
+// Lengths come from a distribution (fixed, uniform, normal; clamped to >= 1)
+// or from a trace file whose rows carry their own timestamps and lengths.
+// Everything draws from one seeded generator: same seed, same workload.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace duet::loadgen {
+
+struct PlannedRequest {
+  double at = 0;  // seconds from the start (open loop); ignored by closed-loop runs
+  int64_t prompt_tokens = 0;
+  int64_t output_tokens = 0;
+};
+
+// Inter-arrival gaps: exponential (burstiness 1) or gamma(shape = burstiness,
+// scale = 1 / (rate * burstiness)). rate > 0, burstiness > 0.
+std::vector<double> arrival_times(int64_t n, double rate, double burstiness, std::mt19937_64& rng);
+
+struct LengthSpec {
+  enum class Kind { kFixed, kUniform, kNormal } kind = Kind::kFixed;
+  double a = 128;  // fixed value; uniform min; normal mean
+  double b = 0;    // uniform max; normal standard deviation
+};
+// "128", "uniform:64:512", "normal:256:64". Throws duet::Error on anything else.
+LengthSpec parse_length_spec(const std::string& text);
+int64_t draw_length(const LengthSpec& spec, std::mt19937_64& rng);
+
+// A trace file: CSV with a header naming the columns TIMESTAMP,
+// ContextTokens, GeneratedTokens (the public Azure LLM inference traces);
+// TIMESTAMP is seconds (a number) or an ISO date-time ("2023-11-16
+// 18:15:46.6805900"), relative to the first row. Throws duet::Error naming
+// the line on a malformed row.
+std::vector<PlannedRequest> read_trace(const std::filesystem::path& path);
+void write_trace(const std::filesystem::path& path, const std::vector<PlannedRequest>& requests);
+
+// Replays a trace `time_scale` times faster (2: twice the rate).
+std::vector<PlannedRequest> scale_trace(std::vector<PlannedRequest> trace, double time_scale);
+
+// Named synthetic mixes for `duet-bench make-trace`:
+//   chat   short prompts (~normal 200±100), short answers (~normal 150±80), Poisson
+//   long   long documents (uniform 1500..3500), short answers (uniform 50..200), Poisson
+//   mixed  80% chat, 20% long, with bursts (gamma arrivals, burstiness 0.3)
+// Throws duet::Error for an unknown name.
+std::vector<PlannedRequest> make_trace(const std::string& mix, int64_t n, double rate,
+                                       uint64_t seed);
+
+}  // namespace duet::loadgen

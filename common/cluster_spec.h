@@ -1,0 +1,121 @@
+// The cluster spec: which MPI ranks form which instances, and what each does.
+//
+// One MPI job runs a whole deployment (DESIGN.md, Processes). Rank 0 is the
+// coordinator; every other rank belongs to exactly one instance, a group of
+// `tp` ranks that together hold one copy of the model (tensor parallel). An
+// instance's first rank is its leader, the only one that talks to the
+// coordinator.
+//
+// A spec comes from flags (`--prefill P --decode D --tp T --mode M`) or from a
+// JSON file (`--cluster FILE`):
+//
+//   {
+//     "mode": "disaggregated",            // or "colocated"; default disaggregated
+//     "instances": [                       // instance id = index in this list
+//       {"role": "prefill", "tp": 1, "ranks": [1]},
+//       {"role": "decode",  "tp": 2, "ranks": [2, 3]}
+//     ]
+//   }
+//
+// "tp" may be left out (it is then the number of ranks). Unknown keys are an
+// error, so a typo is never silently ignored.
+//
+// Every rank parses and validates the same spec itself: an impossible layout or
+// a spec that does not match the MPI world is the same clear error on every
+// rank, before any control message is exchanged, so nothing can hang on it.
+// Values, no MPI: this file is usable (and tested) in a single process.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace duet {
+
+enum class ClusterMode {
+  kDisaggregated,  // prefill instances and decode instances
+  kColocated,      // every instance runs both phases (the baseline)
+};
+
+enum class InstanceRole {
+  kPrefill,  // runs prompts, samples the first token, ships the KV
+  kDecode,   // receives KV, decodes in one continuous batch
+  kBoth,     // colocated: prefill and decode in one instance
+};
+
+std::string_view cluster_mode_name(ClusterMode mode);    // "disaggregated", "colocated"
+std::string_view instance_role_name(InstanceRole role);  // "prefill", "decode", "both"
+
+// An MPI rank in MPI_COMM_WORLD.
+struct Rank {
+  int value = 0;
+  auto operator<=>(const Rank&) const = default;
+};
+
+inline constexpr Rank kCoordinatorRank{0};
+
+struct InstanceSpec {
+  int id = 0;  // index in ClusterSpec::instances
+  InstanceRole role = InstanceRole::kBoth;
+  int tp = 1;               // tensor-parallel size; equals ranks.size() once validated
+  std::vector<Rank> ranks;  // ranks.front() is the leader
+
+  Rank leader() const { return ranks.front(); }
+};
+
+struct ClusterSpec {
+  ClusterMode mode = ClusterMode::kDisaggregated;
+  std::vector<InstanceSpec> instances;
+
+  // The processes the spec needs: the coordinator plus every instance's ranks.
+  int required_world_size() const;
+  // The instance `rank` belongs to; nullptr for the coordinator (or a rank in
+  // none, which validate() refuses).
+  const InstanceSpec* instance_of(Rank rank) const;
+  bool is_leader(Rank rank) const;
+  std::vector<Rank> leaders() const;  // in instance order
+  int count(InstanceRole role) const;
+
+  // Throws duet::Error (kInvalidArgument) with a message that starts with
+  // "cluster spec: " and names the first problem: no instance, a tp that does
+  // not match an instance's rank count, a role the mode does not allow, zero
+  // prefill or zero decode instances in disaggregated mode, the coordinator's
+  // rank inside an instance, a rank in two instances, a world of another size
+  // than the spec needs, a rank outside the world, a rank in no instance.
+  void validate(int world_size) const;
+
+  // One line per instance, for start-up logs.
+  std::string describe() const;
+};
+
+// The cluster flags of `duet serve`. Unset optionals were not given.
+struct ClusterFlags {
+  std::optional<int> prefill;       // --prefill P
+  std::optional<int> decode;        // --decode D
+  std::optional<int> tp;            // --tp T (default 1)
+  std::optional<std::string> mode;  // --mode disaggregated|colocated
+  std::optional<std::string> file;  // --cluster FILE
+
+  // Whether any cluster flag was given (a serve without one is single-process).
+  bool any() const { return prefill || decode || tp || mode || file; }
+};
+
+ClusterMode parse_cluster_mode(std::string_view name);  // throws on an unknown name
+
+// P prefill then D decode instances of `tp` ranks each on ranks 1, 2, ... in
+// order. In colocated mode the same P + D instances all get role kBoth.
+// Throws on negative counts or tp < 1; validate() judges the rest.
+ClusterSpec parse_cluster_flags(int prefill, int decode, int tp, ClusterMode mode);
+
+// The JSON form above; `origin` (a file name) prefixes every error message.
+ClusterSpec parse_cluster_json(std::string_view text, std::string_view origin = "cluster spec");
+// Reads and parses a JSON file; a missing file is kNotFound.
+ClusterSpec parse_cluster_file(const std::string& path);
+
+// --cluster FILE or the flags (exclusive: both is an error); not validated.
+// Requires flags.any().
+ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags);
+
+}  // namespace duet

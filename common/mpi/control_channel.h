@@ -1,0 +1,136 @@
+// The control plane's transport: typed messages (common/control_messages.h)
+// between the ranks of the MPI job, driven by one communication thread.
+//
+// Contract
+// - Every rank of MPI_COMM_WORLD constructs one ControlChannel (the
+//   constructor duplicates the world communicator, a collective call), so
+//   control traffic never mixes with a KV transport's or a collective's.
+// - send(rank, message) from any thread: the message is encoded on the
+//   caller's thread, queued, and the communication thread is woken at once.
+//   Messages from one rank to another arrive in the order they were sent.
+// - Received messages wait in an inbox; receive(timeout) from any thread
+//   blocks on a condition variable (no CPU) until one is there. A dispatcher
+//   thread of the coordinator or of a worker loops on it.
+// - close(timeout) is collective: every rank calls it. It stops new sends,
+//   delivers everything already queued, and returns once every other rank has
+//   closed too, with every message sent before anyone's close() received (it
+//   stays readable in the inbox). The destructor of a channel that was not
+//   closed stops without that agreement (after an error), giving what was
+//   already queued a moment (200 ms) to leave.
+//
+// The communication thread is the only one that calls MPI on the channel's
+// communicator: MPI_Isend with buffers the channel owns until MPI_Test says
+// they are done, MPI_Iprobe then MPI_Recv of the probed size, MPI_Test on the
+// sends in flight (non-blocking operations progress only inside MPI calls).
+// It never spins while idle: with nothing to do it sleeps on a condition
+// variable for a pause that doubles from min_idle_sleep to max_idle_sleep,
+// back to the minimum on any activity, and a local send() wakes it at once.
+// The cost: a message arriving from another rank after an idle spell waits up
+// to max_idle_sleep before it is received.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "common/cluster_spec.h"
+#include "common/control_messages.h"
+#include "common/mpi/mpi_runtime.h"
+
+namespace duet {
+
+struct ControlChannelOptions {
+  std::chrono::microseconds min_idle_sleep{50};
+  std::chrono::microseconds max_idle_sleep{2000};
+  // While sends are in flight the thread polls at least this often, so a
+  // large (rendezvous) send keeps moving.
+  std::chrono::microseconds in_flight_poll{200};
+  // Receives per pass before the thread looks at its send queue again.
+  int max_receives_per_pass = 64;
+};
+
+struct ReceivedMessage {
+  Rank source;
+  ControlMessage message;
+};
+
+class ControlChannel final {
+ public:
+  // Collective over MPI_COMM_WORLD. Starts the communication thread. `mpi`
+  // outlives the channel (the destructor frees its communicator).
+  explicit ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options = {});
+  ~ControlChannel();
+  ControlChannel(const ControlChannel&) = delete;
+  ControlChannel& operator=(const ControlChannel&) = delete;
+
+  Rank rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  // Any thread. Queues `message` for `destination` (another rank of the
+  // world). Throws duet::Error once close() has begun.
+  void send(Rank destination, const ControlMessage& message);
+
+  // Any thread. The oldest received message, waiting up to `timeout`; nullopt
+  // when none came in time, or at once when the inbox is empty and the
+  // channel has finished closing.
+  std::optional<ReceivedMessage> receive(std::chrono::milliseconds timeout);
+  std::optional<ReceivedMessage> try_receive() { return receive(std::chrono::milliseconds(0)); }
+
+  // Collective (see above). Returns true when every rank closed within
+  // `timeout`; false otherwise, and then the channel is stopped regardless
+  // (sends still in flight are abandoned). Call once, from one thread.
+  bool close(std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+  struct Counters {
+    int64_t sent = 0;       // messages handed to MPI
+    int64_t received = 0;   // messages decoded into the inbox
+    int64_t malformed = 0;  // received but not a control message (logged, dropped)
+  };
+  Counters counters() const;
+
+ private:
+  struct Outgoing {
+    Rank destination;
+    int tag = 0;
+    std::vector<std::byte> bytes;  // owned until the send completes
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+
+  void run();  // the communication thread
+  bool post_sends(std::deque<Outgoing>& fresh);
+  bool test_sends();
+  bool receive_some();
+  void flush_for(std::chrono::milliseconds limit);
+  void abandon_in_flight();
+
+  const ControlChannelOptions options_;
+  const Rank rank_;
+  const int world_size_;
+  MPI_Comm comm_ = MPI_COMM_NULL;  // used by the communication thread only (after construction)
+
+  // Communication thread only.
+  std::vector<Outgoing> in_flight_;
+  std::vector<bool> closed_by_;  // by rank: its close marker arrived
+  int n_closed_peers_ = 0;
+  bool close_markers_sent_ = false;
+
+  mutable std::mutex mutex_;             // guards the members below
+  std::condition_variable wake_;         // the communication thread waits here
+  std::condition_variable inbox_ready_;  // receivers and close() wait here
+  std::deque<Outgoing> outbox_;          // queued by send(), not yet posted
+  std::deque<ReceivedMessage> inbox_;
+  bool closing_ = false;  // close() began: no more sends
+  bool closed_ = false;   // every rank closed; the thread has ended
+  bool stop_ = false;     // end the thread now, without the closing agreement
+  Counters counters_;
+
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+}  // namespace duet

@@ -1,0 +1,252 @@
+// The control messages round-trip common/serving.h's types exactly through
+// their Cap'n Proto form, and bytes that are not a control message are a clear
+// error. No MPI.
+#include "common/control_messages.h"
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "common/error.h"
+
+namespace duet {
+namespace {
+
+ControlMessage round_trip(const ControlMessage& message) {
+  const std::vector<std::byte> bytes = encode_control_message(message);
+  EXPECT_EQ(bytes.size() % 8, 0u);
+  return decode_control_message(bytes);
+}
+
+template <typename T>
+T round_trip_as(const T& message) {
+  ControlMessage decoded = round_trip(message);
+  EXPECT_TRUE(std::holds_alternative<T>(decoded)) << control_message_name(decoded);
+  return std::get<T>(decoded);
+}
+
+// Floats compared bit for bit: the wire must not round or normalize.
+void expect_same(const SamplingParams& a, const SamplingParams& b) {
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.temperature), std::bit_cast<uint32_t>(b.temperature));
+  EXPECT_EQ(a.seed, b.seed);
+  EXPECT_EQ(a.top_k, b.top_k);
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.top_p), std::bit_cast<uint32_t>(b.top_p));
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.min_p), std::bit_cast<uint32_t>(b.min_p));
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.repetition_penalty),
+            std::bit_cast<uint32_t>(b.repetition_penalty));
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.frequency_penalty),
+            std::bit_cast<uint32_t>(b.frequency_penalty));
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.presence_penalty),
+            std::bit_cast<uint32_t>(b.presence_penalty));
+  EXPECT_EQ(a.penalty_last_n, b.penalty_last_n);
+}
+
+void expect_same(const InstanceRequest& a, const InstanceRequest& b) {
+  EXPECT_EQ(a.id, b.id);
+  EXPECT_EQ(a.prompt, b.prompt);
+  EXPECT_EQ(a.max_tokens, b.max_tokens);
+  expect_same(a.sampling, b.sampling);
+  EXPECT_EQ(a.ignore_eos, b.ignore_eos);
+}
+
+void expect_same(const InstanceEvent& a, const InstanceEvent& b) {
+  EXPECT_EQ(a.id, b.id);
+  EXPECT_EQ(a.admitted, b.admitted);
+  EXPECT_EQ(a.cached_tokens, b.cached_tokens);
+  EXPECT_EQ(a.admitted_at, b.admitted_at);
+  EXPECT_EQ(a.token, b.token);
+  EXPECT_EQ(a.finished, b.finished);
+  EXPECT_EQ(a.finish, b.finish);
+  ASSERT_EQ(a.error.has_value(), b.error.has_value());
+  if (a.error) {
+    EXPECT_EQ(a.error->kind, b.error->kind);
+    EXPECT_EQ(a.error->message, b.error->message);
+  }
+}
+
+TEST(ControlMessages, HandshakeRoundTrips) {
+  for (InstanceRole role : {InstanceRole::kPrefill, InstanceRole::kDecode, InstanceRole::kBoth}) {
+    const Hello hello{7, Rank{5}, 3, role};
+    const Hello back = round_trip_as(hello);
+    EXPECT_EQ(back.protocol_version, 7u);
+    EXPECT_EQ(back.rank, Rank{5});
+    EXPECT_EQ(back.instance_id, 3);
+    EXPECT_EQ(back.role, role);
+  }
+  EXPECT_EQ(Hello{}.protocol_version, kControlProtocolVersion);
+  const HelloReply reply = round_trip_as(HelloReply{false, 2, "rank 1 speaks version 9"});
+  EXPECT_FALSE(reply.accepted);
+  EXPECT_EQ(reply.protocol_version, 2u);
+  EXPECT_EQ(reply.reason, "rank 1 speaks version 9");
+  EXPECT_TRUE(round_trip_as(HelloReply{true, 1, ""}).accepted);
+}
+
+TEST(ControlMessages, SubmitRoundTripsEveryField) {
+  InstanceRequest request;
+  request.id = RequestId{std::numeric_limits<uint64_t>::max() - 3};
+  request.prompt = {
+      1, 0, -1, 49151, std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
+  request.max_tokens = (int64_t{1} << 40) + 1;
+  request.sampling.temperature = 0.7f;
+  request.sampling.seed = 0xdeadbeefcafef00dull;
+  request.sampling.top_k = 40;
+  request.sampling.top_p = 0.95f;
+  request.sampling.min_p = 0.05f;
+  request.sampling.repetition_penalty = 1.1f;
+  request.sampling.frequency_penalty = -0.5f;
+  request.sampling.presence_penalty = 1e-30f;
+  request.sampling.penalty_last_n = -1;
+  request.ignore_eos = true;
+  expect_same(round_trip_as(SubmitRequest{request}).request, request);
+
+  // Defaults (every control off) survive too, and an empty prompt.
+  InstanceRequest plain;
+  expect_same(round_trip_as(SubmitRequest{plain}).request, plain);
+
+  // A long prompt (a rendezvous-sized MPI message).
+  InstanceRequest long_prompt;
+  std::mt19937 random(7);
+  for (int i = 0; i < 100'000; ++i) long_prompt.prompt.push_back(static_cast<int32_t>(random()));
+  expect_same(round_trip_as(SubmitRequest{long_prompt}).request, long_prompt);
+}
+
+TEST(ControlMessages, StepEventsRoundTripEveryKindOfEvent) {
+  using namespace std::chrono_literals;
+  StepEvents step;
+  step.instance_id = 4;
+  step.step = 123456789;
+  InstanceEvent admitted;
+  admitted.id = RequestId{1};
+  admitted.admitted = true;
+  admitted.cached_tokens = 32;
+  admitted.admitted_at = std::chrono::steady_clock::time_point(987654321012ns);
+  admitted.token = 42;
+  step.events.push_back(admitted);
+  InstanceEvent token;
+  token.id = RequestId{2};
+  token.token = 0;
+  step.events.push_back(token);
+  for (InstanceFinish finish :
+       {InstanceFinish::kEndOfGeneration, InstanceFinish::kLength, InstanceFinish::kCancelled}) {
+    InstanceEvent finished;
+    finished.id = RequestId{3};
+    finished.finished = true;
+    finished.finish = finish;
+    step.events.push_back(finished);
+  }
+  for (ServeErrorKind kind :
+       {ServeErrorKind::kInvalidArgument, ServeErrorKind::kTooLong, ServeErrorKind::kNotFound,
+        ServeErrorKind::kUnauthenticated, ServeErrorKind::kOverloaded, ServeErrorKind::kUnavailable,
+        ServeErrorKind::kInternal}) {
+    InstanceEvent failed;
+    failed.id = RequestId{4};
+    failed.finished = true;
+    failed.finish = InstanceFinish::kFailed;
+    failed.error =
+        ServeError{kind, std::string("why: ") + std::string(serve_error_kind_name(kind))};
+    step.events.push_back(failed);
+  }
+  InstanceEvent empty_message_error;
+  empty_message_error.error = ServeError{ServeErrorKind::kInternal, ""};
+  step.events.push_back(empty_message_error);
+
+  const StepEvents back = round_trip_as(step);
+  EXPECT_EQ(back.instance_id, 4);
+  EXPECT_EQ(back.step, 123456789);
+  ASSERT_EQ(back.events.size(), step.events.size());
+  for (size_t i = 0; i < step.events.size(); ++i) {
+    SCOPED_TRACE(i);
+    expect_same(back.events[i], step.events[i]);
+  }
+  EXPECT_TRUE(round_trip_as(StepEvents{}).events.empty());
+}
+
+TEST(ControlMessages, StatsCancelAndShutdownRoundTrip) {
+  StatsReport report;
+  report.instance_id = 2;
+  report.stats = {1, 2, 3, 4, 16, 6, 7, 8, 9, int64_t{1} << 50};
+  const StatsReport back = round_trip_as(report);
+  EXPECT_EQ(back.instance_id, 2);
+  EXPECT_EQ(back.stats.running, 1);
+  EXPECT_EQ(back.stats.waiting, 2);
+  EXPECT_EQ(back.stats.kv_blocks_total, 3);
+  EXPECT_EQ(back.stats.kv_blocks_free, 4);
+  EXPECT_EQ(back.stats.kv_block_tokens, 16);
+  EXPECT_EQ(back.stats.steps, 6);
+  EXPECT_EQ(back.stats.prompt_tokens, 7);
+  EXPECT_EQ(back.stats.prefix_hit_tokens, 8);
+  EXPECT_EQ(back.stats.generated_tokens, 9);
+  EXPECT_EQ(back.stats.preemptions, int64_t{1} << 50);
+
+  EXPECT_EQ(round_trip_as(Cancel{RequestId{99}}).id, RequestId{99});
+  EXPECT_EQ(round_trip_as(Shutdown{"bye"}).reason, "bye");
+}
+
+TEST(ControlMessages, NamesFollowTheVariant) {
+  EXPECT_EQ(control_message_name(Hello{}), "hello");
+  EXPECT_EQ(control_message_name(HelloReply{}), "hello_reply");
+  EXPECT_EQ(control_message_name(SubmitRequest{}), "submit");
+  EXPECT_EQ(control_message_name(Cancel{}), "cancel");
+  EXPECT_EQ(control_message_name(StepEvents{}), "step_events");
+  EXPECT_EQ(control_message_name(StatsReport{}), "stats");
+  EXPECT_EQ(control_message_name(Shutdown{}), "shutdown");
+}
+
+TEST(ControlMessages, UnalignedBytesDecode) {
+  const std::vector<std::byte> bytes = encode_control_message(Shutdown{"unaligned"});
+  std::vector<std::byte> shifted(bytes.size() + 1);
+  std::memcpy(shifted.data() + 1, bytes.data(), bytes.size());
+  const ControlMessage back =
+      decode_control_message(std::span<const std::byte>(shifted).subspan(1));
+  EXPECT_EQ(std::get<Shutdown>(back).reason, "unaligned");
+}
+
+std::string decode_error(std::span<const std::byte> bytes) {
+  try {
+    decode_control_message(bytes);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kCorruptFile);
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ControlMessages, GarbageIsAClearError) {
+  EXPECT_EQ(decode_error({}).rfind("control message: ", 0), 0u);
+  std::vector<std::byte> odd(12, std::byte{0});
+  EXPECT_EQ(decode_error(odd), "control message: 12 bytes is not a whole number of 8-byte words");
+
+  // A segment table that promises more words than there are.
+  std::vector<std::byte> short_message(16, std::byte{0});
+  short_message[4] = std::byte{100};
+  EXPECT_EQ(decode_error(short_message).rfind("control message: ", 0), 0u);
+
+  // A union discriminant from a newer protocol: patch the Message struct's
+  // discriminant (its data section's first 16 bits) to an unknown kind.
+  std::vector<std::byte> bytes = encode_control_message(Cancel{RequestId{1}});
+  // Layout: 8-byte segment table, root pointer (8 bytes), then the struct's
+  // data word whose first two bytes hold the discriminant.
+  ASSERT_GE(bytes.size(), 24u);
+  bytes[16] = std::byte{50};
+  bytes[17] = std::byte{0};
+  EXPECT_EQ(decode_error(bytes), "control message: unknown message kind 50 (a newer protocol?)");
+}
+
+TEST(ControlMessages, RandomBytesNeverCrash) {
+  std::mt19937 random(1);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<std::byte> bytes(8 * (random() % 12));
+    for (std::byte& b : bytes) b = static_cast<std::byte>(random());
+    try {
+      decode_control_message(bytes);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kCorruptFile);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace duet

@@ -1,0 +1,60 @@
+# The control plane's tests (included from tests/CMakeLists.txt).
+#
+# Unit tests (no MPI initialized, milliseconds): the cluster spec, the control
+# messages' wire form, MpiRuntime's refusal outside mpirun.
+# mpirun tests (label `mpi`): control_plane_test, one scenario per run, on 3
+# ranks (a coordinator and two leaders) with --oversubscribe. The idle-CPU
+# measurement idles 10 s and also carries the label `slow`; it still runs in CI.
+duet_add_test(cluster_spec_test SOURCES common/cluster_spec_test.cpp LIBS duet_control)
+duet_add_test(control_messages_test SOURCES common/control_messages_test.cpp LIBS duet_control)
+duet_add_test(mpi_runtime_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/mpi_runtime_test.cpp LIBS duet_mpi)
+
+add_executable(control_plane_test ${CMAKE_CURRENT_LIST_DIR}/control_plane_main.cpp)
+target_link_libraries(control_plane_test PRIVATE duet_mpi CLI11::CLI11 duet_warnings)
+
+set(DUET_MPIRUN ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe)
+set(DUET_EXPECT_SAME_ERROR ${CMAKE_CURRENT_LIST_DIR}/expect_same_error.sh)
+
+# name, ranks, timeout (s), labels, then the program's arguments.
+function(duet_add_mpi_test name ranks timeout labels)
+  add_test(NAME ${name}
+    COMMAND ${DUET_MPIRUN} -np ${ranks} $<TARGET_FILE:control_plane_test> ${ARGN})
+  set_tests_properties(${name} PROPERTIES LABELS "${labels}" TIMEOUT ${timeout})
+endfunction()
+
+duet_add_mpi_test(mpi_handshake 3 60 mpi --scenario handshake --prefill 1 --decode 1)
+duet_add_mpi_test(mpi_handshake_colocated 3 60 mpi --scenario handshake --mode colocated
+  --prefill 1 --decode 1)
+# A TP=2 decode instance from a cluster file: its follower gets the verdict
+# and closes with everyone; 4 ranks.
+duet_add_mpi_test(mpi_roundtrip_tp2 4 300 mpi --scenario roundtrip
+  --cluster ${CMAKE_CURRENT_LIST_DIR}/cluster_tp2.json --requests 1000)
+duet_add_mpi_test(mpi_roundtrip 3 300 mpi --scenario roundtrip --prefill 1 --decode 1
+  --requests 4000)
+duet_add_mpi_test(mpi_shutdown 3 60 mpi --scenario shutdown --prefill 1 --decode 1)
+duet_add_mpi_test(mpi_idle_cpu 3 90 "mpi;slow" --scenario idle --prefill 1 --decode 1
+  --idle-seconds 10)
+
+# Failures: every rank exits non-zero with the same line, and nothing hangs.
+add_test(NAME mpi_version_mismatch
+  COMMAND ${DUET_EXPECT_SAME_ERROR} 3
+    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 1"
+    60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
+    --prefill 1 --decode 1 --bad-version-rank 2)
+add_test(NAME mpi_world_size_mismatch
+  COMMAND ${DUET_EXPECT_SAME_ERROR} 3
+    "error: cluster spec: the spec needs 4 processes (1 coordinator + 3 instance ranks) but mpirun started 3 (mpirun -np 4)"
+    60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
+    --prefill 1 --decode 2)
+add_test(NAME mpi_impossible_layout
+  COMMAND ${DUET_EXPECT_SAME_ERROR} 3
+    "error: cluster spec: rank 2 is in two instances: instance 0 (prefill) and instance 1 (decode)"
+    60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
+    --cluster ${CMAKE_CURRENT_LIST_DIR}/cluster_overlap.json)
+set_tests_properties(mpi_version_mismatch mpi_world_size_mismatch mpi_impossible_layout PROPERTIES
+  LABELS mpi TIMEOUT 90)
+# Without mpirun, cluster flags are refused before MPI is touched.
+add_test(NAME mpi_refused_outside_mpirun
+  COMMAND ${DUET_EXPECT_SAME_ERROR} 1 "was not started by mpirun" 30
+    $<TARGET_FILE:control_plane_test> --scenario handshake --prefill 1 --decode 1)
+set_tests_properties(mpi_refused_outside_mpirun PROPERTIES TIMEOUT 60)
