@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang, -DDUET_FUZZ=ON) in build-fuzz/ and runs one of them.
 #
-#   tests/fuzz/run.sh FUZZER [SECONDS] [LIBFUZZER_ARGS...]   FUZZER: gguf | tokenizer
-#   tests/fuzz/run.sh build                                  only build both
+#   tests/fuzz/run.sh FUZZER [SECONDS] [LIBFUZZER_ARGS...]
+#       FUZZER: gguf | tokenizer | openai_api | capnp_request
+#   tests/fuzz/run.sh build                                  only build them all
 #
 # SECONDS defaults to 60. The fuzzer runs as one process on a working corpus in
 # build-fuzz/fuzz/FUZZER/corpus/, seeded from tests/fuzz/corpus/FUZZER/ (the tree's corpus is
@@ -21,14 +22,14 @@ build="${DUET_FUZZ_BUILD_DIR:-$root/build-fuzz}"
 jobs="${JOBS:-2}"
 
 usage() {
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 [[ $# -ge 1 ]] || usage
 fuzzer="$1"
 shift
 case "$fuzzer" in
-  gguf | tokenizer | build) ;;
+  gguf | tokenizer | openai_api | capnp_request | build) ;;
   *) usage ;;
 esac
 
@@ -45,7 +46,8 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
     -DCMAKE_BUILD_TYPE=Debug -DDUET_FUZZ=ON -DDUET_CUDA=OFF
 fi
 if [[ "$fuzzer" == build ]]; then
-  cmake --build "$build" --target gguf_fuzz tokenizer_fuzz -j "$jobs"
+  cmake --build "$build" --target gguf_fuzz tokenizer_fuzz openai_api_fuzz capnp_request_fuzz \
+    -j "$jobs"
   exit 0
 fi
 cmake --build "$build" --target "${fuzzer}_fuzz" -j "$jobs"
@@ -61,12 +63,20 @@ mkdir -p "$work/corpus" "$work/artifacts"
 # New seeds are added; what earlier runs found stays.
 cp -n "$root/tests/fuzz/corpus/$fuzzer/"* "$work/corpus/"
 
+# The fuzzer's dictionary, where it has one.
+dict=()
+case "$fuzzer" in
+  openai_api) dict=(-dict="$root/tests/fuzz/openai.dict") ;;
+  capnp_request) ;;
+  *) dict=(-dict="$root/tests/fuzz/$fuzzer.dict") ;;
+esac
+
 log="$work/last.log"
 status=0
 # The working corpus first: libFuzzer writes new inputs only into the first folder.
 "$build/tests/fuzz/${fuzzer}_fuzz" \
   -max_total_time="$seconds" -rss_limit_mb=4096 -timeout=20 -print_final_stats=1 \
-  -dict="$root/tests/fuzz/$fuzzer.dict" -artifact_prefix="$work/artifacts/" \
+  "${dict[@]}" -artifact_prefix="$work/artifacts/" \
   "$@" "$work/corpus" >"$log" 2>&1 || status=$?
 
 echo "== ${fuzzer}_fuzz, ${seconds} s, exit status $status; log: $log"
