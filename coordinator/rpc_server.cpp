@@ -12,6 +12,7 @@
 
 #include "common/duet.capnp.h"
 #include "common/error.h"
+#include "common/unicode.h"
 #include "coordinator/rpc_convert.h"
 #include "coordinator/rpc_streams.h"
 
@@ -82,7 +83,7 @@ class InferenceImpl final : public rpc::Inference::Server {
       if (!front_.service.serves_model(model)) {
         front_.service.record_refused(ServeErrorKind::kNotFound);
         fill_error(result.initError(), ServeErrorKind::kNotFound,
-                   "model '" + model + "' is not served here");
+                   "model '" + utf8_sanitize(model) + "' is not served here");
         return;
       }
       Result<ServeRequest> converted = to_serve_request(request);

@@ -130,7 +130,8 @@ Result<std::vector<int32_t>> Service::prompt_tokens(const PromptInput& prompt) c
     for (const ChatMessage& m : messages) {
       if (m.role != "system" && m.role != "user" && m.role != "assistant")
         return error(ServeErrorKind::kInvalidArgument,
-                     fmt::format("unknown message role '{}' (system, user or assistant)", m.role));
+                     fmt::format("unknown message role '{}' (system, user or assistant)",
+                                 utf8_sanitize(m.role)));
       if (!is_valid_utf8(m.content))
         return error(ServeErrorKind::kInvalidArgument, "message content is not valid UTF-8");
     }
