@@ -14,7 +14,7 @@
 
 $import "/capnp/c++.capnp".namespace("duet::control");
 
-const protocolVersion :UInt32 = 1;
+const protocolVersion :UInt32 = 2;  # 2: InstanceReady
 
 enum Role {
   prefill @0;
@@ -132,6 +132,22 @@ struct Stats {
   preemptions @10 :Int64;
 }
 
+# Leader -> coordinator, once after the handshake, when the instance has
+# loaded its model and can take requests: what the coordinator needs to
+# validate requests (common/serving.h InstanceInfo) and the first stats. Or,
+# with `error` set, why it could not start (the coordinator then shuts the
+# cluster down).
+struct InstanceReady {
+  instanceId @0 :Int32;
+  modelName @1 :Text;
+  nCtx @2 :Int64;
+  nVocab @3 :Int64;
+  kvCapacityTokens @4 :Int64;
+  endOfGeneration @5 :List(Int32);
+  stats @6 :Stats;
+  error @7 :Text;  # empty: ready
+}
+
 # Coordinator -> leader: finish up; the channel closes next.
 struct Shutdown {
   reason @0 :Text;
@@ -148,5 +164,6 @@ struct Message {
     stepEvents @4 :StepEvents;
     stats @5 :Stats;
     shutdown @6 :Shutdown;
+    ready @7 :InstanceReady;
   }
 }

@@ -197,9 +197,8 @@ InstanceEvent read(control::Event::Reader in) {
   return out;
 }
 
-void fill(control::Stats::Builder out, const StatsReport& in) {
-  const InstanceStats& s = in.stats;
-  out.setInstanceId(in.instance_id);
+void fill(control::Stats::Builder out, int32_t instance_id, const InstanceStats& s) {
+  out.setInstanceId(instance_id);
   out.setRunning(s.running);
   out.setWaiting(s.waiting);
   out.setKvBlocksTotal(s.kv_blocks_total);
@@ -212,10 +211,8 @@ void fill(control::Stats::Builder out, const StatsReport& in) {
   out.setPreemptions(s.preemptions);
 }
 
-StatsReport read(control::Stats::Reader in) {
-  StatsReport out;
-  InstanceStats& s = out.stats;
-  out.instance_id = in.getInstanceId();
+InstanceStats read(control::Stats::Reader in) {
+  InstanceStats s;
   s.running = in.getRunning();
   s.waiting = in.getWaiting();
   s.kv_blocks_total = in.getKvBlocksTotal();
@@ -226,6 +223,32 @@ StatsReport read(control::Stats::Reader in) {
   s.prefix_hit_tokens = in.getPrefixHitTokens();
   s.generated_tokens = in.getGeneratedTokens();
   s.preemptions = in.getPreemptions();
+  return s;
+}
+
+void fill(control::InstanceReady::Builder out, const InstanceReady& in) {
+  out.setInstanceId(in.instance_id);
+  out.setModelName(in.info.model_name);
+  out.setNCtx(in.info.n_ctx);
+  out.setNVocab(in.info.n_vocab);
+  out.setKvCapacityTokens(in.info.kv_capacity_tokens);
+  const std::vector<int32_t>& eog = in.info.end_of_generation;
+  auto ids = out.initEndOfGeneration(static_cast<unsigned>(eog.size()));
+  for (size_t i = 0; i < eog.size(); ++i) ids.set(static_cast<unsigned>(i), eog[i]);
+  fill(out.initStats(), in.instance_id, in.stats);
+  out.setError(in.error);
+}
+
+InstanceReady read(control::InstanceReady::Reader in) {
+  InstanceReady out;
+  out.instance_id = in.getInstanceId();
+  out.info.model_name = to_string(in.getModelName());
+  out.info.n_ctx = in.getNCtx();
+  out.info.n_vocab = in.getNVocab();
+  out.info.kv_capacity_tokens = in.getKvCapacityTokens();
+  for (int32_t id : in.getEndOfGeneration()) out.info.end_of_generation.push_back(id);
+  out.stats = read(in.getStats());
+  out.error = to_string(in.getError());
   return out;
 }
 
@@ -256,8 +279,9 @@ struct Filler {
     for (size_t i = 0; i < m.events.size(); ++i)
       fill(events[static_cast<unsigned>(i)], m.events[i]);
   }
-  void operator()(const StatsReport& m) { fill(out.initStats(), m); }
+  void operator()(const StatsReport& m) { fill(out.initStats(), m.instance_id, m.stats); }
   void operator()(const Shutdown& m) { out.initShutdown().setReason(m.reason); }
+  void operator()(const InstanceReady& m) { fill(out.initReady(), m); }
 };
 
 ControlMessage read(control::Message::Reader in) {
@@ -286,10 +310,14 @@ ControlMessage read(control::Message::Reader in) {
       for (auto event : events) out.events.push_back(read(event));
       return out;
     }
-    case control::Message::STATS:
-      return read(in.getStats());
+    case control::Message::STATS: {
+      auto stats = in.getStats();
+      return StatsReport{stats.getInstanceId(), read(stats)};
+    }
     case control::Message::SHUTDOWN:
       return Shutdown{to_string(in.getShutdown().getReason())};
+    case control::Message::READY:
+      return read(in.getReady());
   }
   corrupt(fmt::format("unknown message kind {} (a newer protocol?)", static_cast<int>(in.which())));
 }
@@ -297,8 +325,9 @@ ControlMessage read(control::Message::Reader in) {
 }  // namespace
 
 std::string_view control_message_name(const ControlMessage& message) {
-  static constexpr std::string_view kNames[] = {"hello",       "hello_reply", "submit",  "cancel",
-                                                "step_events", "stats",       "shutdown"};
+  static constexpr std::string_view kNames[] = {"hello",    "hello_reply",   "submit",
+                                                "cancel",   "step_events",   "stats",
+                                                "shutdown", "instance_ready"};
   static_assert(std::size(kNames) == std::variant_size_v<ControlMessage>);
   return kNames[message.index()];
 }

@@ -23,7 +23,7 @@
 namespace duet {
 
 // Equals `protocolVersion` in control.capnp (checked at compile time).
-inline constexpr uint32_t kControlProtocolVersion = 1;
+inline constexpr uint32_t kControlProtocolVersion = 2;
 
 // Leader -> coordinator, first message (see control.capnp).
 struct Hello {
@@ -69,10 +69,20 @@ struct Shutdown {
   std::string reason;
 };
 
-using ControlMessage =
-    std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents, StatsReport, Shutdown>;
+// Leader -> coordinator, once after the handshake: the instance has loaded its
+// model and takes requests, or (`error` not empty) it could not start.
+struct InstanceReady {
+  int32_t instance_id = 0;
+  InstanceInfo info;
+  InstanceStats stats;
+  std::string error;
+};
 
-// "hello", "hello_reply", "submit", "cancel", "step_events", "stats", "shutdown".
+using ControlMessage = std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents,
+                                    StatsReport, Shutdown, InstanceReady>;
+
+// "hello", "hello_reply", "submit", "cancel", "step_events", "stats", "shutdown",
+// "instance_ready".
 std::string_view control_message_name(const ControlMessage& message);
 
 // The message's Cap'n Proto flat-array form; its size is a multiple of 8.

@@ -12,6 +12,7 @@
 #include "common/chat_template.h"
 #include "common/error.h"
 #include "common/kv_layout.h"
+#include "common/mpi/mpi_runtime.h"
 #include "common/tokenizer_gguf.h"
 #include "coordinator/http_server.h"
 #include "coordinator/rpc_server.h"
@@ -65,62 +66,90 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   cmd->add_option("--max-body-bytes", args.max_body_bytes, "Largest HTTP request body")
       ->check(CLI::Range(size_t{1024}, size_t{1} << 30))
       ->capture_default_str();
+
+  // The cluster (under mpirun; see common/cluster_spec.h for the layout).
+  const char* group = "Cluster (mpirun -np N duet serve ...)";
+  cmd->add_option("--mode", args.cluster.mode,
+                  "disaggregated or colocated (every instance runs both phases); "
+                  "only colocated is served today")
+      ->group(group);
+  cmd->add_option("--prefill", args.cluster.prefill,
+                  "Prefill instances (colocated: instances, counted with --decode)")
+      ->group(group);
+  cmd->add_option("--decode", args.cluster.decode,
+                  "Decode instances (colocated: instances, counted with --prefill)")
+      ->group(group);
+  cmd->add_option("--tp", args.cluster.tp, "Ranks per instance (tensor parallel; 1 today)")
+      ->group(group);
+  cmd->add_option("--cluster", args.cluster.file,
+                  "A cluster spec (JSON) instead of --mode/--prefill/--decode/--tp")
+      ->group(group);
 }
 
-int run_serve(const ServeArgs& args) {
-  // Signals are taken by sigwait below, so every thread started from here on
-  // inherits the blocked mask and none is interrupted.
+namespace serve {
+
+sigset_t block_stop_signals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);  // a vanished client is a write error, not a death
+  return signals;
+}
 
-  const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
-  const int n_threads = args.threads > 0
-                            ? args.threads
-                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
-  const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
-  std::optional<ChatTemplateKind> chat;
-  if (const auto text = model->file().get_string("tokenizer.chat_template")) {
+std::string model_name(const ServeArgs& args) {
+  return args.model_name.empty() ? std::filesystem::path(args.model).stem().string()
+                                 : args.model_name;
+}
+
+int compute_threads(const ServeArgs& args) {
+  return args.threads > 0 ? args.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+std::optional<ChatTemplateKind> chat_template(const GgufFile& file) {
+  if (const auto text = file.get_string("tokenizer.chat_template")) {
     try {
-      chat = detect_chat_template(*text);
+      return detect_chat_template(*text);
     } catch (const Error& e) {
       spdlog::warn("chat requests will be refused: {}", e.what());
     }
   }
-  const std::string model_name =
-      args.model_name.empty() ? std::filesystem::path(args.model).stem().string() : args.model_name;
+  return std::nullopt;
+}
 
-  const KvLayout probe = make_kv_layout(model->config(), 1);
+EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
+                           std::vector<int32_t> end_of_generation) {
+  const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
+  const KvLayout probe = make_kv_layout(model.config(), 1);
   const auto block_bytes = static_cast<int64_t>(probe.bytes_per_block());
   const int64_t n_blocks = std::max<int64_t>(1, kv_budget / block_bytes);
   spdlog::info("KV cache: {} bytes per token, {} blocks of {} = {} tokens ({:.1f} MiB)",
                probe.bytes_per_token(), n_blocks, KvLayout::kDefaultBlockSize,
                n_blocks * KvLayout::kDefaultBlockSize,
                static_cast<double>(n_blocks * block_bytes) / (1 << 20));
-
-  cpu::ThreadPool pool(n_threads);
   EngineConfig config;
   config.n_kv_blocks = n_blocks;
   config.scheduler.max_running = args.max_running;
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
-  config.end_of_generation = tokenizer.end_of_generation_ids();
-  LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
-                         model_name);
+  config.end_of_generation = std::move(end_of_generation);
+  return config;
+}
 
+ServiceLimits service_limits(const ServeArgs& args) {
   ServiceLimits limits;
   limits.max_waiting = args.max_waiting;
   limits.max_prompt_tokens = args.max_prompt_tokens;
   limits.max_tokens = args.max_tokens;
   limits.default_max_tokens = args.default_max_tokens;
-  Service service(instance, tokenizer, chat, model_name, limits);
+  return limits;
+}
 
-  RpcServer rpc(service, {.host = args.host,
-                          .port = static_cast<uint16_t>(args.rpc_port),
-                          .api_key = args.api_key});
+void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals) {
+  RpcServer rpc(
+      service,
+      {.host = args.host, .port = static_cast<uint16_t>(args.rpc_port), .api_key = args.api_key});
   HttpServer http(service, {.host = args.host,
                             .port = static_cast<uint16_t>(args.http_port),
                             .api_key = args.api_key,
@@ -129,7 +158,7 @@ int run_serve(const ServeArgs& args) {
   std::printf("rpc listening on %s:%u\nhttp listening on %s:%u\n", args.host.c_str(), rpc.port(),
               args.host.c_str(), http.port());
   std::fflush(stdout);
-  spdlog::info("serving {} ({} threads){}", model_name, n_threads,
+  spdlog::info("serving {}{}", service.model().name,
                args.api_key.empty() ? "" : ", API key required");
 
   int signal = 0;
@@ -138,6 +167,29 @@ int run_serve(const ServeArgs& args) {
   service.shut_down();  // refuse new requests, cancel running ones
   http.stop();
   rpc.stop();
+}
+
+}  // namespace serve
+
+int run_serve(const ServeArgs& args) {
+  // Signals are taken by sigwait, so every thread started from here on
+  // inherits the blocked mask and none is interrupted.
+  const sigset_t signals = serve::block_stop_signals();
+  if (launched_by_mpirun() || args.cluster.any()) return run_cluster_serve(args, signals);
+
+  const int n_threads = serve::compute_threads(args);
+  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
+  const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
+  const std::optional<ChatTemplateKind> chat = serve::chat_template(model->file());
+  const std::string model_name = serve::model_name(args);
+
+  cpu::ThreadPool pool(n_threads);
+  LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool,
+                         serve::engine_config(args, *model, tokenizer.end_of_generation_ids()),
+                         model_name);
+  Service service(instance, tokenizer, chat, model_name, serve::service_limits(args));
+  spdlog::info("{} compute threads", n_threads);
+  serve::run_fronts_until_signal(service, args, signals);
   return 0;
 }
 

@@ -1,9 +1,24 @@
-// `duet serve`: one colocated instance behind the Cap'n Proto and HTTP fronts.
+// `duet serve`: the Cap'n Proto and HTTP fronts over the coordinator's
+// service, in one of two shapes:
+// - single process (no mpirun, no cluster flags): one colocated instance on
+//   an engine thread of this process; MPI is never initialized;
+// - a cluster under mpirun (tools/serve_cluster.cpp): the coordinator on rank
+//   0, one instance per other rank, laid out by the cluster flags or file.
 #pragma once
+
+#include <signal.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <optional>
 #include <string>
+
+#include "common/chat_template.h"
+#include "common/cluster_spec.h"
+#include "common/gguf.h"
+#include "coordinator/service.h"
+#include "worker/engine.h"
+#include "worker/llama_model.h"
 
 namespace duet::tools {
 
@@ -23,11 +38,38 @@ struct ServeArgs {
   int64_t max_tokens = 0;         // 0: the model's context
   int64_t default_max_tokens = 256;
   size_t max_body_bytes = 1 << 20;
+  ClusterFlags cluster;  // any() or mpirun: serve as a cluster
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);
 
 // Serves until SIGINT or SIGTERM; returns the process exit code.
 int run_serve(const ServeArgs& args);
+
+// The pieces both shapes share.
+namespace serve {
+
+// Blocks SIGINT and SIGTERM in this thread and every thread started after it
+// (they are taken by sigwait) and ignores SIGPIPE. Call first, before any
+// thread exists. Returns the blocked set.
+sigset_t block_stop_signals();
+std::string model_name(const ServeArgs& args);
+int compute_threads(const ServeArgs& args);
+std::optional<ChatTemplateKind> chat_template(const GgufFile& file);
+// The engine's configuration for `model` (KV size from --kv-cache-mem, logged).
+EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
+                           std::vector<int32_t> end_of_generation);
+ServiceLimits service_limits(const ServeArgs& args);
+// Starts both fronts over `service`, prints their `... listening on` lines,
+// waits for a signal in `signals`, then refuses new requests, cancels running
+// ones and stops the fronts.
+void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals);
+
+}  // namespace serve
+
+// The cluster shape (tools/serve_cluster.cpp): every rank of the mpirun job
+// runs it. Returns the exit code; errors that every rank meets alike (a bad
+// spec) throw duet::Error on every rank.
+int run_cluster_serve(const ServeArgs& args, const sigset_t& signals);
 
 }  // namespace duet::tools

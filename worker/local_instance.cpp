@@ -45,6 +45,11 @@ void LocalInstance::set_event_handler(EventHandler handler) {
   handler_ = std::move(handler);
 }
 
+void LocalInstance::set_step_observer(StepObserver observer) {
+  std::lock_guard lock(mutex_);
+  observer_ = std::move(observer);
+}
+
 void LocalInstance::submit(InstanceRequest request) {
   {
     std::lock_guard lock(mutex_);
@@ -94,7 +99,8 @@ void LocalInstance::apply(Command& command) {
                        .admitted_at = std::chrono::steady_clock::now()});
   };
   try {
-    const SequenceId sid = engine_.submit(std::move(request.prompt), options, on_token, on_admitted);
+    const SequenceId sid =
+        engine_.submit(std::move(request.prompt), options, on_token, on_admitted);
     sequences_.emplace(rid, sid);
     requests_.emplace(sid, rid);
   } catch (const Error& e) {
@@ -105,7 +111,7 @@ void LocalInstance::apply(Command& command) {
   }
 }
 
-void LocalInstance::publish_stats() {
+InstanceStats LocalInstance::publish_stats() {
   const EngineStats e = engine_.stats();
   InstanceStats s;
   s.running = engine_.n_running();
@@ -120,11 +126,13 @@ void LocalInstance::publish_stats() {
   s.preemptions = e.preemptions;
   std::lock_guard lock(mutex_);
   stats_ = s;
+  return s;
 }
 
 void LocalInstance::run() {
   std::deque<Command> commands;
   EventHandler handler;
+  StepObserver observer;
   for (;;) {
     {
       std::unique_lock lock(mutex_);
@@ -132,6 +140,7 @@ void LocalInstance::run() {
       if (stopping_) return;
       commands.swap(commands_);
       handler = handler_;
+      observer = observer_;
     }
     for (Command& command : commands) apply(command);
     commands.clear();
@@ -152,7 +161,8 @@ void LocalInstance::run() {
       for (SequenceId sid : live) engine_.cancel(sid);  // frees the KV; its events are dropped
       events_ = std::move(failed);
     }
-    publish_stats();
+    const InstanceStats stats = publish_stats();
+    if (observer) observer(stats);
     if (!events_.empty()) {
       if (handler) handler(events_);
       events_.clear();

@@ -34,8 +34,16 @@ class LocalInstance final : public InstanceClient {
   LocalInstance(const LocalInstance&) = delete;
   LocalInstance& operator=(const LocalInstance&) = delete;
 
+  // Receives the stats right after every engine step (also a step that
+  // produced no event), on the engine thread, before that step's events go
+  // to the event handler: a remote coordinator that forwards both in this
+  // order already has the new stats when a request's finish reaches a client.
+  using StepObserver = std::function<void(const InstanceStats&)>;
+
   const InstanceInfo& info() const override { return info_; }
   void set_event_handler(EventHandler handler) override;
+  // Set once, before the first submit, like the event handler.
+  void set_step_observer(StepObserver observer);
   void submit(InstanceRequest request) override;
   void cancel(RequestId id) override;
   InstanceStats stats() const override;
@@ -45,7 +53,7 @@ class LocalInstance final : public InstanceClient {
 
   void run();  // the engine thread
   void apply(Command& command);
-  void publish_stats();
+  InstanceStats publish_stats();
 
   InstanceInfo info_;
   Engine engine_;  // engine thread only (after construction)
@@ -60,6 +68,7 @@ class LocalInstance final : public InstanceClient {
   std::deque<Command> commands_;
   bool stopping_ = false;
   EventHandler handler_;
+  StepObserver observer_;
   InstanceStats stats_;
 
   std::thread thread_;  // last: starts after everything above exists

@@ -68,6 +68,11 @@ std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds
   return message;
 }
 
+bool ControlChannel::receiving() const {
+  std::lock_guard lock(mutex_);
+  return !closed_ && !stop_;
+}
+
 bool ControlChannel::close(std::chrono::milliseconds timeout) {
   {
     std::unique_lock lock(mutex_);

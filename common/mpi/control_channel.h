@@ -82,6 +82,11 @@ class ControlChannel final {
   std::optional<ReceivedMessage> receive(std::chrono::milliseconds timeout);
   std::optional<ReceivedMessage> try_receive() { return receive(std::chrono::milliseconds(0)); }
 
+  // Any thread. False once nothing more can arrive: the channel finished
+  // closing, or stopped (an MPI failure, a failed close). A receive loop ends
+  // when receive() returns nullopt and this is false.
+  bool receiving() const;
+
   // Collective (see above). Returns true when every rank closed within
   // `timeout`; false otherwise, and then the channel is stopped regardless
   // (sends still in flight are abandoned). Call once, from one thread.

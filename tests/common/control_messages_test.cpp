@@ -185,6 +185,27 @@ TEST(ControlMessages, StatsCancelAndShutdownRoundTrip) {
   EXPECT_EQ(round_trip_as(Shutdown{"bye"}).reason, "bye");
 }
 
+TEST(ControlMessages, InstanceReadyRoundTrips) {
+  InstanceReady ready;
+  ready.instance_id = 3;
+  ready.info = {"smollm2", 8192, 49152, 16384, {0, 2, 49151}};
+  ready.stats.kv_blocks_total = 1024;
+  ready.stats.kv_blocks_free = 1000;
+  ready.stats.kv_block_tokens = 16;
+  const InstanceReady back = round_trip_as(ready);
+  EXPECT_EQ(back.instance_id, 3);
+  EXPECT_EQ(back.info.model_name, "smollm2");
+  EXPECT_EQ(back.info.n_ctx, 8192);
+  EXPECT_EQ(back.info.n_vocab, 49152);
+  EXPECT_EQ(back.info.kv_capacity_tokens, 16384);
+  EXPECT_EQ(back.info.end_of_generation, (std::vector<int32_t>{0, 2, 49151}));
+  EXPECT_EQ(back.stats.kv_blocks_total, 1024);
+  EXPECT_EQ(back.stats.kv_blocks_free, 1000);
+  EXPECT_EQ(back.stats.kv_block_tokens, 16);
+  EXPECT_TRUE(back.error.empty());
+  EXPECT_EQ(round_trip_as(InstanceReady{.error = "no such file"}).error, "no such file");
+}
+
 TEST(ControlMessages, NamesFollowTheVariant) {
   EXPECT_EQ(control_message_name(Hello{}), "hello");
   EXPECT_EQ(control_message_name(HelloReply{}), "hello_reply");
@@ -193,6 +214,7 @@ TEST(ControlMessages, NamesFollowTheVariant) {
   EXPECT_EQ(control_message_name(StepEvents{}), "step_events");
   EXPECT_EQ(control_message_name(StatsReport{}), "stats");
   EXPECT_EQ(control_message_name(Shutdown{}), "shutdown");
+  EXPECT_EQ(control_message_name(InstanceReady{}), "instance_ready");
 }
 
 TEST(ControlMessages, UnalignedBytesDecode) {

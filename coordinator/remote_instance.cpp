@@ -1,0 +1,196 @@
+#include "coordinator/remote_instance.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <map>
+#include <utility>
+
+#include "common/error.h"
+
+namespace duet {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long the dispatcher's blocked receive sleeps before it looks again; a
+// message or the channel's close wakes it at once.
+constexpr auto kIdleReceive = std::chrono::milliseconds(60'000);
+
+std::string describe(const InstanceSpec& instance) {
+  return fmt::format("instance {} (rank {})", instance.id, instance.leader().value);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- RemoteInstance
+
+RemoteInstance::RemoteInstance(ControlChannel& channel, Rank leader, const InstanceReady& ready)
+    : channel_(channel), leader_(leader), info_(ready.info), stats_(ready.stats) {}
+
+void RemoteInstance::set_event_handler(EventHandler handler) {
+  std::lock_guard lock(mutex_);
+  handler_ = std::move(handler);
+}
+
+void RemoteInstance::submit(InstanceRequest request) {
+  const RequestId id = request.id;
+  try {
+    channel_.send(leader_, SubmitRequest{std::move(request)});
+  } catch (const Error& e) {
+    // Only once the channel is closing, which the wiring does after the
+    // fronts stopped: no client waits for this request any more.
+    spdlog::error("request {} to rank {} dropped: {}", id.value, leader_.value, e.what());
+  }
+}
+
+void RemoteInstance::cancel(RequestId id) {
+  try {
+    channel_.send(leader_, Cancel{id});
+  } catch (const Error& e) {
+    spdlog::debug("cancel of request {} to rank {} dropped: {}", id.value, leader_.value, e.what());
+  }
+}
+
+InstanceStats RemoteInstance::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void RemoteInstance::on_step_events(std::span<const InstanceEvent> events) {
+  EventHandler handler;
+  {
+    std::lock_guard lock(mutex_);
+    handler = handler_;
+  }
+  // Outside the lock: the handler may call cancel() (a matched stop string).
+  if (handler) handler(events);
+}
+
+void RemoteInstance::on_stats(const InstanceStats& stats) {
+  std::lock_guard lock(mutex_);
+  stats_ = stats;
+}
+
+// ---------------------------------------------------------------- start and end
+
+std::vector<InstanceReady> await_instances_ready(ControlChannel& channel, const ClusterSpec& spec,
+                                                 std::chrono::milliseconds timeout) {
+  std::map<Rank, const InstanceSpec*> by_leader;
+  for (const InstanceSpec& instance : spec.instances) by_leader[instance.leader()] = &instance;
+  std::vector<std::optional<InstanceReady>> ready(spec.instances.size());
+  size_t n_ready = 0;
+  const auto deadline = Clock::now() + timeout;
+  while (n_ready < ready.size()) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    std::optional<ReceivedMessage> received;
+    if (left.count() > 0) received = channel.receive(left);
+    if (!received) {
+      std::string silent;
+      for (const InstanceSpec& instance : spec.instances) {
+        if (!ready[static_cast<size_t>(instance.id)])
+          silent += fmt::format("{}{}", silent.empty() ? "" : ", ", describe(instance));
+      }
+      throw Error(ErrorKind::kInternal,
+                  fmt::format("{} did not report ready within {} ms", silent, timeout.count()));
+    }
+    const auto it = by_leader.find(received->source);
+    auto* message = std::get_if<InstanceReady>(&received->message);
+    if (it == by_leader.end() || message == nullptr) {
+      spdlog::error("before every instance was ready: dropped a {} message from rank {}",
+                    control_message_name(received->message), received->source.value);
+      continue;
+    }
+    const InstanceSpec& instance = *it->second;
+    if (!message->error.empty()) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("{} could not start: {}", describe(instance), message->error));
+    }
+    DUET_ASSERT(message->instance_id == instance.id, "a leader reports its own instance id");
+    if (!ready[static_cast<size_t>(instance.id)]) ++n_ready;
+    ready[static_cast<size_t>(instance.id)] = std::move(*message);
+  }
+  std::vector<InstanceReady> out;
+  for (auto& r : ready) out.push_back(std::move(*r));
+  return out;
+}
+
+void shut_down_leaders(ControlChannel& channel, const ClusterSpec& spec,
+                       const std::string& reason) {
+  for (Rank leader : spec.leaders()) channel.send(leader, Shutdown{reason});
+}
+
+// ---------------------------------------------------------------- RemoteCluster
+
+RemoteCluster::RemoteCluster(ControlChannel& channel, const ClusterSpec& spec,
+                             const std::vector<InstanceReady>& ready)
+    : channel_(channel) {
+  DUET_ASSERT(channel.rank() == kCoordinatorRank, "remote instances live on rank 0");
+  DUET_ASSERT(ready.size() == spec.instances.size(), "one InstanceReady per instance");
+  for (const InstanceSpec& instance : spec.instances) {
+    instances_.push_back(std::make_unique<RemoteInstance>(channel, instance.leader(),
+                                                          ready[static_cast<size_t>(instance.id)]));
+  }
+  dispatcher_ = std::thread([this] { dispatch(); });
+}
+
+RemoteCluster::~RemoteCluster() {
+  if (!shut_down_) shut_down("the coordinator is stopping");
+}
+
+std::vector<InstanceClient*> RemoteCluster::instances() const {
+  std::vector<InstanceClient*> out;
+  for (const auto& instance : instances_) out.push_back(instance.get());
+  return out;
+}
+
+bool RemoteCluster::shut_down(const std::string& reason, std::chrono::milliseconds timeout) {
+  DUET_ASSERT(!shut_down_, "RemoteCluster::shut_down called twice");
+  shut_down_ = true;
+  for (const auto& instance : instances_) {
+    try {
+      channel_.send(instance->leader(), Shutdown{reason});
+    } catch (const Error& e) {
+      spdlog::warn("Shutdown to rank {} not sent: {}", instance->leader().value, e.what());
+    }
+  }
+  const bool closed = channel_.close(timeout);
+  dispatcher_.join();  // ends once the inbox is drained and the channel closed
+  return closed;
+}
+
+void RemoteCluster::dispatch() {
+  std::map<Rank, RemoteInstance*> by_leader;
+  for (const auto& instance : instances_) by_leader[instance->leader()] = instance.get();
+  for (;;) {
+    std::optional<ReceivedMessage> received = channel_.receive(kIdleReceive);
+    if (!received) {
+      if (!channel_.receiving()) return;
+      continue;
+    }
+    const auto it = by_leader.find(received->source);
+    if (it == by_leader.end()) {
+      spdlog::error("dropped a {} message from rank {}, which leads no instance",
+                    control_message_name(received->message), received->source.value);
+      continue;
+    }
+    try {
+      if (const auto* step = std::get_if<StepEvents>(&received->message)) {
+        it->second->on_step_events(step->events);
+      } else if (const auto* report = std::get_if<StatsReport>(&received->message)) {
+        it->second->on_stats(report->stats);
+      } else {
+        spdlog::error("dropped an unexpected {} message from rank {}",
+                      control_message_name(received->message), received->source.value);
+      }
+    } catch (const std::exception& e) {
+      // A handler's broken invariant must not end the dispatcher: every other
+      // request still needs its events.
+      spdlog::error("rank {}'s {} message: {}", received->source.value,
+                    control_message_name(received->message), e.what());
+    }
+  }
+}
+
+}  // namespace duet

@@ -1,0 +1,108 @@
+// Placement of requests across instances (DESIGN.md: Router).
+//
+// A RoutingPolicy is a small value-free type chosen at start-up: given each
+// instance's current load it names the instance for one request.
+// RoutedInstances is an InstanceClient over several InstanceClients (remote
+// instances on other ranks, or local ones in tests): the Service sees one
+// instance, while each submit goes where the policy says.
+//
+// The load a policy sees is the router's own, always current view, not only
+// the instances' stats (which are a step old and would send a whole burst of
+// requests to one instance): `sequences` counts the requests the router sent
+// to an instance that have not finished, and `kv_blocks_free` is the
+// instance's last reported free blocks less the blocks the prompts sent to it
+// will take once admitted.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/cluster_spec.h"
+#include "common/serving.h"
+
+namespace duet {
+
+struct InstanceLoad {
+  int64_t kv_blocks_free = 0;  // reported free, less the prompts sent but not yet admitted
+  int64_t kv_blocks_total = 0;
+  int64_t sequences = 0;  // sent and not finished (running + waiting)
+};
+
+class RoutingPolicy {
+ public:
+  virtual ~RoutingPolicy() = default;
+  virtual std::string_view name() const = 0;
+  // The index into `loads` (one per instance, at least one) of the instance
+  // that gets `request`. Called under the router's lock: pure and quick.
+  virtual size_t pick(std::span<const InstanceLoad> loads,
+                      const InstanceRequest& request) const = 0;
+};
+
+// Colocated instances (each runs both phases): the most free KV blocks, then
+// the fewest sequences, then the lowest index.
+class ColocatedPolicy final : public RoutingPolicy {
+ public:
+  std::string_view name() const override { return "colocated"; }
+  size_t pick(std::span<const InstanceLoad> loads, const InstanceRequest& request) const override;
+};
+
+// The policy for a cluster mode. Throws duet::Error (kUnsupported) for a mode
+// no policy serves yet (disaggregated).
+std::unique_ptr<RoutingPolicy> make_routing_policy(ClusterMode mode);
+
+class RoutedInstances final : public InstanceClient {
+ public:
+  // The instances outlive the router; they must agree on the model (name,
+  // context, vocabulary, end-of-generation ids), else duet::Error
+  // (kInvalidArgument) names the first difference. info() is the first
+  // instance's, with the smallest kv_capacity_tokens of all (a sequence must
+  // fit wherever it goes). Installs an event handler on every instance.
+  RoutedInstances(std::vector<InstanceClient*> instances, std::unique_ptr<RoutingPolicy> policy);
+  ~RoutedInstances() override;  // removes the instances' handlers
+  RoutedInstances(const RoutedInstances&) = delete;
+  RoutedInstances& operator=(const RoutedInstances&) = delete;
+
+  const InstanceInfo& info() const override { return info_; }
+  // The handler gets every instance's events, on that instance's event
+  // thread: with several local instances, from several threads at once.
+  void set_event_handler(EventHandler handler) override;
+  void submit(InstanceRequest request) override;
+  void cancel(RequestId id) override;
+  // The sum over the instances (kv_block_tokens: the first instance's).
+  InstanceStats stats() const override;
+
+  size_t size() const { return instances_.size(); }
+  const RoutingPolicy& policy() const { return *policy_; }
+  // Each instance's own stats, in order.
+  std::vector<InstanceStats> instance_stats() const;
+  // Requests sent to each instance so far, in order (cumulative).
+  std::vector<int64_t> routed_counts() const;
+
+ private:
+  struct Placement {
+    size_t instance = 0;
+    int64_t pending_blocks = 0;  // until admitted
+  };
+
+  void on_events(size_t instance,
+                 std::span<const InstanceEvent> events);  // instance's event thread
+
+  const std::vector<InstanceClient*> instances_;
+  const std::unique_ptr<RoutingPolicy> policy_;
+  InstanceInfo info_;
+
+  mutable std::mutex mutex_;  // guards the members below
+  EventHandler handler_;
+  std::map<RequestId, Placement> placements_;  // submitted, not finished
+  std::vector<int64_t> sequences_;             // per instance: placements there
+  std::vector<int64_t> pending_blocks_;        // per instance: sum of pending_blocks
+  std::vector<int64_t> routed_;                // per instance: cumulative submits
+};
+
+}  // namespace duet

@@ -1,0 +1,226 @@
+// The router: the colocated policy's order (most free KV blocks, then fewest
+// sequences, then lowest index), and RoutedInstances over real engine threads
+// (LocalInstance on a tiny fixture model): a burst spreads over both
+// instances, greedy tokens equal one instance's own, cancel reaches the
+// instance that holds the request, stats are summed, and instances serving
+// different models are refused. No MPI.
+#include "coordinator/router.h"
+
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/error.h"
+#include "kernels/cpu/isa.h"
+#include "tests/test_paths.h"
+#include "worker/local_instance.h"
+
+namespace duet {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(ColocatedPolicy, MostFreeBlocksThenFewestSequencesThenLowestIndex) {
+  const ColocatedPolicy policy;
+  const InstanceRequest request;
+  auto pick = [&](std::vector<InstanceLoad> loads) { return policy.pick(loads, request); };
+  EXPECT_EQ(pick({{10, 100, 0}}), 0u);
+  EXPECT_EQ(pick({{10, 100, 0}, {20, 100, 5}}), 1u);                // free blocks first
+  EXPECT_EQ(pick({{20, 100, 3}, {20, 100, 2}, {20, 100, 2}}), 1u);  // then sequences, lowest index
+  EXPECT_EQ(pick({{20, 100, 0}, {20, 100, 0}}), 0u);
+  EXPECT_EQ(policy.name(), "colocated");
+}
+
+TEST(RoutingPolicy, DisaggregatedIsNotServedYet) {
+  EXPECT_EQ(make_routing_policy(ClusterMode::kColocated)->name(), "colocated");
+  try {
+    make_routing_policy(ClusterMode::kDisaggregated);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("not supported yet"), std::string::npos) << e.what();
+  }
+}
+
+// Collects the merged events by request. While held, an engine thread that
+// delivers a token stays in the handler (so before its next step) until
+// release(): a test can then act between two steps deterministically.
+class Collector {
+ public:
+  void on_events(std::span<const InstanceEvent> events) {
+    std::unique_lock lock(mutex_);
+    bool any_token = false;
+    for (const InstanceEvent& e : events) {
+      any_token = any_token || e.token >= 0;
+      Output& out = outputs_[e.id];
+      if (e.token >= 0) out.tokens.push_back(e.token);
+      if (e.finished) {
+        EXPECT_FALSE(out.finished) << "two finished events for request " << e.id.value;
+        out.finished = true;
+        out.finish = e.finish;
+      }
+    }
+    changed_.notify_all();
+    if (any_token) changed_.wait(lock, [&] { return !held_; });
+  }
+
+  void hold() {
+    std::lock_guard lock(mutex_);
+    held_ = true;
+  }
+  void release() {
+    std::lock_guard lock(mutex_);
+    held_ = false;
+    changed_.notify_all();
+  }
+
+  // Waits until `id` has at least one token.
+  void wait_for_token(RequestId id) {
+    std::unique_lock lock(mutex_);
+    EXPECT_TRUE(changed_.wait_for(lock, 60s, [&] { return !outputs_[id].tokens.empty(); }))
+        << "request " << id.value << " got no token";
+  }
+
+  struct Output {
+    std::vector<int32_t> tokens;
+    bool finished = false;
+    InstanceFinish finish = InstanceFinish::kFailed;
+  };
+
+  Output wait(RequestId id) {
+    std::unique_lock lock(mutex_);
+    EXPECT_TRUE(changed_.wait_for(lock, 60s, [&] { return outputs_[id].finished; }))
+        << "request " << id.value << " did not finish";
+    return outputs_[id];
+  }
+
+ private:
+  bool held_ = false;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<RequestId, Output> outputs_;
+};
+
+class RoutedInstancesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = LlamaModel::load(testing::fixture_path("fixtures/tiny/tiny_q4_1_gqa_tied.gguf"));
+    pool_ = std::make_unique<cpu::ThreadPool>(1);
+  }
+
+  std::unique_ptr<LocalInstance> make_instance(std::string name = "tiny") {
+    EngineConfig config;
+    config.n_kv_blocks = 64;
+    return std::make_unique<LocalInstance>(*model_, cpu::kernel_table(cpu::best_isa()), *pool_,
+                                           config, std::move(name));
+  }
+
+  static InstanceRequest request(uint64_t id, int32_t first_token, int64_t max_tokens) {
+    InstanceRequest r;
+    r.id = RequestId{id};
+    r.prompt = {first_token, 5, 7, 11, first_token};
+    r.max_tokens = max_tokens;
+    r.ignore_eos = true;
+    return r;  // temperature 0 by default: greedy
+  }
+
+  static void expect_all_free(const InstanceClient& instance) {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    InstanceStats s;
+    do {
+      s = instance.stats();
+      if (s.running == 0 && s.waiting == 0 && s.kv_blocks_free == s.kv_blocks_total) return;
+      std::this_thread::sleep_for(2ms);
+    } while (std::chrono::steady_clock::now() < deadline);
+    ADD_FAILURE() << "KV not freed: running " << s.running << ", free " << s.kv_blocks_free << "/"
+                  << s.kv_blocks_total;
+  }
+
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<cpu::ThreadPool> pool_;
+};
+
+TEST_F(RoutedInstancesTest, ABurstSpreadsAndGreedyTokensEqualOneInstancesOwn) {
+  constexpr int kRequests = 16;
+  // One instance alone: the reference tokens.
+  std::map<RequestId, std::vector<int32_t>> expected;
+  {
+    std::unique_ptr<LocalInstance> alone = make_instance();
+    Collector collector;
+    alone->set_event_handler([&](auto events) { collector.on_events(events); });
+    for (int i = 0; i < kRequests; ++i) alone->submit(request(i + 1, 20 + i, 6 + i % 3));
+    for (int i = 0; i < kRequests; ++i) {
+      const RequestId id{static_cast<uint64_t>(i + 1)};
+      expected[id] = collector.wait(id).tokens;
+    }
+    alone->set_event_handler({});
+  }
+
+  std::unique_ptr<LocalInstance> a = make_instance();
+  std::unique_ptr<LocalInstance> b = make_instance();
+  RoutedInstances routed({a.get(), b.get()}, std::make_unique<ColocatedPolicy>());
+  EXPECT_EQ(routed.info().model_name, "tiny");
+  EXPECT_EQ(routed.stats().kv_blocks_total, a->stats().kv_blocks_total * 2);
+  Collector collector;
+  routed.set_event_handler([&](auto events) { collector.on_events(events); });
+  for (int i = 0; i < kRequests; ++i) routed.submit(request(i + 1, 20 + i, 6 + i % 3));
+  for (int i = 0; i < kRequests; ++i) {
+    const RequestId id{static_cast<uint64_t>(i + 1)};
+    const Collector::Output out = collector.wait(id);
+    EXPECT_EQ(out.finish, InstanceFinish::kLength);
+    EXPECT_EQ(out.tokens, expected[id]) << "request " << id.value;
+  }
+  const std::vector<int64_t> counts = routed.routed_counts();
+  ASSERT_EQ(counts.size(), 2u);
+  EXPECT_EQ(counts[0] + counts[1], kRequests);
+  // Equal free blocks in a burst: the fewest sequences decides, so it alternates.
+  EXPECT_GE(counts[0], kRequests / 4);
+  EXPECT_GE(counts[1], kRequests / 4);
+  expect_all_free(routed);
+  const std::vector<InstanceStats> each = routed.instance_stats();
+  EXPECT_GT(each[0].generated_tokens, 0);
+  EXPECT_GT(each[1].generated_tokens, 0);
+  EXPECT_EQ(routed.stats().generated_tokens, each[0].generated_tokens + each[1].generated_tokens);
+}
+
+TEST_F(RoutedInstancesTest, CancelReachesTheInstanceThatHoldsTheRequest) {
+  std::unique_ptr<LocalInstance> a = make_instance();
+  std::unique_ptr<LocalInstance> b = make_instance();
+  RoutedInstances routed({a.get(), b.get()}, std::make_unique<ColocatedPolicy>());
+  Collector collector;
+  routed.set_event_handler([&](auto events) { collector.on_events(events); });
+  // Two long requests, one per instance; cancel both between two steps.
+  collector.hold();
+  routed.submit(request(1, 30, 200));
+  routed.submit(request(2, 31, 200));
+  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{1, 1}));
+  collector.wait_for_token(RequestId{1});
+  collector.wait_for_token(RequestId{2});
+  routed.cancel(RequestId{2});
+  routed.cancel(RequestId{1});
+  collector.release();
+  EXPECT_EQ(collector.wait(RequestId{1}).finish, InstanceFinish::kCancelled);
+  EXPECT_EQ(collector.wait(RequestId{2}).finish, InstanceFinish::kCancelled);
+  routed.cancel(RequestId{1});   // finished: ignored
+  routed.cancel(RequestId{99});  // unknown: ignored
+  expect_all_free(*a);
+  expect_all_free(*b);
+}
+
+TEST_F(RoutedInstancesTest, InstancesServingDifferentModelsAreRefused) {
+  std::unique_ptr<LocalInstance> a = make_instance("tiny");
+  std::unique_ptr<LocalInstance> b = make_instance("other");
+  try {
+    RoutedInstances routed({a.get(), b.get()}, std::make_unique<ColocatedPolicy>());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("different models"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace duet

@@ -1,0 +1,86 @@
+"""`mpirun -np N duet serve ...` as a subprocess, for the cluster serving tests.
+
+Like tests/serve/serve_process.py's ServeProcess (which it extends: the same
+port lines, log tail and HTTP helpers), but the command is mpirun's, and
+stop() sends SIGTERM to rank 0 (the coordinator) rather than to mpirun:
+signalled itself, mpirun reports failure (exit 1) and kills every rank one
+second later, while rank 0's orderly shutdown ends every rank with exit 0,
+so mpirun's own exit code then says whether every rank exited 0.
+
+DUET_MPIEXEC names mpirun (ctest sets it; default "mpirun").
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
+from serve_process import ServeProcess, serve_environment  # noqa: E402,F401
+
+MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe"]
+
+
+def rank_pids(mpirun_pid):
+    """{rank: pid} of the processes mpirun started (its children, read from /proc)."""
+    children = set()
+    for task in os.listdir(f"/proc/{mpirun_pid}/task"):
+        try:
+            with open(f"/proc/{mpirun_pid}/task/{task}/children") as f:
+                children.update(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    ranks = {}
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                for item in f.read().split(b"\0"):
+                    if item.startswith(b"OMPI_COMM_WORLD_RANK="):
+                        ranks[int(item.split(b"=", 1)[1])] = pid
+        except OSError:
+            pass
+    return ranks
+
+
+class MpirunServe(ServeProcess):
+    """`mpirun -np RANKS duet serve --model MODEL --http-port 0 --rpc-port 0 --threads 1 ARGS...`."""
+
+    def __init__(self, ranks, args=(), startup_timeout=180.0, mpirun_args=()):
+        super().__init__(args, startup_timeout)
+        mpirun = os.environ.get("DUET_MPIEXEC", "mpirun")
+        self.ranks = ranks
+        self.command = [mpirun, *MPIRUN_FLAGS, *mpirun_args, "-np", str(ranks), *self.command]
+
+    def rank_pids(self):
+        return rank_pids(self.process.pid)
+
+    def stop(self, timeout=30.0, check=True):
+        """SIGTERM to rank 0, then waits for mpirun; returns mpirun's exit code."""
+        if self.process is not None and self.process.poll() is None:
+            coordinator = self.rank_pids().get(0)
+            if coordinator is not None:
+                os.kill(coordinator, signal.SIGTERM)
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass  # ServeProcess.stop signals mpirun itself, kills it, and says so
+        return super().stop(timeout, check)
+
+    def log_lines(self):
+        return list(self._log)
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def run(command, timeout):
+    """(exit code, combined output) of a command that must end within `timeout`."""
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=timeout)
+    return result.returncode, result.stdout

@@ -1,0 +1,172 @@
+// `duet serve` under mpirun: the coordinator on rank 0, one instance per
+// other rank (colocated mode, tp 1).
+//
+// Every rank: block the stop signals, initialize MPI, build and validate the
+// spec (an impossible or unsupported layout is the same error on every rank,
+// before any message flows), open the control channel and pass the
+// handshake. Then
+// - rank 0 opens the model file for its tokenizer, waits until every
+//   instance reports ready, routes over the remote instances and serves both
+//   fronts until SIGINT/SIGTERM; then it refuses new requests, cancels what
+//   runs, stops the fronts, sends Shutdown to every leader and closes the
+//   channel;
+// - every other rank loads the model, runs its engine behind an
+//   InstanceServer until Shutdown, stops the engine and closes the channel.
+// MPI is finalized last, on every rank.
+//
+// Instance ranks ignore SIGINT/SIGTERM (mpirun forwards them to every rank):
+// the coordinator's Shutdown ends them, so that every rank ends in order.
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/mpi/control_channel.h"
+#include "common/mpi/control_handshake.h"
+#include "common/mpi/mpi_runtime.h"
+#include "common/tokenizer_gguf.h"
+#include "coordinator/remote_instance.h"
+#include "coordinator/router.h"
+#include "kernels/cpu/isa.h"
+#include "tools/serve_command.h"
+#include "worker/instance_server.h"
+
+namespace duet::tools {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Loading a model takes seconds; a rank that has not reported in this long
+// is stuck.
+constexpr auto kReadyTimeout = std::chrono::milliseconds(300'000);
+constexpr auto kCloseTimeout = std::chrono::milliseconds(30'000);
+
+// The spec of this run: the cluster flags or file, or without any under
+// mpirun, one colocated instance on every rank but the coordinator's.
+// Throws on every rank alike for what this build cannot serve yet.
+ClusterSpec serving_spec(const ClusterFlags& flags, int world_size) {
+  ClusterSpec spec = flags.any()
+                         ? cluster_spec_from_flags(flags)
+                         : parse_cluster_flags(0, world_size - 1, 1, ClusterMode::kColocated);
+  spec.validate(world_size);
+  for (const InstanceSpec& instance : spec.instances) {
+    DUET_REQUIRE(instance.tp == 1,
+                 "tensor parallelism is not supported yet: instance {} has tp {}; serve with "
+                 "--tp 1 (one rank per instance)",
+                 instance.id, instance.tp);
+  }
+  if (spec.mode != ClusterMode::kColocated) {
+    throw Error(ErrorKind::kUnsupported,
+                "disaggregated serving is not supported yet: serve with --mode colocated");
+  }
+  return spec;
+}
+
+int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const ServeArgs& args,
+                      const sigset_t& signals) {
+  std::optional<Tokenizer> tokenizer;
+  std::optional<ChatTemplateKind> chat;
+  std::vector<InstanceReady> ready;
+  try {
+    // The tokenizer and template only: the weights stay on the instances.
+    const GgufFile file = GgufFile::open(args.model);
+    tokenizer.emplace(tokenizer_from_gguf(file));
+    chat = serve::chat_template(file);
+    ready = await_instances_ready(channel, spec, kReadyTimeout);
+  } catch (const std::exception& e) {
+    shut_down_leaders(channel, spec, e.what());
+    channel.close(kCloseTimeout);
+    throw;
+  }
+  // Declared in this order so that the cluster's shut_down (which joins the
+  // dispatcher, the thread calling into the router and the service) comes
+  // before either is destroyed.
+  RemoteCluster cluster(channel, spec, ready);
+  RoutedInstances routed(cluster.instances(), make_routing_policy(spec.mode));
+  const std::string model_name = serve::model_name(args);
+  spdlog::info("cluster: {}; routing: {}", spec.describe(), routed.policy().name());
+  Service service(routed, *tokenizer, chat, model_name, serve::service_limits(args));
+  serve::run_fronts_until_signal(service, args, signals);
+
+  // Where the requests went, for logs (and tests).
+  const std::vector<int64_t> routed_counts = routed.routed_counts();
+  const std::vector<InstanceStats> stats = routed.instance_stats();
+  for (size_t i = 0; i < spec.instances.size(); ++i) {
+    spdlog::info("instance {} (rank {}): {} requests routed, {} tokens generated", i,
+                 spec.instances[i].leader().value, routed_counts[i], stats[i].generated_tokens);
+  }
+  if (!cluster.shut_down("the coordinator is shutting down", kCloseTimeout)) {
+    spdlog::error("not every rank closed the control channel in time");
+    return 1;
+  }
+  return 0;
+}
+
+int serve_instance(ControlChannel& channel, const ClusterSpec& spec, const ServeArgs& args) {
+  const InstanceSpec& self = *spec.instance_of(channel.rank());
+  const std::string model_name = serve::model_name(args);
+  std::unique_ptr<LlamaModel> model;
+  EngineConfig config;
+  try {
+    model = LlamaModel::load(args.model);
+    config = serve::engine_config(args, *model,
+                                  tokenizer_from_gguf(model->file()).end_of_generation_ids());
+  } catch (const std::exception& e) {
+    spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, e.what());
+    report_instance_failure(channel, self.id, e.what());
+    channel.close(kCloseTimeout);
+    return 2;
+  }
+  {
+    const int n_threads = serve::compute_threads(args);
+    cpu::ThreadPool pool(n_threads);
+    LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
+                           model_name);
+    InstanceServer server(channel, instance, self.id);
+    spdlog::info("instance {} (rank {}, {}): serving {} with {} compute threads", self.id,
+                 channel.rank().value, instance_role_name(self.role), model_name, n_threads);
+    const std::string reason = server.serve();
+    const InstanceStats stats = instance.stats();
+    spdlog::info("instance {} (rank {}): {} ({} steps, {} tokens generated)", self.id,
+                 channel.rank().value, reason, stats.steps, stats.generated_tokens);
+  }  // the engine thread has stopped: nothing sends any more
+  if (!channel.close(kCloseTimeout)) return 1;
+  return 0;
+}
+
+}  // namespace
+
+// Every rank. Errors are printed here, as `duet` prints them, while MPI is
+// still up: once one rank exits non-zero mpirun kills the others, so each
+// must have printed its line before any leaves MPI_Finalize (a fence).
+int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
+  MpiRuntime mpi;  // finalized last
+  try {
+    const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size());
+    ControlChannel channel(mpi);
+    try {
+      if (mpi.rank() == kCoordinatorRank) {
+        coordinator_handshake(channel, spec);
+      } else {
+        instance_handshake(channel, spec);
+      }
+    } catch (const Error&) {
+      channel.close(10s);  // so that the verdict reaches every rank
+      throw;
+    }
+    const int code = mpi.rank() == kCoordinatorRank
+                         ? serve_coordinator(channel, spec, args, signals)
+                         : serve_instance(channel, spec, args);
+    spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
+    return code;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "duet: %s: %s\n", std::string(error_kind_name(e.kind())).c_str(),
+                 e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "duet: error: %s\n", e.what());
+  }
+  return 2;
+}
+
+}  // namespace duet::tools

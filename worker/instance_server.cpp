@@ -1,0 +1,88 @@
+#include "worker/instance_server.h"
+
+#include <spdlog/spdlog.h>
+
+#include <utility>
+
+#include "common/error.h"
+
+namespace duet {
+namespace {
+
+// How long a blocked receive sleeps before it looks again; the channel wakes
+// it at once when a message arrives, so this only bounds an idle wait.
+constexpr auto kIdleReceive = std::chrono::milliseconds(60'000);
+
+}  // namespace
+
+InstanceServer::InstanceServer(ControlChannel& channel, LocalInstance& instance,
+                               int32_t instance_id)
+    : channel_(channel), instance_(instance), instance_id_(instance_id) {
+  // Both run on the engine thread once per step: the stats first, then the events.
+  instance_.set_step_observer([this](const InstanceStats& stats) {
+    send(StatsReport{instance_id_, stats});
+  });
+  instance_.set_event_handler([this](std::span<const InstanceEvent> events) {
+    StepEvents step;
+    step.instance_id = instance_id_;
+    step.events.assign(events.begin(), events.end());
+    step.step = instance_.stats().steps;
+    send(step);
+  });
+}
+
+InstanceServer::~InstanceServer() {
+  instance_.set_event_handler({});
+  instance_.set_step_observer({});
+}
+
+void InstanceServer::send(const ControlMessage& message) {
+  try {
+    channel_.send(kCoordinatorRank, message);
+  } catch (const Error& e) {
+    // Only after close() began (the cluster is shutting down): nobody reads it.
+    spdlog::debug("instance {}: dropped a {} message: {}", instance_id_,
+                  control_message_name(message), e.what());
+  }
+}
+
+std::string InstanceServer::serve() {
+  send(InstanceReady{instance_id_, instance_.info(), instance_.stats(), {}});
+  for (;;) {
+    std::optional<ReceivedMessage> received = channel_.receive(kIdleReceive);
+    if (!received) {
+      if (!channel_.receiving()) return "the control channel stopped";
+      continue;
+    }
+    if (received->source != kCoordinatorRank) {
+      spdlog::error("instance {}: dropped a {} message from rank {} (only the coordinator's count)",
+                    instance_id_, control_message_name(received->message), received->source.value);
+      continue;
+    }
+    ControlMessage& message = received->message;
+    if (auto* submit = std::get_if<SubmitRequest>(&message)) {
+      instance_.submit(std::move(submit->request));
+    } else if (const auto* cancel = std::get_if<Cancel>(&message)) {
+      instance_.cancel(cancel->id);
+    } else if (const auto* shutdown = std::get_if<Shutdown>(&message)) {
+      return shutdown->reason;
+    } else {
+      spdlog::error("instance {}: dropped an unexpected {} message", instance_id_,
+                    control_message_name(message));
+    }
+  }
+}
+
+void report_instance_failure(ControlChannel& channel, int32_t instance_id,
+                             const std::string& error) {
+  channel.send(kCoordinatorRank, InstanceReady{.instance_id = instance_id, .error = error});
+  for (;;) {
+    std::optional<ReceivedMessage> received = channel.receive(kIdleReceive);
+    if (!received && !channel.receiving()) return;
+    if (received && received->source == kCoordinatorRank &&
+        std::holds_alternative<Shutdown>(received->message))
+      return;
+  }
+}
+
+}  // namespace duet
