@@ -99,9 +99,10 @@ struct Event {
   id @0 :UInt64;
   admitted @1 :Bool;
   cachedTokens @2 :Int64;
-  # The instance host's steady clock (CLOCK_MONOTONIC), ns since its epoch:
-  # comparable with the coordinator's only when both run on one host.
-  admittedAtNs @3 :Int64;
+  # How long before this message was encoded the admission happened, in ns
+  # (-1: not admitted). A duration, not a time: the hosts' clocks differ, so
+  # the receiver places the admission at its own receive time minus this.
+  admittedAgoNs @3 :Int64;
   token @4 :Int32;  # -1: none
   finished @5 :Bool;
   finish @6 :Finish;

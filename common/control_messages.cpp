@@ -166,9 +166,11 @@ void fill(control::Event::Builder out, const InstanceEvent& in) {
   out.setId(in.id.value);
   out.setAdmitted(in.admitted);
   out.setCachedTokens(in.cached_tokens);
-  out.setAdmittedAtNs(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(in.admitted_at.time_since_epoch())
-          .count());
+  out.setAdmittedAgoNs(
+      in.admitted_at == Clock::time_point{}
+          ? -1
+          : std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - in.admitted_at)
+                .count());
   out.setToken(in.token);
   out.setFinished(in.finished);
   out.setFinish(to_wire(in.finish));
@@ -185,8 +187,10 @@ InstanceEvent read(control::Event::Reader in) {
   out.id = RequestId{in.getId()};
   out.admitted = in.getAdmitted();
   out.cached_tokens = in.getCachedTokens();
-  out.admitted_at = Clock::time_point(
-      std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(in.getAdmittedAtNs())));
+  if (in.getAdmittedAgoNs() >= 0) {
+    out.admitted_at = Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::nanoseconds(in.getAdmittedAgoNs()));
+  }
   out.token = in.getToken();
   out.finished = in.getFinished();
   out.finish = from_wire(in.getFinish());

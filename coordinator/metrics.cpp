@@ -91,6 +91,7 @@ void Metrics::record_refused(ServeErrorKind kind) {
 void Metrics::record_tokens(int64_t n_tokens, Clock::time_point now) {
   std::lock_guard lock(mutex_);
   generated_tokens_ += n_tokens;
+  if (first_tokens_ == Clock::time_point{}) first_tokens_ = now;
   recent_tokens_.emplace_back(now, n_tokens);
   while (!recent_tokens_.empty() && now - recent_tokens_.front().first > kRateWindow)
     recent_tokens_.pop_front();
@@ -100,7 +101,11 @@ double Metrics::tokens_per_second(Clock::time_point now) const {
   int64_t n = 0;
   for (const auto& [when, count] : recent_tokens_)
     if (now - when <= kRateWindow) n += count;
-  return static_cast<double>(n) / std::chrono::duration<double>(kRateWindow).count();
+  if (n == 0) return 0.0;
+  // The window, or less when tokens have been counted for less than that.
+  const double window = std::min(std::chrono::duration<double>(kRateWindow).count(),
+                                 std::chrono::duration<double>(now - first_tokens_).count());
+  return static_cast<double>(n) / std::max(window, 1e-3);
 }
 
 int64_t Metrics::requests_with_outcome(std::string_view outcome) const {

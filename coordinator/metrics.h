@@ -70,6 +70,7 @@ class Metrics final {
   int64_t cached_tokens_ = 0;
   int64_t generated_tokens_ = 0;
   std::deque<std::pair<Clock::time_point, int64_t>> recent_tokens_;  // the last window's steps
+  Clock::time_point first_tokens_{};  // of the first record_tokens (the rate's window starts there)
 };
 
 }  // namespace duet

@@ -34,14 +34,9 @@ void RemoteInstance::set_event_handler(EventHandler handler) {
 }
 
 void RemoteInstance::submit(InstanceRequest request) {
-  const RequestId id = request.id;
-  try {
-    channel_.send(leader_, SubmitRequest{std::move(request)});
-  } catch (const Error& e) {
-    // Only once the channel is closing, which the wiring does after the
-    // fronts stopped: no client waits for this request any more.
-    spdlog::error("request {} to rank {} dropped: {}", id.value, leader_.value, e.what());
-  }
+  // Throws when the channel is closing: the service then refuses the request
+  // (kUnavailable) instead of waiting for events that will never come.
+  channel_.send(leader_, SubmitRequest{std::move(request)});
 }
 
 void RemoteInstance::cancel(RequestId id) {

@@ -40,8 +40,9 @@ class RemoteInstance final : public InstanceClient {
 
   const InstanceInfo& info() const override { return info_; }
   void set_event_handler(EventHandler handler) override;
-  // Once the channel is closing, submit and cancel are logged and dropped:
-  // close only after the fronts stopped (RemoteCluster::shut_down).
+  // Once the channel is closing, submit throws (the service refuses the
+  // request) and cancel is logged and dropped: close only after the fronts
+  // stopped (RemoteCluster::shut_down).
   void submit(InstanceRequest request) override;
   void cancel(RequestId id) override;
   InstanceStats stats() const override;

@@ -104,7 +104,19 @@ void RoutedInstances::submit(InstanceRequest request) {
     pending_blocks_[target] += blocks;
     ++routed_[target];
   }
-  instances_[target]->submit(std::move(request));
+  const RequestId id = request.id;
+  try {
+    instances_[target]->submit(std::move(request));
+  } catch (...) {
+    // Not placed after all: undo the bookkeeping, and let the caller refuse it.
+    std::lock_guard lock(mutex_);
+    const Placement placement = placements_.at(id);
+    placements_.erase(id);
+    --sequences_[target];
+    pending_blocks_[target] -= placement.pending_blocks;
+    --routed_[target];
+    throw;
+  }
 }
 
 void RoutedInstances::cancel(RequestId id) {

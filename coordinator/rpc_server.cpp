@@ -76,6 +76,7 @@ class InferenceImpl final : public rpc::Inference::Server {
     guard_errors(result, [&] {
       const auto request = params.getRequest();
       if (front_.table->closed()) {
+        front_.service.record_refused(ServeErrorKind::kUnavailable);
         fill_error(result.initError(), ServeErrorKind::kUnavailable, "the server is shutting down");
         return;
       }
@@ -94,6 +95,7 @@ class InferenceImpl final : public rpc::Inference::Server {
       }
       ServeRequest& serve = std::get<ServeRequest>(converted);
       const bool include_token_ids = serve.include_token_ids;
+      auto sink = params.getSink();  // before start(): nothing may throw once it runs
       Result<Admitted> admitted = front_.service.start(std::move(serve), front_.relay);
       if (auto* error = std::get_if<ServeError>(&admitted)) {
         fill_error(result.initError(), error->kind, error->message);
@@ -103,10 +105,15 @@ class InferenceImpl final : public rpc::Inference::Server {
       // Registered before this turn ends: the request's first update reaches
       // the loop in a later turn.
       front_.relay.started();
-      front_.table->add(ok.id, params.getSink(), include_token_ids);
-      auto started = result.initStarted();
-      started.setHandle(kj::heap<RequestHandleImpl>(kj::addRef(*front_.table), ok.id));
-      started.setPromptTokens(clamp_u32(ok.prompt_tokens));
+      try {
+        front_.table->add(ok.id, kj::mv(sink), include_token_ids);
+        auto started = result.initStarted();
+        started.setHandle(kj::heap<RequestHandleImpl>(kj::addRef(*front_.table), ok.id));
+        started.setPromptTokens(clamp_u32(ok.prompt_tokens));
+      } catch (...) {
+        front_.service.cancel(ok.id);  // nobody could cancel it otherwise
+        throw;
+      }
     });
     return kj::READY_NOW;
   }

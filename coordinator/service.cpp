@@ -179,7 +179,12 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
                   fmt::format("max_tokens {} is over this server's limit of {}",
                               *request.max_tokens, model_.max_tokens));
 
-  Result<std::vector<int32_t>> tokens = prompt_tokens(request.prompt);
+  Result<std::vector<int32_t>> tokens = error(ServeErrorKind::kInternal, "");
+  try {
+    tokens = prompt_tokens(request.prompt);
+  } catch (const std::exception& e) {
+    return refuse(ServeErrorKind::kInternal, fmt::format("cannot tokenize the prompt: {}", e.what()));
+  }
   if (auto* e = std::get_if<ServeError>(&tokens)) return refuse(e->kind, std::move(e->message));
   std::vector<int32_t>& prompt = std::get<std::vector<int32_t>>(tokens);
   const auto n_prompt = static_cast<int64_t>(prompt.size());
@@ -199,6 +204,11 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
   RequestId id;
   {
     std::lock_guard lock(mutex_);
+    if (shut_down_) {  // shut_down() ran while this request was being tokenized
+      ++n_refused_;
+      metrics_.record_refused(ServeErrorKind::kUnavailable);
+      return error(ServeErrorKind::kUnavailable, "the server is shutting down");
+    }
     if (n_waiting_ >= limits_.max_waiting) {
       ++n_refused_;
       metrics_.record_refused(ServeErrorKind::kOverloaded);
@@ -214,7 +224,16 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
     live_.emplace(id, std::move(live));
     ++n_waiting_;
   }
-  instance_.submit({id, std::move(prompt), max_tokens, request.sampling, request.ignore_eos});
+  try {
+    instance_.submit({id, std::move(prompt), max_tokens, request.sampling, request.ignore_eos});
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard lock(mutex_);
+      live_.erase(id);
+      --n_waiting_;
+    }
+    return refuse(ServeErrorKind::kUnavailable, fmt::format("the instance refused: {}", e.what()));
+  }
   return Admitted{id, n_prompt};
 }
 

@@ -1,5 +1,7 @@
 #include "worker/local_instance.h"
 
+#include <spdlog/spdlog.h>
+
 #include <utility>
 
 #include "common/error.h"
@@ -41,12 +43,12 @@ LocalInstance::~LocalInstance() {
 }
 
 void LocalInstance::set_event_handler(EventHandler handler) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(callback_mutex_);
   handler_ = std::move(handler);
 }
 
 void LocalInstance::set_step_observer(StepObserver observer) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(callback_mutex_);
   observer_ = std::move(observer);
 }
 
@@ -108,6 +110,11 @@ void LocalInstance::apply(Command& command) {
                        .finished = true,
                        .finish = InstanceFinish::kFailed,
                        .error = ServeError{ServeErrorKind::kInvalidArgument, e.what()}});
+  } catch (const std::exception& e) {
+    events_.push_back({.id = rid,
+                       .finished = true,
+                       .finish = InstanceFinish::kFailed,
+                       .error = ServeError{ServeErrorKind::kInternal, e.what()}});
   }
 }
 
@@ -131,16 +138,12 @@ InstanceStats LocalInstance::publish_stats() {
 
 void LocalInstance::run() {
   std::deque<Command> commands;
-  EventHandler handler;
-  StepObserver observer;
   for (;;) {
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] { return stopping_ || !commands_.empty() || !engine_.idle(); });
       if (stopping_) return;
       commands.swap(commands_);
-      handler = handler_;
-      observer = observer_;
     }
     for (Command& command : commands) apply(command);
     commands.clear();
@@ -158,15 +161,25 @@ void LocalInstance::run() {
       for (const auto& [sid, rid] : requests_) live.push_back(sid);
       std::vector<InstanceEvent> failed = std::move(events_);
       events_.clear();
-      for (SequenceId sid : live) engine_.cancel(sid);  // frees the KV; its events are dropped
+      for (SequenceId sid : live) {
+        try {
+          engine_.cancel(sid);  // frees the KV; its events are dropped
+        } catch (const std::exception& cancel_error) {
+          spdlog::error("instance: cancel after a failed step failed: {}", cancel_error.what());
+        }
+      }
       events_ = std::move(failed);
     }
     const InstanceStats stats = publish_stats();
-    if (observer) observer(stats);
-    if (!events_.empty()) {
-      if (handler) handler(events_);
-      events_.clear();
+    std::lock_guard callbacks(callback_mutex_);
+    try {
+      if (observer_) observer_(stats);
+      if (!events_.empty() && handler_) handler_(events_);
+    } catch (const std::exception& e) {
+      // The consumer's fault; the engine and every other request go on.
+      spdlog::error("instance: an event consumer failed: {}", e.what());
     }
+    events_.clear();
   }
 }
 

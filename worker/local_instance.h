@@ -67,9 +67,14 @@ class LocalInstance final : public InstanceClient {
   std::condition_variable wake_;
   std::deque<Command> commands_;
   bool stopping_ = false;
-  EventHandler handler_;
-  StepObserver observer_;
   InstanceStats stats_;
+
+  // Held by the engine thread while it calls the observer and the handler,
+  // and by their setters: once a setter returns, the old callback is not
+  // running and will not run again (its owner may be destroyed).
+  std::mutex callback_mutex_;
+  EventHandler handler_;   // guarded by callback_mutex_
+  StepObserver observer_;  // guarded by callback_mutex_
 
   std::thread thread_;  // last: starts after everything above exists
 };
