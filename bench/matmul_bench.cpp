@@ -1,6 +1,7 @@
 // Throughput of the CPU matrix products at the default model's shapes
 // (SmolLM2-135M: hidden 576, FFN 1536, vocabulary 49152), for each ISA path
-// this CPU runs, 1 and 2 threads, decode (n_x = 1) and prefill (n_x = 512).
+// this CPU runs, 1 and 2 threads, decode (n_x = 1), batched decode (n_x = 8,
+// 32: one row per sequence) and prefill (n_x = 512).
 //
 // Reports tokens/s as items/s (n_x activation rows per iteration) and bytes/s
 // as weight bytes read per second. The timed loop is the matrix product
@@ -76,12 +77,14 @@ struct Shape {
 
 void register_benchmarks() {
   const std::vector<Shape> shapes = {
-      {576, 1536, {DType::kQ4_1, DType::kQ8_0}, {1, 512}},  // FFN gate and up
-      {576, 576, {DType::kQ4_1, DType::kQ8_0}, {1, 512}},   // attention Q and output
-      {1536, 576, {DType::kQ4_1, DType::kQ8_0}, {1, 512}},  // FFN down
+      {576, 1536, {DType::kQ4_1, DType::kQ8_0}, {1, 4, 8, 32, 512}},  // FFN gate and up
+      {576, 576, {DType::kQ4_1, DType::kQ8_0}, {1, 8, 32, 512}},      // attention Q and output
+      {576, 192, {DType::kQ4_1}, {32}},                               // attention K and V
+      {1536, 576, {DType::kQ4_1, DType::kQ8_0}, {1, 8, 32, 512}},     // FFN down
       // The output head (Q8_0 in the default model). Prefill computes logits
-      // for the last token only, so it runs at decode shape.
-      {576, 49152, {DType::kQ8_0}, {1}},
+      // for the last token only, so it runs at decode shape; batched decode
+      // computes them for every sequence.
+      {576, 49152, {DType::kQ8_0}, {1, 32}},
   };
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
     if (!cpu_supports(isa)) continue;

@@ -85,11 +85,21 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   shape.order = attention_order_;
 
+  // Each sequence's rows of the batch, for the cache stores and the attention.
+  attention_sequences_.clear();
+  {
+    int64_t row = 0;
+    for (const ForwardSequence& s : sequences) {
+      attention_sequences_.push_back({s.block_table, s.pos0, s.n_tokens, row});
+      row += s.n_tokens;
+    }
+  }
+
   for (int64_t il = 0; il < c.n_layers; ++il) {
     const LlamaLayerWeights& w = model_.layer(il);
 
     // Attention block.
-    cpu::rms_norm(x_.data(), w.attn_norm.data(), norm_.data(), n, c.n_embd, c.rms_eps);
+    cpu::rms_norm(x_.data(), w.attn_norm.data(), norm_.data(), n, c.n_embd, c.rms_eps, pool_);
     packed_.pack(kernels_, norm_.data(), n, c.n_embd, {w.wq.type, w.wk.type, w.wv.type}, pool_);
     cpu::matmul(kernels_, w.wq, packed_, q_.data(), q_dim, pool_);
     cpu::matmul(kernels_, w.wk, packed_, k_.data(), kv_dim, pool_);
@@ -97,17 +107,10 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     add_bias(q_.data(), w.bq, n);
     add_bias(k_.data(), w.bk, n);
     add_bias(v_.data(), w.bv, n);
-    cpu::rope(q_.data(), n, c.n_heads, c.head_dim, positions_.data(), rope);
-    cpu::rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(), rope);
-
-    int64_t row = 0;
-    attention_sequences_.clear();
-    for (const ForwardSequence& s : sequences) {
-      cpu::kv_cache_store(cache.layout(), cache.data(), il, s.block_table, s.pos0, s.n_tokens,
-                          k_.data() + row * kv_dim, v_.data() + row * kv_dim);
-      attention_sequences_.push_back({s.block_table, s.pos0, s.n_tokens, row});
-      row += s.n_tokens;
-    }
+    cpu::rope(q_.data(), n, c.n_heads, c.head_dim, positions_.data(), rope, pool_);
+    cpu::rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(), rope, pool_);
+    cpu::kv_cache_store_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_,
+                              k_.data(), v_.data(), pool_);
     // Every sequence's attention in one parallel pass.
     cpu::attention_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_, shape,
                          q_.data(), attn_.data(), pool_);
@@ -116,11 +119,14 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     cpu::add_in_place(x_.data(), attn_out_.data(), n * c.n_embd);
 
     // Feed-forward block (SwiGLU).
-    cpu::rms_norm(x_.data(), w.ffn_norm.data(), norm_.data(), n, c.n_embd, c.rms_eps);
+    cpu::rms_norm(x_.data(), w.ffn_norm.data(), norm_.data(), n, c.n_embd, c.rms_eps, pool_);
     packed_.pack(kernels_, norm_.data(), n, c.n_embd, {w.w_gate.type, w.w_up.type}, pool_);
     cpu::matmul(kernels_, w.w_gate, packed_, gate_.data(), c.n_ff, pool_);
     cpu::matmul(kernels_, w.w_up, packed_, up_.data(), c.n_ff, pool_);
-    kernels_.silu_mul(gate_.data(), up_.data(), gate_.data(), n * c.n_ff);
+    pool_.parallel_for(n, [&](int64_t r, int) {
+      float* gate = gate_.data() + r * c.n_ff;
+      kernels_.silu_mul(gate, up_.data() + r * c.n_ff, gate, c.n_ff);
+    });
     packed_.pack(kernels_, gate_.data(), n, c.n_ff, {w.w_down.type}, pool_);
     cpu::matmul(kernels_, w.w_down, packed_, ffn_out_.data(), c.n_embd, pool_);
     cpu::add_in_place(x_.data(), ffn_out_.data(), n * c.n_embd);

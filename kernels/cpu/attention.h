@@ -62,6 +62,13 @@ struct AttentionSequence {
   int64_t row = 0;   // index of its first row in q and out
 };
 
+// kv_cache_store of every sequence's rows (its n_q rows from `row` on in k and
+// v) in one parallel pass over the sequences, converting with the kernel
+// path's F16 conversion (the same rounding).
+void kv_cache_store_batch(const KernelTable& kernels, const KvLayout& layout, KvElement* cache,
+                          int64_t layer, std::span<const AttentionSequence> sequences,
+                          const float* k, const float* v, ThreadPool& pool);
+
 // attention() for several sequences in one parallel pass (one task per
 // sequence, query token and head); each sequence's result is exactly what
 // attention() gives it alone.

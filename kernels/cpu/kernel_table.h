@@ -49,23 +49,33 @@ using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 
 // Attention primitives. Their reduction orders are fixed by contract, so all
 // paths give bit-identical results, and they follow llama.cpp's CPU build for
-// AVX-512 machines (see attention.h for where each order is used):
-//  - kq_scores: out[t] = dot(q, k row t) over `dim` F16 elements, products
-//    accumulated in 16 lanes (element e in lane e % 16). groups == 1: every
-//    16-chunk goes into one accumulator in order (llamafile's tinyBLAS, used by
-//    llama.cpp for multi-token batches; needs dim % 16 == 0). groups == 4:
-//    chunk c into accumulator c % 4 over whole 64-chunks, then (a0+a2)+(a1+a3),
-//    and any elements past the last whole 64-chunk added in double
-//    (ggml_vec_dot_f16, used for single tokens). Lanes are summed as a binary
-//    tree: (l, l+8), then (l, l+4), then (0+2)+(1+3).
-//  - kqv_accumulate: lanes[s * dim + d] = fma(v[s * dim + d], p[s], lanes[...])
-//    for s < n_rows: one KV block's contribution to per-slot accumulators.
+// AVX-512 machines (see attention.h for where each order is used). K and V
+// rows come as 16-row segments of one KV head (segment m holds rows 16m ..
+// 16m + 15, dim halves each, one after the other: a piece of one cache
+// block), and several query heads that share the KV head go together.
+//  - kq_scores: out[h * ld_out + t] = dot(q head h, k row t) for h < n_q
+//    (q: n_q rows of dim halves) and t < n_keys, over `dim` F16 elements,
+//    products accumulated in 16 lanes (element e in lane e % 16). groups == 1:
+//    every 16-chunk goes into one accumulator in order (llamafile's tinyBLAS,
+//    used by llama.cpp for multi-token batches; needs dim % 16 == 0). groups
+//    == 4: chunk c into accumulator c % 4 over whole 64-chunks, then
+//    (a0+a2)+(a1+a3), and any elements past the last whole 64-chunk added in
+//    double (ggml_vec_dot_f16, used for single tokens). Lanes are summed as a
+//    binary tree: (l, l+8), then (l, l+4), then (0+2)+(1+3).
+//  - kqv_sum: out[h * dim + d] = query head h's probabilities p[h * ld_p + t]
+//    times V, over the n_keys value rows. For every slot s < 16 and group
+//    g < groups (1 or 4), the lanes start at 0 and
+//    lanes[g][s][d] = fma(v[t][d], p[t], lanes[g][s][d]) for the rows
+//    t = 16m + s < n_keys with m % groups == g, in increasing t. Then (groups
+//    4) G[s][d] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]) (groups 1: G =
+//    lanes[0]), and out[d] = the 16-lane tree sum of G[.][d] over s.
 //  - softmax_exp: y[i] = exp(x[i] - max) by ggml's polynomial, returns the sum
 //    of y taken as a double over 16-element chunks, each summed by the tree.
-using KqScoresFn = void (*)(const uint16_t* q, const uint16_t* k, int64_t n_rows, int64_t dim,
-                            int groups, float* out);
-using KqvAccumulateFn = void (*)(const float* p, const uint16_t* v, int64_t n_rows, int64_t dim,
-                                 float* lanes);
+using KqScoresFn = void (*)(const uint16_t* q, int64_t n_q, const uint16_t* const* segments,
+                            int64_t n_keys, int64_t dim, int groups, float* out, int64_t ld_out);
+using KqvSumFn = void (*)(const float* p, int64_t ld_p, int64_t n_q,
+                          const uint16_t* const* segments, int64_t n_keys, int64_t dim, int groups,
+                          float* out);
 using SoftmaxExpFn = double (*)(const float* x, int64_t n, float max, float* y);
 
 // out[i] = x[i] / (1 + exp(-x[i])) * g[i] with ggml's exp (llama.cpp's SwiGLU).
@@ -89,7 +99,7 @@ struct KernelTable {
   DotTileFn dot_q4_k;  // Q4_K weights, Q8_K activations
   DotTileFn dot_q6_k;  // Q6_K weights, Q8_K activations
   KqScoresFn kq_scores;
-  KqvAccumulateFn kqv_accumulate;
+  KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;
   SiluMulFn silu_mul;
   RoundF16Fn round_f16;

@@ -3,10 +3,23 @@
 // activation) pairs per 512-bit register in prefill (two activation rows
 // against one weight row) and one pair per 256-bit register in decode. Each
 // half goes through exactly the AVX2 path's operations, so the
-// results are bit-identical to it. Dense and attention kernels are the shared
-// 256-bit ones, compiled here with AVX-512 encodings; BF16 and the K-quants
-// (x86_kquant_inl.h) use 512-bit registers for their lanes.
+// results are bit-identical to it. From a few activation rows on (batched
+// decode, prefill) the register-blocked GEMM of quant_gemm_avx512_inl.h takes
+// over, with the same operations per pair. The attention primitives and the
+// activation quantizers have 512-bit versions of their own
+// (attention_avx512_inl.h, quantize_rows_avx512_inl.h); dense kernels are the
+// shared 256-bit ones, compiled here with AVX-512 encodings; BF16 and the
+// K-quants (x86_kquant_inl.h) use 512-bit registers for their lanes.
+
+// GCC 12 reports the _mm512_undefined_*() inside its own AVX-512 intrinsics as
+// uninitialized once they are inlined (GCC bug 105593; the build already
+// turns off the "maybe" form for this file). Not about our code.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include "kernels/cpu/attention_avx512_inl.h"
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/quant_gemm_avx512_inl.h"
+#include "kernels/cpu/quantize_rows_avx512_inl.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86_kernels_inl.h"
 #include "kernels/cpu/x86_kquant_inl.h"
@@ -204,6 +217,13 @@ struct QuantTile {
 
 // Activation rows per prefill tile: four 512-bit pair accumulators.
 constexpr int kQuantRowTile = 8;
+// From this many activation rows on, the register-blocked GEMM
+// (quant_gemm_avx512_inl.h) runs instead of the tiles above: below, preparing
+// its weight panels costs more than it saves (measured with
+// duet-matmul-bench, 576 x 1536). The formats with offset activations
+// prepare more per weight block.
+constexpr int64_t kGemmMinRowsQ4_1 = 3;
+constexpr int64_t kGemmMinRowsSymmetric = 5;
 
 template <int NX>
 using Q8_0Tile = QuantTile<Q8_0Format>::Tile<NX>;
@@ -212,19 +232,31 @@ using Q4_0Tile = QuantTile<Q4_0Format>::Tile<NX>;
 template <int NX>
 using Q4_1Tile = QuantTile<Q4_1Format>::Tile<NX>;
 
+template <typename GemmFormat, template <int> class Tile>
+void dot_quant(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+               int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  const int64_t min_rows =
+      GemmFormat::kOffsetActivations ? kGemmMinRowsSymmetric : kGemmMinRowsQ4_1;
+  if (n_x >= min_rows && k / kQuantBlock <= gemm512::kMaxBlocks) {
+    gemm512::gemm<GemmFormat>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  } else {
+    run_row_tiles<Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  }
+}
+
 void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q8_0Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_quant<gemm512::Q8_0Gemm, Q8_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q4_0Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_quant<gemm512::Q4_0Gemm, Q4_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q4_1Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_quant<gemm512::Q4_1Gemm, Q4_1Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 // ggml's 16-lane exponential, lane for lane the same as ggml_expf().
@@ -276,8 +308,8 @@ void silu_mul_avx512(const float* x, const float* g, float* out, int64_t n) {
 
 constexpr KernelTable kAvx512Table = {
     .isa = Isa::kAvx512,
-    .quantize_q8_0 = quantize_rows_q8_0_inl,
-    .quantize_q8_1 = quantize_rows_q8_1_inl,
+    .quantize_q8_0 = quantize_rows_q8_0_avx512,
+    .quantize_q8_1 = quantize_rows_q8_1_avx512,
     .quantize_q8_k = quantize_rows_q8_k_inl,
     .convert_f16 = convert_f16_avx,
     .convert_bf16 = convert_rows_bf16_inl,
@@ -289,8 +321,8 @@ constexpr KernelTable kAvx512Table = {
     .dot_bf16 = dot_bf16_x86,
     .dot_q4_k = dot_q4_k_x86,
     .dot_q6_k = dot_q6_k_x86,
-    .kq_scores = kq_scores_avx,
-    .kqv_accumulate = kqv_accumulate_avx,
+    .kq_scores = attention512::kq_scores,
+    .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,
     .silu_mul = silu_mul_avx512,
     .round_f16 = round_f16_avx,

@@ -182,36 +182,43 @@ void dot_tile(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   }
 }
 
-void kq_scores(const uint16_t* q, const uint16_t* k, int64_t n_rows, int64_t dim, int groups,
-               float* out) {
-  for (int64_t t = 0; t < n_rows; ++t) {
-    const uint16_t* kr = k + t * dim;
-    float acc[4][16] = {};
-    const int64_t chunk = groups == 1 ? 16 : 64;
-    const int64_t n_whole = dim - dim % chunk;
-    for (int64_t e = 0; e < n_whole; ++e) {
-      const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
-      acc[g][e % 16] = std::fma(fp16_to_fp32(kr[e]), fp16_to_fp32(q[e]), acc[g][e % 16]);
+// One query head against one key row, in kq_scores's order.
+float kq_score(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
+  float acc[4][16] = {};
+  const int64_t chunk = groups == 1 ? 16 : 64;
+  const int64_t n_whole = dim - dim % chunk;
+  for (int64_t e = 0; e < n_whole; ++e) {
+    const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
+    acc[g][e % 16] = std::fma(fp16_to_fp32(kr[e]), fp16_to_fp32(q[e]), acc[g][e % 16]);
+  }
+  if (groups != 1) {
+    for (int l = 0; l < 16; ++l) {
+      acc[0][l] = acc[0][l] + acc[2][l];
+      acc[1][l] = acc[1][l] + acc[3][l];
     }
-    if (groups != 1) {
-      for (int l = 0; l < 16; ++l) {
-        acc[0][l] = acc[0][l] + acc[2][l];
-        acc[1][l] = acc[1][l] + acc[3][l];
-      }
-      for (int l = 0; l < 16; ++l) acc[0][l] = acc[0][l] + acc[1][l];
+    for (int l = 0; l < 16; ++l) acc[0][l] = acc[0][l] + acc[1][l];
+  }
+  double sum = lane_tree_sum16(acc[0]);
+  for (int64_t e = n_whole; e < dim; ++e) {
+    sum += static_cast<double>(fp16_to_fp32(kr[e]) * fp16_to_fp32(q[e]));
+  }
+  return static_cast<float>(sum);
+}
+
+void kq_scores(const uint16_t* q, int64_t n_q, const uint16_t* const* segments, int64_t n_keys,
+               int64_t dim, int groups, float* out, int64_t ld_out) {
+  for (int64_t h = 0; h < n_q; ++h) {
+    for (int64_t t = 0; t < n_keys; ++t) {
+      out[h * ld_out + t] = kq_score(q + h * dim, segments[t / 16] + t % 16 * dim, dim, groups);
     }
-    double sum = lane_tree_sum16(acc[0]);
-    for (int64_t e = n_whole; e < dim; ++e) {
-      sum += static_cast<double>(fp16_to_fp32(kr[e]) * fp16_to_fp32(q[e]));
-    }
-    out[t] = static_cast<float>(sum);
   }
 }
 
-void kqv_accumulate(const float* p, const uint16_t* v, int64_t n_rows, int64_t dim, float* lanes) {
-  for (int64_t s = 0; s < n_rows; ++s) {
+void kqv_sum(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* const* segments,
+             int64_t n_keys, int64_t dim, int groups, float* out) {
+  for (int64_t h = 0; h < n_q; ++h) {
     for (int64_t d = 0; d < dim; ++d) {
-      lanes[s * dim + d] = std::fma(fp16_to_fp32(v[s * dim + d]), p[s], lanes[s * dim + d]);
+      out[h * dim + d] = kqv_sum_at(p + h * ld_p, segments, n_keys, dim, groups, d);
     }
   }
 }
@@ -250,7 +257,7 @@ constexpr KernelTable kScalarTable = {
     .dot_q4_k = dot_tile<dot_row_q4_k>,
     .dot_q6_k = dot_tile<dot_row_q6_k>,
     .kq_scores = kq_scores,
-    .kqv_accumulate = kqv_accumulate,
+    .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,
     .silu_mul = silu_mul,
     .round_f16 = round_f16,

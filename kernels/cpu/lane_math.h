@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/fp16.h"
+
 namespace duet::cpu {
 
 // Sum of 16 lanes as the tree (l, l+8), (l, l+4), (0+2)+(1+3).
@@ -14,6 +16,22 @@ static inline float lane_tree_sum16(const float* v) {
   for (int l = 0; l < 8; ++l) a[l] = v[l + 8] + v[l];
   for (int l = 0; l < 4; ++l) b[l] = a[l + 4] + a[l];
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Element d of kqv_sum (kernel_table.h): per (group, slot) one FMA chain over
+// the value rows in order, the groups combined, then the 16-lane tree.
+static inline float kqv_sum_at(const float* p, const uint16_t* const* segments, int64_t n_keys,
+                               int64_t dim, int groups, int64_t d) {
+  float lanes[4][16] = {};
+  for (int64_t t = 0; t < n_keys; ++t) {
+    float& lane = lanes[(t / 16) % groups][t % 16];
+    lane = std::fma(fp16_to_fp32(segments[t / 16][t % 16 * dim + d]), p[t], lane);
+  }
+  float g[16];
+  for (int s = 0; s < 16; ++s) {
+    g[s] = groups == 1 ? lanes[0][s] : (lanes[0][s] + lanes[2][s]) + (lanes[1][s] + lanes[3][s]);
+  }
+  return lane_tree_sum16(g);
 }
 
 // ggml's vectorized expf: a degree-5 polynomial after range reduction by

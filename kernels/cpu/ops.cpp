@@ -54,6 +54,33 @@ void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int
   }
 }
 
+namespace {
+
+// Calls fn(r0, r1) over [0, n_rows) in a few contiguous ranges per thread.
+template <typename Fn>
+void for_row_ranges(int64_t n_rows, ThreadPool& pool, Fn&& fn) {
+  const int64_t n_tasks = std::min<int64_t>(n_rows, 4 * pool.size());
+  pool.parallel_for(n_tasks, [&](int64_t task, int) {
+    fn(task * n_rows / n_tasks, (task + 1) * n_rows / n_tasks);
+  });
+}
+
+}  // namespace
+
+void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
+              float eps, ThreadPool& pool) {
+  for_row_ranges(n_rows, pool, [&](int64_t r0, int64_t r1) {
+    rms_norm(x + r0 * dim, weight, out + r0 * dim, r1 - r0, dim, eps);
+  });
+}
+
+void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
+          const RopeParams& params, ThreadPool& pool) {
+  for_row_ranges(n_rows, pool, [&](int64_t r0, int64_t r1) {
+    rope(x + r0 * n_heads * head_dim, r1 - r0, n_heads, head_dim, positions + r0, params);
+  });
+}
+
 void add_in_place(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }

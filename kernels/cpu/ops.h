@@ -1,8 +1,11 @@
 // Element-wise and row-wise operations of the Llama forward pass (scalar C++;
-// their cost is small beside the matrix products). Shapes are row-major.
+// their cost is small beside the matrix products, but not beside a batched
+// step's, hence the row-parallel forms). Shapes are row-major.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/cpu/thread_pool.h"
 
 namespace duet::cpu {
 
@@ -27,6 +30,13 @@ struct RopeParams {
 // Rotates x (n_rows, n_heads * head_dim) in place; row r sits at positions[r].
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
           const RopeParams& params);
+
+// rms_norm and rope with the rows split across the pool's threads (rows are
+// independent, so the results are the same bits; one row runs inline).
+void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
+              float eps, ThreadPool& pool);
+void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
+          const RopeParams& params, ThreadPool& pool);
 
 // x[i] += y[i]
 void add_in_place(float* x, const float* y, int64_t n);

@@ -186,32 +186,38 @@ inline __m256 load_half8(const uint16_t* p) {
 // The 16-lane tree sum: (l, l+8) is hi + lo, then hsum_ps's (l, l+4), (0+2)+(1+3).
 inline float tree_sum16(__m256 lo, __m256 hi) { return hsum_ps(_mm256_add_ps(hi, lo)); }
 
-void kq_scores_avx(const uint16_t* q, const uint16_t* k, int64_t n_rows, int64_t dim, int groups,
-                   float* out) {
+// One query head against one key row, in kq_scores's order.
+inline float kq_score_avx(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
   const int64_t chunk = groups == 1 ? 16 : 64;
   const int64_t n_whole = dim - dim % chunk;
-  for (int64_t t = 0; t < n_rows; ++t) {
-    const uint16_t* kr = k + t * dim;
-    __m256 lo[4], hi[4];
-    for (int g = 0; g < 4; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < n_whole; e += 16) {
-      const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
-      lo[g] = _mm256_fmadd_ps(load_half8(kr + e), load_half8(q + e), lo[g]);
-      hi[g] = _mm256_fmadd_ps(load_half8(kr + e + 8), load_half8(q + e + 8), hi[g]);
+  __m256 lo[4], hi[4];
+  for (int g = 0; g < 4; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < n_whole; e += 16) {
+    const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
+    lo[g] = _mm256_fmadd_ps(load_half8(kr + e), load_half8(q + e), lo[g]);
+    hi[g] = _mm256_fmadd_ps(load_half8(kr + e + 8), load_half8(q + e + 8), hi[g]);
+  }
+  if (groups != 1) {
+    lo[0] = _mm256_add_ps(lo[0], lo[2]);
+    hi[0] = _mm256_add_ps(hi[0], hi[2]);
+    lo[1] = _mm256_add_ps(lo[1], lo[3]);
+    hi[1] = _mm256_add_ps(hi[1], hi[3]);
+    lo[0] = _mm256_add_ps(lo[0], lo[1]);
+    hi[0] = _mm256_add_ps(hi[0], hi[1]);
+  }
+  double sum = tree_sum16(lo[0], hi[0]);
+  for (int64_t e = n_whole; e < dim; ++e) {
+    sum += static_cast<double>(half_to_float(kr[e]) * half_to_float(q[e]));
+  }
+  return static_cast<float>(sum);
+}
+
+void kq_scores_avx(const uint16_t* q, int64_t n_q, const uint16_t* const* segments, int64_t n_keys,
+                   int64_t dim, int groups, float* out, int64_t ld_out) {
+  for (int64_t h = 0; h < n_q; ++h) {
+    for (int64_t t = 0; t < n_keys; ++t) {
+      out[h * ld_out + t] = kq_score_avx(q + h * dim, segments[t / 16] + t % 16 * dim, dim, groups);
     }
-    if (groups != 1) {
-      lo[0] = _mm256_add_ps(lo[0], lo[2]);
-      hi[0] = _mm256_add_ps(hi[0], hi[2]);
-      lo[1] = _mm256_add_ps(lo[1], lo[3]);
-      hi[1] = _mm256_add_ps(hi[1], hi[3]);
-      lo[0] = _mm256_add_ps(lo[0], lo[1]);
-      hi[0] = _mm256_add_ps(hi[0], hi[1]);
-    }
-    double sum = tree_sum16(lo[0], hi[0]);
-    for (int64_t e = n_whole; e < dim; ++e) {
-      sum += static_cast<double>(half_to_float(kr[e]) * half_to_float(q[e]));
-    }
-    out[t] = static_cast<float>(sum);
   }
 }
 
@@ -222,20 +228,6 @@ void round_f16_avx(float* x, int64_t n) {
     _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
   }
   for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
-}
-
-void kqv_accumulate_avx(const float* p, const uint16_t* v, int64_t n_rows, int64_t dim,
-                        float* lanes) {
-  const int64_t d8 = dim - dim % 8;
-  for (int64_t s = 0; s < n_rows; ++s) {
-    const __m256 ps = _mm256_set1_ps(p[s]);
-    const uint16_t* vr = v + s * dim;
-    float* lr = lanes + s * dim;
-    for (int64_t d = 0; d < d8; d += 8) {
-      _mm256_storeu_ps(lr + d, _mm256_fmadd_ps(load_half8(vr + d), ps, _mm256_loadu_ps(lr + d)));
-    }
-    for (int64_t d = d8; d < dim; ++d) lr[d] = std::fma(half_to_float(vr[d]), p[s], lr[d]);
-  }
 }
 
 }  // namespace

@@ -201,6 +201,36 @@ TEST(KvCacheStore, WritesEachRowWhereTheLayoutSays) {
   }
 }
 
+TEST(KvCacheStore, BatchWritesWhatOneSequenceAtATimeWrites) {
+  std::mt19937 rng(16);
+  ThreadPool pool(2);
+  const AttentionCase c{64, 16, 40};
+  const Sequence seq(c, rng);
+  const int64_t row = kKvHeads * c.head_dim;
+  // Three sequences of different lengths and positions in one batch.
+  const std::vector<int32_t> tables[3] = {{0, 1, 2}, {5, 3}, {11, 7, 9, 4}};
+  const int64_t pos0[3] = {0, 17, 30}, n_rows[3] = {19, 2, 21};
+  std::vector<AttentionSequence> batch;
+  int64_t rows = 0;
+  for (int i = 0; i < 3; ++i) {
+    batch.push_back({tables[i], pos0[i], n_rows[i], rows});
+    rows += n_rows[i];
+  }
+  const std::vector<float> k = random_floats(static_cast<size_t>(rows * row), 1.0f, rng);
+  const std::vector<float> v = random_floats(static_cast<size_t>(rows * row), 1.0f, rng);
+  std::vector<KvElement> expected(static_cast<size_t>(seq.layout.total_elems()), kSentinel);
+  for (const AttentionSequence& s : batch) {
+    kv_cache_store(seq.layout, expected.data(), kLayer, s.block_table, s.pos0, s.n_q,
+                   k.data() + s.row * row, v.data() + s.row * row);
+  }
+  for (Isa isa : supported_isas()) {
+    std::vector<KvElement> cache(expected.size(), kSentinel);
+    kv_cache_store_batch(kernel_table(isa), seq.layout, cache.data(), kLayer, batch, k.data(),
+                         v.data(), pool);
+    EXPECT_EQ(cache, expected) << isa_name(isa);
+  }
+}
+
 TEST(KvCacheStore, RejectsPositionsBeyondTheBlockTable) {
   std::mt19937 rng(16);
   const Sequence seq({64, 16, 40}, rng);  // 3 blocks
@@ -375,47 +405,100 @@ std::vector<uint16_t> random_halves(size_t n, std::mt19937& rng) {
   return h;
 }
 
+// Segments (16 rows of dim halves each) in separate buffers, as the blocks of
+// a paged cache are, covering n_keys rows.
+struct Segments {
+  std::vector<std::vector<uint16_t>> buffers;
+  std::vector<const uint16_t*> pointers;
+  Segments(int64_t n_keys, int64_t dim, std::mt19937& rng) {
+    for (int64_t t0 = 0; t0 < n_keys; t0 += 16) {
+      buffers.push_back(random_halves(static_cast<size_t>(16 * dim), rng));
+    }
+    for (const auto& b : buffers) pointers.push_back(b.data());
+  }
+  const uint16_t* row(int64_t t, int64_t dim) const {
+    return buffers[static_cast<size_t>(t / 16)].data() + t % 16 * dim;
+  }
+};
+
 TEST(AttentionPrimitives, KqScoresFollowTheContract) {
   std::mt19937 rng(21);
-  for (int64_t dim : {16, 32, 64, 80, 128, 144}) {
+  for (int64_t dim : {16, 32, 64, 80, 128, 144, 272}) {
     for (int groups : {1, 4}) {
-      for (int64_t n_rows : {1, 5, 16}) {
-        SCOPED_TRACE("dim " + std::to_string(dim) + " groups " + std::to_string(groups) + " rows " +
-                     std::to_string(n_rows));
-        const std::vector<uint16_t> q = random_halves(static_cast<size_t>(dim), rng);
-        const std::vector<uint16_t> k = random_halves(static_cast<size_t>(dim * n_rows), rng);
-        std::vector<float> expected(static_cast<size_t>(n_rows));
-        kq_scores_definition(q.data(), k.data(), n_rows, dim, groups, expected.data());
-        for (Isa isa : supported_isas()) {
-          std::vector<float> out(static_cast<size_t>(n_rows) + 1, NAN);
-          kernel_table(isa).kq_scores(q.data(), k.data(), n_rows, dim, groups, out.data());
-          EXPECT_TRUE(std::isnan(out.back())) << isa_name(isa) << " wrote past n_rows";
-          out.pop_back();
-          EXPECT_TRUE(bitwise_equal(out, expected)) << isa_name(isa);
+      for (int64_t n_keys : {1, 5, 16, 17, 40}) {
+        for (int64_t n_q : {1, 3, 4, 32}) {
+          SCOPED_TRACE("dim " + std::to_string(dim) + " groups " + std::to_string(groups) +
+                       " keys " + std::to_string(n_keys) + " heads " + std::to_string(n_q));
+          const std::vector<uint16_t> q = random_halves(static_cast<size_t>(n_q * dim), rng);
+          const Segments k(n_keys, dim, rng);
+          const int64_t ld_out = n_keys + 3;  // padding the kernel must not write
+          std::vector<float> expected(static_cast<size_t>(n_q * ld_out), NAN);
+          for (int64_t h = 0; h < n_q; ++h) {
+            for (int64_t t = 0; t < n_keys; ++t) {
+              kq_scores_definition(q.data() + h * dim, k.row(t, dim), 1, dim, groups,
+                                   expected.data() + h * ld_out + t);
+            }
+          }
+          for (Isa isa : supported_isas()) {
+            std::vector<float> out(expected.size(), NAN);
+            kernel_table(isa).kq_scores(q.data(), n_q, k.pointers.data(), n_keys, dim, groups,
+                                        out.data(), ld_out);
+            EXPECT_TRUE(bitwise_equal(out, expected)) << isa_name(isa);  // NaN padding included
+          }
         }
       }
     }
   }
 }
 
-TEST(AttentionPrimitives, KqvAccumulateIsOneFmaPerElement) {
+// kqv_sum as kernel_table.h defines it, spelled out loop by loop.
+void kqv_sum_definition(const float* p, const std::vector<std::vector<uint16_t>>& segments,
+                        int64_t n_keys, int64_t dim, int groups, float* out) {
+  std::vector<float> lanes(static_cast<size_t>(4 * 16 * dim), 0.0f);
+  for (int64_t t = 0; t < n_keys; ++t) {
+    const int64_t m = t / 16, s = t % 16, g = m % groups;
+    for (int64_t d = 0; d < dim; ++d) {
+      float& lane = lanes[static_cast<size_t>((g * 16 + s) * dim + d)];
+      lane = std::fma(fp16_to_fp32(segments[static_cast<size_t>(m)][s * dim + d]), p[t], lane);
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    float g[16];
+    for (int64_t s = 0; s < 16; ++s) {
+      auto at = [&](int64_t group) {
+        return lanes[static_cast<size_t>((group * 16 + s) * dim + d)];
+      };
+      g[s] = groups == 1 ? at(0) : (at(0) + at(2)) + (at(1) + at(3));
+    }
+    out[d] = lane_tree_sum16(g);
+  }
+}
+
+TEST(AttentionPrimitives, KqvSumFollowsTheContract) {
   std::mt19937 rng(22);
-  for (int64_t dim : {32, 36, 64, 80}) {
-    for (int64_t n_rows : {1, 7, 16}) {
-      const std::vector<float> p = random_floats(static_cast<size_t>(n_rows), 0.3f, rng);
-      const std::vector<uint16_t> v = random_halves(static_cast<size_t>(n_rows * dim), rng);
-      const std::vector<float> start = random_floats(static_cast<size_t>(16 * dim), 1.0f, rng);
-      std::vector<float> expected = start;
-      for (int64_t s = 0; s < n_rows; ++s) {
-        for (int64_t d = 0; d < dim; ++d) {
-          expected[s * dim + d] = std::fma(fp16_to_fp32(v[s * dim + d]), p[s], start[s * dim + d]);
+  for (int64_t dim : {16, 32, 36, 64, 80, 128, 200}) {
+    for (int groups : {1, 4}) {
+      for (int64_t n_keys : {1, 7, 16, 17, 64, 100, 250}) {
+        for (int64_t n_q : {1, 2, 3, 4, 7}) {
+          SCOPED_TRACE("dim " + std::to_string(dim) + " groups " + std::to_string(groups) +
+                       " keys " + std::to_string(n_keys) + " heads " + std::to_string(n_q));
+          const int64_t ld_p = n_keys + 5;
+          const std::vector<float> p = random_floats(static_cast<size_t>(n_q * ld_p), 0.3f, rng);
+          const Segments v(n_keys, dim, rng);
+          std::vector<float> expected(static_cast<size_t>(n_q * dim));
+          for (int64_t h = 0; h < n_q; ++h) {
+            kqv_sum_definition(p.data() + h * ld_p, v.buffers, n_keys, dim, groups,
+                               expected.data() + h * dim);
+          }
+          for (Isa isa : supported_isas()) {
+            std::vector<float> out(expected.size() + 1, NAN);
+            kernel_table(isa).kqv_sum(p.data(), ld_p, n_q, v.pointers.data(), n_keys, dim, groups,
+                                      out.data());
+            EXPECT_TRUE(std::isnan(out.back())) << isa_name(isa) << " wrote past the last head";
+            out.pop_back();
+            EXPECT_TRUE(bitwise_equal(out, expected)) << isa_name(isa);
+          }
         }
-      }
-      for (Isa isa : supported_isas()) {
-        std::vector<float> lanes = start;
-        kernel_table(isa).kqv_accumulate(p.data(), v.data(), n_rows, dim, lanes.data());
-        EXPECT_TRUE(bitwise_equal(lanes, expected))
-            << isa_name(isa) << " dim " << dim << " rows " << n_rows;
       }
     }
   }

@@ -330,6 +330,31 @@ TEST(Matmul, ReusedPackMatchesFreshPack) {
   }
 }
 
+// The shapes where the batched kernels change strategy: weight rows that do
+// not fill a group of 4, activation rows in several chunks with every tail,
+// the longest rows the AVX-512 GEMM takes (k = 4096) and the first it leaves
+// to the row tiles. Every path bit-identical to the scalar one.
+TEST(Matmul, BatchedShapeEdgesMatchScalar) {
+  std::mt19937 rng(600);
+  ThreadPool pool(1);
+  for (DType type : {DType::kQ4_1, DType::kQ8_0, DType::kQ4_0}) {
+    for (int64_t k : {32, 4096, 4128}) {
+      const int64_t n_out = 13;
+      const Weights w = make_weights(type, k, n_out, rng);
+      for (int64_t n_x : {3, 5, 8, 9, 15, 17, 33, 40}) {
+        SCOPED_TRACE(shape_name(type, k, n_out, n_x));
+        const std::vector<float> x = random_activations(n_x, k, rng);
+        const std::vector<float> scalar =
+            run_matmul(scalar_kernel_table(), w.matrix(), x, n_x, pool);
+        for (Isa isa : supported_isas()) {
+          const std::vector<float> y = run_matmul(kernel_table(isa), w.matrix(), x, n_x, pool);
+          EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size())) << isa_name(isa);
+        }
+      }
+    }
+  }
+}
+
 TEST(Matmul, ActivationTypes) {
   EXPECT_EQ(activation_type(DType::kF32), DType::kF32);
   EXPECT_EQ(activation_type(DType::kF16), DType::kF16);

@@ -1,0 +1,122 @@
+// Throughput of batched decode attention at the default model's shape
+// (SmolLM2-135M: 9 query heads over 3 KV heads of 64, 16-token KV blocks):
+// one layer's attention_batch for n_seq sequences of one query token each,
+// every sequence `ctx` tokens into its (randomly filled) cache, for each ISA
+// path this CPU runs, both reduction orders, 1 and 2 threads. Successive
+// iterations visit the model's 30 layers in turn, so that the cache is read
+// from memory as in a decode step, not from the last level cache.
+//
+// Reports items/s as sequences (tokens) per second for the one layer.
+//
+//   duet-attention-bench --benchmark_filter='avx512/.*/n_seq:32/'
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/fp16.h"
+#include "common/kv_layout.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace duet::cpu {
+namespace {
+
+constexpr int64_t kHeads = 9;
+constexpr int64_t kKvHeads = 3;
+constexpr int64_t kHeadDim = 64;
+constexpr int64_t kBlockSize = 16;
+constexpr int64_t kLayers = 30;
+
+struct AttentionCase {
+  Isa isa;
+  AttentionOrder order;
+  int64_t n_seq;
+  int64_t ctx;
+  int n_threads;
+};
+
+void bench_attention(benchmark::State& state, AttentionCase c) {
+  const KernelTable& kernels = kernel_table(c.isa);
+  ThreadPool pool(c.n_threads);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+
+  const int64_t blocks_per_seq = (c.ctx + kBlockSize - 1) / kBlockSize;
+  KvLayout layout;
+  layout.n_layers = kLayers;
+  layout.n_kv_heads = kKvHeads;
+  layout.head_dim = kHeadDim;
+  layout.block_size = kBlockSize;
+  layout.n_blocks = blocks_per_seq * c.n_seq;
+  std::vector<KvElement> cache(static_cast<size_t>(layout.total_elems()));
+  for (KvElement& e : cache) e = fp32_to_fp16(normal(rng));
+
+  // Sequence i owns blocks i, i + n_seq, ...: interleaved, as a pool hands them out.
+  std::vector<std::vector<int32_t>> tables(static_cast<size_t>(c.n_seq));
+  std::vector<AttentionSequence> sequences;
+  for (int64_t i = 0; i < c.n_seq; ++i) {
+    auto& table = tables[static_cast<size_t>(i)];
+    for (int64_t b = 0; b < blocks_per_seq; ++b)
+      table.push_back(static_cast<int32_t>(b * c.n_seq + i));
+    sequences.push_back({table, c.ctx - 1, 1, i});
+  }
+  AttentionShape shape;
+  shape.n_heads = kHeads;
+  shape.n_kv_heads = kKvHeads;
+  shape.head_dim = kHeadDim;
+  shape.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  shape.order = c.order;
+  std::vector<float> q(static_cast<size_t>(c.n_seq * kHeads * kHeadDim));
+  for (float& v : q) v = normal(rng);
+  std::vector<float> out(q.size());
+
+  int64_t layer = 0;
+  for (auto _ : state) {
+    attention_batch(kernels, layout, cache.data(), layer, sequences, shape, q.data(), out.data(),
+                    pool);
+    layer = (layer + 1) % kLayers;
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * c.n_seq);
+}
+
+void register_benchmarks() {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!cpu_supports(isa)) continue;
+    for (AttentionOrder order : {AttentionOrder::kBatchInvariant, AttentionOrder::kLlamaCpp}) {
+      for (int64_t n_seq : {1, 32}) {
+        for (int n_threads : {1, 2}) {
+          const AttentionCase c{isa, order, n_seq, 192, n_threads};
+          const std::string name =
+              "attention/" + std::string(isa_name(isa)) + "/" +
+              (order == AttentionOrder::kBatchInvariant ? "batch_invariant" : "llama_cpp") +
+              "/n_seq:" + std::to_string(n_seq) + "/ctx:" + std::to_string(c.ctx) +
+              "/threads:" + std::to_string(n_threads);
+          benchmark::RegisterBenchmark(name.c_str(), bench_attention, c)
+              ->UseRealTime()
+              ->Unit(benchmark::kMicrosecond);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace duet::cpu
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  duet::cpu::register_benchmarks();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
