@@ -9,23 +9,22 @@
 // overhead), --reps times each, interleaved; medians are reported.
 //
 //   duet-serve-overhead --model M [--threads 2] [--reps 20] [--stream-tokens 256]
-#include <utility>  // before Asio (GCC 12)
-
-#include <boost/asio/connect.hpp>
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
 #include <capnp/ez-rpc.h>
 #include <kj/async.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <utility>  // before Asio (GCC 12)
 
 #include "common/duet.capnp.h"
 #include "common/tokenizer_gguf.h"
@@ -71,7 +70,8 @@ class WaitingSink final : public UpdateSink {
   void deliver(std::vector<RequestUpdate> updates) override {
     std::lock_guard lock(mutex_);
     for (const RequestUpdate& u : updates) done_ |= u.finished;
-    if (done_) cv_.notify_all();  // waking the waiter per token is a front's cost, not the service's
+    if (done_)
+      cv_.notify_all();  // waking the waiter per token is a front's cost, not the service's
   }
   void wait() {
     std::unique_lock lock(mutex_);
@@ -130,8 +130,10 @@ double time_rpc(capnp::EzRpcClient& client, rpc::Inference::Client& inference,
 // HTTP: one keep-alive connection; the whole response (SSE included) is read.
 double time_http(tcp::socket& socket, const std::vector<int32_t>& prompt, int64_t n_tokens,
                  bool stream) {
-  nlohmann::json body = {{"prompt", prompt},         {"max_tokens", n_tokens},
-                         {"temperature", 0},         {"ignore_eos", true},
+  nlohmann::json body = {{"prompt", prompt},
+                         {"max_tokens", n_tokens},
+                         {"temperature", 0},
+                         {"ignore_eos", true},
                          {"stream", stream}};
   http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
   req.set(http::field::host, "127.0.0.1");
@@ -220,14 +222,14 @@ int run(int argc, char** argv) {
   const double base_one = median(paths[0].one);
   const double base_many = median(paths[0].many);
   std::printf("prompt %zu tokens, %d threads, %d reps, medians\n", prompt.size(), threads, reps);
-  std::printf("| path | 1-token request (ms) | overhead/request (ms) | %lld-token stream (ms) | "
-              "overhead/token (us) |\n|---|---|---|---|---|\n",
-              static_cast<long long>(stream_tokens));
+  std::printf(
+      "| path | 1-token request (ms) | overhead/request (ms) | %lld-token stream (ms) | "
+      "overhead/token (us) |\n|---|---|---|---|---|\n",
+      static_cast<long long>(stream_tokens));
   for (const Path& p : paths) {
     const double one = median(p.one), many = median(p.many);
-    std::printf("| %s | %.3f | %+.3f | %.1f | %+.1f |\n", p.name, one * 1e3,
-                (one - base_one) * 1e3, many * 1e3,
-                (many - base_many) / static_cast<double>(stream_tokens) * 1e6);
+    std::printf("| %s | %.3f | %+.3f | %.1f | %+.1f |\n", p.name, one * 1e3, (one - base_one) * 1e3,
+                many * 1e3, (many - base_many) / static_cast<double>(stream_tokens) * 1e6);
   }
   return 0;
 }

@@ -104,7 +104,7 @@ struct InstanceStats {
 // What the coordinator needs to know of the model to validate requests.
 struct InstanceInfo {
   std::string model_name;
-  int64_t n_ctx = 0;              // the model's context (prompt + generated tokens)
+  int64_t n_ctx = 0;  // the model's context (prompt + generated tokens)
   int64_t n_vocab = 0;
   int64_t kv_capacity_tokens = 0;  // the most tokens one sequence can hold
   std::vector<int32_t> end_of_generation;

@@ -59,8 +59,8 @@ Metrics::Metrics()
       tpot_(token_gap_bounds()),
       e2e_(latency_bounds()) {
   // Every outcome is exported from the start, at zero, so dashboards see the series.
-  for (ServeFinish f : {ServeFinish::kStop, ServeFinish::kLength, ServeFinish::kCancelled,
-                        ServeFinish::kError})
+  for (ServeFinish f :
+       {ServeFinish::kStop, ServeFinish::kLength, ServeFinish::kCancelled, ServeFinish::kError})
     outcomes_.emplace(std::string(serve_finish_name(f)), 0);
   for (ServeErrorKind k :
        {ServeErrorKind::kInvalidArgument, ServeErrorKind::kTooLong, ServeErrorKind::kNotFound,

@@ -60,7 +60,8 @@ class Metrics final {
   double tokens_per_second(Clock::time_point now) const;  // mutex_ held
 
   mutable std::mutex mutex_;
-  std::map<std::string, int64_t, std::less<>> outcomes_;  // "stop", "length", "refused_overloaded", ...
+  std::map<std::string, int64_t, std::less<>>
+      outcomes_;  // "stop", "length", "refused_overloaded", ...
   Histogram queue_;
   Histogram ttft_;
   Histogram tpot_;

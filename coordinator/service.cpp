@@ -68,24 +68,19 @@ struct Service::Live {
 Service::Service(InstanceClient& instance, const Tokenizer& tokenizer,
                  std::optional<ChatTemplateKind> chat_template, std::string model_name,
                  ServiceLimits limits)
-    : instance_(instance),
-      tokenizer_(tokenizer),
-      chat_template_(chat_template),
-      limits_(limits) {
+    : instance_(instance), tokenizer_(tokenizer), chat_template_(chat_template), limits_(limits) {
   const InstanceInfo& info = instance.info();
   model_.name = std::move(model_name);
   model_.n_ctx = info.n_ctx;
   model_.n_vocab = info.n_vocab;
   model_.kv_capacity_tokens = info.kv_capacity_tokens;
   const int64_t room = std::min(info.n_ctx, info.kv_capacity_tokens);
-  model_.max_prompt_tokens = limits.max_prompt_tokens > 0
-                                 ? std::min(limits.max_prompt_tokens, room - 1)
-                                 : room - 1;
+  model_.max_prompt_tokens =
+      limits.max_prompt_tokens > 0 ? std::min(limits.max_prompt_tokens, room - 1) : room - 1;
   model_.max_tokens = limits.max_tokens > 0 ? std::min(limits.max_tokens, room - 1) : room - 1;
   DUET_REQUIRE(model_.max_prompt_tokens >= 1,
                "the KV cache ({} tokens) is too small to serve any request", room);
-  instance_.set_event_handler(
-      [this](std::span<const InstanceEvent> events) { on_events(events); });
+  instance_.set_event_handler([this](std::span<const InstanceEvent> events) { on_events(events); });
 }
 
 Service::~Service() { instance_.set_event_handler({}); }
@@ -95,16 +90,17 @@ bool Service::serves_model(std::string_view name) const {
 }
 
 Result<std::vector<int32_t>> Service::tokenize(std::string_view text, bool add_special) const {
-  if (!is_valid_utf8(text)) return error(ServeErrorKind::kInvalidArgument, "text is not valid UTF-8");
+  if (!is_valid_utf8(text))
+    return error(ServeErrorKind::kInvalidArgument, "text is not valid UTF-8");
   return tokenizer_.encode(text, add_special, /*parse_special=*/true);
 }
 
 Result<std::string> Service::detokenize(std::span<const int32_t> ids) const {
   for (int32_t id : ids) {
     if (id < 0 || id >= model_.n_vocab)
-      return error(ServeErrorKind::kInvalidArgument,
-                   fmt::format("token id {} is outside the vocabulary (0..{})", id,
-                               model_.n_vocab - 1));
+      return error(
+          ServeErrorKind::kInvalidArgument,
+          fmt::format("token id {} is outside the vocabulary (0..{})", id, model_.n_vocab - 1));
   }
   return tokenizer_.decode(ids);
 }
@@ -137,7 +133,8 @@ Result<std::vector<int32_t>> Service::prompt_tokens(const PromptInput& prompt) c
     }
     text = apply_chat_template(*chat_template_, messages);
   }
-  if (!is_valid_utf8(text)) return error(ServeErrorKind::kInvalidArgument, "prompt is not valid UTF-8");
+  if (!is_valid_utf8(text))
+    return error(ServeErrorKind::kInvalidArgument, "prompt is not valid UTF-8");
   return tokenizer_.encode(text, /*add_special=*/true, /*parse_special=*/true);
 }
 
@@ -183,7 +180,8 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
   try {
     tokens = prompt_tokens(request.prompt);
   } catch (const std::exception& e) {
-    return refuse(ServeErrorKind::kInternal, fmt::format("cannot tokenize the prompt: {}", e.what()));
+    return refuse(ServeErrorKind::kInternal,
+                  fmt::format("cannot tokenize the prompt: {}", e.what()));
   }
   if (auto* e = std::get_if<ServeError>(&tokens)) return refuse(e->kind, std::move(e->message));
   std::vector<int32_t>& prompt = std::get<std::vector<int32_t>>(tokens);

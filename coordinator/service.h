@@ -36,10 +36,10 @@
 namespace duet {
 
 struct ServiceLimits {
-  int64_t max_waiting = 256;          // admitted requests not yet running; more -> kOverloaded
-  int64_t max_prompt_tokens = 0;      // 0: the model's context
-  int64_t max_tokens = 0;             // the most a request may ask for; 0: the model's context
-  int64_t default_max_tokens = 256;   // when a request names none
+  int64_t max_waiting = 256;         // admitted requests not yet running; more -> kOverloaded
+  int64_t max_prompt_tokens = 0;     // 0: the model's context
+  int64_t max_tokens = 0;            // the most a request may ask for; 0: the model's context
+  int64_t default_max_tokens = 256;  // when a request names none
   size_t max_stop_strings = 16;
 };
 
@@ -117,7 +117,7 @@ struct ModelSummary {
 
 struct ServiceStats {
   InstanceStats instance;
-  int64_t active_requests = 0;  // started, not finished
+  int64_t active_requests = 0;   // started, not finished
   int64_t waiting_requests = 0;  // started, not yet admitted by the instance
   int64_t finished_requests = 0;
   int64_t refused_requests = 0;

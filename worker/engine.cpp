@@ -35,8 +35,9 @@ SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& opt
                prompt.size(), options.max_tokens, capacity);
   validate_sampling_params(options.sampling);
   const SequenceId id{next_id_++};
-  Live live{Sampler(options.sampling), std::move(sink), std::move(on_admitted), options.max_tokens,
-            0, options.ignore_eos};
+  Live live{
+      Sampler(options.sampling), std::move(sink), std::move(on_admitted), options.max_tokens, 0,
+      options.ignore_eos};
   for (int32_t token : prompt) live.sampler.accept(token);  // penalties see the prompt
   live_.emplace(id, std::move(live));
   scheduler_.add(id, std::move(prompt), options.max_tokens);

@@ -55,8 +55,7 @@ class CollectingSink final : public UpdateSink {
 
   Output wait(RequestId id) {
     std::unique_lock lock(mutex_);
-    const bool done =
-        changed_.wait_for(lock, 60s, [&] { return outputs_[id].finished; });
+    const bool done = changed_.wait_for(lock, 60s, [&] { return outputs_[id].finished; });
     EXPECT_TRUE(done) << "request " << id.value << " did not finish";
     return outputs_[id];
   }
@@ -78,8 +77,8 @@ class ServiceTest : public ::testing::Test {
 
   void start(EngineConfig config = {}, ServiceLimits limits = {}) {
     config.end_of_generation = tokenizer_->end_of_generation_ids();
-    instance_ = std::make_unique<LocalInstance>(*model_, cpu::kernel_table(cpu::best_isa()),
-                                                *pool_, config, "smollm2");
+    instance_ = std::make_unique<LocalInstance>(*model_, cpu::kernel_table(cpu::best_isa()), *pool_,
+                                                config, "smollm2");
     service_ = std::make_unique<Service>(*instance_, *tokenizer_, ChatTemplateKind::kChatMl,
                                          "smollm2", limits);
   }
@@ -144,8 +143,7 @@ TEST_F(ServiceTest, GreedyTextEqualsTheEnginesOwn) {
   });
   engine.run_until_idle();
 
-  const RequestId id =
-      started({.prompt = prompt, .max_tokens = 24, .include_token_ids = true});
+  const RequestId id = started({.prompt = prompt, .max_tokens = 24, .include_token_ids = true});
   const CollectingSink::Output out = sink_.wait(id);
   EXPECT_EQ(out.tokens, expected);
   EXPECT_EQ(out.text, tokenizer_->decode(expected, /*skip_special=*/true));
@@ -159,10 +157,10 @@ TEST_F(ServiceTest, GreedyTextEqualsTheEnginesOwn) {
 
 TEST_F(ServiceTest, TokenPromptsAndChatPromptsWork) {
   start();
-  const RequestId chat = started(
-      {.prompt = std::vector<ChatMessage>{{"user", "Say hi."}}, .max_tokens = 8});
-  const RequestId tokens = started({.prompt = std::vector<int32_t>{1, 2, 3, 400}, .max_tokens = 4,
-                                    .ignore_eos = true});
+  const RequestId chat =
+      started({.prompt = std::vector<ChatMessage>{{"user", "Say hi."}}, .max_tokens = 8});
+  const RequestId tokens =
+      started({.prompt = std::vector<int32_t>{1, 2, 3, 400}, .max_tokens = 4, .ignore_eos = true});
   EXPECT_NE(sink_.wait(chat).finish, ServeFinish::kError);
   const CollectingSink::Output out = sink_.wait(tokens);
   EXPECT_EQ(out.finish, ServeFinish::kLength);
@@ -172,13 +170,13 @@ TEST_F(ServiceTest, TokenPromptsAndChatPromptsWork) {
 TEST_F(ServiceTest, StopStringEndsTheRequestAndIsNotShown) {
   start();
   // Find what greedy decoding says, then stop on a word inside it.
-  const RequestId probe = started({.prompt = "One, two, three, four,", .max_tokens = 16,
-                                   .ignore_eos = true});
+  const RequestId probe =
+      started({.prompt = "One, two, three, four,", .max_tokens = 16, .ignore_eos = true});
   const std::string full = sink_.wait(probe).text;
   ASSERT_GE(full.size(), 8u) << full;
   const std::string stop = full.substr(4, 3);
-  const RequestId id = started({.prompt = "One, two, three, four,", .max_tokens = 16,
-                                .stop = {stop}, .ignore_eos = true});
+  const RequestId id = started(
+      {.prompt = "One, two, three, four,", .max_tokens = 16, .stop = {stop}, .ignore_eos = true});
   const CollectingSink::Output out = sink_.wait(id);
   EXPECT_EQ(out.finish, ServeFinish::kStop);
   EXPECT_EQ(out.text, full.substr(0, full.find(stop)));
@@ -188,8 +186,8 @@ TEST_F(ServiceTest, StopStringEndsTheRequestAndIsNotShown) {
 
 TEST_F(ServiceTest, CancelFreesTheKvAtOnce) {
   start();
-  const RequestId id = started({.prompt = "Tell me a long story.", .max_tokens = 2000,
-                                .ignore_eos = true});
+  const RequestId id =
+      started({.prompt = "Tell me a long story.", .max_tokens = 2000, .ignore_eos = true});
   // Wait until it runs, then cancel.
   const auto deadline = std::chrono::steady_clock::now() + 30s;
   while (service_->stats().instance.generated_tokens == 0 &&

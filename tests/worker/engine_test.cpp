@@ -173,9 +173,11 @@ TEST_P(EngineTest, AdmissionIsReportedOnceWithThePrefixCacheHit) {
   Engine engine(*model_, cpu::kernel_table(cpu::best_isa()), *pool_, EngineConfig{});
   std::vector<int64_t> admitted;
   auto on_admitted = [&](SequenceId, int64_t cached) { admitted.push_back(cached); };
-  engine.submit(prompt, sampled(1, 4), [](const TokenEvent&) {}, on_admitted);
+  engine.submit(
+      prompt, sampled(1, 4), [](const TokenEvent&) {}, on_admitted);
   engine.run_until_idle();
-  engine.submit(prompt, sampled(1, 4), [](const TokenEvent&) {}, on_admitted);
+  engine.submit(
+      prompt, sampled(1, 4), [](const TokenEvent&) {}, on_admitted);
   engine.run_until_idle();
   EXPECT_EQ(admitted, (std::vector<int64_t>{0, 32}));
 }
