@@ -79,19 +79,6 @@ void append_chunk(std::string& out, std::string_view data) {
 
 constexpr std::string_view kLastChunk = "0\r\n\r\n";
 
-// The body of /tokenize or /detokenize as a JSON object, or the 400 that says
-// why not (the codes of the completions routes).
-std::variant<nlohmann::json, openai::ApiError> parse_json_object(std::string_view body) {
-  if (!is_valid_utf8(body))
-    return openai::invalid_request("invalid_utf8", "", "the request body is not valid UTF-8");
-  nlohmann::json parsed = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded())
-    return openai::invalid_request("invalid_json", "", "the request body is not valid JSON");
-  if (!parsed.is_object())
-    return openai::invalid_request("invalid_type", "body", "the request body must be an object");
-  return parsed;
-}
-
 }  // namespace
 
 // Routing, request bookkeeping and the listening socket. Everything but
@@ -745,66 +732,26 @@ void HttpServer::Impl::method_not_allowed(Connection& connection, std::string_vi
 }
 
 void HttpServer::Impl::tokenize(Connection& connection, const Request& request) {
-  auto parsed = parse_json_object(request.body());
+  auto parsed = openai::parse_tokenize_request(request.body());
   if (const auto* error = std::get_if<openai::ApiError>(&parsed))
     return connection.respond_error(*error);
-  const nlohmann::json& body = std::get<nlohmann::json>(parsed);
-  const auto content = body.find("content");
-  if (content == body.end())
-    return connection.respond_error(
-        openai::invalid_request("missing_field", "content", "'content' is required"));
-  if (!content->is_string())
-    return connection.respond_error(
-        openai::invalid_request("invalid_type", "content", "'content' must be a string"));
-  bool add_special = false;
-  if (const auto it = body.find("add_special"); it != body.end() && !it->is_null()) {
-    if (!it->is_boolean())
-      return connection.respond_error(openai::invalid_request("invalid_type", "add_special",
-                                                              "'add_special' must be a boolean"));
-    add_special = it->get<bool>();
-  }
-  Result<std::vector<int32_t>> tokens =
-      service_.tokenize(content->get_ref<const std::string&>(), add_special);
+  const auto& [content, add_special] = std::get<openai::TokenizeRequest>(parsed);
+  Result<std::vector<int32_t>> tokens = service_.tokenize(content, add_special);
   if (const auto* error = std::get_if<ServeError>(&tokens))
     return connection.respond_error(openai::api_error(*error));
-  const nlohmann::json reply = {{"tokens", std::get<std::vector<int32_t>>(tokens)}};
-  connection.respond(http::status::ok, reply.dump(), "application/json");
+  connection.respond(http::status::ok,
+                     openai::tokenize_body(std::get<std::vector<int32_t>>(tokens)),
+                     "application/json");
 }
 
 void HttpServer::Impl::detokenize(Connection& connection, const Request& request) {
-  auto parsed = parse_json_object(request.body());
+  auto parsed = openai::parse_detokenize_request(request.body());
   if (const auto* error = std::get_if<openai::ApiError>(&parsed))
     return connection.respond_error(*error);
-  const nlohmann::json& body = std::get<nlohmann::json>(parsed);
-  const auto tokens = body.find("tokens");
-  if (tokens == body.end())
-    return connection.respond_error(
-        openai::invalid_request("missing_field", "tokens", "'tokens' is required"));
-  if (!tokens->is_array())
-    return connection.respond_error(
-        openai::invalid_request("invalid_type", "tokens", "'tokens' must be a list of token ids"));
-  std::vector<int32_t> ids;
-  ids.reserve(tokens->size());
-  for (const nlohmann::json& id : *tokens) {
-    if (!id.is_number_integer())
-      return connection.respond_error(openai::invalid_request(
-          "invalid_type", "tokens", "'tokens' must be a list of integer token ids"));
-    const int64_t value =
-        id.is_number_unsigned()
-            ? static_cast<int64_t>(std::min<uint64_t>(id.get<uint64_t>(), INT32_MAX + 1ULL))
-            : id.get<int64_t>();
-    if (value < 0 || value > INT32_MAX)
-      return connection.respond_error(openai::invalid_request(
-          "invalid_value", "tokens", fmt::format("token id {} is out of range", value)));
-    ids.push_back(static_cast<int32_t>(value));
-  }
-  Result<std::string> text = service_.detokenize(ids);
+  Result<std::string> text = service_.detokenize(std::get<std::vector<int32_t>>(parsed));
   if (const auto* error = std::get_if<ServeError>(&text))
     return connection.respond_error(openai::api_error(*error));
-  // A slice of tokens may end inside a UTF-8 sequence: replaced, as llama-server does.
-  const nlohmann::json reply = {{"content", std::get<std::string>(text)}};
-  connection.respond(http::status::ok,
-                     reply.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+  connection.respond(http::status::ok, openai::detokenize_body(std::get<std::string>(text)),
                      "application/json");
 }
 

@@ -518,4 +518,75 @@ std::string model_body(const ModelSummary& model, int64_t created) {
   return dump(model_json(model, created));
 }
 
+namespace {
+
+// The body of /tokenize or /detokenize as a JSON object, or the 400 that says
+// why not (the codes of the completions routes).
+std::variant<nlohmann::json, openai::ApiError> parse_json_object(std::string_view body) {
+  if (!is_valid_utf8(body))
+    return openai::invalid_request("invalid_utf8", "", "the request body is not valid UTF-8");
+  nlohmann::json parsed = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded())
+    return openai::invalid_request("invalid_json", "", "the request body is not valid JSON");
+  if (!parsed.is_object())
+    return openai::invalid_request("invalid_type", "body", "the request body must be an object");
+  return parsed;
+}
+
+}  // namespace
+
+std::variant<TokenizeRequest, ApiError> parse_tokenize_request(std::string_view body) {
+  auto parsed = parse_json_object(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return std::move(*error);
+  const nlohmann::json& object = std::get<nlohmann::json>(parsed);
+  const auto content = object.find("content");
+  if (content == object.end())
+    return invalid_request("missing_field", "content", "'content' is required");
+  if (!content->is_string())
+    return invalid_request("invalid_type", "content", "'content' must be a string");
+  TokenizeRequest request{content->get<std::string>(), false};
+  if (const auto it = object.find("add_special"); it != object.end() && !it->is_null()) {
+    if (!it->is_boolean())
+      return invalid_request("invalid_type", "add_special", "'add_special' must be a boolean");
+    request.add_special = it->get<bool>();
+  }
+  return request;
+}
+
+std::variant<std::vector<int32_t>, ApiError> parse_detokenize_request(std::string_view body) {
+  auto parsed = parse_json_object(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return std::move(*error);
+  const nlohmann::json& object = std::get<nlohmann::json>(parsed);
+  const auto tokens = object.find("tokens");
+  if (tokens == object.end())
+    return invalid_request("missing_field", "tokens", "'tokens' is required");
+  if (!tokens->is_array())
+    return invalid_request("invalid_type", "tokens", "'tokens' must be a list of token ids");
+  std::vector<int32_t> ids;
+  ids.reserve(tokens->size());
+  for (const nlohmann::json& id : *tokens) {
+    if (!id.is_number_integer())
+      return invalid_request("invalid_type", "tokens",
+                             "'tokens' must be a list of integer token ids");
+    const int64_t value =
+        id.is_number_unsigned()
+            ? static_cast<int64_t>(std::min<uint64_t>(id.get<uint64_t>(), INT32_MAX + 1ULL))
+            : id.get<int64_t>();
+    if (value < 0 || value > INT32_MAX)
+      return invalid_request("invalid_value", "tokens",
+                             fmt::format("token id {} is out of range", value));
+    ids.push_back(static_cast<int32_t>(value));
+  }
+  return ids;
+}
+
+std::string tokenize_body(const std::vector<int32_t>& tokens) {
+  return nlohmann::json{{"tokens", tokens}}.dump();
+}
+
+std::string detokenize_body(std::string_view text) {
+  return nlohmann::json{{"content", text}}.dump(-1, ' ', false,
+                                                nlohmann::json::error_handler_t::replace);
+}
+
 }  // namespace duet::openai

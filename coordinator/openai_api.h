@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 #include <variant>
+#include <vector>
 
 #include "coordinator/service.h"
 
@@ -115,6 +116,20 @@ class ResponseWriter {
   const std::string model_;
   bool sent_role_ = false;
 };
+
+// llama-server's POST /tokenize {"content", "add_special" (default false)}
+// and POST /detokenize {"tokens"}: the request bodies (or the 400 that says
+// why not, with the codes of the completions routes) and the replies
+// {"tokens": [...]} and {"content": "..."} (a slice of tokens may end inside a
+// UTF-8 sequence: replaced with U+FFFD, as llama-server does).
+struct TokenizeRequest {
+  std::string content;
+  bool add_special = false;
+};
+std::variant<TokenizeRequest, ApiError> parse_tokenize_request(std::string_view body);
+std::variant<std::vector<int32_t>, ApiError> parse_detokenize_request(std::string_view body);
+std::string tokenize_body(const std::vector<int32_t>& tokens);
+std::string detokenize_body(std::string_view text);
 
 // The body of GET /v1/models: OpenAI's list with the one served model.
 std::string models_body(const ModelSummary& model, int64_t created);
