@@ -14,7 +14,7 @@
 
 $import "/capnp/c++.capnp".namespace("duet::control");
 
-const protocolVersion :UInt32 = 2;  # 2: InstanceReady
+const protocolVersion :UInt32 = 3;  # 2: InstanceReady; 3: disaggregation
 
 enum Role {
   prefill @0;
@@ -63,6 +63,9 @@ struct SubmitRequest {
   maxTokens @2 :Int64;
   sampling @3 :Sampling;
   ignoreEos @4 :Bool;
+  # Disaggregated: the rank of the prefill instance's leader that computes
+  # the prompt's KV for this decode instance; -1: the instance computes it.
+  prefillRank @5 :Int32 = -1;
 }
 
 # Coordinator -> leader: end a request and free its KV.
@@ -154,6 +157,29 @@ struct Shutdown {
   reason @0 :Text;
 }
 
+# ---------------------------------------------------------------- between instances
+
+# Decode leader -> prefill leader, on the KV transport's communicator, once
+# the decode instance has reserved the prompt's blocks: compute the prompt,
+# ship the KV rows of positions >= sendFrom (the decode side holds the rest in
+# its prefix cache), then a KvHandoff. A `cancel` with the same id withdraws it.
+struct PrefillOrder {
+  request @0 :SubmitRequest;
+  sendFrom @1 :Int64;
+}
+
+# Prefill leader -> decode leader, after the last rows of a PrefillOrder
+# (messages between two ranks keep their order, so every row is there).
+struct KvHandoff {
+  id @0 :UInt64;
+  firstToken @1 :Int32;    # sampled after the prompt, as one engine would; -1 on error
+  cachedTokens @2 :Int64;  # prompt tokens the prefill side's prefix cache held
+  prefillNs @3 :Int64;     # from the prefill admission to this handoff
+  rowsSent @4 :Int64;      # KV rows (positions x layers) shipped for it
+  hasError @5 :Bool;
+  error @6 :Error;  # when hasError: the prefill failed or was withdrawn; no rows follow
+}
+
 # ---------------------------------------------------------------- envelope
 
 struct Message {
@@ -166,5 +192,7 @@ struct Message {
     stats @5 :Stats;
     shutdown @6 :Shutdown;
     ready @7 :InstanceReady;
+    prefillOrder @8 :PrefillOrder;
+    kvHandoff @9 :KvHandoff;
   }
 }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <kj/exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -138,6 +139,7 @@ void fill(control::SubmitRequest::Builder out, const InstanceRequest& in) {
   sampling.setPresencePenalty(s.presence_penalty);
   sampling.setPenaltyLastN(s.penalty_last_n);
   out.setIgnoreEos(in.ignore_eos);
+  out.setPrefillRank(in.prefill_peer);
 }
 
 InstanceRequest read(control::SubmitRequest::Reader in) {
@@ -159,6 +161,7 @@ InstanceRequest read(control::SubmitRequest::Reader in) {
   s.presence_penalty = sampling.getPresencePenalty();
   s.penalty_last_n = sampling.getPenaltyLastN();
   out.ignore_eos = in.getIgnoreEos();
+  out.prefill_peer = in.getPrefillRank();
   return out;
 }
 
@@ -169,8 +172,9 @@ void fill(control::Event::Builder out, const InstanceEvent& in) {
   out.setAdmittedAgoNs(
       in.admitted_at == Clock::time_point{}
           ? -1
-          : std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - in.admitted_at)
-                .count());
+          : std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     Clock::now() - in.admitted_at)
+                                     .count()));
   out.setToken(in.token);
   out.setFinished(in.finished);
   out.setFinish(to_wire(in.finish));
@@ -286,6 +290,25 @@ struct Filler {
   void operator()(const StatsReport& m) { fill(out.initStats(), m.instance_id, m.stats); }
   void operator()(const Shutdown& m) { out.initShutdown().setReason(m.reason); }
   void operator()(const InstanceReady& m) { fill(out.initReady(), m); }
+  void operator()(const PrefillOrder& m) {
+    auto order = out.initPrefillOrder();
+    fill(order.initRequest(), m.request);
+    order.setSendFrom(m.send_from);
+  }
+  void operator()(const KvHandoff& m) {
+    auto handoff = out.initKvHandoff();
+    handoff.setId(m.id.value);
+    handoff.setFirstToken(m.first_token);
+    handoff.setCachedTokens(m.cached_tokens);
+    handoff.setPrefillNs(m.prefill_ns);
+    handoff.setRowsSent(m.rows_sent);
+    handoff.setHasError(m.error.has_value());
+    if (m.error) {
+      auto error = handoff.initError();
+      error.setKind(to_wire(m.error->kind));
+      error.setMessage(m.error->message);
+    }
+  }
 };
 
 ControlMessage read(control::Message::Reader in) {
@@ -322,6 +345,20 @@ ControlMessage read(control::Message::Reader in) {
       return Shutdown{to_string(in.getShutdown().getReason())};
     case control::Message::READY:
       return read(in.getReady());
+    case control::Message::PREFILL_ORDER: {
+      auto order = in.getPrefillOrder();
+      return PrefillOrder{read(order.getRequest()), order.getSendFrom()};
+    }
+    case control::Message::KV_HANDOFF: {
+      auto handoff = in.getKvHandoff();
+      KvHandoff out{RequestId{handoff.getId()}, handoff.getFirstToken(), handoff.getCachedTokens(),
+                    handoff.getPrefillNs(),     handoff.getRowsSent(),   std::nullopt};
+      if (handoff.getHasError()) {
+        out.error = ServeError{from_wire(handoff.getError().getKind()),
+                               to_string(handoff.getError().getMessage())};
+      }
+      return out;
+    }
   }
   corrupt(fmt::format("unknown message kind {} (a newer protocol?)", static_cast<int>(in.which())));
 }
@@ -329,9 +366,9 @@ ControlMessage read(control::Message::Reader in) {
 }  // namespace
 
 std::string_view control_message_name(const ControlMessage& message) {
-  static constexpr std::string_view kNames[] = {"hello",    "hello_reply",   "submit",
-                                                "cancel",   "step_events",   "stats",
-                                                "shutdown", "instance_ready"};
+  static constexpr std::string_view kNames[] = {
+      "hello", "hello_reply", "submit",         "cancel",        "step_events",
+      "stats", "shutdown",    "instance_ready", "prefill_order", "kv_handoff"};
   static_assert(std::size(kNames) == std::variant_size_v<ControlMessage>);
   return kNames[message.index()];
 }

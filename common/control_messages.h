@@ -23,7 +23,7 @@
 namespace duet {
 
 // Equals `protocolVersion` in control.capnp (checked at compile time).
-inline constexpr uint32_t kControlProtocolVersion = 2;
+inline constexpr uint32_t kControlProtocolVersion = 3;
 
 // Leader -> coordinator, first message (see control.capnp).
 struct Hello {
@@ -78,11 +78,13 @@ struct InstanceReady {
   std::string error;
 };
 
+// PrefillOrder and KvHandoff (common/serving.h) travel between instances, on
+// the KV transport's communicator.
 using ControlMessage = std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents,
-                                    StatsReport, Shutdown, InstanceReady>;
+                                    StatsReport, Shutdown, InstanceReady, PrefillOrder, KvHandoff>;
 
 // "hello", "hello_reply", "submit", "cancel", "step_events", "stats", "shutdown",
-// "instance_ready".
+// "instance_ready", "prefill_order", "kv_handoff".
 std::string_view control_message_name(const ControlMessage& message);
 
 // The message's Cap'n Proto flat-array form; its size is a multiple of 8.

@@ -63,6 +63,10 @@ struct InstanceRequest {
   int64_t max_tokens = 128;
   SamplingParams sampling;
   bool ignore_eos = false;  // generate exactly max_tokens tokens (benchmarks)
+  // Disaggregated serving: the transport address (MPI rank) of the prefill
+  // instance that computes the prompt's KV for the decode instance that gets
+  // this request; -1 when the instance computes the prompt itself.
+  int32_t prefill_peer = -1;
 };
 
 enum class InstanceFinish {
@@ -108,6 +112,27 @@ struct InstanceInfo {
   int64_t n_vocab = 0;
   int64_t kv_capacity_tokens = 0;  // the most tokens one sequence can hold
   std::vector<int32_t> end_of_generation;
+};
+
+// ---------------------------------------------------------------- between instances
+// Disaggregated serving: what a decode instance and a prefill instance say
+// to each other (beside the KV rows themselves; worker/kv_transport.h).
+
+// Decode -> prefill: compute this prompt and ship its KV rows of positions
+// >= send_from (the decode side holds the rest in its prefix cache).
+struct PrefillOrder {
+  InstanceRequest request;
+  int64_t send_from = 0;
+};
+
+// Prefill -> decode, after the last rows of an order: how decoding goes on.
+struct KvHandoff {
+  RequestId id;
+  int32_t first_token = -1;         // sampled after the prompt, as one engine would
+  int64_t cached_tokens = 0;        // prompt tokens the prefill side's prefix cache held
+  int64_t prefill_ns = 0;           // from the prefill admission to the handoff
+  int64_t rows_sent = 0;            // KV rows (positions x layers) shipped
+  std::optional<ServeError> error;  // the prefill failed or was withdrawn: no rows follow
 };
 
 // An instance as the coordinator sees it. Thread-safe: submit, cancel and

@@ -10,12 +10,23 @@
 
 namespace duet {
 
-size_t ColocatedPolicy::pick(std::span<const InstanceLoad> loads, const InstanceRequest&) const {
-  DUET_ASSERT(!loads.empty(), "a policy picks among at least one instance");
-  size_t best = 0;
-  for (size_t i = 1; i < loads.size(); ++i) {
+namespace {
+
+constexpr int64_t kPrefixBlockTokens = 16;  // the prefix cache's block size
+constexpr size_t kRecentBlocksPerInstance = 16384;
+
+// The most free KV blocks, then the fewest sequences, then the lowest index,
+// among the instances of `role`.
+std::optional<size_t> roomiest(std::span<const InstanceLoad> loads, InstanceRole role) {
+  std::optional<size_t> best;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    if (loads[i].role != role) continue;
+    if (!best) {
+      best = i;
+      continue;
+    }
     const InstanceLoad& a = loads[i];
-    const InstanceLoad& b = loads[best];
+    const InstanceLoad& b = loads[*best];
     if (a.kv_blocks_free > b.kv_blocks_free ||
         (a.kv_blocks_free == b.kv_blocks_free && a.sequences < b.sequences))
       best = i;
@@ -23,26 +34,80 @@ size_t ColocatedPolicy::pick(std::span<const InstanceLoad> loads, const Instance
   return best;
 }
 
+// Chained block hashes of a prompt's leading whole blocks (FNV-1a over the
+// previous hash and the block's ids): equal hashes, equal prefixes.
+std::vector<uint64_t> block_chain(std::span<const int32_t> prompt) {
+  std::vector<uint64_t> chain;
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (size_t end = kPrefixBlockTokens; end <= prompt.size(); end += kPrefixBlockTokens) {
+    for (size_t i = end - kPrefixBlockTokens; i < end; ++i) {
+      h = (h ^ static_cast<uint32_t>(prompt[i])) * 0x100000001b3ULL;
+    }
+    chain.push_back(h);
+  }
+  return chain;
+}
+
+}  // namespace
+
+Route ColocatedPolicy::pick(std::span<const InstanceLoad> loads, const InstanceRequest&) const {
+  const std::optional<size_t> target = roomiest(loads, InstanceRole::kBoth);
+  DUET_ASSERT(target.has_value(), "a colocated policy picks among colocated instances");
+  return {*target, std::nullopt};
+}
+
+Route DisaggregatedPolicy::pick(std::span<const InstanceLoad> loads, const InstanceRequest&) const {
+  const std::optional<size_t> decode = roomiest(loads, InstanceRole::kDecode);
+  DUET_ASSERT(decode.has_value(), "a disaggregated policy needs a decode instance");
+  std::optional<size_t> prefill;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    if (loads[i].role != InstanceRole::kPrefill) continue;
+    if (!prefill) {
+      prefill = i;
+      continue;
+    }
+    const InstanceLoad& a = loads[i];
+    const InstanceLoad& b = loads[*prefill];
+    if (a.queued_prompt_tokens < b.queued_prompt_tokens ||
+        (a.queued_prompt_tokens == b.queued_prompt_tokens && a.prefix_tokens > b.prefix_tokens))
+      prefill = i;
+  }
+  DUET_ASSERT(prefill.has_value(), "a disaggregated policy needs a prefill instance");
+  return {*decode, prefill};
+}
+
 std::unique_ptr<RoutingPolicy> make_routing_policy(ClusterMode mode) {
   switch (mode) {
     case ClusterMode::kColocated:
       return std::make_unique<ColocatedPolicy>();
     case ClusterMode::kDisaggregated:
-      break;
+      return std::make_unique<DisaggregatedPolicy>();
   }
-  throw Error(ErrorKind::kUnsupported,
-              fmt::format("{} mode is not supported yet: serve with --mode colocated",
-                          cluster_mode_name(mode)));
+  throw_assert_failure("known enum value", __FILE__, __LINE__, "unknown cluster mode");
 }
 
-RoutedInstances::RoutedInstances(std::vector<InstanceClient*> instances,
+namespace {
+
+std::vector<RoutedInstance> colocated(const std::vector<InstanceClient*>& clients) {
+  std::vector<RoutedInstance> out;
+  for (InstanceClient* client : clients) out.push_back({client, InstanceRole::kBoth, -1});
+  return out;
+}
+
+}  // namespace
+
+RoutedInstances::RoutedInstances(const std::vector<InstanceClient*>& instances,
+                                 std::unique_ptr<RoutingPolicy> policy)
+    : RoutedInstances(colocated(instances), std::move(policy)) {}
+
+RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
                                  std::unique_ptr<RoutingPolicy> policy)
     : instances_(std::move(instances)), policy_(std::move(policy)) {
   DUET_REQUIRE(!instances_.empty(), "the router needs at least one instance");
   DUET_ASSERT(policy_ != nullptr, "the router needs a policy");
-  info_ = instances_.front()->info();
+  info_ = instances_.front().client->info();
   for (size_t i = 1; i < instances_.size(); ++i) {
-    const InstanceInfo& other = instances_[i]->info();
+    const InstanceInfo& other = instances_[i].client->info();
     auto differ = [&](std::string_view what, const auto& a, const auto& b) {
       DUET_REQUIRE(a == b,
                    "instances 0 and {} serve different models: {} {} vs {}; start every instance "
@@ -58,17 +123,47 @@ RoutedInstances::RoutedInstances(std::vector<InstanceClient*> instances,
                  i);
     info_.kv_capacity_tokens = std::min(info_.kv_capacity_tokens, other.kv_capacity_tokens);
   }
-  sequences_.assign(instances_.size(), 0);
-  pending_blocks_.assign(instances_.size(), 0);
-  routed_.assign(instances_.size(), 0);
-  for (size_t i = 0; i < instances_.size(); ++i) {
-    instances_[i]->set_event_handler(
+  const size_t n = instances_.size();
+  sequences_.assign(n, 0);
+  pending_blocks_.assign(n, 0);
+  routed_.assign(n, 0);
+  queued_prompt_.assign(n, 0);
+  recent_blocks_.resize(n);
+  recent_order_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    instances_[i].client->set_event_handler(
         [this, i](std::span<const InstanceEvent> events) { on_events(i, events); });
   }
 }
 
+int64_t RoutedInstances::prefix_tokens(size_t i, std::span<const int32_t> prompt) const {
+  int64_t tokens = 0;
+  for (uint64_t h : block_chain(prompt)) {
+    if (!recent_blocks_[i].contains(h)) break;
+    tokens += kPrefixBlockTokens;
+  }
+  return tokens;
+}
+
+void RoutedInstances::remember(size_t i, std::span<const int32_t> prompt) {
+  for (uint64_t h : block_chain(prompt)) {
+    if (!recent_blocks_[i].insert(h).second) continue;
+    recent_order_[i].push_back(h);
+    if (recent_order_[i].size() > kRecentBlocksPerInstance) {
+      recent_blocks_[i].erase(recent_order_[i].front());
+      recent_order_[i].pop_front();
+    }
+  }
+}
+
+void RoutedInstances::handed_over(Placement& placement) {
+  if (!placement.prefill) return;
+  queued_prompt_[*placement.prefill] -= placement.prompt_tokens;
+  placement.prefill.reset();
+}
+
 RoutedInstances::~RoutedInstances() {
-  for (InstanceClient* instance : instances_) instance->set_event_handler({});
+  for (const RoutedInstance& instance : instances_) instance.client->set_event_handler({});
 }
 
 void RoutedInstances::set_event_handler(EventHandler handler) {
@@ -81,40 +176,61 @@ void RoutedInstances::submit(InstanceRequest request) {
   std::vector<InstanceLoad> loads(instances_.size());
   std::vector<int64_t> block_tokens(instances_.size());
   for (size_t i = 0; i < instances_.size(); ++i) {
-    const InstanceStats s = instances_[i]->stats();
+    const InstanceStats s = instances_[i].client->stats();
+    loads[i].role = instances_[i].role;
     loads[i].kv_blocks_free = s.kv_blocks_free;
     loads[i].kv_blocks_total = s.kv_blocks_total;
     block_tokens[i] = s.kv_block_tokens > 0 ? s.kv_block_tokens : KvLayout::kDefaultBlockSize;
   }
   size_t target = 0;
+  std::optional<size_t> prefill;
+  const auto prompt_tokens = static_cast<int64_t>(request.prompt.size());
   {
     std::lock_guard lock(mutex_);
+    size_t n_prefill = 0;
     for (size_t i = 0; i < instances_.size(); ++i) {
       loads[i].kv_blocks_free -= pending_blocks_[i];
       loads[i].sequences = sequences_[i];
+      loads[i].queued_prompt_tokens = queued_prompt_[i];
+      n_prefill += instances_[i].role == InstanceRole::kPrefill ? 1 : 0;
     }
-    target = policy_->pick(loads, request);
-    DUET_ASSERT(target < instances_.size(), "the policy picked instance {} of {}", target,
-                instances_.size());
+    if (n_prefill > 1) {
+      for (size_t i = 0; i < instances_.size(); ++i) {
+        if (instances_[i].role == InstanceRole::kPrefill)
+          loads[i].prefix_tokens = prefix_tokens(i, request.prompt);
+      }
+    }
+    const Route route = policy_->pick(loads, request);
+    target = route.target;
+    prefill = route.prefill;
+    DUET_ASSERT(target < instances_.size() && (!prefill || *prefill < instances_.size()),
+                "the policy picked an instance outside the {}", instances_.size());
     // The prompt and the first generated token.
-    const auto tokens = static_cast<int64_t>(request.prompt.size()) + 1;
-    const int64_t blocks = (tokens + block_tokens[target] - 1) / block_tokens[target];
-    placements_[request.id] = Placement{target, blocks};
+    const int64_t blocks = (prompt_tokens + 1 + block_tokens[target] - 1) / block_tokens[target];
+    placements_[request.id] = Placement{target, blocks, prefill, prompt_tokens};
     ++sequences_[target];
     pending_blocks_[target] += blocks;
     ++routed_[target];
+    if (prefill) {
+      queued_prompt_[*prefill] += prompt_tokens;
+      ++routed_[*prefill];
+      if (n_prefill > 1) remember(*prefill, request.prompt);
+      request.prefill_peer = instances_[*prefill].peer;
+    }
   }
   const RequestId id = request.id;
   try {
-    instances_[target]->submit(std::move(request));
+    instances_[target].client->submit(std::move(request));
   } catch (...) {
     // Not placed after all: undo the bookkeeping, and let the caller refuse it.
     std::lock_guard lock(mutex_);
-    const Placement placement = placements_.at(id);
+    Placement placement = placements_.at(id);
     placements_.erase(id);
     --sequences_[target];
     pending_blocks_[target] -= placement.pending_blocks;
     --routed_[target];
+    if (placement.prefill) --routed_[*placement.prefill];
+    handed_over(placement);
     throw;
   }
 }
@@ -127,7 +243,7 @@ void RoutedInstances::cancel(RequestId id) {
     if (it == placements_.end()) return;  // finished or unknown
     target = it->second.instance;
   }
-  instances_[target]->cancel(id);
+  instances_[target].client->cancel(id);
 }
 
 void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> events) {
@@ -144,6 +260,7 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
         pending_blocks_[instance] -= placement.pending_blocks;
         placement.pending_blocks = 0;
       }
+      if (event.token >= 0 || event.finished) handed_over(placement);
       if (event.finished) {
         --sequences_[instance];
         placements_.erase(it);
@@ -157,7 +274,7 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
 InstanceStats RoutedInstances::stats() const {
   InstanceStats sum;
   for (size_t i = 0; i < instances_.size(); ++i) {
-    const InstanceStats s = instances_[i]->stats();
+    const InstanceStats s = instances_[i].client->stats();
     sum.running += s.running;
     sum.waiting += s.waiting;
     sum.kv_blocks_total += s.kv_blocks_total;
@@ -174,7 +291,7 @@ InstanceStats RoutedInstances::stats() const {
 
 std::vector<InstanceStats> RoutedInstances::instance_stats() const {
   std::vector<InstanceStats> out;
-  for (InstanceClient* instance : instances_) out.push_back(instance->stats());
+  for (const RoutedInstance& instance : instances_) out.push_back(instance.client->stats());
   return out;
 }
 

@@ -12,15 +12,24 @@
 // to an instance that have not finished, and `kv_blocks_free` is the
 // instance's last reported free blocks less the blocks the prompts sent to it
 // will take once admitted.
+//
+// Disaggregated, a request has two instances: the decode instance it is
+// submitted to (which reports all its events) and the prefill instance that
+// computes its prompt (named in the request, InstanceRequest::prefill_peer).
+// A prefill instance's load is the prompt tokens sent its way whose first
+// token has not come back yet.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "common/cluster_spec.h"
@@ -29,19 +38,31 @@
 namespace duet {
 
 struct InstanceLoad {
+  InstanceRole role = InstanceRole::kBoth;
   int64_t kv_blocks_free = 0;  // reported free, less the prompts sent but not yet admitted
   int64_t kv_blocks_total = 0;
   int64_t sequences = 0;  // sent and not finished (running + waiting)
+  // Prefill instances: prompt tokens sent and not yet handed over.
+  int64_t queued_prompt_tokens = 0;
+  // Prefill instances: leading tokens of this request's prompt that prompts
+  // recently sent there share (whole blocks), a guess at its prefix-cache hit.
+  int64_t prefix_tokens = 0;
+};
+
+// Where one request goes: `target` gets it (and its events come from there);
+// `prefill`, when set, computes its prompt.
+struct Route {
+  size_t target = 0;
+  std::optional<size_t> prefill;
 };
 
 class RoutingPolicy {
  public:
   virtual ~RoutingPolicy() = default;
   virtual std::string_view name() const = 0;
-  // The index into `loads` (one per instance, at least one) of the instance
-  // that gets `request`. Called under the router's lock: pure and quick.
-  virtual size_t pick(std::span<const InstanceLoad> loads,
-                      const InstanceRequest& request) const = 0;
+  // Indexes into `loads` (one per instance, at least one, with the roles
+  // the policy serves). Called under the router's lock: pure and quick.
+  virtual Route pick(std::span<const InstanceLoad> loads, const InstanceRequest& request) const = 0;
 };
 
 // Colocated instances (each runs both phases): the most free KV blocks, then
@@ -49,12 +70,26 @@ class RoutingPolicy {
 class ColocatedPolicy final : public RoutingPolicy {
  public:
   std::string_view name() const override { return "colocated"; }
-  size_t pick(std::span<const InstanceLoad> loads, const InstanceRequest& request) const override;
+  Route pick(std::span<const InstanceLoad> loads, const InstanceRequest& request) const override;
 };
 
-// The policy for a cluster mode. Throws duet::Error (kUnsupported) for a mode
-// no policy serves yet (disaggregated).
+// Prefill and decode instances. Prefill: the fewest queued prompt tokens,
+// then the longest likely prefix-cache hit, then the lowest index. Decode:
+// the most free KV blocks, then the fewest sequences, then the lowest index.
+class DisaggregatedPolicy final : public RoutingPolicy {
+ public:
+  std::string_view name() const override { return "disaggregated"; }
+  Route pick(std::span<const InstanceLoad> loads, const InstanceRequest& request) const override;
+};
+
 std::unique_ptr<RoutingPolicy> make_routing_policy(ClusterMode mode);
+
+// One instance behind the router.
+struct RoutedInstance {
+  InstanceClient* client = nullptr;
+  InstanceRole role = InstanceRole::kBoth;
+  int32_t peer = -1;  // its transport address (leader's MPI rank), for prefill instances
+};
 
 class RoutedInstances final : public InstanceClient {
  public:
@@ -63,7 +98,10 @@ class RoutedInstances final : public InstanceClient {
   // (kInvalidArgument) names the first difference. info() is the first
   // instance's, with the smallest kv_capacity_tokens of all (a sequence must
   // fit wherever it goes). Installs an event handler on every instance.
-  RoutedInstances(std::vector<InstanceClient*> instances, std::unique_ptr<RoutingPolicy> policy);
+  RoutedInstances(std::vector<RoutedInstance> instances, std::unique_ptr<RoutingPolicy> policy);
+  // Colocated instances.
+  RoutedInstances(const std::vector<InstanceClient*>& instances,
+                  std::unique_ptr<RoutingPolicy> policy);
   ~RoutedInstances() override;  // removes the instances' handlers
   RoutedInstances(const RoutedInstances&) = delete;
   RoutedInstances& operator=(const RoutedInstances&) = delete;
@@ -88,12 +126,20 @@ class RoutedInstances final : public InstanceClient {
   struct Placement {
     size_t instance = 0;
     int64_t pending_blocks = 0;  // until admitted
+    std::optional<size_t> prefill;
+    int64_t prompt_tokens = 0;  // queued at `prefill` until the first token
   };
 
   void on_events(size_t instance,
                  std::span<const InstanceEvent> events);  // instance's event thread
+  // Under mutex_: the prompt's handover from its prefill instance is over.
+  void handed_over(Placement& placement);
+  // Under mutex_: leading tokens of `prompt` that prompts recently sent to
+  // prefill instance `i` share, in whole blocks; remember() records a prompt.
+  int64_t prefix_tokens(size_t i, std::span<const int32_t> prompt) const;
+  void remember(size_t i, std::span<const int32_t> prompt);
 
-  const std::vector<InstanceClient*> instances_;
+  const std::vector<RoutedInstance> instances_;
   const std::unique_ptr<RoutingPolicy> policy_;
   InstanceInfo info_;
 
@@ -103,6 +149,11 @@ class RoutedInstances final : public InstanceClient {
   std::vector<int64_t> sequences_;             // per instance: placements there
   std::vector<int64_t> pending_blocks_;        // per instance: sum of pending_blocks
   std::vector<int64_t> routed_;                // per instance: cumulative submits
+  std::vector<int64_t> queued_prompt_;         // per instance: prompt tokens not handed over
+  // Per prefill instance: chained hashes of the leading blocks of prompts
+  // sent there, oldest first, bounded.
+  std::vector<std::unordered_set<uint64_t>> recent_blocks_;
+  std::vector<std::deque<uint64_t>> recent_order_;
 };
 
 }  // namespace duet

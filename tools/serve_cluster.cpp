@@ -1,5 +1,6 @@
 // `duet serve` under mpirun: the coordinator on rank 0, one instance per
-// other rank (colocated mode, tp 1).
+// other rank (tp 1): prefill and decode instances (disaggregated), or
+// instances that run both phases (colocated).
 //
 // Every rank: block the stop signals, initialize MPI, build and validate the
 // spec (an impossible or unsupported layout is the same error on every rank,
@@ -31,6 +32,7 @@
 #include "kernels/cpu/isa.h"
 #include "tools/serve_command.h"
 #include "worker/instance_server.h"
+#include "worker/mpi_kv_transport.h"
 
 namespace duet::tools {
 namespace {
@@ -56,10 +58,6 @@ ClusterSpec serving_spec(const ClusterFlags& flags, int world_size) {
                  "--tp 1 (one rank per instance)",
                  instance.id, instance.tp);
   }
-  if (spec.mode != ClusterMode::kColocated) {
-    throw Error(ErrorKind::kUnsupported,
-                "disaggregated serving is not supported yet: serve with --mode colocated");
-  }
   return spec;
 }
 
@@ -83,7 +81,12 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   // dispatcher, the thread calling into the router and the service) comes
   // before either is destroyed.
   RemoteCluster cluster(channel, spec, ready);
-  RoutedInstances routed(cluster.instances(), make_routing_policy(spec.mode));
+  std::vector<RoutedInstance> instances;
+  for (size_t i = 0; i < spec.instances.size(); ++i) {
+    instances.push_back(
+        {cluster.instances()[i], spec.instances[i].role, spec.instances[i].leader().value});
+  }
+  RoutedInstances routed(std::move(instances), make_routing_policy(spec.mode));
   const std::string model_name = serve::model_name(args);
   spdlog::info("cluster: {}; routing: {}", spec.describe(), routed.policy().name());
   Service service(routed, *tokenizer, chat, model_name, serve::service_limits(args));
@@ -103,7 +106,8 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   return 0;
 }
 
-int serve_instance(ControlChannel& channel, const ClusterSpec& spec, const ServeArgs& args) {
+int serve_instance(ControlChannel& channel, MpiKvTransport& transport, const ClusterSpec& spec,
+                   const ServeArgs& args) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
   const std::string model_name = serve::model_name(args);
   std::unique_ptr<LlamaModel> model;
@@ -121,8 +125,14 @@ int serve_instance(ControlChannel& channel, const ClusterSpec& spec, const Serve
   {
     const int n_threads = serve::compute_threads(args);
     cpu::ThreadPool pool(n_threads);
+    PeerLinks peers;
+    if (self.role != InstanceRole::kBoth) {
+      peers.transport = &transport;
+      peers.transfer_timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(args.kv_transfer_timeout_s * 1000.0));
+    }
     LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
-                           model_name);
+                           model_name, peers);
     InstanceServer server(channel, instance, self.id);
     spdlog::info("instance {} (rank {}, {}): serving {} with {} compute threads", self.id,
                  channel.rank().value, instance_role_name(self.role), model_name, n_threads);
@@ -130,6 +140,14 @@ int serve_instance(ControlChannel& channel, const ClusterSpec& spec, const Serve
     const InstanceStats stats = instance.stats();
     spdlog::info("instance {} (rank {}): {} ({} steps, {} tokens generated)", self.id,
                  channel.rank().value, reason, stats.steps, stats.generated_tokens);
+    if (peers.transport != nullptr) {
+      const MpiKvTransport::Counters c = transport.counters();
+      spdlog::info(
+          "instance {} (rank {}): kv transport: {} messages ({} bytes) sent, {} ({} bytes) "
+          "received, {} rows messages dropped, {} imports completed, {} failed",
+          self.id, channel.rank().value, c.messages_sent, c.bytes_sent, c.messages_received,
+          c.bytes_received, c.rows_dropped, c.imports_completed, c.imports_failed);
+    }
   }  // the engine thread has stopped: nothing sends any more
   if (!channel.close(kCloseTimeout)) return 1;
   return 0;
@@ -145,6 +163,8 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
   try {
     const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size());
     ControlChannel channel(mpi);
+    std::optional<MpiKvTransport> transport;  // every rank: its communicator is collective
+    transport.emplace(channel, MpiKvTransportOptions{args.kv_checksums});
     try {
       if (mpi.rank() == kCoordinatorRank) {
         coordinator_handshake(channel, spec);
@@ -152,12 +172,13 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
         instance_handshake(channel, spec);
       }
     } catch (const Error&) {
+      transport.reset();
       channel.close(10s);  // so that the verdict reaches every rank
       throw;
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(channel, spec, args);
+                         : serve_instance(channel, *transport, spec, args);
     spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
     return code;
   } catch (const Error& e) {

@@ -70,8 +70,8 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   // The cluster (under mpirun; see common/cluster_spec.h for the layout).
   const char* group = "Cluster (mpirun -np N duet serve ...)";
   cmd->add_option("--mode", args.cluster.mode,
-                  "disaggregated or colocated (every instance runs both phases); "
-                  "only colocated is served today")
+                  "disaggregated (default: prefill and decode instances) or colocated "
+                  "(every instance runs both phases)")
       ->group(group);
   cmd->add_option("--prefill", args.cluster.prefill,
                   "Prefill instances (colocated: instances, counted with --decode)")
@@ -83,6 +83,14 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->group(group);
   cmd->add_option("--cluster", args.cluster.file,
                   "A cluster spec (JSON) instead of --mode/--prefill/--decode/--tp")
+      ->group(group);
+  cmd->add_flag("--kv-checksums", args.kv_checksums,
+                "Checksum every KV transfer message and verify it on arrival")
+      ->group(group);
+  cmd->add_option("--kv-transfer-timeout", args.kv_transfer_timeout_s,
+                  "Seconds a decode instance waits for a prompt's KV (prefill queue included)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
       ->group(group);
 }
 

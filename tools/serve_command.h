@@ -39,6 +39,10 @@ struct ServeArgs {
   int64_t default_max_tokens = 256;
   size_t max_body_bytes = 1 << 20;
   ClusterFlags cluster;  // any() or mpirun: serve as a cluster
+  // Disaggregated: checksum every KV rows message; the longest a decode
+  // instance waits for a prompt's KV (prefill queue included).
+  bool kv_checksums = false;
+  double kv_transfer_timeout_s = 120.0;
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);

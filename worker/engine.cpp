@@ -14,10 +14,10 @@ Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::Th
       scheduler_(kv_, config.scheduler),
       cache_(make_kv_layout(model.config(), config.n_kv_blocks)),
       forward_(model, kernels, pool, cpu::AttentionOrder::kBatchInvariant),
+      max_running_(config.scheduler.max_running),
       end_of_generation_(std::move(config.end_of_generation)) {}
 
-SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& options,
-                          TokenSink sink, AdmitSink on_admitted) {
+void Engine::validate(std::span<const int32_t> prompt, const RequestOptions& options) const {
   const ModelConfig& c = model_.config();
   DUET_REQUIRE(!prompt.empty(), "the prompt is empty");
   DUET_REQUIRE(options.max_tokens >= 1, "max_tokens must be >= 1, got {}", options.max_tokens);
@@ -34,14 +34,94 @@ SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& opt
                "the prompt ({} tokens) plus max_tokens ({}) exceeds the KV cache's {} tokens",
                prompt.size(), options.max_tokens, capacity);
   validate_sampling_params(options.sampling);
+}
+
+SequenceId Engine::add_live(std::vector<int32_t>& prompt, const RequestOptions& options,
+                            TokenSink sink, AdmitSink on_admitted) {
   const SequenceId id{next_id_++};
   Live live{
       Sampler(options.sampling), std::move(sink), std::move(on_admitted), options.max_tokens, 0,
-      options.ignore_eos};
+      options.ignore_eos,        std::nullopt};
   for (int32_t token : prompt) live.sampler.accept(token);  // penalties see the prompt
   live_.emplace(id, std::move(live));
+  return id;
+}
+
+SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& options,
+                          TokenSink sink, AdmitSink on_admitted) {
+  validate(prompt, options);
+  const SequenceId id = add_live(prompt, options, std::move(sink), std::move(on_admitted));
   scheduler_.add(id, std::move(prompt), options.max_tokens);
   return id;
+}
+
+SequenceId Engine::submit_export(std::vector<int32_t> prompt, const RequestOptions& options,
+                                 int64_t send_from, ExportSink sink, AdmitSink on_admitted) {
+  validate(prompt, options);
+  DUET_REQUIRE(send_from >= 0 && send_from < static_cast<int64_t>(prompt.size()),
+               "export from position {} of a {}-token prompt", send_from, prompt.size());
+  const SequenceId id = add_live(prompt, options, {}, std::move(on_admitted));
+  live_.at(id).exporting = Export{std::move(sink), send_from, 0};
+  scheduler_.add(id, std::move(prompt), 1);
+  return id;
+}
+
+SequenceId Engine::submit_import(std::vector<int32_t> prompt, const RequestOptions& options,
+                                 TokenSink sink, ImportHooks hooks) {
+  validate(prompt, options);
+  const SequenceId id = add_live(prompt, options, std::move(sink), {});
+  imports_.emplace(id, Import{std::move(prompt), std::move(hooks)});
+  import_queue_.push_back(id);
+  reserve_imports();
+  return id;
+}
+
+void Engine::reserve_imports() {
+  while (!import_queue_.empty()) {
+    const SequenceId id = import_queue_.front();
+    Import& import = imports_.at(id);
+    // Leave each running sequence room for its next block, and the running
+    // set within its limit, so that imports never force preemptions.
+    const int64_t in_flight = static_cast<int64_t>(imports_.size() - import_queue_.size());
+    const int64_t blocks =
+        (static_cast<int64_t>(import.prompt.size()) + kv_.block_size()) / kv_.block_size();
+    if (scheduler_.n_running() + in_flight >= max_running_) return;
+    if (kv_.n_free_blocks() - blocks < scheduler_.n_running()) return;
+    const std::optional<int64_t> cached = kv_.begin_sequence(id, import.prompt);
+    if (!cached) return;
+    import_queue_.pop_front();
+    import.reserved = true;
+    if (import.hooks.reserved) import.hooks.reserved(id, *cached, kv_.block_table(id));
+  }
+}
+
+void Engine::complete_import(SequenceId id, int32_t first_token) {
+  auto it = imports_.find(id);
+  DUET_REQUIRE(it != imports_.end() && it->second.reserved && !it->second.aborted,
+               "sequence {} is not an import in transfer", id.value);
+  std::vector<int32_t> prompt = std::move(it->second.prompt);
+  imports_.erase(it);
+  const int64_t n_committed = kv_.n_tokens(id);
+  kv_.commit_tokens(id, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(n_committed)));
+  const int64_t position = static_cast<int64_t>(prompt.size());
+  Live& live = live_.at(id);
+  if (live.max_tokens >= 2) {
+    scheduler_.add_running(id, std::move(prompt), first_token, live.max_tokens);
+  } else {
+    kv_.free_sequence(id);  // emit() ends it at once: max_tokens 1
+  }
+  emit(id, first_token, position);
+}
+
+void Engine::release_import(SequenceId id) {
+  auto it = imports_.find(id);
+  if (it == imports_.end()) return;
+  const bool reserved = it->second.reserved;
+  imports_.erase(it);
+  std::erase(import_queue_, id);
+  if (reserved && kv_.has_sequence(id)) kv_.free_sequence(id);
+  live_.erase(id);
+  reserve_imports();  // the freed blocks may be what the next import waits for
 }
 
 void Engine::cancel(SequenceId id) {
@@ -49,11 +129,59 @@ void Engine::cancel(SequenceId id) {
   if (it == live_.end()) return;
   TokenSink sink = std::move(it->second.sink);
   live_.erase(it);
-  scheduler_.finish(id);
+  if (auto import = imports_.find(id); import != imports_.end()) {
+    if (import->second.reserved) {
+      // Rows may still arrive: the blocks wait for release_import.
+      import->second.aborted = true;
+      if (import->second.hooks.abort) import->second.hooks.abort(id);
+    } else {
+      imports_.erase(import);
+      std::erase(import_queue_, id);
+    }
+  } else {
+    scheduler_.finish(id);
+  }
   if (sink) sink({id, -1, 0, true, FinishReason::kStopped});
 }
 
+uint64_t Engine::kv_checksum(SequenceId id, int64_t n) const {
+  DUET_REQUIRE(kv_.has_sequence(id) && n <= kv_.n_reserved_tokens(id),
+               "sequence {} holds no KV for {} positions", id.value, n);
+  return kv_rows_checksum(cache_.layout(), cache_.data(), kv_.block_table(id), 0, n);
+}
+
+void Engine::export_layer(int64_t layer) {
+  for (const ExportRows& rows : export_rows_) {
+    const Live& live = live_.at(rows.id);
+    live.exporting->sink.layer(rows.id, layer, rows.pos0, rows.n, kv_.block_table(rows.id), cache_);
+  }
+}
+
+void Engine::emit(SequenceId id, int32_t token, int64_t position) {
+  auto it = live_.find(id);
+  if (it == live_.end()) return;  // cancelled by a sink earlier in this step
+  Live& live = it->second;
+  live.sampler.accept(token);
+  ++live.n_generated;
+  ++stats_.generated_tokens;
+  const bool end =
+      !live.ignore_eos && std::find(end_of_generation_.begin(), end_of_generation_.end(), token) !=
+                              end_of_generation_.end();
+  const bool length = live.n_generated >= live.max_tokens;
+  TokenEvent event{id, token, position, end || length,
+                   end ? FinishReason::kEndOfGeneration : FinishReason::kLength};
+  if (event.finished) {
+    TokenSink sink = std::move(live.sink);
+    live_.erase(it);
+    scheduler_.finish(id);  // frees its blocks now (a no-op if the length already did)
+    if (sink) sink(event);
+  } else if (live.sink) {
+    live.sink(event);  // may cancel sequences; `live` is not used after this
+  }
+}
+
 bool Engine::step() {
+  reserve_imports();
   const StepPlan plan = scheduler_.schedule();
   stats_.preemptions += static_cast<int64_t>(plan.preempted.size());
   if (plan.empty()) return false;
@@ -61,6 +189,10 @@ bool Engine::step() {
     if (std::find(plan.admitted.begin(), plan.admitted.end(), chunk.id) == plan.admitted.end())
       continue;
     Live& live = live_.at(chunk.id);
+    if (live.exporting && !live.exporting->admitted) {
+      live.exporting->admitted = true;
+      live.exporting->cached_tokens = chunk.pos0;
+    }
     if (!live.on_admitted) continue;  // readmitted after preemption
     AdmitSink on_admitted = std::move(live.on_admitted);
     live.on_admitted = nullptr;
@@ -70,15 +202,28 @@ bool Engine::step() {
   batch_tokens_.clear();
   batch_sequences_.clear();
   logit_rows_.clear();
+  export_rows_.clear();
   for (const ScheduledChunk& chunk : plan.chunks) {
     const int64_t n = static_cast<int64_t>(chunk.tokens.size());
     if (chunk.samples) logit_rows_.push_back(static_cast<int64_t>(batch_tokens_.size()) + n - 1);
     batch_tokens_.insert(batch_tokens_.end(), chunk.tokens.begin(), chunk.tokens.end());
     batch_sequences_.push_back({kv_.block_table(chunk.id), chunk.pos0, n});
+    // An export ships every row it has not shipped yet: on its first chunk
+    // that includes rows the prefix cache supplied (beyond what the receiver
+    // holds); a recomputed chunk after a preemption ships nothing twice.
+    Live& live = live_.at(chunk.id);
+    if (live.exporting && chunk.pos0 + n > live.exporting->sent_until) {
+      export_rows_.push_back(
+          {chunk.id, live.exporting->sent_until, chunk.pos0 + n - live.exporting->sent_until});
+      live.exporting->sent_until = chunk.pos0 + n;
+    }
   }
   const int64_t n_vocab = model_.config().n_vocab;
   logits_.resize(logit_rows_.size() * static_cast<size_t>(n_vocab));
-  forward_.run(batch_tokens_, batch_sequences_, cache_, logit_rows_, logits_.data());
+  forward_.run(
+      batch_tokens_, batch_sequences_, cache_, logit_rows_, logits_.data(),
+      export_rows_.empty() ? LlamaForward::LayerStored{}
+                           : [this](int64_t layer) { export_layer(layer); });
   ++stats_.steps;
   stats_.computed_tokens += plan.n_tokens;
 
@@ -99,26 +244,19 @@ bool Engine::step() {
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.samples) continue;
     const int32_t token = sampled_[row++];
+    const int64_t position = chunk.pos0 + static_cast<int64_t>(chunk.tokens.size());
     auto it = live_.find(chunk.id);
-    if (it == live_.end()) continue;  // cancelled by a sink earlier in this loop
-    Live& live = it->second;
-    live.sampler.accept(token);
-    ++live.n_generated;
-    ++stats_.generated_tokens;
-    const bool end = !live.ignore_eos &&
-                     std::find(end_of_generation_.begin(), end_of_generation_.end(), token) !=
-                         end_of_generation_.end();
-    const bool length = live.n_generated >= live.max_tokens;
-    TokenEvent event{chunk.id, token, chunk.pos0 + static_cast<int64_t>(chunk.tokens.size()),
-                     end || length, end ? FinishReason::kEndOfGeneration : FinishReason::kLength};
-    if (event.finished) {
-      TokenSink sink = std::move(live.sink);
+    if (it != live_.end() && it->second.exporting) {
+      // The prompt is exported: hand over its first token and end it here.
+      ++stats_.generated_tokens;
+      ExportSink sink = std::move(it->second.exporting->sink);
+      const int64_t cached_tokens = it->second.exporting->cached_tokens;
       live_.erase(it);
-      scheduler_.finish(chunk.id);  // frees its blocks now (a no-op if the length already did)
-      if (sink) sink(event);
-    } else if (live.sink) {
-      live.sink(event);  // may cancel sequences; `live` is not used after this
+      scheduler_.finish(chunk.id);
+      if (sink.done) sink.done(chunk.id, token, cached_tokens);
+      continue;
     }
+    emit(chunk.id, token, position);
   }
   return true;
 }

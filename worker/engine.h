@@ -9,11 +9,25 @@
 // do not depend on what else runs, on preemption and recompute, or on prefix
 // cache hits. Thread affinity: one thread calls every method (the worker's
 // compute thread); sinks run on it.
+//
+// Disaggregated serving splits a request over two engines. The prefill
+// engine runs submit_export: it computes the prompt, hands each layer's new
+// KV rows to an ExportSink as soon as the layer is stored (the transport
+// copies them out while the layers above run), samples the first token and
+// ends the sequence. The decode engine runs submit_import: it reserves the
+// prompt's blocks (first come first served, when they are free), says so
+// through ImportHooks::reserved (the transport then asks the prefill side and
+// writes the rows into those blocks), and on complete_import(first token)
+// the sequence joins the running batch exactly where a single engine would
+// be after its prefill step. Blocks that a transfer may still write are only
+// freed by release_import, after the transport said it stopped writing.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "common/sampling.h"
@@ -23,6 +37,7 @@
 #include "worker/generator.h"
 #include "worker/kv_cache.h"
 #include "worker/kv_cache_manager.h"
+#include "worker/kv_rows.h"
 #include "worker/llama_forward.h"
 #include "worker/scheduler.h"
 
@@ -53,6 +68,31 @@ using TokenSink = std::function<void(const TokenEvent&)>;
 // with how many of its prompt tokens the prefix cache held.
 using AdmitSink = std::function<void(SequenceId id, int64_t cached_tokens)>;
 
+// The prefill side of a transfer. Both run on the engine's thread, inside step().
+struct ExportSink {
+  // After `layer` is stored: the sequence's rows [pos0, pos0 + n) of that
+  // layer are in `cache` under `block_table`, valid until the callback returns.
+  std::function<void(SequenceId id, int64_t layer, int64_t pos0, int64_t n,
+                     std::span<const int32_t> block_table, const KvCache& cache)>
+      layer;
+  // Every row is exported; `first_token` is the token a single engine would
+  // have sampled after the prompt. The sequence is over (its blocks return
+  // to the pool, full ones stay in the prefix cache).
+  std::function<void(SequenceId id, int32_t first_token, int64_t cached_tokens)> done;
+};
+
+// The decode side of a transfer. Both run on the engine's thread.
+struct ImportHooks {
+  // The prompt's blocks are reserved: positions [0, prompt) live in
+  // `block_table` (copied by the callee); the first `cached_tokens` came from
+  // the prefix cache, the rows of [cached_tokens, prompt) are to be written.
+  std::function<void(SequenceId id, int64_t cached_tokens, std::span<const int32_t> block_table)>
+      reserved;
+  // The sequence was cancelled while rows may still be written into its
+  // blocks: stop writing, then call release_import(id).
+  std::function<void(SequenceId id)> abort;
+};
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t computed_tokens = 0;  // rows run through the model
@@ -75,9 +115,40 @@ class Engine final {
   SequenceId submit(std::vector<int32_t> prompt, const RequestOptions& options, TokenSink sink,
                     AdmitSink on_admitted = {});
 
+  // A prompt computed here for another engine: runs like submit() with
+  // max_tokens 1, exporting the rows of positions >= send_from (the receiver
+  // has the rest) layer by layer. Same validation as submit().
+  SequenceId submit_export(std::vector<int32_t> prompt, const RequestOptions& options,
+                           int64_t send_from, ExportSink sink, AdmitSink on_admitted = {});
+
+  // A prompt whose KV another engine computes: reserves its blocks when they
+  // are free (hooks.reserved), then waits for complete_import. `sink` gets the
+  // tokens from the first one on, as for submit(). Same validation.
+  SequenceId submit_import(std::vector<int32_t> prompt, const RequestOptions& options,
+                           TokenSink sink, ImportHooks hooks);
+  // The rows of the imported prompt are written; `first_token` was sampled
+  // after it by the exporter. Emits it and decodes on from there.
+  void complete_import(SequenceId id, int32_t first_token);
+  // Frees an imported sequence's blocks once nothing writes them (after
+  // hooks.abort, or a transfer that failed). A sequence still live ends
+  // without a sink event (its owner reports why). Unknown ids are ignored.
+  void release_import(SequenceId id);
+  // The KV memory. A transport writes imported rows into it from its own
+  // thread, only into the blocks of a reserved import, and only until the
+  // import completes or is released.
+  KvCache& cache() { return cache_; }
+  // Whether `id` is an import not yet completed (waiting for blocks or rows).
+  bool importing(SequenceId id) const { return imports_.contains(id); }
+
   // Ends a request at once and frees its KV blocks; its sink gets a final
-  // event (reason kStopped). Unknown or finished ids are ignored.
+  // event (reason kStopped). An import whose rows are in flight keeps its
+  // blocks until release_import (hooks.abort is called). Unknown or finished
+  // ids are ignored.
   void cancel(SequenceId id);
+
+  // The checksum (worker/kv_rows.h kv_rows_checksum) of a live sequence's KV
+  // rows [0, n): to compare a transferred cache with a computed one.
+  uint64_t kv_checksum(SequenceId id, int64_t n) const;
 
   // Runs one step; false when there was nothing to do.
   bool step();
@@ -85,12 +156,21 @@ class Engine final {
 
   bool idle() const { return scheduler_.idle(); }
   int64_t n_running() const { return scheduler_.n_running(); }
-  int64_t n_waiting() const { return scheduler_.n_waiting(); }
+  // Waiting for compute, or (imports) for blocks or rows.
+  int64_t n_waiting() const {
+    return scheduler_.n_waiting() + static_cast<int64_t>(imports_.size());
+  }
   EngineStats stats() const;
   int64_t n_free_kv_blocks() const { return kv_.n_free_blocks(); }
   int64_t n_kv_blocks() const { return pool_.n_blocks(); }
 
  private:
+  struct Export {
+    ExportSink sink;
+    int64_t sent_until = 0;     // rows below this position are exported
+    int64_t cached_tokens = 0;  // of its first admission
+    bool admitted = false;
+  };
   struct Live {
     Sampler sampler;
     TokenSink sink;
@@ -98,7 +178,28 @@ class Engine final {
     int64_t max_tokens = 0;
     int64_t n_generated = 0;
     bool ignore_eos = false;
+    std::optional<Export> exporting;  // submit_export
   };
+  struct Import {
+    std::vector<int32_t> prompt;
+    ImportHooks hooks;
+    bool reserved = false;
+    bool aborted = false;  // cancelled; blocks wait for release_import
+  };
+  // One exported chunk of the running step.
+  struct ExportRows {
+    SequenceId id;
+    int64_t pos0 = 0;
+    int64_t n = 0;
+  };
+
+  SequenceId add_live(std::vector<int32_t>& prompt, const RequestOptions& options, TokenSink sink,
+                      AdmitSink on_admitted);
+  void validate(std::span<const int32_t> prompt, const RequestOptions& options) const;
+  void reserve_imports();
+  void export_layer(int64_t layer);
+  // Emits a sampled token; finishes the sequence when it ends it.
+  void emit(SequenceId id, int32_t token, int64_t position);
 
   const LlamaModel& model_;
   BlockPool pool_;
@@ -106,8 +207,12 @@ class Engine final {
   Scheduler scheduler_;
   KvCache cache_;
   LlamaForward forward_;
+  const int64_t max_running_;
   std::vector<int32_t> end_of_generation_;
   std::map<SequenceId, Live> live_;
+  std::map<SequenceId, Import> imports_;  // submitted imports not yet completed
+  std::deque<SequenceId> import_queue_;   // waiting for blocks, first come first served
+  std::vector<ExportRows> export_rows_;   // of the running step
   int64_t next_id_ = 0;
   EngineStats stats_;
   // Per-step buffers, reused.

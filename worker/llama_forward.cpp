@@ -43,7 +43,8 @@ void LlamaForward::resize(int64_t n, int64_t n_logit_rows) {
 }
 
 void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
-                       KvCache& cache, std::span<const int64_t> logit_rows, float* logits) {
+                       KvCache& cache, std::span<const int64_t> logit_rows, float* logits,
+                       const LayerStored& layer_stored) {
   const ModelConfig& c = model_.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
   int64_t rows_in_sequences = 0;
@@ -111,6 +112,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     cpu::rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(), rope, pool_);
     cpu::kv_cache_store_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_,
                               k_.data(), v_.data(), pool_);
+    if (layer_stored) layer_stored(il);
     // Every sequence's attention in one parallel pass.
     cpu::attention_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_, shape,
                          q_.data(), attn_.data(), pool_);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -40,11 +41,17 @@ class LlamaForward final {
   LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
                cpu::AttentionOrder attention_order = cpu::AttentionOrder::kLlamaCpp);
 
+  // Called with a layer's index as soon as the K/V of every row of that
+  // layer is in the cache, while the layers above still run: a prefill
+  // instance ships the layer from here. Runs on the calling thread.
+  using LayerStored = std::function<void(int64_t layer)>;
+
   // tokens: all rows of the batch, sequence after sequence. Writes K/V of every
   // row into `cache`, and the logits of the batch rows in `logit_rows` into
   // logits (logit_rows.size(), n_vocab).
   void run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
-           KvCache& cache, std::span<const int64_t> logit_rows, float* logits);
+           KvCache& cache, std::span<const int64_t> logit_rows, float* logits,
+           const LayerStored& layer_stored = {});
 
  private:
   void resize(int64_t n_rows, int64_t n_logit_rows);

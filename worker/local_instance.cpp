@@ -25,15 +25,33 @@ InstanceFinish instance_finish(FinishReason reason) {
 }  // namespace
 
 LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& kernels,
-                             cpu::ThreadPool& pool, EngineConfig config, std::string model_name)
+                             cpu::ThreadPool& pool, EngineConfig config, std::string model_name,
+                             PeerLinks peers)
     : info_{std::move(model_name), model.config().n_ctx_train, model.config().n_vocab,
             config.n_kv_blocks * KvLayout::kDefaultBlockSize, config.end_of_generation},
-      engine_(model, kernels, pool, std::move(config)) {
+      engine_(model, kernels, pool, std::move(config)),
+      peers_(peers) {
   publish_stats();
+  if (peers_.transport != nullptr) {
+    KvTransport::Handlers handlers;
+    handlers.on_order = [this](int peer, PrefillOrder order) {
+      post(Order{peer, std::move(order)});
+    };
+    handlers.on_cancel = [this](int, RequestId id) { post(Withdrawn{id}); };
+    handlers.on_complete = [this](RequestId id, const KvHandoff& handoff) {
+      post(Imported{id, handoff});
+    };
+    handlers.on_failed = [this](RequestId id, const ServeError& error) {
+      post(ImportFailed{id, error});
+    };
+    handlers.on_released = [this](RequestId id) { post(Released{id}); };
+    peers_.transport->set_handlers(std::move(handlers));
+  }
   thread_ = std::thread([this] { run(); });
 }
 
 LocalInstance::~LocalInstance() {
+  if (peers_.transport != nullptr) peers_.transport->set_handlers({});
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -52,21 +70,17 @@ void LocalInstance::set_step_observer(StepObserver observer) {
   observer_ = std::move(observer);
 }
 
-void LocalInstance::submit(InstanceRequest request) {
+void LocalInstance::post(Command command) {
   {
     std::lock_guard lock(mutex_);
-    commands_.emplace_back(std::move(request));
+    commands_.push_back(std::move(command));
   }
   wake_.notify_one();
 }
 
-void LocalInstance::cancel(RequestId id) {
-  {
-    std::lock_guard lock(mutex_);
-    commands_.emplace_back(id);
-  }
-  wake_.notify_one();
-}
+void LocalInstance::submit(InstanceRequest request) { post(std::move(request)); }
+
+void LocalInstance::cancel(RequestId id) { post(id); }
 
 InstanceStats LocalInstance::stats() const {
   std::lock_guard lock(mutex_);
@@ -74,12 +88,51 @@ InstanceStats LocalInstance::stats() const {
 }
 
 void LocalInstance::apply(Command& command) {
-  if (auto* id = std::get_if<RequestId>(&command)) {
+  if (auto* request = std::get_if<InstanceRequest>(&command)) {
+    apply_submit(*request);
+  } else if (const auto* id = std::get_if<RequestId>(&command)) {
     auto it = sequences_.find(*id);
-    if (it != sequences_.end()) engine_.cancel(it->second);  // its sink reports the finish
-    return;
+    if (it == sequences_.end()) return;
+    const SequenceId sid = it->second;
+    // An import in transfer keeps its blocks until the transport lets go.
+    if (engine_.importing(sid)) {
+      spdlog::info(
+          "instance: request {} cancelled before its KV arrived; its blocks wait for "
+          "the transport",
+          id->value);
+      releasing_.emplace(*id, sid);
+    }
+    engine_.cancel(sid);  // its sink reports the finish
+  } else if (auto* order = std::get_if<Order>(&command)) {
+    apply_order(*order);
+  } else if (const auto* withdrawn = std::get_if<Withdrawn>(&command)) {
+    auto it = exports_.find(withdrawn->id);
+    if (it == exports_.end()) return;  // done already
+    engine_.cancel(it->second.sequence);
+    exports_.erase(it);
+  } else if (const auto* imported = std::get_if<Imported>(&command)) {
+    apply_imported(*imported);
+  } else if (const auto* failed = std::get_if<ImportFailed>(&command)) {
+    auto it = sequences_.find(failed->id);
+    if (it == sequences_.end() || !engine_.importing(it->second)) return;  // cancelled
+    engine_.release_import(it->second);
+    requests_.erase(it->second);
+    sequences_.erase(it);
+    fail(failed->id, failed->error);
+  } else if (const auto* released = std::get_if<Released>(&command)) {
+    auto it = releasing_.find(released->id);
+    if (it == releasing_.end()) return;
+    engine_.release_import(it->second);
+    releasing_.erase(it);
   }
-  InstanceRequest& request = std::get<InstanceRequest>(command);
+}
+
+void LocalInstance::fail(RequestId id, ServeError error) {
+  events_.push_back(
+      {.id = id, .finished = true, .finish = InstanceFinish::kFailed, .error = std::move(error)});
+}
+
+void LocalInstance::apply_submit(InstanceRequest& request) {
   const RequestId rid = request.id;
   RequestOptions options;
   options.max_tokens = request.max_tokens;
@@ -101,20 +154,83 @@ void LocalInstance::apply(Command& command) {
                        .admitted_at = std::chrono::steady_clock::now()});
   };
   try {
-    const SequenceId sid =
-        engine_.submit(std::move(request.prompt), options, on_token, on_admitted);
+    SequenceId sid;
+    if (request.prefill_peer >= 0) {
+      DUET_REQUIRE(peers_.transport != nullptr,
+                   "request {} names prefill rank {}, but this instance has no KV transport",
+                   rid.value, request.prefill_peer);
+      ImportHooks hooks;
+      hooks.reserved = [this, request](SequenceId, int64_t cached,
+                                       std::span<const int32_t> block_table) {
+        PrefillOrder order{request, cached};
+        order.request.prefill_peer = -1;
+        peers_.transport->start_import(request.prefill_peer, order, engine_.cache(), block_table,
+                                       std::chrono::steady_clock::now() + peers_.transfer_timeout);
+      };
+      hooks.abort = [this, rid](SequenceId) { peers_.transport->abort_import(rid); };
+      std::vector<int32_t> prompt = request.prompt;
+      sid = engine_.submit_import(std::move(prompt), options, on_token, std::move(hooks));
+    } else {
+      sid = engine_.submit(std::move(request.prompt), options, on_token, on_admitted);
+    }
     sequences_.emplace(rid, sid);
     requests_.emplace(sid, rid);
   } catch (const Error& e) {
-    events_.push_back({.id = rid,
-                       .finished = true,
-                       .finish = InstanceFinish::kFailed,
-                       .error = ServeError{ServeErrorKind::kInvalidArgument, e.what()}});
+    fail(rid, ServeError{ServeErrorKind::kInvalidArgument, e.what()});
   } catch (const std::exception& e) {
-    events_.push_back({.id = rid,
-                       .finished = true,
-                       .finish = InstanceFinish::kFailed,
-                       .error = ServeError{ServeErrorKind::kInternal, e.what()}});
+    fail(rid, ServeError{ServeErrorKind::kInternal, e.what()});
+  }
+}
+
+void LocalInstance::apply_imported(const Imported& imported) {
+  auto it = sequences_.find(imported.id);
+  if (it == sequences_.end() || !engine_.importing(it->second)) return;  // cancelled meanwhile
+  // Queueing ended when the prefill side admitted the prompt: place that on
+  // this host's clock as "prefill_ns before now".
+  const KvHandoff& handoff = imported.handoff;
+  events_.push_back({.id = imported.id,
+                     .admitted = true,
+                     .cached_tokens = handoff.cached_tokens,
+                     .admitted_at = std::chrono::steady_clock::now() -
+                                    std::chrono::nanoseconds(handoff.prefill_ns)});
+  engine_.complete_import(it->second, handoff.first_token);
+}
+
+void LocalInstance::apply_order(Order& order) {
+  const RequestId rid = order.order.request.id;
+  const int peer = order.peer;
+  InstanceRequest& request = order.order.request;
+  RequestOptions options;
+  options.max_tokens = request.max_tokens;
+  options.sampling = request.sampling;
+  options.ignore_eos = request.ignore_eos;
+  ExportSink sink;
+  sink.layer = [this, peer, rid](SequenceId, int64_t layer, int64_t pos0, int64_t n,
+                                 std::span<const int32_t> block_table, const KvCache& cache) {
+    peers_.transport->send_rows(peer, rid, layer, pos0, n, cache, block_table);
+    exports_.at(rid).rows_sent += n;
+  };
+  sink.done = [this, peer, rid](SequenceId, int32_t first_token, int64_t cached_tokens) {
+    auto it = exports_.find(rid);
+    const auto prefill = std::chrono::steady_clock::now() - it->second.admitted_at;
+    peers_.transport->send_handoff(
+        peer, KvHandoff{rid, first_token, cached_tokens,
+                        std::chrono::duration_cast<std::chrono::nanoseconds>(prefill).count(),
+                        it->second.rows_sent, std::nullopt});
+    exports_.erase(it);
+  };
+  auto on_admitted = [this, rid](SequenceId, int64_t) {
+    exports_.at(rid).admitted_at = std::chrono::steady_clock::now();
+  };
+  try {
+    const SequenceId sid = engine_.submit_export(std::move(request.prompt), options,
+                                                 order.order.send_from, sink, on_admitted);
+    exports_.emplace(rid, Export{sid, peer, std::chrono::steady_clock::now(), 0});
+  } catch (const std::exception& e) {
+    peers_.transport->send_handoff(
+        peer, KvHandoff{rid, -1, 0, 0, 0,
+                        ServeError{ServeErrorKind::kInvalidArgument,
+                                   std::string("prefill refused the prompt: ") + e.what()}});
   }
 }
 
@@ -151,6 +267,7 @@ void LocalInstance::run() {
       engine_.step();
     } catch (const std::exception& e) {
       // A broken invariant in the engine: fail every live request, keep the thread.
+      const std::string e_what = e.what();
       for (const auto& [rid, sid] : sequences_) {
         events_.push_back({.id = rid,
                            .finished = true,
@@ -161,8 +278,17 @@ void LocalInstance::run() {
       for (const auto& [sid, rid] : requests_) live.push_back(sid);
       std::vector<InstanceEvent> failed = std::move(events_);
       events_.clear();
+      for (const auto& [rid, exported] : exports_) {
+        peers_.transport->send_handoff(
+            exported.peer,
+            KvHandoff{rid, -1, 0, 0, 0, ServeError{ServeErrorKind::kInternal, e_what}});
+        live.push_back(exported.sequence);
+      }
+      exports_.clear();
       for (SequenceId sid : live) {
         try {
+          if (engine_.importing(sid) && requests_.contains(sid))
+            releasing_.emplace(requests_.at(sid), sid);
           engine_.cancel(sid);  // frees the KV; its events are dropped
         } catch (const std::exception& cancel_error) {
           spdlog::error("instance: cancel after a failed step failed: {}", cancel_error.what());

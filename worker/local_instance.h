@@ -6,10 +6,20 @@
 // With nothing queued and nothing running, the thread sleeps on a condition
 // variable (no CPU while idle).
 //
+// In a disaggregated cluster the instance also speaks to its peers through a
+// KvTransport (worker/kv_transport.h). A decode instance imports the prompt
+// of every request that names a prefill peer (it reserves the blocks, the
+// transport fetches the rows) and reports all of the request's events,
+// admission included, so the coordinator follows one instance per request.
+// A prefill instance takes PrefillOrders from its decode peers and exports
+// the prompts' KV; it reports no events of its own. The transport's handlers
+// only queue commands: every engine call stays on the engine thread.
+//
 // Thread affinity: submit, cancel, stats and info from any thread; the engine,
 // the id maps and the per-step event buffer belong to the engine thread.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -20,15 +30,25 @@
 
 #include "common/serving.h"
 #include "worker/engine.h"
+#include "worker/kv_transport.h"
 
 namespace duet {
+
+// How an instance takes part in disaggregated serving.
+struct PeerLinks {
+  KvTransport* transport = nullptr;  // outlives the instance; none: no peers
+  // The longest a decode instance waits for a prompt's KV, from the moment
+  // its blocks are reserved (the prefill side's queue included).
+  std::chrono::milliseconds transfer_timeout{120'000};
+};
 
 class LocalInstance final : public InstanceClient {
  public:
   // `model`, `kernels` and `pool` outlive the instance. The thread starts at
-  // once; events go nowhere until set_event_handler.
+  // once; events go nowhere until set_event_handler. With a transport in
+  // `peers`, installs its handlers (removed by the destructor).
   LocalInstance(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-                EngineConfig config, std::string model_name);
+                EngineConfig config, std::string model_name, PeerLinks peers = {});
   // Stops the engine thread; requests still running are dropped without events.
   ~LocalInstance() override;
   LocalInstance(const LocalInstance&) = delete;
@@ -49,10 +69,43 @@ class LocalInstance final : public InstanceClient {
   InstanceStats stats() const override;
 
  private:
-  using Command = std::variant<InstanceRequest, RequestId>;  // submit or cancel
+  // From the transport (the peers' side of a transfer).
+  struct Order {
+    int peer = 0;
+    PrefillOrder order;
+  };
+  struct Withdrawn {
+    RequestId id;
+  };
+  struct Imported {
+    RequestId id;
+    KvHandoff handoff;
+  };
+  struct ImportFailed {
+    RequestId id;
+    ServeError error;
+  };
+  struct Released {
+    RequestId id;
+  };
+  // submit, cancel, then the transport's.
+  using Command =
+      std::variant<InstanceRequest, RequestId, Order, Withdrawn, Imported, ImportFailed, Released>;
+  // A prompt this (prefill) instance computes for a decode peer.
+  struct Export {
+    SequenceId sequence;
+    int peer = 0;
+    std::chrono::steady_clock::time_point admitted_at{};
+    int64_t rows_sent = 0;
+  };
 
-  void run();  // the engine thread
+  void post(Command command);  // any thread
+  void run();                  // the engine thread
   void apply(Command& command);
+  void apply_submit(InstanceRequest& request);
+  void apply_order(Order& order);
+  void apply_imported(const Imported& imported);
+  void fail(RequestId id, ServeError error);  // a finished kFailed event
   InstanceStats publish_stats();
 
   InstanceInfo info_;
@@ -61,7 +114,10 @@ class LocalInstance final : public InstanceClient {
   // Engine thread only.
   std::map<RequestId, SequenceId> sequences_;
   std::map<SequenceId, RequestId> requests_;
+  std::map<RequestId, SequenceId> releasing_;  // cancelled imports waiting for on_released
+  std::map<RequestId, Export> exports_;
   std::vector<InstanceEvent> events_;  // of the current step
+  const PeerLinks peers_;
 
   mutable std::mutex mutex_;  // guards the members below
   std::condition_variable wake_;

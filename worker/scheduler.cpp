@@ -27,6 +27,24 @@ void Scheduler::add(SequenceId id, std::vector<int32_t> prompt, int64_t max_toke
   waiting_.push_back(id);
 }
 
+void Scheduler::add_running(SequenceId id, std::vector<int32_t> prompt, int32_t first_token,
+                            int64_t max_tokens) {
+  DUET_REQUIRE(!prompt.empty() && max_tokens >= 2,
+               "sequence {}: an imported sequence needs a prompt and max_tokens >= 2", id.value);
+  DUET_REQUIRE(!sequences_.contains(id), "sequence {} already exists", id.value);
+  DUET_REQUIRE(kv_.has_sequence(id) && kv_.n_tokens(id) == static_cast<int64_t>(prompt.size()),
+               "sequence {}: its prompt's KV is not committed", id.value);
+  Sequence seq;
+  seq.arrival = next_arrival_++;
+  seq.n_prompt = static_cast<int64_t>(prompt.size());
+  seq.n_computed = seq.n_prompt;
+  seq.tokens = std::move(prompt);
+  seq.tokens.push_back(first_token);
+  seq.max_tokens = max_tokens;
+  sequences_.emplace(id, std::move(seq));
+  running_.push_back(id);  // the newest arrival: running_ stays ordered
+}
+
 void Scheduler::release(SequenceId id) {
   if (kv_.has_sequence(id)) kv_.free_sequence(id);
   std::erase(running_, id);

@@ -60,6 +60,13 @@ class Scheduler final {
   // can never fit would wait forever).
   void add(SequenceId id, std::vector<int32_t> prompt, int64_t max_tokens);
 
+  // Adds a sequence whose prompt KV is already written and committed (the KV
+  // cache manager holds it under `id`, all of `prompt` committed), with its
+  // first generated token: it runs from the next step on, decoding that token.
+  // Counts as running; its arrival is now. max_tokens counts the first token.
+  void add_running(SequenceId id, std::vector<int32_t> prompt, int32_t first_token,
+                   int64_t max_tokens);
+
   // Ends a sequence at once (cancelled, or stopped by its caller), freeing its KV.
   void finish(SequenceId id);
 

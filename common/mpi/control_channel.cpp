@@ -95,6 +95,27 @@ bool ControlChannel::close(std::chrono::milliseconds timeout) {
   return false;
 }
 
+void ControlChannel::attach(CommEndpoint& endpoint) {
+  {
+    std::lock_guard lock(endpoints_mutex_);
+    endpoints_.push_back(&endpoint);
+  }
+  wake();
+}
+
+void ControlChannel::detach(CommEndpoint& endpoint) {
+  std::lock_guard lock(endpoints_mutex_);
+  std::erase(endpoints_, &endpoint);
+}
+
+void ControlChannel::wake() {
+  {
+    std::lock_guard lock(mutex_);
+    woken_ = true;
+  }
+  wake_.notify_one();
+}
+
 ControlChannel::Counters ControlChannel::counters() const {
   std::lock_guard lock(mutex_);
   return counters_;
@@ -114,6 +135,7 @@ void ControlChannel::run() {
         fresh.swap(outbox_);
         closing = closing_;
         stop = stop_;
+        woken_ = false;
       }
       if (stop) {
         // No agreement with the other ranks, but what was queued still
@@ -136,6 +158,14 @@ void ControlChannel::run() {
       }
       active = test_sends() || active;
       active = receive_some() || active;
+      bool transferring = false;
+      {
+        std::lock_guard lock(endpoints_mutex_);
+        for (CommEndpoint* endpoint : endpoints_) {
+          active = endpoint->progress() || active;
+          transferring = transferring || endpoint->in_flight();
+        }
+      }
 
       if (close_markers_sent_ && in_flight_.empty() && n_closed_peers_ == world_size_ - 1) {
         std::lock_guard lock(mutex_);
@@ -147,12 +177,12 @@ void ControlChannel::run() {
         idle_sleep = options_.min_idle_sleep;
         continue;
       }
-      const auto pause =
-          in_flight_.empty() ? idle_sleep : std::min(idle_sleep, options_.in_flight_poll);
+      auto pause = in_flight_.empty() ? idle_sleep : std::min(idle_sleep, options_.in_flight_poll);
+      if (transferring) pause = std::min(pause, options_.transfer_poll);
       {
         std::unique_lock lock(mutex_);
         wake_.wait_for(lock, pause, [&] {
-          return !outbox_.empty() || stop_ || (closing_ && !close_markers_sent_);
+          return !outbox_.empty() || stop_ || woken_ || (closing_ && !close_markers_sent_);
         });
       }
       idle_sleep = std::min(idle_sleep * 2, options_.max_idle_sleep);

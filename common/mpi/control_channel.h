@@ -45,12 +45,28 @@
 
 namespace duet {
 
+// Another user of the communication thread (the KV transport): one thread per
+// process drives every non-blocking MPI operation, each user on its own
+// communicator.
+class CommEndpoint {
+ public:
+  virtual ~CommEndpoint() = default;
+  // Moves the endpoint's operations on (posts, tests, receives); true when
+  // anything happened. Called on the communication thread on every pass.
+  virtual bool progress() = 0;
+  // Whether operations are in flight: the thread then polls every
+  // transfer_poll instead of backing off.
+  virtual bool in_flight() const = 0;
+};
+
 struct ControlChannelOptions {
   std::chrono::microseconds min_idle_sleep{50};
   std::chrono::microseconds max_idle_sleep{2000};
   // While sends are in flight the thread polls at least this often, so a
   // large (rendezvous) send keeps moving.
   std::chrono::microseconds in_flight_poll{200};
+  // While an attached endpoint has operations in flight (a KV transfer).
+  std::chrono::microseconds transfer_poll{20};
   // Receives per pass before the thread looks at its send queue again.
   int max_receives_per_pass = 64;
 };
@@ -68,6 +84,13 @@ class ControlChannel final {
   ~ControlChannel();
   ControlChannel(const ControlChannel&) = delete;
   ControlChannel& operator=(const ControlChannel&) = delete;
+
+  // Any thread. The communication thread drives `endpoint` from its next pass
+  // until detach(), which returns once the thread is not inside it.
+  void attach(CommEndpoint& endpoint);
+  void detach(CommEndpoint& endpoint);
+  // Any thread: an attached endpoint has new work; the thread passes at once.
+  void wake();
 
   Rank rank() const { return rank_; }
   int world_size() const { return world_size_; }
@@ -130,10 +153,15 @@ class ControlChannel final {
   std::condition_variable inbox_ready_;  // receivers and close() wait here
   std::deque<Outgoing> outbox_;          // queued by send(), not yet posted
   std::deque<ReceivedMessage> inbox_;
+  bool woken_ = false;    // wake() since the thread last looked
   bool closing_ = false;  // close() began: no more sends
   bool closed_ = false;   // every rank closed; the thread has ended
   bool stop_ = false;     // end the thread now, without the closing agreement
   Counters counters_;
+
+  // Held by the communication thread while it drives the endpoints.
+  std::mutex endpoints_mutex_;
+  std::vector<CommEndpoint*> endpoints_;  // guarded by endpoints_mutex_
 
   std::thread thread_;  // last: starts after everything above exists
 };

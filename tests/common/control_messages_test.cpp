@@ -50,6 +50,7 @@ void expect_same(const InstanceRequest& a, const InstanceRequest& b) {
   EXPECT_EQ(a.max_tokens, b.max_tokens);
   expect_same(a.sampling, b.sampling);
   EXPECT_EQ(a.ignore_eos, b.ignore_eos);
+  EXPECT_EQ(a.prefill_peer, b.prefill_peer);
 }
 
 void expect_same(const InstanceEvent& a, const InstanceEvent& b) {
@@ -105,6 +106,7 @@ TEST(ControlMessages, SubmitRoundTripsEveryField) {
   request.sampling.presence_penalty = 1e-30f;
   request.sampling.penalty_last_n = -1;
   request.ignore_eos = true;
+  request.prefill_peer = 5;
   expect_same(round_trip_as(SubmitRequest{request}).request, request);
 
   // Defaults (every control off) survive too, and an empty prompt.
@@ -127,7 +129,7 @@ TEST(ControlMessages, StepEventsRoundTripEveryKindOfEvent) {
   admitted.id = RequestId{1};
   admitted.admitted = true;
   admitted.cached_tokens = 32;
-  admitted.admitted_at = std::chrono::steady_clock::time_point(987654321012ns);
+  admitted.admitted_at = std::chrono::steady_clock::now() - 5ms;
   admitted.token = 42;
   step.events.push_back(admitted);
   InstanceEvent token;
@@ -220,6 +222,38 @@ TEST(ControlMessages, NamesFollowTheVariant) {
   EXPECT_EQ(control_message_name(StatsReport{}), "stats");
   EXPECT_EQ(control_message_name(Shutdown{}), "shutdown");
   EXPECT_EQ(control_message_name(InstanceReady{}), "instance_ready");
+  EXPECT_EQ(control_message_name(PrefillOrder{}), "prefill_order");
+  EXPECT_EQ(control_message_name(KvHandoff{}), "kv_handoff");
+}
+
+TEST(ControlMessages, PrefillOrderAndHandoffRoundTrip) {
+  PrefillOrder order;
+  order.request.id = RequestId{77};
+  order.request.prompt = {5, 6, 7};
+  order.request.max_tokens = 9;
+  order.request.sampling.temperature = 0.25f;
+  order.request.sampling.seed = 42;
+  order.send_from = 32;
+  const PrefillOrder o = round_trip_as(order);
+  expect_same(o.request, order.request);
+  EXPECT_EQ(o.request.prefill_peer, -1);  // the field's default survives
+  EXPECT_EQ(o.send_from, 32);
+
+  const KvHandoff handoff{RequestId{77}, 1234, 16, 5'000'000, 30 * 3, std::nullopt};
+  const KvHandoff h = round_trip_as(handoff);
+  EXPECT_EQ(h.id, handoff.id);
+  EXPECT_EQ(h.first_token, 1234);
+  EXPECT_EQ(h.cached_tokens, 16);
+  EXPECT_EQ(h.prefill_ns, 5'000'000);
+  EXPECT_EQ(h.rows_sent, 90);
+  EXPECT_FALSE(h.error.has_value());
+
+  KvHandoff failed{
+      RequestId{78}, -1, 0, 0, 0, ServeError{ServeErrorKind::kTooLong, "the prompt does not fit"}};
+  const KvHandoff f = round_trip_as(failed);
+  ASSERT_TRUE(f.error.has_value());
+  EXPECT_EQ(f.error->kind, ServeErrorKind::kTooLong);
+  EXPECT_EQ(f.error->message, "the prompt does not fit");
 }
 
 TEST(ControlMessages, UnalignedBytesDecode) {

@@ -23,26 +23,56 @@ namespace {
 
 using namespace std::chrono_literals;
 
+InstanceLoad load(InstanceRole role, int64_t free, int64_t sequences, int64_t queued = 0,
+                  int64_t prefix = 0) {
+  InstanceLoad l;
+  l.role = role;
+  l.kv_blocks_free = free;
+  l.kv_blocks_total = 100;
+  l.sequences = sequences;
+  l.queued_prompt_tokens = queued;
+  l.prefix_tokens = prefix;
+  return l;
+}
+
 TEST(ColocatedPolicy, MostFreeBlocksThenFewestSequencesThenLowestIndex) {
   const ColocatedPolicy policy;
   const InstanceRequest request;
-  auto pick = [&](std::vector<InstanceLoad> loads) { return policy.pick(loads, request); };
-  EXPECT_EQ(pick({{10, 100, 0}}), 0u);
-  EXPECT_EQ(pick({{10, 100, 0}, {20, 100, 5}}), 1u);                // free blocks first
-  EXPECT_EQ(pick({{20, 100, 3}, {20, 100, 2}, {20, 100, 2}}), 1u);  // then sequences, lowest index
-  EXPECT_EQ(pick({{20, 100, 0}, {20, 100, 0}}), 0u);
+  auto pick = [&](std::vector<InstanceLoad> loads) {
+    const Route route = policy.pick(loads, request);
+    EXPECT_FALSE(route.prefill.has_value());
+    return route.target;
+  };
+  constexpr auto kBoth = InstanceRole::kBoth;
+  EXPECT_EQ(pick({load(kBoth, 10, 0)}), 0u);
+  EXPECT_EQ(pick({load(kBoth, 10, 0), load(kBoth, 20, 5)}), 1u);  // free blocks first
+  EXPECT_EQ(pick({load(kBoth, 20, 3), load(kBoth, 20, 2), load(kBoth, 20, 2)}),
+            1u);  // then sequences, lowest index
+  EXPECT_EQ(pick({load(kBoth, 20, 0), load(kBoth, 20, 0)}), 0u);
   EXPECT_EQ(policy.name(), "colocated");
 }
 
-TEST(RoutingPolicy, DisaggregatedIsNotServedYet) {
+TEST(DisaggregatedPolicy, PrefillByQueuedPromptThenPrefixDecodeByRoom) {
+  const DisaggregatedPolicy policy;
+  const InstanceRequest request;
+  constexpr auto kPrefill = InstanceRole::kPrefill;
+  constexpr auto kDecode = InstanceRole::kDecode;
+  // Prefill: fewest queued prompt tokens, whatever their KV or sequences.
+  Route r = policy.pick(
+      std::vector<InstanceLoad>{load(kPrefill, 0, 9, 500), load(kPrefill, 90, 0, 700),
+                                load(kDecode, 10, 0), load(kDecode, 30, 4), load(kDecode, 30, 2)},
+      request);
+  EXPECT_EQ(r.prefill, std::optional<size_t>(0));
+  EXPECT_EQ(r.target, 4u);  // most free blocks, then fewest sequences
+  // Ties on queued tokens: the longest likely prefix-cache hit.
+  r = policy.pick(std::vector<InstanceLoad>{load(kPrefill, 0, 0, 100, 16),
+                                            load(kPrefill, 0, 0, 100, 64), load(kDecode, 10, 0)},
+                  request);
+  EXPECT_EQ(r.prefill, std::optional<size_t>(1));
+  EXPECT_EQ(r.target, 2u);
+  EXPECT_EQ(policy.name(), "disaggregated");
+  EXPECT_EQ(make_routing_policy(ClusterMode::kDisaggregated)->name(), "disaggregated");
   EXPECT_EQ(make_routing_policy(ClusterMode::kColocated)->name(), "colocated");
-  try {
-    make_routing_policy(ClusterMode::kDisaggregated);
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("not supported yet"), std::string::npos) << e.what();
-  }
 }
 
 // Collects the merged events by request. While held, an engine thread that
@@ -161,7 +191,8 @@ TEST_F(RoutedInstancesTest, ABurstSpreadsAndGreedyTokensEqualOneInstancesOwn) {
 
   std::unique_ptr<LocalInstance> a = make_instance();
   std::unique_ptr<LocalInstance> b = make_instance();
-  RoutedInstances routed({a.get(), b.get()}, std::make_unique<ColocatedPolicy>());
+  RoutedInstances routed(std::vector<InstanceClient*>{a.get(), b.get()},
+                         std::make_unique<ColocatedPolicy>());
   EXPECT_EQ(routed.info().model_name, "tiny");
   EXPECT_EQ(routed.stats().kv_blocks_total, a->stats().kv_blocks_total * 2);
   Collector collector;
@@ -189,7 +220,8 @@ TEST_F(RoutedInstancesTest, ABurstSpreadsAndGreedyTokensEqualOneInstancesOwn) {
 TEST_F(RoutedInstancesTest, CancelReachesTheInstanceThatHoldsTheRequest) {
   std::unique_ptr<LocalInstance> a = make_instance();
   std::unique_ptr<LocalInstance> b = make_instance();
-  RoutedInstances routed({a.get(), b.get()}, std::make_unique<ColocatedPolicy>());
+  RoutedInstances routed(std::vector<InstanceClient*>{a.get(), b.get()},
+                         std::make_unique<ColocatedPolicy>());
   Collector collector;
   routed.set_event_handler([&](auto events) { collector.on_events(events); });
   // Two long requests, one per instance; cancel both between two steps.
@@ -214,7 +246,8 @@ TEST_F(RoutedInstancesTest, InstancesServingDifferentModelsAreRefused) {
   std::unique_ptr<LocalInstance> a = make_instance("tiny");
   std::unique_ptr<LocalInstance> b = make_instance("other");
   try {
-    RoutedInstances routed({a.get(), b.get()}, std::make_unique<ColocatedPolicy>());
+    RoutedInstances routed(std::vector<InstanceClient*>{a.get(), b.get()},
+                           std::make_unique<ColocatedPolicy>());
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);

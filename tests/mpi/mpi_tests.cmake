@@ -38,7 +38,7 @@ duet_add_mpi_test(mpi_idle_cpu 3 90 "mpi;slow" --scenario idle --prefill 1 --dec
 # Failures: every rank exits non-zero with the same line, and nothing hangs.
 add_test(NAME mpi_version_mismatch
   COMMAND ${DUET_EXPECT_SAME_ERROR} 3
-    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 2"
+    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 3"
     60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
     --prefill 1 --decode 1 --bad-version-rank 2)
 add_test(NAME mpi_world_size_mismatch
@@ -67,3 +67,13 @@ set_tests_properties(mpi_serve_colocated_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 600)
+
+# `duet serve` disaggregated (coordinator + 1 prefill + 2 decode instances)
+# against the single-process server: identical outputs, a 64-request burst,
+# cancels in every phase, a prompt too big for any decode instance.
+add_test(NAME mpi_serve_disaggregated_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_disaggregated.py)
+set_tests_properties(mpi_serve_disaggregated_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 900)

@@ -9,6 +9,8 @@ two instances (ranks 1 and 2), against the single-process `duet serve`.
 - a spec that does not match -np, and tp > 1, fail fast with the same error
   on every rank.
 
+The disaggregated cluster has its own test (test_serve_disaggregated.py).
+
 Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
 DUET_MPIEXEC set.
 """
@@ -167,10 +169,6 @@ class ClusterSpecErrorTest(unittest.TestCase):
     def test_tensor_parallelism_is_refused(self):
         self.expect_same_error(3, ["--mode", "colocated", "--decode", "1", "--tp", "2"],
                                "tensor parallelism is not supported yet")
-
-    def test_disaggregated_is_refused(self):
-        self.expect_same_error(3, ["--prefill", "1", "--decode", "1"],
-                               "disaggregated serving is not supported yet")
 
 
 if __name__ == "__main__":

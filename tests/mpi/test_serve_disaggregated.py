@@ -1,0 +1,185 @@
+"""`duet serve` disaggregated under mpirun: a coordinator (rank 0), one
+prefill instance (rank 1) and two decode instances (ranks 2 and 3), KV
+shipped over MPI with checksums on, against the single-process `duet serve`.
+
+- greedy and seeded-sampling completions are identical to the single
+  process's, for prompts of one chunk and of many (the step budget is small);
+- 64 concurrent requests of mixed lengths all complete, over both decode
+  instances;
+- cancels (client disconnects) during prefill, during the KV transfer and
+  during decode leave every block free on every rank;
+- a prompt that no decode instance can hold is a clear 400, and the cluster
+  goes on serving;
+- SIGTERM to the coordinator ends every rank with exit 0; every transfer's
+  checksum matched (no import failed).
+
+Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
+DUET_MPIEXEC set.
+"""
+
+import json
+import os
+import random
+import re
+import socket
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpirun_serve import MpirunServe, ServeProcess, serve_environment, wait_until  # noqa: E402
+from serve_process import http_request, parse_metrics  # noqa: E402
+
+# 128 MiB of KV per instance: 5825 tokens of the default model, under its
+# 8192-token context, so a request can be too big for the KV cache alone.
+ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
+CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-checksums", *ENGINE]
+cluster = None
+
+
+def setUpModule():
+    global cluster
+    serve_environment()  # skips the module without the model
+    cluster = MpirunServe(4, CLUSTER)
+    cluster.start()
+
+
+def tearDownModule():
+    if cluster is not None and cluster.process.poll() is None:
+        cluster.stop(check=False)
+
+
+def complete(server, body, expect=200):
+    status, _, reply = http_request(server.http_url + "/v1/completions", "POST", body, timeout=300)
+    assert status == expect, (status, reply[:500])
+    return json.loads(reply)
+
+
+def metrics(server):
+    return parse_metrics(http_request(server.http_url + "/metrics")[2].decode())
+
+
+def every_block_free():
+    m = metrics(cluster)
+    return (m["duet_running_sequences"] == 0 and m["duet_waiting_sequences"] == 0 and
+            m["duet_kv_blocks_free"] == m["duet_kv_blocks_total"])
+
+
+def words(n, seed):
+    rng = random.Random(seed)
+    vocab = ["river", "stone", "quiet", "north", "lamp", "seven", "bright", "window", "garden",
+             "copper", "winter", "echo", "harbor", "paper", "violet", "engine"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+class DisaggregatedClusterTest(unittest.TestCase):
+    def test_1_outputs_equal_the_single_process(self):
+        prompts = ["The capital of France is", "def fibonacci(n):",
+                   "Summarize: " + words(300, 1),  # several 128-token chunks
+                   "List the words: " + words(700, 2)]
+        bodies = []
+        for i, p in enumerate(prompts):
+            bodies.append({"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+            bodies.append({"prompt": p, "max_tokens": 20, "temperature": 0.9, "seed": 100 + i,
+                           "top_p": 0.95, "ignore_eos": True})
+        with ServeProcess(ENGINE) as single:
+            expected = [complete(single, b)["choices"][0]["text"] for b in bodies]
+        for body, text in zip(bodies, expected):
+            got = complete(cluster, body)["choices"][0]["text"]
+            self.assertEqual(got, text, f"prompt {body['prompt'][:40]!r}, "
+                                        f"temperature {body['temperature']}")
+        # The chat endpoint goes the same way (template applied on the coordinator).
+        status, _, reply = http_request(
+            cluster.http_url + "/v1/chat/completions", "POST",
+            {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+             "temperature": 0})
+        self.assertEqual(status, 200, reply[:300])
+        wait_until(every_block_free, 20, "every KV block free")
+
+    def test_2_sixty_four_concurrent_mixed_requests_complete(self):
+        n = 64
+        rng = random.Random(64)
+        bodies = [{"prompt": f"Request {i}: " + words(rng.choice([4, 20, 60, 150, 400]), i),
+                   "max_tokens": rng.choice([4, 12, 32]), "temperature": 0, "ignore_eos": True}
+                  for i in range(n)]
+        results = [None] * n
+
+        def one(i):
+            try:
+                results[i] = complete(cluster, bodies[i])
+            except AssertionError as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, r in enumerate(results):
+            self.assertIsInstance(r, dict, f"request {i}: {r}")
+            self.assertEqual(r["usage"]["completion_tokens"], bodies[i]["max_tokens"])
+        wait_until(every_block_free, 20, "every KV block free after the burst")
+
+    def test_3_cancels_in_every_phase_free_every_block(self):
+        long_prompt = "Translate: " + words(1500, 3)  # 12+ prefill chunks
+        data = json.dumps({"prompt": long_prompt, "max_tokens": 500, "ignore_eos": True,
+                           "stream": True, "temperature": 0}).encode()
+
+        def start():
+            sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=60)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
+                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            return sock
+
+        # Before the first token: while the prompt is prefilled and shipped.
+        for delay in (0.02, 0.1, 0.25, 0.5, 0.8):
+            sock = start()
+            time.sleep(delay)
+            sock.close()
+        # During decode: after a few streamed tokens.
+        socks = [start() for _ in range(2)]
+        for sock in socks:
+            received = b""
+            while received.count(b"data: ") < 3:
+                chunk = sock.recv(4096)
+                self.assertTrue(chunk, "the stream ended early")
+                received += chunk
+        for sock in socks:
+            sock.close()
+        wait_until(every_block_free, 60, "every KV block free after the cancels")
+        # And the cluster still answers.
+        r = complete(cluster, {"prompt": "After the cancels:", "max_tokens": 4, "temperature": 0})
+        self.assertEqual(r["usage"]["completion_tokens"], 4)
+
+    def test_4_a_prompt_no_decode_instance_can_hold_is_a_clear_error(self):
+        # Within the model's context (8192), over every instance's KV cache (5825 tokens).
+        for body in ({"prompt": "A short prompt", "max_tokens": 7000},
+                     {"prompt": words(5000, 4), "max_tokens": 1000}):
+            reply = complete(cluster, body, expect=400)
+            message = reply["error"]["message"]
+            self.assertRegex(message, r"limit of 58\d\d|over the 58\d\d tokens a sequence can hold")
+            print(f"  refused: {message}", file=sys.stderr)
+        r = complete(cluster, {"prompt": "Still serving:", "max_tokens": 4, "temperature": 0})
+        self.assertEqual(r["usage"]["completion_tokens"], 4)
+
+    def test_5_sigterm_ends_every_rank_with_exit_0(self):
+        code = cluster.stop(timeout=30, check=False)
+        log = "\n".join(cluster.log_lines())
+        self.assertEqual(code, 0, log)
+        for rank in range(4):
+            self.assertIn(f"rank {rank}: exiting with code 0", log)
+        routed = {int(i): int(n) for i, n in
+                  re.findall(r"instance (\d) \(rank \d\): (\d+) requests routed", log)}
+        self.assertEqual(sorted(routed), [0, 1, 2], log)
+        self.assertGreaterEqual(min(routed[1], routed[2]), 10, routed)  # both decode instances
+        self.assertEqual(routed[0], routed[1] + routed[2])  # every prompt went through prefill
+        failed = [int(n) for n in re.findall(r"imports completed, (\d+) failed", log)]
+        self.assertEqual(len(failed), 3, log)
+        self.assertEqual(sum(failed), 0, log)  # every checksum matched, no deadline passed
+        # At least one cancel found its KV still in transfer.
+        self.assertIn("cancelled before its KV arrived", log)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,424 @@
+#include "worker/mpi_kv_transport.h"
+
+#include <spdlog/spdlog.h>
+
+#include <climits>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "common/control_messages.h"
+#include "common/error.h"
+#include "worker/kv_rows.h"
+
+namespace duet {
+namespace {
+
+constexpr int kTag = 1;
+constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
+constexpr uint32_t kRows = 1;
+constexpr uint32_t kControl = 2;
+
+struct WireHeader {
+  uint32_t magic = kMagic;
+  uint32_t kind = 0;
+  uint64_t request = 0;
+  int64_t layer = 0;
+  int64_t pos0 = 0;
+  int64_t n = 0;
+  uint64_t checksum = 0;  // of the rows payload; 0: not computed
+};
+static_assert(sizeof(WireHeader) == 48);
+
+// A gone request's id is remembered this long, so that its late rows are
+// recognised and dropped rather than reported as strays.
+constexpr auto kGoneMemory = std::chrono::minutes(5);
+// What a transport being destroyed gives its sends in flight.
+constexpr auto kFlushOnDestroy = std::chrono::milliseconds(500);
+constexpr size_t kMaxSpares = 64;
+
+}  // namespace
+
+MpiKvTransport::MpiKvTransport(ControlChannel& channel, MpiKvTransportOptions options)
+    : channel_(channel), options_(options) {
+  DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+  channel_.attach(*this);
+}
+
+MpiKvTransport::~MpiKvTransport() {
+  channel_.detach(*this);  // from here on only this thread touches comm_
+  const auto deadline = Clock::now() + kFlushOnDestroy;
+  try {
+    post_sends();
+    while (!in_flight_.empty() && Clock::now() < deadline) {
+      test_sends();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("kv transport: {}", e.what());
+  }
+  // A send MPI has not finished cannot be taken back: its buffer is leaked.
+  for (Outgoing& outgoing : in_flight_) {
+    MPI_Request_free(&outgoing.request);
+    static_cast<void>(new std::vector<std::byte>(std::move(outgoing.bytes)));
+  }
+  if (!in_flight_.empty())
+    spdlog::warn("kv transport: abandoned {} unfinished send(s)", in_flight_.size());
+  MPI_Comm_free(&comm_);
+}
+
+void MpiKvTransport::set_handlers(Handlers handlers) {
+  std::lock_guard lock(handlers_mutex_);
+  handlers_ = std::move(handlers);
+}
+
+MpiKvTransport::Counters MpiKvTransport::counters() const {
+  std::lock_guard lock(mutex_);
+  return counters_;
+}
+
+// ---------------------------------------------------------------- any thread
+
+std::vector<std::byte> MpiKvTransport::take_buffer(size_t size) {
+  std::vector<std::byte> buffer;
+  {
+    std::lock_guard lock(mutex_);
+    if (!spares_.empty()) {
+      buffer = std::move(spares_.back());
+      spares_.pop_back();
+    }
+  }
+  buffer.resize(size);
+  return buffer;
+}
+
+void MpiKvTransport::queue(int destination, std::vector<std::byte> bytes) {
+  DUET_REQUIRE(bytes.size() <= static_cast<size_t>(INT_MAX),
+               "kv transport: a {}-byte message is over MPI's 2 GiB count limit", bytes.size());
+  {
+    std::lock_guard lock(mutex_);
+    outbox_.push_back(Outgoing{destination, std::move(bytes)});
+  }
+  channel_.wake();
+}
+
+std::vector<std::byte> MpiKvTransport::control_bytes(const ControlMessage& message) {
+  const std::vector<std::byte> encoded = encode_control_message(message);
+  std::vector<std::byte> bytes = take_buffer(sizeof(WireHeader) + encoded.size());
+  WireHeader header;
+  header.kind = kControl;
+  std::memcpy(bytes.data(), &header, sizeof header);
+  std::memcpy(bytes.data() + sizeof header, encoded.data(), encoded.size());
+  return bytes;
+}
+
+void MpiKvTransport::start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
+                                  std::span<const int32_t> block_table,
+                                  Clock::time_point deadline) {
+  {
+    std::lock_guard lock(mutex_);
+    starts_.push_back(Start{prefill_peer, order, &cache,
+                            std::vector<int32_t>(block_table.begin(), block_table.end()),
+                            deadline});
+  }
+  channel_.wake();
+}
+
+void MpiKvTransport::abort_import(RequestId id) {
+  {
+    std::lock_guard lock(mutex_);
+    aborts_.push_back(id);
+  }
+  channel_.wake();
+}
+
+void MpiKvTransport::send_rows(int decode_peer, RequestId id, int64_t layer, int64_t pos0,
+                               int64_t n, const KvCache& cache,
+                               std::span<const int32_t> block_table) {
+  const KvLayout& layout = cache.layout();
+  const size_t payload = static_cast<size_t>(packed_kv_elems(layout, n)) * sizeof(KvElement);
+  std::vector<std::byte> bytes = take_buffer(sizeof(WireHeader) + payload);
+  auto* rows = reinterpret_cast<KvElement*>(bytes.data() + sizeof(WireHeader));
+  pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, rows);
+  WireHeader header{kMagic, kRows, id.value, layer, pos0, n, 0};
+  if (options_.checksums) {
+    header.checksum =
+        kv_checksum(std::span<const KvElement>(rows, payload / sizeof(KvElement))) | 1;
+  }
+  std::memcpy(bytes.data(), &header, sizeof header);
+  queue(decode_peer, std::move(bytes));
+}
+
+void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
+  queue(decode_peer, control_bytes(handoff));
+}
+
+// ---------------------------------------------------------------- the communication thread
+
+bool MpiKvTransport::in_flight() const { return !in_flight_.empty() || !imports_.empty(); }
+
+bool MpiKvTransport::progress() {
+  std::vector<Outcome> outcomes;
+  bool active = false;
+  process_commands(outcomes);
+  active = post_sends() || active;
+  active = test_sends() || active;
+  active = receive_some(outcomes) || active;
+  if (!imports_.empty() || !gone_.empty()) expire(outcomes);
+  active = active || !outcomes.empty();
+  deliver(outcomes);
+  return active;
+}
+
+void MpiKvTransport::process_commands(std::vector<Outcome>& outcomes) {
+  std::deque<Start> starts;
+  std::deque<RequestId> aborts;
+  {
+    std::lock_guard lock(mutex_);
+    starts.swap(starts_);
+    aborts.swap(aborts_);
+  }
+  for (Start& start : starts) {
+    const RequestId id = start.order.request.id;
+    Import import{start.peer,
+                  start.cache,
+                  std::move(start.block_table),
+                  start.order.send_from,
+                  static_cast<int64_t>(start.order.request.prompt.size()),
+                  0,
+                  start.deadline};
+    imports_[id] = std::move(import);  // before the order leaves: its rows find it
+    gone_.erase(id);
+    queue(start.peer, control_bytes(start.order));
+  }
+  for (RequestId id : aborts) {
+    auto it = imports_.find(id);
+    if (it != imports_.end()) {
+      queue(it->second.source, control_bytes(Cancel{id}));
+      imports_.erase(it);
+      gone_[id] = Clock::now();
+    }
+    // Nothing writes its blocks any more (rows are unpacked on this thread).
+    outcomes.push_back(Outcome{id, Outcome::Kind::kReleased, {}, {}});
+  }
+}
+
+bool MpiKvTransport::post_sends() {
+  std::deque<Outgoing> fresh;
+  {
+    std::lock_guard lock(mutex_);
+    fresh.swap(outbox_);
+  }
+  if (fresh.empty()) return false;
+  int64_t bytes = 0;
+  for (Outgoing& outgoing : fresh) {
+    in_flight_.push_back(std::move(outgoing));
+    Outgoing& posted = in_flight_.back();
+    bytes += static_cast<int64_t>(posted.bytes.size());
+    DUET_MPI_CHECK(MPI_Isend(posted.bytes.data(), static_cast<int>(posted.bytes.size()), MPI_BYTE,
+                             posted.destination, kTag, comm_, &posted.request));
+  }
+  std::lock_guard lock(mutex_);
+  counters_.messages_sent += static_cast<int64_t>(fresh.size());
+  counters_.bytes_sent += bytes;
+  return true;
+}
+
+bool MpiKvTransport::test_sends() {
+  std::vector<std::vector<std::byte>> done_buffers;
+  std::erase_if(in_flight_, [&](Outgoing& outgoing) {
+    int done = 0;
+    DUET_MPI_CHECK(MPI_Test(&outgoing.request, &done, MPI_STATUS_IGNORE));
+    if (done) done_buffers.push_back(std::move(outgoing.bytes));
+    return done != 0;
+  });
+  if (done_buffers.empty()) return false;
+  std::lock_guard lock(mutex_);
+  for (auto& buffer : done_buffers) {
+    if (spares_.size() < kMaxSpares) spares_.push_back(std::move(buffer));
+  }
+  return true;
+}
+
+bool MpiKvTransport::receive_some(std::vector<Outcome>& outcomes) {
+  bool any = false;
+  for (int i = 0; i < 64; ++i) {
+    int flag = 0;
+    MPI_Message message;
+    MPI_Status status;
+    DUET_MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, kTag, comm_, &flag, &message, &status));
+    if (!flag) break;
+    any = true;
+    int count = 0;
+    DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+    receive_buffer_.resize(static_cast<size_t>(count));
+    DUET_MPI_CHECK(MPI_Mrecv(receive_buffer_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE));
+    {
+      std::lock_guard lock(mutex_);
+      ++counters_.messages_received;
+      counters_.bytes_received += count;
+    }
+    const std::span<const std::byte> bytes(receive_buffer_.data(), receive_buffer_.size());
+    WireHeader header;
+    if (bytes.size() < sizeof header ||
+        (std::memcpy(&header, bytes.data(), sizeof header), header.magic != kMagic)) {
+      spdlog::error("kv transport: dropped a {}-byte message from rank {} that is not ours",
+                    bytes.size(), status.MPI_SOURCE);
+      continue;
+    }
+    if (header.kind == kRows) {
+      on_rows(status.MPI_SOURCE, bytes, outcomes);
+    } else if (header.kind == kControl) {
+      on_control(status.MPI_SOURCE, bytes.subspan(sizeof header), outcomes);
+    } else {
+      spdlog::error("kv transport: dropped a message of unknown kind {} from rank {}", header.kind,
+                    status.MPI_SOURCE);
+    }
+  }
+  return any;
+}
+
+void MpiKvTransport::on_rows(int source, std::span<const std::byte> message,
+                             std::vector<Outcome>& outcomes) {
+  WireHeader h;
+  std::memcpy(&h, message.data(), sizeof h);
+  const RequestId id{h.request};
+  auto it = imports_.find(id);
+  if (it == imports_.end()) {
+    std::lock_guard lock(mutex_);
+    ++counters_.rows_dropped;
+    if (!gone_.contains(id))
+      spdlog::warn("kv transport: rows for unknown request {} from rank {}", id.value, source);
+    return;
+  }
+  Import& import = it->second;
+  const KvLayout& layout = import.cache->layout();
+  const size_t payload = message.size() - sizeof h;
+  if (source != import.source || h.layer < 0 || h.layer >= layout.n_layers ||
+      h.pos0 < import.send_from || h.n <= 0 || h.pos0 + h.n > import.n_prompt ||
+      payload != static_cast<size_t>(packed_kv_elems(layout, h.n)) * sizeof(KvElement)) {
+    fail(id,
+         {ServeErrorKind::kInternal,
+          fmt::format("KV transfer: a malformed rows message from rank {} (layer {}, positions "
+                      "[{}, {}) of a {}-token prompt, {} bytes)",
+                      source, h.layer, h.pos0, h.pos0 + h.n, import.n_prompt, payload)},
+         outcomes);
+    return;
+  }
+  // The payload follows a 48-byte header in a std::vector<std::byte>: aligned
+  // for KvElement.
+  const auto* rows = reinterpret_cast<const KvElement*>(message.data() + sizeof h);
+  if (h.checksum != 0) {
+    const uint64_t sum =
+        kv_checksum(std::span<const KvElement>(rows, payload / sizeof(KvElement))) | 1;
+    if (sum != h.checksum) {
+      fail(id,
+           {ServeErrorKind::kInternal,
+            fmt::format("KV transfer: checksum mismatch in layer {} positions [{}, {}) from "
+                        "rank {}",
+                        h.layer, h.pos0, h.pos0 + h.n, source)},
+           outcomes);
+      return;
+    }
+  }
+  unpack_kv_rows(layout, import.cache->data(), h.layer, import.block_table, h.pos0, h.n, rows);
+  import.rows_received += h.n;
+}
+
+void MpiKvTransport::on_control(int source, std::span<const std::byte> payload,
+                                std::vector<Outcome>& outcomes) {
+  ControlMessage message;
+  try {
+    message = decode_control_message(payload);
+  } catch (const Error& e) {
+    spdlog::error("kv transport: dropped a message from rank {}: {}", source, e.what());
+    return;
+  }
+  if (auto* order = std::get_if<PrefillOrder>(&message)) {
+    std::lock_guard lock(handlers_mutex_);
+    if (handlers_.on_order) handlers_.on_order(source, std::move(*order));
+  } else if (const auto* cancel = std::get_if<Cancel>(&message)) {
+    std::lock_guard lock(handlers_mutex_);
+    if (handlers_.on_cancel) handlers_.on_cancel(source, cancel->id);
+  } else if (const auto* handoff = std::get_if<KvHandoff>(&message)) {
+    auto it = imports_.find(handoff->id);
+    if (it == imports_.end()) return;  // aborted or failed already
+    if (it->second.source != source) {
+      spdlog::error("kv transport: a handoff for request {} from rank {}, not its prefill rank {}",
+                    handoff->id.value, source, it->second.source);
+      return;
+    }
+    if (handoff->error) {
+      fail(handoff->id, *handoff->error, outcomes);
+      return;
+    }
+    const KvLayout& layout = it->second.cache->layout();
+    const int64_t expected = (it->second.n_prompt - it->second.send_from) * layout.n_layers;
+    if (it->second.rows_received != expected || handoff->rows_sent != expected) {
+      fail(handoff->id,
+           {ServeErrorKind::kInternal,
+            fmt::format("KV transfer: {} rows arrived and {} were sent, {} expected",
+                        it->second.rows_received, handoff->rows_sent, expected)},
+           outcomes);
+      return;
+    }
+    imports_.erase(it);
+    outcomes.push_back(Outcome{handoff->id, Outcome::Kind::kComplete, *handoff, {}});
+  } else {
+    spdlog::error("kv transport: dropped an unexpected {} message from rank {}",
+                  control_message_name(message), source);
+  }
+}
+
+void MpiKvTransport::fail(RequestId id, ServeError error, std::vector<Outcome>& outcomes) {
+  auto it = imports_.find(id);
+  if (it == imports_.end()) return;
+  spdlog::warn("kv transport: request {}: {}", id.value, error.message);
+  queue(it->second.source, control_bytes(Cancel{id}));  // the prefill side stops too
+  imports_.erase(it);
+  gone_[id] = Clock::now();
+  outcomes.push_back(Outcome{id, Outcome::Kind::kFailed, {}, std::move(error)});
+}
+
+void MpiKvTransport::expire(std::vector<Outcome>& outcomes) {
+  const auto now = Clock::now();
+  std::vector<std::pair<RequestId, int>> late;
+  for (const auto& [id, import] : imports_) {
+    if (now >= import.deadline) late.emplace_back(id, import.source);
+  }
+  for (const auto& [id, source] : late) {
+    fail(id,
+         {ServeErrorKind::kUnavailable,
+          fmt::format("KV transfer from rank {} did not complete in time", source)},
+         outcomes);
+  }
+  std::erase_if(gone_, [&](const auto& entry) { return now - entry.second > kGoneMemory; });
+}
+
+void MpiKvTransport::deliver(std::vector<Outcome>& outcomes) {
+  if (outcomes.empty()) return;
+  {
+    std::lock_guard lock(mutex_);
+    for (const Outcome& outcome : outcomes) {
+      if (outcome.kind == Outcome::Kind::kComplete) ++counters_.imports_completed;
+      if (outcome.kind == Outcome::Kind::kFailed) ++counters_.imports_failed;
+    }
+  }
+  std::lock_guard lock(handlers_mutex_);
+  for (Outcome& outcome : outcomes) {
+    switch (outcome.kind) {
+      case Outcome::Kind::kComplete:
+        if (handlers_.on_complete) handlers_.on_complete(outcome.id, outcome.handoff);
+        break;
+      case Outcome::Kind::kFailed:
+        if (handlers_.on_failed) handlers_.on_failed(outcome.id, outcome.error);
+        break;
+      case Outcome::Kind::kReleased:
+        if (handlers_.on_released) handlers_.on_released(outcome.id);
+        break;
+    }
+  }
+  outcomes.clear();
+}
+
+}  // namespace duet

@@ -1,0 +1,146 @@
+// KvTransport over MPI point-to-point (worker/kv_transport.h), for CPU
+// instances on one host (shared memory) or across hosts (TCP).
+//
+// It has its own communicator, duplicated from MPI_COMM_WORLD, and no thread
+// of its own: it attaches to the control channel's communication thread,
+// which calls progress() on every pass, so one thread per process drives
+// every non-blocking MPI operation.
+//
+// On the wire every message is a 48-byte header and a payload:
+//   rows:    the packed rows (worker/kv_rows.h) of one layer of one chunk,
+//            with the request, layer, first position and count in the header
+//            and, when checksums are on, the payload's checksum;
+//   control: a Cap'n Proto control message (PrefillOrder, Cancel, KvHandoff).
+// Rows are packed into a staging buffer on the sending engine thread (one
+// memcpy per block run per head) and unpacked from the receive buffer on the
+// communication thread straight into the reserved blocks: one message per
+// layer per chunk whatever the two block tables are. (An MPI derived
+// datatype could describe the sender's blocks, but the receiver's layout is
+// decided by another block table and the chunk bounds by the sender, so the
+// receiver could not post a matching type before the message arrives.)
+//
+// Sends are MPI_Isend from buffers the transport owns until MPI_Test says
+// they are done; receives are MPI_Improbe then MPI_Mrecv of the probed size.
+//
+// Threads: see KvTransport. counters() from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "common/mpi/control_channel.h"
+#include "worker/kv_transport.h"
+
+namespace duet {
+
+struct MpiKvTransportOptions {
+  // Checksum every rows message on the sender, verify it on the receiver; a
+  // mismatch fails the import.
+  bool checksums = false;
+};
+
+class MpiKvTransport final : public KvTransport, private CommEndpoint {
+ public:
+  // Collective over MPI_COMM_WORLD: every rank constructs one, in the same
+  // order relative to other collectives (right after its ControlChannel).
+  // `channel` outlives the transport.
+  MpiKvTransport(ControlChannel& channel, MpiKvTransportOptions options = {});
+  // Detaches from the thread, gives sends in flight a moment to finish, and
+  // frees the communicator. Destroy it before the channel closes.
+  ~MpiKvTransport() override;
+  MpiKvTransport(const MpiKvTransport&) = delete;
+  MpiKvTransport& operator=(const MpiKvTransport&) = delete;
+
+  void set_handlers(Handlers handlers) override;
+  void start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
+                    std::span<const int32_t> block_table, Clock::time_point deadline) override;
+  void abort_import(RequestId id) override;
+  void send_rows(int decode_peer, RequestId id, int64_t layer, int64_t pos0, int64_t n,
+                 const KvCache& cache, std::span<const int32_t> block_table) override;
+  void send_handoff(int decode_peer, const KvHandoff& handoff) override;
+
+  struct Counters {
+    int64_t messages_sent = 0;
+    int64_t bytes_sent = 0;  // headers and payloads
+    int64_t messages_received = 0;
+    int64_t bytes_received = 0;
+    int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
+    int64_t imports_completed = 0;
+    int64_t imports_failed = 0;
+  };
+  Counters counters() const;
+
+ private:
+  struct Outgoing {
+    int destination = 0;
+    std::vector<std::byte> bytes;  // header and payload; owned until the send completes
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  struct Import {
+    int source = 0;
+    KvCache* cache = nullptr;
+    std::vector<int32_t> block_table;
+    int64_t send_from = 0;
+    int64_t n_prompt = 0;
+    int64_t rows_received = 0;  // positions x layers
+    Clock::time_point deadline;
+  };
+  struct Start {
+    int peer = 0;
+    PrefillOrder order;
+    KvCache* cache = nullptr;
+    std::vector<int32_t> block_table;
+    Clock::time_point deadline;
+  };
+  // A finished import's outcome, delivered outside the lock.
+  struct Outcome {
+    RequestId id;
+    enum class Kind { kComplete, kFailed, kReleased } kind = Kind::kComplete;
+    KvHandoff handoff;
+    ServeError error;
+  };
+
+  bool progress() override;
+  bool in_flight() const override;
+
+  void queue(int destination, std::vector<std::byte> bytes);  // any thread
+  std::vector<std::byte> control_bytes(const ControlMessage& message);
+  std::vector<std::byte> take_buffer(size_t size);  // any thread: from the spares
+  void process_commands(std::vector<Outcome>& outcomes);
+  bool post_sends();
+  bool test_sends();
+  bool receive_some(std::vector<Outcome>& outcomes);
+  void on_rows(int source, std::span<const std::byte> message, std::vector<Outcome>& outcomes);
+  void on_control(int source, std::span<const std::byte> payload, std::vector<Outcome>& outcomes);
+  void expire(std::vector<Outcome>& outcomes);
+  void fail(RequestId id, ServeError error, std::vector<Outcome>& outcomes);
+  void deliver(std::vector<Outcome>& outcomes);
+
+  ControlChannel& channel_;
+  const MpiKvTransportOptions options_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+
+  // Communication thread only.
+  std::vector<Outgoing> in_flight_;
+  std::map<RequestId, Import> imports_;
+  std::map<RequestId, Clock::time_point> gone_;  // aborted or failed: their rows are dropped
+  std::vector<std::byte> receive_buffer_;
+
+  // Held while a handler runs and by set_handlers: once that returns, the old
+  // handlers are not running and will not run again.
+  std::mutex handlers_mutex_;
+  Handlers handlers_;  // guarded by handlers_mutex_
+
+  mutable std::mutex mutex_;  // guards the members below
+  std::deque<Outgoing> outbox_;
+  std::deque<Start> starts_;
+  std::deque<RequestId> aborts_;
+  std::vector<std::vector<std::byte>> spares_;  // finished send buffers, for reuse
+  Counters counters_;
+};
+
+}  // namespace duet
