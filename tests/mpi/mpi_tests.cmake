@@ -77,3 +77,4 @@ set_tests_properties(mpi_serve_disaggregated_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
+include(${CMAKE_CURRENT_LIST_DIR}/netns/netns_tests.cmake)

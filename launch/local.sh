@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Starts a Duet cluster and keeps it in the foreground until Ctrl-C:
+#   mpirun -np 1+P+D duet serve --prefill P --decode D [ARGS...]
+# with the default model: the coordinator on rank 0, then P prefill and D
+# decode instances of one rank each. Both fronts take free ports; the
+# coordinator's `rpc listening on HOST:PORT` and `http listening on HOST:PORT`
+# lines are printed on stdout once every instance is ready, everything else
+# (every rank's log) goes to stderr.
+#
+# Ctrl-C or SIGTERM is passed on to rank 0 alone: the coordinator then ends
+# the in-flight requests and tells every instance to shut down, so every rank
+# ends in order and mpirun exits 0. (mpirun signalled itself would report a
+# failure and kill the ranks a second later; mpirun runs in a session of its
+# own so that the terminal's Ctrl-C does not reach it.) A second Ctrl-C
+# signals mpirun, which kills every rank.
+#
+# Usage: launch/local.sh P D [duet serve arguments...]
+#   e.g. launch/local.sh 1 1
+#        launch/local.sh 1 2 --mode colocated --kv-cache-mem 512MiB
+# Environment:
+#   DUET_SKIP_SETUP=1   do not run launch/setup.sh (packages, model, test venv)
+#   DUET_SKIP_BUILD=1   do not run launch/build.sh (it only rebuilds what changed)
+#   DUET_BUILD_DIR      the build (default build/); DUET_BINARY the duet binary
+#                       (default: the build's tools/duet); DUET_MODEL the GGUF
+#                       file (default: the one launch/setup.sh fetches into models/)
+#   DUET_THREADS        compute threads per rank (default 1)
+#   DUET_HOST           address both fronts bind (default 127.0.0.1; 0.0.0.0: every one)
+#   DUET_HTTP_PORT, DUET_RPC_PORT   fixed ports (default 0: free ones)
+#   DUET_START_TIMEOUT  seconds to wait for the cluster to listen (default 600)
+#   DUET_MPIRUN         mpirun (default: mpirun on the PATH)
+#   DUET_MPIRUN_ARGS    more mpirun options, split on spaces
+#   DUET_HOSTFILE       an Open MPI hostfile (launch/hostfile.sh sets it); without
+#                       one every rank runs here, oversubscribing the cores
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+say() { printf 'duet-cluster: %s\n' "$*" >&2; }
+usage() { sed -n 's/^# \{0,1\}//; /^Usage:/,/^Environment:/p' "${BASH_SOURCE[0]}" | sed '$d' >&2; }
+
+if [ $# -lt 2 ] || ! [[ $1 =~ ^[0-9]+$ && $2 =~ ^[0-9]+$ ]] || [ $(($1 + $2)) -eq 0 ]; then
+  usage
+  exit 2
+fi
+prefill=$1
+decode=$2
+shift 2
+ranks=$((1 + prefill + decode))
+
+[ "${DUET_SKIP_SETUP:-0}" = 1 ] || "$root/launch/setup.sh"
+[ "${DUET_SKIP_BUILD:-0}" = 1 ] || "$root/launch/build.sh" >&2
+duet=${DUET_BINARY:-${DUET_BUILD_DIR:-$root/build}/tools/duet}
+model=${DUET_MODEL:-${DUET_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.gguf}
+[ -x "$duet" ] || { say "no $duet: build first (launch/build.sh) or unset DUET_SKIP_BUILD"; exit 1; }
+[ -f "$model" ] || { say "no model $model: run launch/setup.sh or set DUET_MODEL"; exit 1; }
+
+mpirun_args=(--bind-to none -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1)
+[ "$(id -u)" -ne 0 ] || mpirun_args+=(--allow-run-as-root)
+if [ -n "${DUET_HOSTFILE:-}" ]; then
+  mpirun_args+=(--hostfile "$DUET_HOSTFILE")
+else
+  mpirun_args+=(--oversubscribe)
+fi
+# shellcheck disable=SC2206 # options split on spaces, as documented
+mpirun_args+=(${DUET_MPIRUN_ARGS:-})
+
+work=$(mktemp -d)
+mpirun_pid=""
+stopping=0
+# shellcheck disable=SC2317 # called from the trap
+cleanup() {
+  if [ -n "$mpirun_pid" ] && kill -0 "$mpirun_pid" 2>/dev/null; then
+    kill -TERM "$mpirun_pid" 2>/dev/null || true
+    wait "$mpirun_pid" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# The rank 0 process: the child of mpirun whose environment says rank 0 (it
+# is mpirun's child when rank 0 runs on this host, as it always does here).
+# shellcheck disable=SC2317 # called from the trap
+rank0_pid() {
+  local child
+  # shellcheck disable=SC2013 # the file holds pids separated by spaces
+  for child in $(cat /proc/"$mpirun_pid"/task/*/children 2>/dev/null); do
+    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qxF OMPI_COMM_WORLD_RANK=0; then
+      echo "$child"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# shellcheck disable=SC2317 # called from the trap
+stop() {
+  local coordinator
+  stopping=$((stopping + 1))
+  if [ "$stopping" -eq 1 ] && coordinator=$(rank0_pid); then
+    say "stopping: SIGTERM to the coordinator (rank 0, pid $coordinator); Ctrl-C again kills every rank"
+    kill -TERM "$coordinator" 2>/dev/null || true
+  else
+    say "stopping: SIGTERM to mpirun, which kills every rank"
+    kill -TERM "$mpirun_pid" 2>/dev/null || true
+  fi
+}
+
+command=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" -np "$ranks"
+  "$duet" serve --model "$model" --prefill "$prefill" --decode "$decode"
+  --threads "${DUET_THREADS:-1}" --host "${DUET_HOST:-127.0.0.1}"
+  --rpc-port "${DUET_RPC_PORT:-0}" --http-port "${DUET_HTTP_PORT:-0}" "$@")
+say "starting: ${command[*]}"
+# stdout (rank 0's listening lines) into a file read below; stderr to ours.
+: >"$work/stdout"
+setsid "${command[@]}" </dev/null >>"$work/stdout" &
+mpirun_pid=$!
+trap stop INT TERM
+
+deadline=$((SECONDS + ${DUET_START_TIMEOUT:-600}))
+until grep -q '^http listening on ' "$work/stdout"; do
+  if ! kill -0 "$mpirun_pid" 2>/dev/null; then
+    code=0
+    wait "$mpirun_pid" || code=$?
+    mpirun_pid=""
+    say "the cluster exited with code $code before it listened"
+    exit $((code == 0 ? 1 : code))
+  fi
+  if [ "$SECONDS" -ge "$deadline" ]; then
+    say "the cluster did not listen within ${DUET_START_TIMEOUT:-600} s"
+    exit 1
+  fi
+  sleep 0.2
+done
+if [ "$stopping" -eq 0 ]; then
+  grep -E '^(rpc|http) listening on ' "$work/stdout"
+  rpc=$(sed -n 's/^rpc listening on //p' "$work/stdout")
+  http=$(sed -n 's/^http listening on //p' "$work/stdout")
+  say "ready: $ranks ranks (the coordinator, then --prefill $prefill --decode $decode instances)"
+  say "  HTTP (OpenAI-compatible): curl http://$http/v1/completions -d '{\"prompt\":\"Hello\",\"max_tokens\":16}'"
+  say "  Cap'n Proto:              $(dirname "$duet")/duet-client --connect $rpc generate --prompt Hello -n 16"
+  say "Ctrl-C stops every rank"
+fi
+
+# A trapped signal interrupts `wait`: wait again until mpirun has exited,
+# then once more for its exit code (bash keeps it).
+while kill -0 "$mpirun_pid" 2>/dev/null; do wait "$mpirun_pid" 2>/dev/null || true; done
+code=0
+wait "$mpirun_pid" || code=$?
+mpirun_pid=""
+say "the cluster exited with code $code"
+exit "$code"

@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# A Duet cluster across three hosts, on one machine: every host is a network
+# namespace with a host name of its own, joined to the others by a veth pair
+# on a bridge (10.77.0.0/24). launch/hostfile.sh starts the cluster from host
+# a, and mpirun reaches hosts b and c through netns_agent.sh instead of ssh:
+#
+#   host a, 10.77.0.1: mpirun, rank 0 (the coordinator, HTTP on 10.77.0.1)
+#   host b, 10.77.0.2: rank 1 (the prefill instance)
+#   host c, 10.77.0.3: rank 2 (the decode instance)
+#
+# MPI may only use TCP on that subnet (btl tcp,self; oob and btl restricted
+# to it), and the test checks:
+# - greedy completions over HTTP equal the single-process `duet serve`'s;
+# - bytes really crossed the veths of hosts b and c while they were answered
+#   (disaggregated: host c received at least the prompts' KV cache);
+# - SIGTERM to the launcher ends every rank with exit 0, and no process is
+#   left in any namespace;
+# and always removes the namespaces (also those a killed run left behind).
+#
+# Usage: netns_serve_test.sh [duet serve arguments...]   (e.g. --mode colocated)
+# Environment: DUET_BINARY (default build/tools/duet, or DUET_BUILD_DIR's),
+# DUET_MODEL (default: the model launch/setup.sh fetches), DUET_MPIRUN
+# (default mpirun).
+# Exit codes: 0 passed; 77 skipped (not root, or namespaces not permitted);
+# anything else failed.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../../.." && pwd)
+duet=${DUET_BINARY:-${DUET_BUILD_DIR:-$root/build}/tools/duet}
+model=${DUET_MODEL:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+engine_args=(--kv-cache-mem 256MiB)
+prompts=("The capital of France is" "Once upon a time, in a quiet village,")
+max_tokens=24
+
+say() { printf 'netns-test: %s\n' "$*" >&2; }
+skip() { say "SKIP: $*"; exit 77; }
+fail() { say "FAIL: $*"; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || skip "creating network namespaces needs root"
+command -v ip >/dev/null || fail "no ip command: install iproute2 (launch/setup.sh does)"
+[ -x "$duet" ] || fail "no duet binary at $duet (DUET_BINARY)"
+[ -f "$model" ] || fail "no model at $model (DUET_MODEL; launch/setup.sh fetches it)"
+
+mode=disaggregated  # duet serve's default
+previous=""
+for arg in "$@"; do
+  case $arg in --mode=*) mode=${arg#--mode=} ;; esac
+  [ "$previous" != --mode ] || mode=$arg
+  previous=$arg
+done
+
+# Namespaces are named after this process, so that concurrent runs do not
+# collide and a run can tell a dead run's leftovers.
+prefix=duetnet$$
+switch=$prefix-switch
+hosts=(a b c)
+subnet=10.77.0.0/24
+address() { echo "10.77.0.$(($1 + 1))"; }
+work=$(mktemp -d)
+namespaces=()
+cluster=""
+reference=""
+
+kill_namespace() {  # ends what still runs in namespace $1, then removes it
+  local pids
+  pids=$(ip netns pids "$1" 2>/dev/null || true)
+  # shellcheck disable=SC2086 # a list of pids
+  [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+  ip netns delete "$1" 2>/dev/null || true
+}
+
+# shellcheck disable=SC2317 # called from the trap
+cleanup() {
+  local code=$? ns
+  if [ -n "$cluster" ] && kill -0 "$cluster" 2>/dev/null; then
+    kill -TERM "$cluster" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$cluster" 2>/dev/null || break; sleep 0.1; done
+  fi
+  if [ -n "$reference" ] && kill -0 "$reference" 2>/dev/null; then
+    kill -TERM "$reference" 2>/dev/null || true
+    wait "$reference" 2>/dev/null || true
+  fi
+  for ns in "${namespaces[@]}"; do kill_namespace "$ns"; done
+  if [ "$code" -ne 0 ] && [ "$code" -ne 77 ] && [ -s "$work/cluster.log" ]; then
+    say "the cluster's log (last 60 lines):"
+    tail -n 60 "$work/cluster.log" >&2
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'say "FAIL: line $LINENO: $BASH_COMMAND"' ERR
+trap 'exit 143' TERM
+trap 'exit 130' INT
+
+# Leftovers of runs that were killed before their trap ran.
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^duetnet[0-9]+-' || true); do
+  owner=${ns#duetnet}
+  owner=${owner%%-*}
+  kill -0 "$owner" 2>/dev/null || { say "removing $ns, left by a killed run"; kill_namespace "$ns"; }
+done
+
+# --- the network: a bridge in a namespace of its own, one veth per host ---
+ip netns add "$switch" 2>"$work/netns.err" ||
+  skip "cannot create a network namespace: $(cat "$work/netns.err")"
+namespaces+=("$switch")
+ip -n "$switch" link add br0 type bridge
+ip -n "$switch" link set dev br0 up
+host_map=""
+for i in "${!hosts[@]}"; do
+  ns=$prefix-${hosts[i]}
+  ip netns add "$ns"
+  namespaces+=("$ns")
+  ip link add duet0 netns "$ns" type veth peer name "port-${hosts[i]}" netns "$switch"
+  ip -n "$switch" link set dev "port-${hosts[i]}" master br0 up
+  # No IPv6 on the link: its neighbour discovery would add bytes that MPI did not send.
+  ip netns exec "$ns" sysctl -qw net.ipv6.conf.duet0.disable_ipv6=1 2>/dev/null || true
+  ip -n "$ns" addr add "$(address "$i")/24" dev duet0
+  ip -n "$ns" link set dev duet0 up
+  ip -n "$ns" link set dev lo up
+  echo "$(address "$i") slots=1" >>"$work/hosts"
+  host_map+="$(address "$i")=$ns "
+done
+ns_a=$prefix-a
+
+# Bytes through host $1's veth (received + sent).
+veth_bytes() {
+  local stats=/sys/class/net/duet0/statistics
+  ip netns exec "$prefix-$1" sh -c "echo \$((\$(cat $stats/rx_bytes) + \$(cat $stats/tx_bytes)))"
+}
+veth_rx_bytes() { ip netns exec "$prefix-$1" cat /sys/class/net/duet0/statistics/rx_bytes; }
+
+# Waits until file $1 has the `http listening on` line; $2: the process.
+await_listening() {
+  local deadline=$((SECONDS + 180))
+  until grep -qs '^http listening on ' "$1"; do
+    kill -0 "$2" 2>/dev/null || return 1
+    [ "$SECONDS" -lt "$deadline" ] || return 1
+    sleep 0.2
+  done
+}
+
+# One greedy completion: $1 the server's base URL, $2 the prompt, $3 the
+# namespace to send it from (default: this one); the reply (JSON) on stdout.
+complete() {
+  local body run=()
+  [ -z "${3:-}" ] || run=(ip netns exec "$3")
+  body=$(python3 -c 'import json, sys
+print(json.dumps({"prompt": sys.argv[1], "max_tokens": int(sys.argv[2]), "temperature": 0,
+                  "ignore_eos": True}))' "$2" "$max_tokens")
+  "${run[@]}" curl -sS --fail-with-body --max-time 120 -H 'Content-Type: application/json' -d "$body" \
+    "$1/v1/completions"
+}
+json_field() {  # $1: a Python expression on `r`, the JSON on stdin
+  python3 -c 'import json, sys; r = json.load(sys.stdin); print(eval(sys.argv[1]))' "$1"
+}
+
+# --- the reference: the single-process server, on loopback ---
+started=$SECONDS
+"$duet" serve --model "$model" --rpc-port 0 --http-port 0 --threads 1 "${engine_args[@]}" \
+  >"$work/reference.out" 2>"$work/reference.log" &
+reference=$!
+await_listening "$work/reference.out" "$reference" || {
+  cat "$work/reference.log" >&2
+  fail "the single-process server did not start"
+}
+reference_url=http://$(sed -n 's/^http listening on //p' "$work/reference.out")
+expected=()
+for prompt in "${prompts[@]}"; do
+  reply=$(complete "$reference_url" "$prompt") || fail "the single process refused \"$prompt\": $reply"
+  expected+=("$(json_field 'json.dumps(r["choices"][0]["text"])' <<<"$reply")")
+done
+kill -TERM "$reference"
+code=0
+wait "$reference" || code=$?
+reference=""
+[ "$code" -eq 0 ] || fail "the single-process server exited with code $code"
+
+# --- the cluster, launched from host a (under host a's name) ---
+# shellcheck disable=SC2016 # expanded by the inner shell
+DUET_SKIP_SETUP=1 DUET_SKIP_BUILD=1 DUET_BINARY=$duet DUET_MODEL=$model \
+  DUET_HOST=$(address 0) DUET_MPI_IF=$subnet DUET_MPI_BTL=tcp,self \
+  DUET_MPIRUN_ARGS="--mca plm_rsh_agent $here/netns_agent.sh --mca plm_rsh_no_tree_spawn 1" \
+  DUET_NETNS_HOSTS=$host_map \
+  ip netns exec "$ns_a" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$ns_a" \
+  "$root/launch/hostfile.sh" "$work/hosts" 1 1 "${engine_args[@]}" "$@" \
+  >"$work/cluster.out" 2>"$work/cluster.log" &
+cluster=$!
+await_listening "$work/cluster.out" "$cluster" || fail "the cluster did not start"
+cluster_url=http://$(sed -n 's/^http listening on //p' "$work/cluster.out")
+say "cluster ($mode) listening on $cluster_url after $((SECONDS - started)) s"
+
+bytes_b=$(veth_bytes b)
+bytes_c=$(veth_bytes c)
+rx_c=$(veth_rx_bytes c)
+prompt_tokens=0
+for i in "${!prompts[@]}"; do
+  reply=$(complete "$cluster_url" "${prompts[i]}" "$ns_a") ||
+    fail "the cluster refused \"${prompts[i]}\": $reply"
+  got=$(json_field 'json.dumps(r["choices"][0]["text"])' <<<"$reply")
+  [ "$got" = "${expected[i]}" ] ||
+    fail "prompt \"${prompts[i]}\": the cluster answered $got, the single process ${expected[i]}"
+  say "prompt \"${prompts[i]}\": $got (as the single process)"
+  prompt_tokens=$((prompt_tokens + $(json_field 'r["usage"]["prompt_tokens"]' <<<"$reply")))
+done
+crossed_b=$(($(veth_bytes b) - bytes_b))
+crossed_c=$(($(veth_bytes c) - bytes_c))
+received_c=$(($(veth_rx_bytes c) - rx_c))
+say "bytes through the veths while answering: host b $crossed_b, host c $crossed_c"
+# Requests out and tokens back: well over 1 KiB, where a quiet link carries
+# a few ARP packets.
+[ $((crossed_b + crossed_c)) -ge 1024 ] || fail "hardly a byte crossed hosts b and c: MPI did not use the network"
+if [ "$mode" = disaggregated ]; then
+  # The KV of every prompt token but (perhaps) the last, which the decode
+  # instance may compute itself.
+  per_token=$(sed -n 's/.*KV cache: \([0-9]*\) bytes per token.*/\1/p' "$work/cluster.log" | head -n 1)
+  [ -n "$per_token" ] || fail "the log does not say the KV cache's bytes per token"
+  kv=$(((prompt_tokens - ${#prompts[@]}) * per_token))
+  say "host c (decode) received $received_c bytes; the prompts' KV cache is at least $kv bytes"
+  [ "$received_c" -ge "$kv" ] || fail "the decode host received less than the prompts' KV cache"
+fi
+
+# --- stop: SIGTERM to the launcher, which passes it to the coordinator ---
+kill -TERM "$cluster"
+for _ in $(seq 1 300); do kill -0 "$cluster" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$cluster" 2>/dev/null && fail "the cluster did not stop within 30 s of SIGTERM"
+code=0
+wait "$cluster" || code=$?
+cluster=""
+[ "$code" -eq 0 ] || fail "the cluster exited with code $code"
+for rank in 0 1 2; do
+  grep -q "rank $rank: exiting with code 0" "$work/cluster.log" || fail "rank $rank did not exit with 0"
+done
+for ns in "${namespaces[@]}"; do
+  left=$(ip netns pids "$ns")
+  [ -z "$left" ] || fail "processes left in $ns: $(echo "$left" | tr '\n' ' ')"
+done
+say "PASS in $((SECONDS - started)) s"

@@ -1,0 +1,16 @@
+# A cluster across three hosts that are network namespaces on this machine,
+# joined by veth pairs on a bridge (netns_serve_test.sh): launch/hostfile.sh
+# starts `duet serve` with mpirun reaching the hosts through netns_agent.sh,
+# MPI over TCP only; greedy answers must equal the single process's and the
+# bytes must really cross the veths. Needs root: skipped (exit 77) without
+# it or where network namespaces are not permitted. Included from
+# tests/mpi/mpi_tests.cmake.
+#
+# The arguments after the script are duet serve's (the cluster's mode).
+add_test(NAME mpi_serve_netns_test
+  COMMAND ${CMAKE_CURRENT_LIST_DIR}/netns_serve_test.sh)
+set_tests_properties(mpi_serve_netns_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIRUN=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  SKIP_RETURN_CODE 77
+  TIMEOUT 300)
