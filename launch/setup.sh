@@ -19,7 +19,7 @@ venv_dir=${DUET_VENV:-$root/.cache/venv}
 python_test_packages=(openai==3.57.0 pycapnp==2.2.4)
 
 packages=(
-  build-essential cmake pkg-config git ca-certificates curl iproute2 python3 python3-pip python3-venv
+  build-essential cmake pkg-config git ca-certificates curl iproute2 procps python3 python3-pip python3-venv
   openmpi-bin libopenmpi-dev capnproto libcapnp-dev libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   libcli11-dev libopenblas-dev libpcre2-dev

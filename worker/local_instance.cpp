@@ -263,6 +263,9 @@ void LocalInstance::run() {
     }
     for (Command& command : commands) apply(command);
     commands.clear();
+    // An imported prompt's first token (or a refusal) leaves now, not after
+    // the next step: it is the request's time to first token.
+    if (!events_.empty()) publish();
     try {
       engine_.step();
     } catch (const std::exception& e) {
@@ -296,17 +299,21 @@ void LocalInstance::run() {
       }
       events_ = std::move(failed);
     }
-    const InstanceStats stats = publish_stats();
-    std::lock_guard callbacks(callback_mutex_);
-    try {
-      if (observer_) observer_(stats);
-      if (!events_.empty() && handler_) handler_(events_);
-    } catch (const std::exception& e) {
-      // The consumer's fault; the engine and every other request go on.
-      spdlog::error("instance: an event consumer failed: {}", e.what());
-    }
-    events_.clear();
+    publish();
   }
+}
+
+void LocalInstance::publish() {
+  const InstanceStats stats = publish_stats();
+  std::lock_guard callbacks(callback_mutex_);
+  try {
+    if (observer_) observer_(stats);
+    if (!events_.empty() && handler_) handler_(events_);
+  } catch (const std::exception& e) {
+    // The consumer's fault; the engine and every other request go on.
+    spdlog::error("instance: an event consumer failed: {}", e.what());
+  }
+  events_.clear();
 }
 
 }  // namespace duet

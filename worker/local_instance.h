@@ -3,8 +3,10 @@
 // The coordinator's fronts reach the engine only through this class's one
 // command queue (submit, cancel); the engine thread drains it between steps,
 // runs a step, and hands the step's events to the event handler in one batch.
-// With nothing queued and nothing running, the thread sleeps on a condition
-// variable (no CPU while idle).
+// Events that the commands themselves produce (a refusal, an imported
+// prompt's first token) go out in a batch of their own before the step, so
+// they do not wait for it. With nothing queued and nothing running, the thread sleeps on a
+// condition variable (no CPU while idle).
 //
 // In a disaggregated cluster the instance also speaks to its peers through a
 // KvTransport (worker/kv_transport.h). A decode instance imports the prompt
@@ -107,6 +109,8 @@ class LocalInstance final : public InstanceClient {
   void apply_imported(const Imported& imported);
   void fail(RequestId id, ServeError error);  // a finished kFailed event
   InstanceStats publish_stats();
+  // Stats to the observer, then the pending events to the handler.
+  void publish();
 
   InstanceInfo info_;
   Engine engine_;  // engine thread only (after construction)
