@@ -201,7 +201,7 @@ void LocalInstance::apply_order(Order& order) {
   const int peer = order.peer;
   InstanceRequest& request = order.order.request;
   RequestOptions options;
-  options.max_tokens = request.max_tokens;
+  options.max_tokens = 1;  // this side samples the first token only
   options.sampling = request.sampling;
   options.ignore_eos = request.ignore_eos;
   ExportSink sink;

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <thread>
@@ -14,7 +15,8 @@
 namespace duet {
 namespace {
 
-constexpr int kTag = 1;
+constexpr int kTag = 1;                   // headers (and control messages)
+constexpr int kPayloadTag = 2;            // the rows after a rows header
 constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
 constexpr uint32_t kRows = 1;
 constexpr uint32_t kControl = 2;
@@ -92,12 +94,12 @@ std::vector<std::byte> MpiKvTransport::take_buffer(size_t size) {
   return buffer;
 }
 
-void MpiKvTransport::queue(int destination, std::vector<std::byte> bytes) {
+void MpiKvTransport::queue(int destination, int tag, std::vector<std::byte> bytes) {
   DUET_REQUIRE(bytes.size() <= static_cast<size_t>(INT_MAX),
                "kv transport: a {}-byte message is over MPI's 2 GiB count limit", bytes.size());
   {
     std::lock_guard lock(mutex_);
-    outbox_.push_back(Outgoing{destination, std::move(bytes)});
+    outbox_.push_back(Outgoing{destination, tag, std::move(bytes)});
   }
   channel_.wake();
 }
@@ -136,21 +138,21 @@ void MpiKvTransport::send_rows(int decode_peer, RequestId id, int64_t layer, int
                                int64_t n, const KvCache& cache,
                                std::span<const int32_t> block_table) {
   const KvLayout& layout = cache.layout();
-  const size_t payload = static_cast<size_t>(packed_kv_elems(layout, n)) * sizeof(KvElement);
-  std::vector<std::byte> bytes = take_buffer(sizeof(WireHeader) + payload);
-  auto* rows = reinterpret_cast<KvElement*>(bytes.data() + sizeof(WireHeader));
+  const size_t elems = static_cast<size_t>(packed_kv_elems(layout, n));
+  std::vector<std::byte> payload = take_buffer(elems * sizeof(KvElement));
+  auto* rows = reinterpret_cast<KvElement*>(payload.data());
   pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, rows);
   WireHeader header{kMagic, kRows, id.value, layer, pos0, n, 0};
-  if (options_.checksums) {
-    header.checksum =
-        kv_checksum(std::span<const KvElement>(rows, payload / sizeof(KvElement))) | 1;
-  }
-  std::memcpy(bytes.data(), &header, sizeof header);
-  queue(decode_peer, std::move(bytes));
+  if (options_.checksums)
+    header.checksum = kv_checksum(std::span<const KvElement>(rows, elems)) | 1;
+  std::vector<std::byte> head = take_buffer(sizeof header);
+  std::memcpy(head.data(), &header, sizeof header);
+  queue(decode_peer, kTag, std::move(head));
+  queue(decode_peer, kPayloadTag, std::move(payload));
 }
 
 void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
-  queue(decode_peer, control_bytes(handoff));
+  queue(decode_peer, kTag, control_bytes(handoff));
 }
 
 // ---------------------------------------------------------------- the communication thread
@@ -189,12 +191,12 @@ void MpiKvTransport::process_commands(std::vector<Outcome>& outcomes) {
                   start.deadline};
     imports_[id] = std::move(import);  // before the order leaves: its rows find it
     gone_.erase(id);
-    queue(start.peer, control_bytes(start.order));
+    queue(start.peer, kTag, control_bytes(start.order));
   }
   for (RequestId id : aborts) {
     auto it = imports_.find(id);
     if (it != imports_.end()) {
-      queue(it->second.source, control_bytes(Cancel{id}));
+      queue(it->second.source, kTag, control_bytes(Cancel{id}));
       imports_.erase(it);
       gone_[id] = Clock::now();
     }
@@ -216,7 +218,7 @@ bool MpiKvTransport::post_sends() {
     Outgoing& posted = in_flight_.back();
     bytes += static_cast<int64_t>(posted.bytes.size());
     DUET_MPI_CHECK(MPI_Isend(posted.bytes.data(), static_cast<int>(posted.bytes.size()), MPI_BYTE,
-                             posted.destination, kTag, comm_, &posted.request));
+                             posted.destination, posted.tag, comm_, &posted.request));
   }
   std::lock_guard lock(mutex_);
   counters_.messages_sent += static_cast<int64_t>(fresh.size());
@@ -267,7 +269,7 @@ bool MpiKvTransport::receive_some(std::vector<Outcome>& outcomes) {
       continue;
     }
     if (header.kind == kRows) {
-      on_rows(status.MPI_SOURCE, bytes, outcomes);
+      on_rows(status.MPI_SOURCE, bytes.first(sizeof header), outcomes);
     } else if (header.kind == kControl) {
       on_control(status.MPI_SOURCE, bytes.subspan(sizeof header), outcomes);
     } else {
@@ -278,13 +280,14 @@ bool MpiKvTransport::receive_some(std::vector<Outcome>& outcomes) {
   return any;
 }
 
-void MpiKvTransport::on_rows(int source, std::span<const std::byte> message,
+void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
                              std::vector<Outcome>& outcomes) {
   WireHeader h;
-  std::memcpy(&h, message.data(), sizeof h);
+  std::memcpy(&h, header.data(), sizeof h);
   const RequestId id{h.request};
   auto it = imports_.find(id);
   if (it == imports_.end()) {
+    receive_payload(source, nullptr, 0, 0, 0);
     std::lock_guard lock(mutex_);
     ++counters_.rows_dropped;
     if (!gone_.contains(id))
@@ -293,25 +296,31 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> message,
   }
   Import& import = it->second;
   const KvLayout& layout = import.cache->layout();
-  const size_t payload = message.size() - sizeof h;
   if (source != import.source || h.layer < 0 || h.layer >= layout.n_layers ||
-      h.pos0 < import.send_from || h.n <= 0 || h.pos0 + h.n > import.n_prompt ||
-      payload != static_cast<size_t>(packed_kv_elems(layout, h.n)) * sizeof(KvElement)) {
+      h.pos0 < import.send_from || h.n <= 0 || h.pos0 + h.n > import.n_prompt) {
+    receive_payload(source, nullptr, 0, 0, 0);
     fail(id,
          {ServeErrorKind::kInternal,
-          fmt::format("KV transfer: a malformed rows message from rank {} (layer {}, positions "
-                      "[{}, {}) of a {}-token prompt, {} bytes)",
-                      source, h.layer, h.pos0, h.pos0 + h.n, import.n_prompt, payload)},
+          fmt::format("KV transfer: a malformed rows header from rank {} (layer {}, positions "
+                      "[{}, {}) of a {}-token prompt)",
+                      source, h.layer, h.pos0, h.pos0 + h.n, import.n_prompt)},
          outcomes);
     return;
   }
-  // The payload follows a 48-byte header in a std::vector<std::byte>: aligned
-  // for KvElement.
-  const auto* rows = reinterpret_cast<const KvElement*>(message.data() + sizeof h);
+  if (!receive_payload(source, &import, h.layer, h.pos0, h.n)) {
+    fail(id,
+         {ServeErrorKind::kInternal,
+          fmt::format("KV transfer: rows of layer {} from rank {} are not the size their header "
+                      "says",
+                      h.layer, source)},
+         outcomes);
+    return;
+  }
   if (h.checksum != 0) {
-    const uint64_t sum =
-        kv_checksum(std::span<const KvElement>(rows, payload / sizeof(KvElement))) | 1;
-    if (sum != h.checksum) {
+    check_rows_.resize(static_cast<size_t>(packed_kv_elems(layout, h.n)));
+    pack_kv_rows(layout, import.cache->data(), h.layer, import.block_table, h.pos0, h.n,
+                 check_rows_.data());
+    if ((kv_checksum(check_rows_) | 1) != h.checksum) {
       fail(id,
            {ServeErrorKind::kInternal,
             fmt::format("KV transfer: checksum mismatch in layer {} positions [{}, {}) from "
@@ -321,8 +330,54 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> message,
       return;
     }
   }
-  unpack_kv_rows(layout, import.cache->data(), h.layer, import.block_table, h.pos0, h.n, rows);
   import.rows_received += h.n;
+}
+
+bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t layer, int64_t pos0,
+                                     int64_t n) {
+  MPI_Message message;
+  MPI_Status status;
+  DUET_MPI_CHECK(MPI_Mprobe(source, kPayloadTag, comm_, &message, &status));
+  int count = 0;
+  DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+  const KvLayout* layout = into != nullptr ? &into->cache->layout() : nullptr;
+  if (into == nullptr ||
+      count != packed_kv_elems(*layout, n) * static_cast<int64_t>(sizeof(KvElement))) {
+    // Not wanted (or not the size its header says): received into scratch, dropped.
+    receive_buffer_.resize(static_cast<size_t>(count));
+    DUET_MPI_CHECK(MPI_Mrecv(receive_buffer_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE));
+    return into == nullptr;
+  }
+  // The packed order (K then V, head, position, dim) as runs of the blocks.
+  type_lengths_.clear();
+  type_addresses_.clear();
+  const int64_t slot_bytes = layout->head_dim * static_cast<int64_t>(sizeof(KvElement));
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    for (int64_t head = 0; head < layout->n_kv_heads; ++head) {
+      for (int64_t done = 0; done < n;) {
+        const int64_t pos = pos0 + done;
+        const int64_t slot = pos % layout->block_size;
+        const int64_t run = std::min(layout->block_size - slot, n - done);
+        const int64_t block = into->block_table[static_cast<size_t>(pos / layout->block_size)];
+        const int64_t offset =
+            layout->k_offset(layer, block, head, slot) + (kv == 1 ? layout->kv_elems() : 0);
+        MPI_Aint address = 0;
+        DUET_MPI_CHECK(MPI_Get_address(into->cache->data() + offset, &address));
+        type_addresses_.push_back(address);
+        type_lengths_.push_back(static_cast<int>(run * slot_bytes));
+        done += run;
+      }
+    }
+  }
+  MPI_Datatype rows;
+  DUET_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(type_lengths_.size()),
+                                          type_lengths_.data(), type_addresses_.data(), MPI_BYTE,
+                                          &rows));
+  DUET_MPI_CHECK(MPI_Type_commit(&rows));
+  const int code = MPI_Mrecv(MPI_BOTTOM, 1, rows, &message, MPI_STATUS_IGNORE);
+  MPI_Type_free(&rows);
+  DUET_MPI_CHECK(code);
+  return true;
 }
 
 void MpiKvTransport::on_control(int source, std::span<const std::byte> payload,
@@ -374,7 +429,7 @@ void MpiKvTransport::fail(RequestId id, ServeError error, std::vector<Outcome>& 
   auto it = imports_.find(id);
   if (it == imports_.end()) return;
   spdlog::warn("kv transport: request {}: {}", id.value, error.message);
-  queue(it->second.source, control_bytes(Cancel{id}));  // the prefill side stops too
+  queue(it->second.source, kTag, control_bytes(Cancel{id}));  // the prefill side stops too
   imports_.erase(it);
   gone_[id] = Clock::now();
   outcomes.push_back(Outcome{id, Outcome::Kind::kFailed, {}, std::move(error)});

@@ -6,21 +6,24 @@
 // which calls progress() on every pass, so one thread per process drives
 // every non-blocking MPI operation.
 //
-// On the wire every message is a 48-byte header and a payload:
-//   rows:    the packed rows (worker/kv_rows.h) of one layer of one chunk,
-//            with the request, layer, first position and count in the header
-//            and, when checksums are on, the payload's checksum;
-//   control: a Cap'n Proto control message (PrefillOrder, Cancel, KvHandoff).
-// Rows are packed into a staging buffer on the sending engine thread (one
-// memcpy per block run per head) and unpacked from the receive buffer on the
-// communication thread straight into the reserved blocks: one message per
-// layer per chunk whatever the two block tables are. (An MPI derived
-// datatype could describe the sender's blocks, but the receiver's layout is
-// decided by another block table and the chunk bounds by the sender, so the
-// receiver could not post a matching type before the message arrives.)
+// On the wire, on tag 1, every message starts with a 48-byte header:
+//   rows:    the request, layer, first position and count of one layer of
+//            one chunk (and, when checksums are on, the payload's checksum);
+//            its payload follows as the next message on tag 2;
+//   control: a Cap'n Proto control message (PrefillOrder, Cancel, KvHandoff)
+//            after the header.
+// The rows are packed on the sending engine thread into a staging buffer
+// (one memcpy per block run per head: the sender's blocks are free to be
+// reused as soon as send_rows returns) and sent as one contiguous message.
+// The receiver, knowing from the header where they go, receives them
+// straight into the reserved blocks with one MPI derived datatype
+// (hindexed over the block runs, per K/V and head): no receive buffer, no
+// second copy. Messages between two ranks keep their order, so a payload is
+// always the next tag-2 message from its header's source.
 //
 // Sends are MPI_Isend from buffers the transport owns until MPI_Test says
-// they are done; receives are MPI_Improbe then MPI_Mrecv of the probed size.
+// they are done; headers are received with MPI_Improbe then MPI_Mrecv,
+// payloads with MPI_Recv of the datatype.
 //
 // Threads: see KvTransport. counters() from any thread.
 #pragma once
@@ -77,7 +80,8 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
  private:
   struct Outgoing {
     int destination = 0;
-    std::vector<std::byte> bytes;  // header and payload; owned until the send completes
+    int tag = 0;
+    std::vector<std::byte> bytes;  // owned until the send completes
     MPI_Request request = MPI_REQUEST_NULL;
   };
   struct Import {
@@ -107,14 +111,18 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   bool progress() override;
   bool in_flight() const override;
 
-  void queue(int destination, std::vector<std::byte> bytes);  // any thread
+  void queue(int destination, int tag, std::vector<std::byte> bytes);  // any thread
   std::vector<std::byte> control_bytes(const ControlMessage& message);
   std::vector<std::byte> take_buffer(size_t size);  // any thread: from the spares
   void process_commands(std::vector<Outcome>& outcomes);
   bool post_sends();
   bool test_sends();
   bool receive_some(std::vector<Outcome>& outcomes);
-  void on_rows(int source, std::span<const std::byte> message, std::vector<Outcome>& outcomes);
+  void on_rows(int source, std::span<const std::byte> header, std::vector<Outcome>& outcomes);
+  // Receives the rows payload that follows a header from `source`: into the
+  // import's blocks through a derived datatype, or (`into` null) discarded.
+  // False (and discarded) when its size is not the header's.
+  bool receive_payload(int source, const Import* into, int64_t layer, int64_t pos0, int64_t n);
   void on_control(int source, std::span<const std::byte> payload, std::vector<Outcome>& outcomes);
   void expire(std::vector<Outcome>& outcomes);
   void fail(RequestId id, ServeError error, std::vector<Outcome>& outcomes);
@@ -129,6 +137,9 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   std::map<RequestId, Import> imports_;
   std::map<RequestId, Clock::time_point> gone_;  // aborted or failed: their rows are dropped
   std::vector<std::byte> receive_buffer_;
+  std::vector<int> type_lengths_;  // the receive datatype's runs, reused
+  std::vector<MPI_Aint> type_addresses_;
+  std::vector<KvElement> check_rows_;  // rows repacked to verify a checksum
 
   // Held while a handler runs and by set_handlers: once that returns, the old
   // handlers are not running and will not run again.

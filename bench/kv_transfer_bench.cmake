@@ -1,0 +1,12 @@
+# duet-kv-transfer-bench: raw MPI point-to-point against MpiKvTransport at the
+# KV message size, and (with --model) the TTFT a transfer adds; included from
+# bench/CMakeLists.txt. Its smoke run (label `mpi`, no model) passes only when
+# every transferred KV equals what was sent.
+add_executable(duet-kv-transfer-bench ${CMAKE_CURRENT_LIST_DIR}/kv_transfer_bench.cpp)
+target_link_libraries(duet-kv-transfer-bench PRIVATE duet_kv_mpi CLI11::CLI11 spdlog::spdlog
+  nlohmann_json::nlohmann_json duet_warnings)
+
+add_test(NAME kv_transfer_bench_smoke
+  COMMAND ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe -np 3
+    $<TARGET_FILE:duet-kv-transfer-bench> --reps 2 --tokens 64)
+set_tests_properties(kv_transfer_bench_smoke PROPERTIES LABELS mpi TIMEOUT 60)
