@@ -38,6 +38,8 @@ constexpr auto kGoneMemory = std::chrono::minutes(5);
 // What a transport being destroyed gives its sends in flight.
 constexpr auto kFlushOnDestroy = std::chrono::milliseconds(500);
 constexpr size_t kMaxSpares = 64;
+// How long after a rows message the communication thread keeps polling fast.
+constexpr auto kFastPollAfterRows = std::chrono::milliseconds(5);
 
 }  // namespace
 
@@ -157,7 +159,20 @@ void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
 
 // ---------------------------------------------------------------- the communication thread
 
-bool MpiKvTransport::in_flight() const { return !in_flight_.empty() || !imports_.empty(); }
+// Fast polling costs the decode rank CPU, and an import may wait seconds in
+// the prefill side's queue: poll fast while sends are in flight, for a moment
+// after rows arrived (more follow as the prefill side computes), and while an
+// import has all its rows (its handoff comes within one layer's compute).
+bool MpiKvTransport::in_flight() const {
+  if (!in_flight_.empty()) return true;
+  if (imports_.empty()) return false;
+  if (Clock::now() - last_rows_at_ < kFastPollAfterRows) return true;
+  return std::any_of(imports_.begin(), imports_.end(), [](const auto& entry) {
+    const Import& import = entry.second;
+    return import.rows_received >=
+           (import.n_prompt - import.send_from) * import.cache->layout().n_layers;
+  });
+}
 
 bool MpiKvTransport::progress() {
   std::vector<Outcome> outcomes;
@@ -331,6 +346,7 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
     }
   }
   import.rows_received += h.n;
+  last_rows_at_ = Clock::now();
 }
 
 bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t layer, int64_t pos0,

@@ -136,6 +136,7 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   std::vector<Outgoing> in_flight_;
   std::map<RequestId, Import> imports_;
   std::map<RequestId, Clock::time_point> gone_;  // aborted or failed: their rows are dropped
+  Clock::time_point last_rows_at_{};
   std::vector<std::byte> receive_buffer_;
   std::vector<int> type_lengths_;  // the receive datatype's runs, reused
   std::vector<MPI_Aint> type_addresses_;
