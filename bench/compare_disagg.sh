@@ -50,18 +50,10 @@ cluster_args() {
   esac
 }
 
+# shellcheck source=launch/cluster_lib.sh
+. "$root/launch/cluster_lib.sh"
 mpirun_pid=
-stop_cluster() {
-  # SIGTERM to rank 0 (the coordinator) ends every rank in order; mpirun follows.
-  if [[ -n "$mpirun_pid" ]] && kill -0 "$mpirun_pid" 2>/dev/null; then
-    local rank0
-    rank0=$(pgrep -P "$mpirun_pid" -f "duet serve" | head -n 1 || true)
-    if [[ -n "$rank0" ]]; then kill -TERM "$rank0" 2>/dev/null || true; else kill -TERM "$mpirun_pid"; fi
-    wait "$mpirun_pid" 2>/dev/null || true
-  fi
-  mpirun_pid=
-}
-trap stop_cluster EXIT
+trap 'serve_stop "$mpirun_pid"' EXIT
 
 for layout in $layouts; do
   name=${layout//+/_}
@@ -71,17 +63,13 @@ for layout in $layouts; do
     --threads "$threads" --rpc-port 0 --http-port 0 $(cluster_args "$layout") \
     >"$out/$name.ports" 2>"$log" &
   mpirun_pid=$!
-  for _ in $(seq 600); do
-    grep -q '^http listening' "$out/$name.ports" 2>/dev/null && break
-    kill -0 "$mpirun_pid" 2>/dev/null || { tail -n 20 "$log" >&2; exit 1; }
-    sleep 0.2
-  done
+  serve_wait_ready "$out/$name.ports" "$mpirun_pid" "$log"
   rpc=$(sed -n 's/^rpc listening on //p' "$out/$name.ports")
-  [[ -n "$rpc" ]] || { echo "$layout did not start; log: $log" >&2; exit 1; }
   echo "[compare_disagg] $layout: rates $rates, $n requests each" >&2
   "$bench" --connect "$rpc" --trace "$trace" --rate "$rates" -n "$n" --seed "$seed" \
     --slo "$slo" --warmup 3 --no-progress --json "$out/$name.json" >"$out/$name.txt"
-  stop_cluster
+  serve_stop "$mpirun_pid"
+  mpirun_pid=
 done
 
 python3 - "$out" "$model" "$threads" "$slo" "$trace" $layouts <<'PY'

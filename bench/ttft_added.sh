@@ -22,16 +22,10 @@ bench=$build/bench/duet-bench
 [[ -x "$duet" && -x "$bench" ]] || { echo "build duet and duet-bench in $build first" >&2; exit 1; }
 mkdir -p "$out"
 
+# shellcheck source=launch/cluster_lib.sh
+. "$root/launch/cluster_lib.sh"
 pid=
-stop() {
-  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 0
-  local rank0
-  rank0=$(pgrep -P "$pid" -f "duet serve" | head -n 1 || true)
-  kill -TERM "${rank0:-$pid}" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  pid=
-}
-trap stop EXIT
+trap 'serve_stop "$pid"' EXIT
 
 # measure NAME ROUND COMMAND...: starts the server, one request at a time.
 measure() {
@@ -40,15 +34,12 @@ measure() {
   "$@" --model "$model" --threads "$threads" --rpc-port 0 --http-port 0 \
     >"$out/$name.ports" 2>"$out/$name.log" &
   pid=$!
-  for _ in $(seq 600); do
-    grep -q '^http listening' "$out/$name.ports" 2>/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { tail -n 20 "$out/$name.log" >&2; exit 1; }
-    sleep 0.1
-  done
+  serve_wait_ready "$out/$name.ports" "$pid" "$out/$name.log"
   "$bench" --connect "$(sed -n 's/^rpc listening on //p' "$out/$name.ports")" --concurrency 1 \
     -n "$n" --input-len "$tokens" --output-len 8 --seed "$round" --warmup 2 --no-progress \
     --json "$out/$name-$round.json" >/dev/null
-  stop
+  serve_stop "$pid"
+  pid=
 }
 
 for round in $(seq "$rounds"); do

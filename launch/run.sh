@@ -17,16 +17,10 @@ model=${DUET_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.gguf
 bin=${DUET_BUILD_DIR:-$root/build}/tools
 work=$(mktemp -d)
 cluster=""
-stop_cluster() {
-  [ -n "$cluster" ] && kill -0 "$cluster" 2>/dev/null || return 0
-  # SIGTERM to the coordinator (rank 0) ends every rank in order; mpirun follows.
-  local rank0
-  rank0=$(pgrep -P "$cluster" -f "duet serve" | head -n 1 || true)
-  kill -TERM "${rank0:-$cluster}" 2>/dev/null || true
-  wait "$cluster" 2>/dev/null || true
-}
+# shellcheck source=launch/cluster_lib.sh
+. "$root/launch/cluster_lib.sh"
 cleanup() {
-  stop_cluster
+  serve_stop "$cluster"
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -36,14 +30,9 @@ mpirun --allow-run-as-root --oversubscribe -np 3 \
   "$bin/duet" serve --model "$model" --prefill 1 --decode 1 --threads "$threads" \
   --rpc-port 0 --http-port 0 >"$work/ports" 2>"$work/log" &
 cluster=$!
-for _ in $(seq 1 600); do
-  grep -q '^http listening' "$work/ports" 2>/dev/null && break
-  kill -0 "$cluster" 2>/dev/null || { cat "$work/log" >&2; echo "run: the cluster did not start" >&2; exit 1; }
-  sleep 0.1
-done
+serve_wait_ready "$work/ports" "$cluster" "$work/log" || { echo "run: the cluster did not start" >&2; exit 1; }
 rpc=$(sed -n 's/^rpc listening on //p' "$work/ports")
 http=$(sed -n 's/^http listening on //p' "$work/ports")
-[ -n "$rpc" ] || { cat "$work/log" >&2; echo "run: the cluster did not start" >&2; exit 1; }
 echo "run: disaggregated cluster (1 prefill + 1 decode instance) on rpc $rpc," \
   "http http://$http (OpenAI-compatible)" >&2
 "$bin/duet-client" --connect "$rpc" generate --chat --prompt "$prompt" -n 64

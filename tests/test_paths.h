@@ -23,6 +23,13 @@ inline std::optional<std::filesystem::path> default_model_path() {
   return std::nullopt;
 }
 
+// A parameterized model test's model: "default" (nullopt when it has not
+// been fetched) or the name of a tiny model in tests/fixtures/tiny/.
+inline std::optional<std::filesystem::path> model_for_param(const std::string& param) {
+  if (param == "default") return default_model_path();
+  return fixture_path("fixtures/tiny/" + param);
+}
+
 // A model from the shared test-model folder beside the checkout, when present.
 inline std::optional<std::filesystem::path> shared_model_path(const std::string& name) {
   auto path = source_dir().parent_path() / "shared" / "models" / name;

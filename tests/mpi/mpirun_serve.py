@@ -10,6 +10,7 @@ so mpirun's own exit code then says whether every rank exited 0.
 DUET_MPIEXEC names mpirun (ctest sets it; default "mpirun").
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
-from serve_process import ServeProcess, serve_environment  # noqa: E402,F401
+from serve_process import ServeProcess, http_request, parse_metrics, serve_environment  # noqa: E402,F401
 
 MPIRUN_FLAGS = ["--allow-run-as-root", "--oversubscribe"]
 
@@ -69,6 +70,19 @@ class MpirunServe(ServeProcess):
 
     def log_lines(self):
         return list(self._log)
+
+
+def complete(server, body, expect=200, timeout=300):
+    """POST /v1/completions; asserts the status and returns the parsed reply."""
+    status, _, reply = http_request(server.http_url + "/v1/completions", "POST", body,
+                                    timeout=timeout)
+    assert status == expect, (status, reply[:500])
+    return json.loads(reply)
+
+
+def metrics(server):
+    """GET /metrics, parsed into {name: value}."""
+    return parse_metrics(http_request(server.http_url + "/metrics")[2].decode())
 
 
 def wait_until(predicate, timeout, what):

@@ -25,8 +25,8 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import MpirunServe, ServeProcess, run, serve_environment, wait_until  # noqa: E402
-from serve_process import http_request, parse_metrics  # noqa: E402
+from mpirun_serve import (MpirunServe, ServeProcess, complete, http_request, metrics,  # noqa: E402
+                          run, serve_environment, wait_until)
 
 CLUSTER = ["--mode", "colocated", "--prefill", "1", "--decode", "1", "--kv-cache-mem", "256MiB"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,",
@@ -46,21 +46,11 @@ def tearDownModule():
         cluster.stop(check=False)
 
 
-def complete(server, body):
-    status, _, reply = http_request(server.http_url + "/v1/completions", "POST", body, timeout=120)
-    assert status == 200, (status, reply[:500])
-    return json.loads(reply)
-
-
 def tokenize(server, text):
     status, _, reply = http_request(server.http_url + "/tokenize", "POST",
                                     {"content": text, "add_special": False})
     assert status == 200, (status, reply[:500])
     return json.loads(reply)["tokens"]
-
-
-def metrics(server):
-    return parse_metrics(http_request(server.http_url + "/metrics")[2].decode())
 
 
 class ColocatedClusterTest(unittest.TestCase):

@@ -28,8 +28,8 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import MpirunServe, ServeProcess, serve_environment, wait_until  # noqa: E402
-from serve_process import http_request, parse_metrics  # noqa: E402
+from mpirun_serve import (MpirunServe, ServeProcess, complete, http_request, metrics,  # noqa: E402
+                          serve_environment, wait_until)
 
 # 128 MiB of KV per instance: 5825 tokens of the default model, under its
 # 8192-token context, so a request can be too big for the KV cache alone.
@@ -48,16 +48,6 @@ def setUpModule():
 def tearDownModule():
     if cluster is not None and cluster.process.poll() is None:
         cluster.stop(check=False)
-
-
-def complete(server, body, expect=200):
-    status, _, reply = http_request(server.http_url + "/v1/completions", "POST", body, timeout=300)
-    assert status == expect, (status, reply[:500])
-    return json.loads(reply)
-
-
-def metrics(server):
-    return parse_metrics(http_request(server.http_url + "/metrics")[2].decode())
 
 
 def every_block_free():

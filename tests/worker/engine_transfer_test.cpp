@@ -103,15 +103,9 @@ class Link {
 class EngineTransferTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    std::filesystem::path path;
-    if (GetParam() == "default") {
-      auto found = testing::default_model_path();
-      if (!found) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
-      path = *found;
-    } else {
-      path = testing::fixture_path("fixtures/tiny/" + GetParam());
-    }
-    model_ = LlamaModel::load(path);
+    const auto path = testing::model_for_param(GetParam());
+    if (!path) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
+    model_ = LlamaModel::load(*path);
     pool_ = std::make_unique<cpu::ThreadPool>(2);
   }
 

@@ -16,6 +16,7 @@
 # - SIGTERM to the launcher ends every rank with exit 0, and no process is
 #   left in any namespace;
 # and always removes the namespaces (also those a killed run left behind).
+# The namespaces are netns_lib.sh's.
 #
 # Usage: netns_serve_test.sh [duet serve arguments...]   (e.g. --mode colocated)
 # Environment: DUET_BINARY (default build/tools/duet, or DUET_BUILD_DIR's),
@@ -37,8 +38,11 @@ say() { printf 'netns-test: %s\n' "$*" >&2; }
 skip() { say "SKIP: $*"; exit 77; }
 fail() { say "FAIL: $*"; exit 1; }
 
-[ "$(id -u)" -eq 0 ] || skip "creating network namespaces needs root"
-command -v ip >/dev/null || fail "no ip command: install iproute2 (launch/setup.sh does)"
+# shellcheck source=SCRIPTDIR/netns_lib.sh
+. "$here/netns_lib.sh"
+netns_log() { say "$*"; }  # the library's messages as this test's
+
+netns_preflight || { [ $? -ne 77 ] || skip "$NETNS_ERROR"; fail "$NETNS_ERROR"; }
 [ -x "$duet" ] || fail "no duet binary at $duet (DUET_BINARY)"
 [ -f "$model" ] || fail "no model at $model (DUET_MODEL; launch/setup.sh fetches it)"
 
@@ -50,29 +54,13 @@ for arg in "$@"; do
   previous=$arg
 done
 
-# Namespaces are named after this process, so that concurrent runs do not
-# collide and a run can tell a dead run's leftovers.
-prefix=duetnet$$
-switch=$prefix-switch
-hosts=(a b c)
-subnet=10.77.0.0/24
-address() { echo "10.77.0.$(($1 + 1))"; }
 work=$(mktemp -d)
-namespaces=()
 cluster=""
 reference=""
 
-kill_namespace() {  # ends what still runs in namespace $1, then removes it
-  local pids
-  pids=$(ip netns pids "$1" 2>/dev/null || true)
-  # shellcheck disable=SC2086 # a list of pids
-  [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
-  ip netns delete "$1" 2>/dev/null || true
-}
-
 # shellcheck disable=SC2317 # called from the trap
 cleanup() {
-  local code=$? ns
+  local code=$?
   if [ -n "$cluster" ] && kill -0 "$cluster" 2>/dev/null; then
     kill -TERM "$cluster" 2>/dev/null || true
     for _ in $(seq 1 100); do kill -0 "$cluster" 2>/dev/null || break; sleep 0.1; done
@@ -81,7 +69,7 @@ cleanup() {
     kill -TERM "$reference" 2>/dev/null || true
     wait "$reference" 2>/dev/null || true
   fi
-  for ns in "${namespaces[@]}"; do kill_namespace "$ns"; done
+  netns_down
   if [ "$code" -ne 0 ] && [ "$code" -ne 77 ] && [ -s "$work/cluster.log" ]; then
     say "the cluster's log (last 60 lines):"
     tail -n 60 "$work/cluster.log" >&2
@@ -93,42 +81,11 @@ trap 'say "FAIL: line $LINENO: $BASH_COMMAND"' ERR
 trap 'exit 143' TERM
 trap 'exit 130' INT
 
-# Leftovers of runs that were killed before their trap ran.
-for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^duetnet[0-9]+-' || true); do
-  owner=${ns#duetnet}
-  owner=${owner%%-*}
-  kill -0 "$owner" 2>/dev/null || { say "removing $ns, left by a killed run"; kill_namespace "$ns"; }
-done
-
-# --- the network: a bridge in a namespace of its own, one veth per host ---
-ip netns add "$switch" 2>"$work/netns.err" ||
-  skip "cannot create a network namespace: $(cat "$work/netns.err")"
-namespaces+=("$switch")
-ip -n "$switch" link add br0 type bridge
-ip -n "$switch" link set dev br0 up
-host_map=""
-for i in "${!hosts[@]}"; do
-  ns=$prefix-${hosts[i]}
-  ip netns add "$ns"
-  namespaces+=("$ns")
-  ip link add duet0 netns "$ns" type veth peer name "port-${hosts[i]}" netns "$switch"
-  ip -n "$switch" link set dev "port-${hosts[i]}" master br0 up
-  # No IPv6 on the link: its neighbour discovery would add bytes that MPI did not send.
-  ip netns exec "$ns" sysctl -qw net.ipv6.conf.duet0.disable_ipv6=1 2>/dev/null || true
-  ip -n "$ns" addr add "$(address "$i")/24" dev duet0
-  ip -n "$ns" link set dev duet0 up
-  ip -n "$ns" link set dev lo up
-  echo "$(address "$i") slots=1" >>"$work/hosts"
-  host_map+="$(address "$i")=$ns "
-done
-ns_a=$prefix-a
-
-# Bytes through host $1's veth (received + sent).
-veth_bytes() {
-  local stats=/sys/class/net/duet0/statistics
-  ip netns exec "$prefix-$1" sh -c "echo \$((\$(cat $stats/rx_bytes) + \$(cat $stats/tx_bytes)))"
-}
-veth_rx_bytes() { ip netns exec "$prefix-$1" cat /sys/class/net/duet0/statistics/rx_bytes; }
+# --- the network: hosts a, b, c (10.77.0.1-3) on a bridge; removes what
+# killed runs left behind first ---
+netns_up "duetnet$$" || { [ $? -ne 77 ] || skip "$NETNS_ERROR"; fail "cannot set up the network namespaces"; }
+netns_hostfile "$work/hosts"
+ns_a=$(netns_namespace a)
 
 # Waits until file $1 has the `http listening on` line; $2: the process.
 await_listening() {
@@ -177,22 +134,23 @@ reference=""
 [ "$code" -eq 0 ] || fail "the single-process server exited with code $code"
 
 # --- the cluster, launched from host a (under host a's name) ---
-# shellcheck disable=SC2016 # expanded by the inner shell
+on_a=()
+netns_on_host on_a a
+agent_args=()
+netns_mpirun_args agent_args
 DUET_SKIP_SETUP=1 DUET_SKIP_BUILD=1 DUET_BINARY=$duet DUET_MODEL=$model \
-  DUET_HOST=$(address 0) DUET_MPI_IF=$subnet DUET_MPI_BTL=tcp,self \
-  DUET_MPIRUN_ARGS="--mca plm_rsh_agent $here/netns_agent.sh --mca plm_rsh_no_tree_spawn 1" \
-  DUET_NETNS_HOSTS=$host_map \
-  ip netns exec "$ns_a" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$ns_a" \
-  "$root/launch/hostfile.sh" "$work/hosts" 1 1 "${engine_args[@]}" "$@" \
+  DUET_HOST=$(netns_address a) DUET_MPI_IF=$NETNS_SUBNET DUET_MPI_BTL=tcp,self \
+  DUET_MPIRUN_ARGS="${agent_args[*]}" \
+  "${on_a[@]}" "$root/launch/hostfile.sh" "$work/hosts" 1 1 "${engine_args[@]}" "$@" \
   >"$work/cluster.out" 2>"$work/cluster.log" &
 cluster=$!
 await_listening "$work/cluster.out" "$cluster" || fail "the cluster did not start"
 cluster_url=http://$(sed -n 's/^http listening on //p' "$work/cluster.out")
 say "cluster ($mode) listening on $cluster_url after $((SECONDS - started)) s"
 
-bytes_b=$(veth_bytes b)
-bytes_c=$(veth_bytes c)
-rx_c=$(veth_rx_bytes c)
+bytes_b=$(netns_veth_bytes b)
+bytes_c=$(netns_veth_bytes c)
+rx_c=$(netns_veth_bytes c rx)
 prompt_tokens=0
 for i in "${!prompts[@]}"; do
   reply=$(complete "$cluster_url" "${prompts[i]}" "$ns_a") ||
@@ -203,9 +161,9 @@ for i in "${!prompts[@]}"; do
   say "prompt \"${prompts[i]}\": $got (as the single process)"
   prompt_tokens=$((prompt_tokens + $(json_field 'r["usage"]["prompt_tokens"]' <<<"$reply")))
 done
-crossed_b=$(($(veth_bytes b) - bytes_b))
-crossed_c=$(($(veth_bytes c) - bytes_c))
-received_c=$(($(veth_rx_bytes c) - rx_c))
+crossed_b=$(($(netns_veth_bytes b) - bytes_b))
+crossed_c=$(($(netns_veth_bytes c) - bytes_c))
+received_c=$(($(netns_veth_bytes c rx) - rx_c))
 say "bytes through the veths while answering: host b $crossed_b, host c $crossed_c"
 # Requests out and tokens back: well over 1 KiB, where a quiet link carries
 # a few ARP packets.
@@ -231,7 +189,7 @@ cluster=""
 for rank in 0 1 2; do
   grep -q "rank $rank: exiting with code 0" "$work/cluster.log" || fail "rank $rank did not exit with 0"
 done
-for ns in "${namespaces[@]}"; do
+for ns in "${NETNS_NAMESPACES[@]}"; do
   left=$(ip netns pids "$ns")
   [ -z "$left" ] || fail "processes left in $ns: $(echo "$left" | tr '\n' ' ')"
 done
