@@ -17,8 +17,9 @@
 // round trip), reported with its uncertainty and MPI_WTIME_IS_GLOBAL. Raw and
 // transport times both run from the sender's first send call to the receiver
 // holding the last byte (its last MPI_Recv returned; on_complete ran, which
-// follows every row's arrival in the blocks). A rank that waits while the other computes
-// polls with sleeps instead of spinning in MPI, leaving the other the core.
+// follows every row's arrival in the blocks). A rank that waits while the
+// other computes polls with sleeps instead of spinning in MPI, leaving the
+// other the core.
 // Rank 2 prints Markdown tables (and --json FILE); the job exits non-zero
 // when the received KV or the first tokens differ.
 //
