@@ -139,6 +139,11 @@ class Engine final {
   KvCache& cache() { return cache_; }
   // Whether `id` is an import not yet completed (waiting for blocks or rows).
   bool importing(SequenceId id) const { return imports_.contains(id); }
+  // Whether `id` is an import whose blocks are reserved: rows may be written.
+  bool import_reserved(SequenceId id) const {
+    auto it = imports_.find(id);
+    return it != imports_.end() && it->second.reserved;
+  }
 
   // Ends a request at once and frees its KV blocks; its sink gets a final
   // event (reason kStopped). An import whose rows are in flight keeps its

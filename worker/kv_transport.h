@@ -65,6 +65,10 @@ class KvTransport {
   virtual void start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
                             std::span<const int32_t> block_table, Clock::time_point deadline) = 0;
   virtual void abort_import(RequestId id) = 0;
+  // Ends every import that writes into `cache` at once, without handlers
+  // (the cache's owner is going away); when it returns nothing writes into
+  // `cache` any more. Any thread.
+  virtual void forget_imports(const KvCache& cache) = 0;
 
   // Prefill side. Copies rows [pos0, pos0 + n) of `layer` out of `cache` now
   // and queues them for `decode_peer`.

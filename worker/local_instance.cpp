@@ -58,6 +58,8 @@ LocalInstance::~LocalInstance() {
   }
   wake_.notify_one();
   thread_.join();
+  // Rows still on their way must not land in the engine's cache once it is gone.
+  if (peers_.transport != nullptr) peers_.transport->forget_imports(engine_.cache());
 }
 
 void LocalInstance::set_event_handler(EventHandler handler) {
@@ -95,7 +97,7 @@ void LocalInstance::apply(Command& command) {
     if (it == sequences_.end()) return;
     const SequenceId sid = it->second;
     // An import in transfer keeps its blocks until the transport lets go.
-    if (engine_.importing(sid)) {
+    if (engine_.import_reserved(sid)) {
       spdlog::info(
           "instance: request {} cancelled before its KV arrived; its blocks wait for "
           "the transport",
@@ -290,7 +292,7 @@ void LocalInstance::run() {
       exports_.clear();
       for (SequenceId sid : live) {
         try {
-          if (engine_.importing(sid) && requests_.contains(sid))
+          if (engine_.import_reserved(sid) && requests_.contains(sid))
             releasing_.emplace(requests_.at(sid), sid);
           engine_.cancel(sid);  // frees the KV; its events are dropped
         } catch (const std::exception& cancel_error) {

@@ -164,6 +164,7 @@ void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
 // after rows arrived (more follow as the prefill side computes), and while an
 // import has all its rows (its handoff comes within one layer's compute).
 bool MpiKvTransport::in_flight() const {
+  std::lock_guard state(state_mutex_);
   if (!in_flight_.empty()) return true;
   if (imports_.empty()) return false;
   if (Clock::now() - last_rows_at_ < kFastPollAfterRows) return true;
@@ -177,14 +178,34 @@ bool MpiKvTransport::in_flight() const {
 bool MpiKvTransport::progress() {
   std::vector<Outcome> outcomes;
   bool active = false;
-  process_commands(outcomes);
-  active = post_sends() || active;
-  active = test_sends() || active;
-  active = receive_some(outcomes) || active;
-  if (!imports_.empty() || !gone_.empty()) expire(outcomes);
+  {
+    std::lock_guard state(state_mutex_);
+    process_commands(outcomes);
+    active = post_sends() || active;
+    active = test_sends() || active;
+    active = receive_some(outcomes) || active;
+    if (!imports_.empty() || !gone_.empty()) expire(outcomes);
+  }
   active = active || !outcomes.empty();
-  deliver(outcomes);
+  deliver(outcomes);  // handlers run without the state lock
   return active;
+}
+
+void MpiKvTransport::forget_imports(const KvCache& cache) {
+  std::lock_guard state(state_mutex_);  // the communication thread is not inside progress()
+  {
+    std::lock_guard lock(mutex_);
+    std::erase_if(starts_, [&](const Start& start) { return start.cache == &cache; });
+  }
+  for (auto it = imports_.begin(); it != imports_.end();) {
+    if (it->second.cache != &cache) {
+      ++it;
+      continue;
+    }
+    queue(it->second.source, kTag, control_bytes(Cancel{it->first}));
+    gone_[it->first] = Clock::now();
+    it = imports_.erase(it);
+  }
 }
 
 void MpiKvTransport::process_commands(std::vector<Outcome>& outcomes) {
@@ -356,6 +377,11 @@ bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t lay
   DUET_MPI_CHECK(MPI_Mprobe(source, kPayloadTag, comm_, &message, &status));
   int count = 0;
   DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+  {
+    std::lock_guard lock(mutex_);
+    ++counters_.messages_received;
+    counters_.bytes_received += count;
+  }
   const KvLayout* layout = into != nullptr ? &into->cache->layout() : nullptr;
   if (into == nullptr ||
       count != packed_kv_elems(*layout, n) * static_cast<int64_t>(sizeof(KvElement))) {

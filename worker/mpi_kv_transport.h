@@ -62,6 +62,7 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   void start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
                     std::span<const int32_t> block_table, Clock::time_point deadline) override;
   void abort_import(RequestId id) override;
+  void forget_imports(const KvCache& cache) override;
   void send_rows(int decode_peer, RequestId id, int64_t layer, int64_t pos0, int64_t n,
                  const KvCache& cache, std::span<const int32_t> block_table) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
@@ -132,7 +133,9 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   const MpiKvTransportOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
 
-  // Communication thread only.
+  // The communication thread's state: that thread holds the mutex while it
+  // works on it; forget_imports takes it from another thread.
+  mutable std::mutex state_mutex_;
   std::vector<Outgoing> in_flight_;
   std::map<RequestId, Import> imports_;
   std::map<RequestId, Clock::time_point> gone_;  // aborted or failed: their rows are dropped
