@@ -78,3 +78,10 @@ set_tests_properties(mpi_serve_disaggregated_test PROPERTIES
   LABELS mpi
   TIMEOUT 900)
 include(${CMAKE_CURRENT_LIST_DIR}/netns/netns_tests.cmake)
+
+# MpiCollective (tensor-parallel collectives): two instances (TP 2 and TP 3)
+# at once on 6 ranks; sums, bit-identical results on every rank, rank order.
+add_executable(collective_test ${CMAKE_CURRENT_LIST_DIR}/collective_main.cpp)
+target_link_libraries(collective_test PRIVATE duet_collective_mpi duet_warnings)
+add_test(NAME mpi_collective_test COMMAND ${DUET_MPIRUN} -np 6 $<TARGET_FILE:collective_test>)
+set_tests_properties(mpi_collective_test PROPERTIES LABELS mpi TIMEOUT 120)

@@ -1,0 +1,47 @@
+// Collective (worker/collective.h) over MPI: blocking MPI_Allreduce,
+// MPI_Allgather and MPI_Bcast on a communicator of the instance's ranks
+// alone, so an instance's collectives never mix with another instance's, the
+// control channel's or the KV transport's traffic.
+//
+// Creating it is collective over MPI_COMM_WORLD (MPI_Comm_split): every rank
+// of the job constructs one, in the same order relative to other collectives;
+// a rank in no instance (the coordinator) passes no ranks and gets an empty
+// collective (size 0) that it must not use.
+//
+// Open MPI computes a reduction in an order fixed by the communicator and
+// the message size, and every rank receives the same bytes (checked by
+// collective_test), which the bitwise-identical-ranks promise needs.
+#pragma once
+
+#include <mpi.h>
+
+#include <span>
+
+#include "common/cluster_spec.h"
+#include "common/mpi/mpi_runtime.h"
+#include "worker/collective.h"
+
+namespace duet {
+
+class MpiCollective final : public Collective {
+ public:
+  // `ranks`: the instance this rank belongs to (world ranks, leader first),
+  // or empty for a rank in none. `instance_id` tells instances apart.
+  MpiCollective(const MpiRuntime& mpi, std::span<const Rank> ranks, int instance_id);
+  ~MpiCollective() override;
+  MpiCollective(const MpiCollective&) = delete;
+  MpiCollective& operator=(const MpiCollective&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce_sum(std::span<float> data) override;
+  void all_gather(std::span<const float> mine, std::span<float> all) override;
+  void broadcast(std::span<std::byte> data, int root) override;
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 0;
+};
+
+}  // namespace duet
