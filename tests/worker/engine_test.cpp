@@ -10,28 +10,13 @@
 
 #include "common/error.h"
 #include "kernels/cpu/isa.h"
-#include "tests/test_paths.h"
+#include "tests/worker/model_test.h"
 
 namespace duet {
 namespace {
 
-class EngineTest : public ::testing::TestWithParam<std::string> {
+class EngineTest : public testing::ModelTest {
  protected:
-  void SetUp() override {
-    const auto path = testing::model_for_param(GetParam());
-    if (!path) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
-    model_ = LlamaModel::load(*path);
-    pool_ = std::make_unique<cpu::ThreadPool>(2);
-  }
-
-  std::vector<int32_t> random_prompt(std::mt19937& rng, int64_t n) {
-    std::uniform_int_distribution<int32_t> token(
-        5, static_cast<int32_t>(model_->config().n_vocab - 1));
-    std::vector<int32_t> p(static_cast<size_t>(n));
-    for (auto& t : p) t = token(rng);
-    return p;
-  }
-
   // Runs the requests to completion; returns each one's generated tokens.
   std::vector<std::vector<int32_t>> run(const std::vector<std::vector<int32_t>>& prompts,
                                         const std::vector<RequestOptions>& options,
@@ -48,9 +33,6 @@ class EngineTest : public ::testing::TestWithParam<std::string> {
     if (stats != nullptr) *stats = engine.stats();
     return out;
   }
-
-  std::unique_ptr<LlamaModel> model_;
-  std::unique_ptr<cpu::ThreadPool> pool_;
 };
 
 RequestOptions sampled(uint64_t seed, int64_t max_tokens) {
@@ -191,10 +173,7 @@ TEST_P(EngineTest, RefusesRequestsThatCannotFit) {
 INSTANTIATE_TEST_SUITE_P(Models, EngineTest,
                          ::testing::Values("tiny_q4_1_gqa_tied.gguf", "tiny_q8_0_mha_untied.gguf",
                                            "default"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           return name.substr(0, name.find('.'));
-                         });
+                         testing::model_param_name);
 
 }  // namespace
 }  // namespace duet

@@ -9,7 +9,7 @@
 #include <random>
 
 #include "kernels/cpu/isa.h"
-#include "tests/test_paths.h"
+#include "tests/worker/model_test.h"
 #include "worker/engine.h"
 #include "worker/kv_rows.h"
 
@@ -100,29 +100,14 @@ class Link {
   int64_t rows_moved_ = 0;
 };
 
-class EngineTransferTest : public ::testing::TestWithParam<std::string> {
+class EngineTransferTest : public testing::ModelTest {
  protected:
-  void SetUp() override {
-    const auto path = testing::model_for_param(GetParam());
-    if (!path) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it";
-    model_ = LlamaModel::load(*path);
-    pool_ = std::make_unique<cpu::ThreadPool>(2);
-  }
-
   std::unique_ptr<Engine> engine(int64_t n_blocks = 256, int64_t step_tokens = 64) {
     EngineConfig config;
     config.n_kv_blocks = n_blocks;
     config.scheduler.max_step_tokens = step_tokens;
     config.scheduler.max_running = 16;
     return std::make_unique<Engine>(*model_, cpu::kernel_table(cpu::best_isa()), *pool_, config);
-  }
-
-  std::vector<int32_t> prompt(std::mt19937& rng, int64_t n) {
-    std::uniform_int_distribution<int32_t> token(
-        5, static_cast<int32_t>(model_->config().n_vocab - 1));
-    std::vector<int32_t> p(static_cast<size_t>(n));
-    for (auto& t : p) t = token(rng);
-    return p;
   }
 
   std::vector<int32_t> single(const std::vector<int32_t>& p, const RequestOptions& options) {
@@ -134,9 +119,6 @@ class EngineTransferTest : public ::testing::TestWithParam<std::string> {
     e->run_until_idle();
     return out;
   }
-
-  std::unique_ptr<LlamaModel> model_;
-  std::unique_ptr<cpu::ThreadPool> pool_;
 };
 
 TEST_P(EngineTransferTest, DecodesExactlyAsOneEngine) {
@@ -147,7 +129,7 @@ TEST_P(EngineTransferTest, DecodesExactlyAsOneEngine) {
   std::vector<std::vector<int32_t>> prompts;
   std::vector<RequestOptions> options;
   for (size_t i = 0; i < lengths.size(); ++i) {
-    prompts.push_back(prompt(rng, lengths[i]));
+    prompts.push_back(random_prompt(rng, lengths[i]));
     RequestOptions o;
     o.max_tokens = 1 + static_cast<int64_t>(i % 3) * 9;
     o.ignore_eos = true;
@@ -173,7 +155,7 @@ TEST_P(EngineTransferTest, DecodesExactlyAsOneEngine) {
 
 TEST_P(EngineTransferTest, ImportedKvEqualsComputedKv) {
   std::mt19937 rng(11);
-  const std::vector<int32_t> p = prompt(rng, 100);
+  const std::vector<int32_t> p = random_prompt(rng, 100);
   RequestOptions o;
   o.max_tokens = 8;
   o.ignore_eos = true;
@@ -198,10 +180,10 @@ TEST_P(EngineTransferTest, ImportedKvEqualsComputedKv) {
 
 TEST_P(EngineTransferTest, PrefixCacheOnEitherSideShipsOnlyWhatIsMissing) {
   std::mt19937 rng(3);
-  const std::vector<int32_t> shared = prompt(rng, 48);
+  const std::vector<int32_t> shared = random_prompt(rng, 48);
   auto with_tail = [&](int64_t n) {
     std::vector<int32_t> p = shared;
-    const std::vector<int32_t> tail = prompt(rng, n);
+    const std::vector<int32_t> tail = random_prompt(rng, n);
     p.insert(p.end(), tail.begin(), tail.end());
     return p;
   };
@@ -243,8 +225,8 @@ TEST_P(EngineTransferTest, ImportsWaitForBlocksAndCancelFreesThem) {
   auto prefill = engine();
   auto decode = engine(/*n_blocks=*/12);  // 192 tokens: one 100-token prompt at a time
   Link link(*prefill, *decode);
-  std::vector<std::vector<int32_t>> prompts = {prompt(rng, 100), prompt(rng, 100),
-                                               prompt(rng, 100)};
+  std::vector<std::vector<int32_t>> prompts = {random_prompt(rng, 100), random_prompt(rng, 100),
+                                               random_prompt(rng, 100)};
   std::vector<std::vector<int32_t>> out(3);
   std::vector<SequenceId> ids;
   for (size_t i = 0; i < 3; ++i) ids.push_back(link.submit(prompts[i], o, &out[i]));
@@ -255,7 +237,7 @@ TEST_P(EngineTransferTest, ImportsWaitForBlocksAndCancelFreesThem) {
   // Cancel while waiting for blocks, while the rows are in flight, and while decoding.
   bool done[3] = {false, false, false};
   for (auto& v : out) v.clear();
-  for (auto& p : prompts) p = prompt(rng, 100);  // nothing cached: ids[0] takes two chunks
+  for (auto& p : prompts) p = random_prompt(rng, 100);  // nothing cached: ids[0] takes two chunks
   for (size_t i = 0; i < 3; ++i) ids[i] = link.submit(prompts[i], o, &out[i], &done[i]);
   decode->cancel(ids[2]);  // waiting for blocks
   prefill->step();         // ids[0]'s first chunk is exported
@@ -295,12 +277,7 @@ TEST(KvRowsTest, PackUnpackAcrossDifferentBlockTables) {
 
 INSTANTIATE_TEST_SUITE_P(Models, EngineTransferTest,
                          ::testing::Values("tiny_q4_1_gqa_tied.gguf", "default"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           for (char& c : name)
-                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-                           return name;
-                         });
+                         testing::model_param_name);
 
 }  // namespace
 }  // namespace duet
