@@ -317,7 +317,8 @@ void send_transfers(MpiKvTransport& transport, Mailbox<PrefillOrder>& orders, MP
     // Chunk after chunk, each layer after layer: the order a chunked prefill stores them.
     for (int64_t pos0 = 0; pos0 < shape.n_tokens; pos0 += shape.chunk) {
       for (int64_t layer = 0; layer < shape.layout.n_layers; ++layer)
-        transport.send_rows(kReceiver, id, layer, pos0, shape.chunk, cache, table);
+        transport.send_rows(kReceiver, id, layer, pos0, shape.chunk, cache, table, 0,
+                            all_kv_heads_of(cache));
     }
     report.last_send = MPI_Wtime();
     transport.send_handoff(
@@ -379,8 +380,9 @@ TransferTimes receive_transfers(MpiKvTransport& transport, Mailbox<Arrival>& arr
     order.request.id = RequestId{next_id++};
     barrier_quietly(pair);
     const double start = MPI_Wtime();
-    transport.start_import(kSender, order, cache, table,
-                           KvTransport::Clock::now() + kTransferTimeout);
+    transport.start_import(kSender, order,
+                           whole_import_plan(kSender, order, cache, table,
+                                             KvTransport::Clock::now() + kTransferTimeout));
     const Arrival arrival = arrivals.take();
     DUET_REQUIRE(arrival.handoff, "KV transfer failed: {}", arrival.error);
     const auto report = receive_value<TransferReport>(pair, kPairSender);
@@ -485,7 +487,7 @@ void serve_prefills(const LlamaModel& model, MpiKvTransport& transport,
     sink.layer = [&](SequenceId, int64_t layer, int64_t pos0, int64_t n,
                      std::span<const int32_t> table, const KvCache& cache) {
       if (layer == shape.layout.n_layers - 1) report.last_layer_at = MPI_Wtime();
-      transport.send_rows(kReceiver, id, layer, pos0, n, cache, table);
+      transport.send_rows(kReceiver, id, layer, pos0, n, cache, table, 0, all_kv_heads_of(cache));
       rows_sent += n;
     };
     sink.done = [&](SequenceId, int32_t first_token, int64_t cached_tokens) {
@@ -533,8 +535,10 @@ TtftTimes run_decodes(const LlamaModel& model, MpiKvTransport& transport,
     hooks.reserved = [&](SequenceId, int64_t cached_tokens, std::span<const int32_t> table) {
       const InstanceRequest request{
           .id = id, .prompt = prompt, .max_tokens = 1, .sampling = {}, .ignore_eos = true};
-      transport.start_import(kSender, PrefillOrder{request, cached_tokens}, decode.cache(), table,
-                             KvTransport::Clock::now() + kTransferTimeout);
+      const PrefillOrder order{request, cached_tokens, {}};
+      transport.start_import(kSender, order,
+                             whole_import_plan(kSender, order, decode.cache(), table,
+                                               KvTransport::Clock::now() + kTransferTimeout));
     };
     int32_t token = -1;
     double token_at = 0.0;

@@ -205,13 +205,20 @@ ClusterMode parse_cluster_mode(std::string_view name) {
 }
 
 ClusterSpec parse_cluster_flags(int prefill, int decode, int tp, ClusterMode mode) {
+  DUET_REQUIRE(tp >= 1, "{}--tp must be at least 1, got {}", kPrefix, tp);
+  return parse_cluster_flags(prefill, decode, tp, tp, mode);
+}
+
+ClusterSpec parse_cluster_flags(int prefill, int decode, int prefill_tp, int decode_tp,
+                                ClusterMode mode) {
   DUET_REQUIRE(prefill >= 0, "{}--prefill must not be negative, got {}", kPrefix, prefill);
   DUET_REQUIRE(decode >= 0, "{}--decode must not be negative, got {}", kPrefix, decode);
-  DUET_REQUIRE(tp >= 1, "{}--tp must be at least 1, got {}", kPrefix, tp);
+  DUET_REQUIRE(prefill_tp >= 1, "{}--prefill-tp must be at least 1, got {}", kPrefix, prefill_tp);
+  DUET_REQUIRE(decode_tp >= 1, "{}--decode-tp must be at least 1, got {}", kPrefix, decode_tp);
   ClusterSpec spec;
   spec.mode = mode;
   int next_rank = 1;
-  auto add = [&](InstanceRole role, int n) {
+  auto add = [&](InstanceRole role, int n, int tp) {
     for (int i = 0; i < n; ++i) {
       InstanceSpec instance;
       instance.id = static_cast<int>(spec.instances.size());
@@ -221,8 +228,8 @@ ClusterSpec parse_cluster_flags(int prefill, int decode, int tp, ClusterMode mod
       spec.instances.push_back(std::move(instance));
     }
   };
-  add(InstanceRole::kPrefill, prefill);
-  add(InstanceRole::kDecode, decode);
+  add(InstanceRole::kPrefill, prefill, prefill_tp);
+  add(InstanceRole::kDecode, decode, decode_tp);
   return spec;
 }
 
@@ -281,16 +288,19 @@ ClusterSpec parse_cluster_file(const std::string& path) {
 ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags) {
   DUET_ASSERT(flags.any());
   if (flags.file) {
-    DUET_REQUIRE(!flags.prefill && !flags.decode && !flags.tp && !flags.mode,
-                 "{}--cluster FILE and --prefill/--decode/--tp/--mode are exclusive: the file "
-                 "names the whole layout",
+    DUET_REQUIRE(!flags.prefill && !flags.decode && !flags.tp && !flags.prefill_tp &&
+                     !flags.decode_tp && !flags.mode,
+                 "{}--cluster FILE and --prefill/--decode/--tp/--prefill-tp/--decode-tp/--mode "
+                 "are exclusive: the file names the whole layout",
                  kPrefix);
     return parse_cluster_file(*flags.file);
   }
   const ClusterMode mode =
       flags.mode ? parse_cluster_mode(*flags.mode) : ClusterMode::kDisaggregated;
+  const int tp = flags.tp.value_or(1);
+  DUET_REQUIRE(tp >= 1, "{}--tp must be at least 1, got {}", kPrefix, tp);
   return parse_cluster_flags(flags.prefill.value_or(0), flags.decode.value_or(0),
-                             flags.tp.value_or(1), mode);
+                             flags.prefill_tp.value_or(tp), flags.decode_tp.value_or(tp), mode);
 }
 
 }  // namespace duet

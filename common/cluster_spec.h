@@ -9,6 +9,9 @@
 // A spec comes from flags (`--prefill P --decode D --tp T --mode M`) or from a
 // JSON file (`--cluster FILE`):
 //
+// `--prefill-tp` and `--decode-tp` give the two kinds of instances their own
+// sizes (they override `--tp`; the KV cache is re-sharded on its way).
+//
 //   {
 //     "mode": "disaggregated",            // or "colocated"; default disaggregated
 //     "instances": [                       // instance id = index in this list
@@ -95,11 +98,13 @@ struct ClusterFlags {
   std::optional<int> prefill;       // --prefill P
   std::optional<int> decode;        // --decode D
   std::optional<int> tp;            // --tp T (default 1)
+  std::optional<int> prefill_tp;    // --prefill-tp T (default --tp)
+  std::optional<int> decode_tp;     // --decode-tp T (default --tp)
   std::optional<std::string> mode;  // --mode disaggregated|colocated
   std::optional<std::string> file;  // --cluster FILE
 
   // Whether any cluster flag was given (a serve without one is single-process).
-  bool any() const { return prefill || decode || tp || mode || file; }
+  bool any() const { return prefill || decode || tp || prefill_tp || decode_tp || mode || file; }
 };
 
 ClusterMode parse_cluster_mode(std::string_view name);  // throws on an unknown name
@@ -108,6 +113,10 @@ ClusterMode parse_cluster_mode(std::string_view name);  // throws on an unknown 
 // order. In colocated mode the same P + D instances all get role kBoth.
 // Throws on negative counts or tp < 1; validate() judges the rest.
 ClusterSpec parse_cluster_flags(int prefill, int decode, int tp, ClusterMode mode);
+// The same with the prefill instances of `prefill_tp` ranks and the decode
+// ones of `decode_tp`.
+ClusterSpec parse_cluster_flags(int prefill, int decode, int prefill_tp, int decode_tp,
+                                ClusterMode mode);
 
 // The JSON form above; `origin` (a file name) prefixes every error message.
 ClusterSpec parse_cluster_json(std::string_view text, std::string_view origin = "cluster spec");

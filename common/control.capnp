@@ -14,7 +14,7 @@
 
 $import "/capnp/c++.capnp".namespace("duet::control");
 
-const protocolVersion :UInt32 = 3;  # 2: InstanceReady; 3: disaggregation
+const protocolVersion :UInt32 = 4;  # 2: InstanceReady; 3: disaggregation; 4: TP KV
 
 enum Role {
   prefill @0;
@@ -166,6 +166,7 @@ struct Shutdown {
 struct PrefillOrder {
   request @0 :SubmitRequest;
   sendFrom @1 :Int64;
+  decodeRanks @2 :List(Int32);  # the decode instance's ranks, leader first (its TP size)
 }
 
 # Prefill leader -> decode leader, after the last rows of a PrefillOrder

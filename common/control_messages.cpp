@@ -294,6 +294,9 @@ struct Filler {
     auto order = out.initPrefillOrder();
     fill(order.initRequest(), m.request);
     order.setSendFrom(m.send_from);
+    auto ranks = order.initDecodeRanks(static_cast<unsigned>(m.decode_ranks.size()));
+    for (size_t i = 0; i < m.decode_ranks.size(); ++i)
+      ranks.set(static_cast<unsigned>(i), m.decode_ranks[i]);
   }
   void operator()(const KvHandoff& m) {
     auto handoff = out.initKvHandoff();
@@ -347,7 +350,9 @@ ControlMessage read(control::Message::Reader in) {
       return read(in.getReady());
     case control::Message::PREFILL_ORDER: {
       auto order = in.getPrefillOrder();
-      return PrefillOrder{read(order.getRequest()), order.getSendFrom()};
+      PrefillOrder out{read(order.getRequest()), order.getSendFrom(), {}};
+      for (int32_t rank : order.getDecodeRanks()) out.decode_ranks.push_back(rank);
+      return out;
     }
     case control::Message::KV_HANDOFF: {
       auto handoff = in.getKvHandoff();

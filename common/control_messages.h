@@ -23,7 +23,7 @@
 namespace duet {
 
 // Equals `protocolVersion` in control.capnp (checked at compile time).
-inline constexpr uint32_t kControlProtocolVersion = 3;
+inline constexpr uint32_t kControlProtocolVersion = 4;
 
 // Leader -> coordinator, first message (see control.capnp).
 struct Hello {

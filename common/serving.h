@@ -123,6 +123,10 @@ struct InstanceInfo {
 struct PrefillOrder {
   InstanceRequest request;
   int64_t send_from = 0;
+  // The decode instance's ranks, leader first: each gets the KV heads its
+  // shard holds (worker/tp_shard.h kv_peers) straight from the prefill rank
+  // holding them. Empty: the order's sender alone (tp 1).
+  std::vector<int32_t> decode_ranks;
 };
 
 // Prefill -> decode, after the last rows of an order: how decoding goes on.

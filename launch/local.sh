@@ -2,7 +2,8 @@
 # Starts a Duet cluster and keeps it in the foreground until Ctrl-C:
 #   mpirun -np 1+P+D duet serve --prefill P --decode D [ARGS...]
 # with the default model: the coordinator on rank 0, then P prefill and D
-# decode instances of one rank each. Both fronts take free ports; the
+# decode instances of one rank each (of T ranks each with `--tp T`,
+# `--prefill-tp T`, `--decode-tp T` among the arguments). Both fronts take free ports; the
 # coordinator's `rpc listening on HOST:PORT` and `http listening on HOST:PORT`
 # lines are printed on stdout once every instance is ready, everything else
 # (every rank's log) goes to stderr.
@@ -17,6 +18,7 @@
 # Usage: launch/local.sh P D [duet serve arguments...]
 #   e.g. launch/local.sh 1 1
 #        launch/local.sh 1 2 --mode colocated --kv-cache-mem 512MiB
+#        launch/local.sh 1 1 --decode-tp 3       # 5 ranks: the decode instance on 3
 # Environment:
 #   DUET_SKIP_SETUP=1   do not run launch/setup.sh (packages, model, test venv)
 #   DUET_SKIP_BUILD=1   do not run launch/build.sh (it only rebuilds what changed)
@@ -44,7 +46,21 @@ fi
 prefill=$1
 decode=$2
 shift 2
-ranks=$((1 + prefill + decode))
+# Tensor parallelism: an instance takes --tp ranks (--prefill-tp and
+# --decode-tp for one kind), so mpirun must start that many.
+tp=1 prefill_tp='' decode_tp=''
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case ${args[i]} in
+    --tp) tp=${args[i + 1]:-1} ;;
+    --tp=*) tp=${args[i]#*=} ;;
+    --prefill-tp) prefill_tp=${args[i + 1]:-1} ;;
+    --prefill-tp=*) prefill_tp=${args[i]#*=} ;;
+    --decode-tp) decode_tp=${args[i + 1]:-1} ;;
+    --decode-tp=*) decode_tp=${args[i]#*=} ;;
+  esac
+done
+ranks=$((1 + prefill * ${prefill_tp:-$tp} + decode * ${decode_tp:-$tp}))
 
 [ "${DUET_SKIP_SETUP:-0}" = 1 ] || "$root/launch/setup.sh"
 [ "${DUET_SKIP_BUILD:-0}" = 1 ] || "$root/launch/build.sh" >&2

@@ -1,6 +1,6 @@
-// `duet serve` under mpirun: the coordinator on rank 0, one instance per
-// other rank (tp 1): prefill and decode instances (disaggregated), or
-// instances that run both phases (colocated).
+// `duet serve` under mpirun: the coordinator on rank 0, the instances on the
+// other ranks, `tp` ranks each: prefill and decode instances (disaggregated),
+// or instances that run both phases (colocated).
 //
 // Every rank: block the stop signals, initialize MPI, build and validate the
 // spec (an impossible or unsupported layout is the same error on every rank,
@@ -11,16 +11,21 @@
 //   fronts until SIGINT/SIGTERM; then it refuses new requests, cancels what
 //   runs, stops the fronts, sends Shutdown to every leader and closes the
 //   channel;
-// - every other rank loads the model, runs its engine behind an
-//   InstanceServer until Shutdown, stops the engine and closes the channel.
+// - every other rank loads its shard of the model; an instance's leader runs
+//   its engine behind an InstanceServer until Shutdown, then stops its
+//   followers (which mirror every step, worker/tensor_parallel.h); every
+//   rank closes the channel.
 // MPI is finalized last, on every rank.
 //
 // Instance ranks ignore SIGINT/SIGTERM (mpirun forwards them to every rank):
 // the coordinator's Shutdown ends them, so that every rank ends in order.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
+#include <optional>
 
 #include "common/error.h"
 #include "common/mpi/control_channel.h"
@@ -32,7 +37,9 @@
 #include "kernels/cpu/isa.h"
 #include "tools/serve_command.h"
 #include "worker/instance_server.h"
+#include "worker/mpi_collective.h"
 #include "worker/mpi_kv_transport.h"
+#include "worker/tensor_parallel.h"
 
 namespace duet::tools {
 namespace {
@@ -46,19 +53,40 @@ constexpr auto kCloseTimeout = std::chrono::milliseconds(30'000);
 
 // The spec of this run: the cluster flags or file, or without any under
 // mpirun, one colocated instance on every rank but the coordinator's.
-// Throws on every rank alike for what this build cannot serve yet.
-ClusterSpec serving_spec(const ClusterFlags& flags, int world_size) {
+// Throws on every rank alike for a layout the model cannot take.
+ClusterSpec serving_spec(const ClusterFlags& flags, int world_size, const std::string& model) {
   ClusterSpec spec = flags.any()
                          ? cluster_spec_from_flags(flags)
                          : parse_cluster_flags(0, world_size - 1, 1, ClusterMode::kColocated);
   spec.validate(world_size);
+  const ModelConfig config = ModelConfig::from_gguf(GgufFile::open(model));
   for (const InstanceSpec& instance : spec.instances) {
-    DUET_REQUIRE(instance.tp == 1,
-                 "tensor parallelism is not supported yet: instance {} has tp {}; serve with "
-                 "--tp 1 (one rank per instance)",
-                 instance.id, instance.tp);
+    if (instance.tp > config.n_kv_heads) {
+      throw Error(ErrorKind::kUnsupported,
+                  fmt::format("instance {} has tp {}, more than the model's {} KV heads "
+                              "(tensor parallelism splits attention by KV heads)",
+                              instance.id, instance.tp, config.n_kv_heads));
+    }
   }
   return spec;
+}
+
+// The ranks of every instance by its leader, for the KV transport.
+std::map<int, std::vector<int32_t>> ranks_by_leader(const ClusterSpec& spec) {
+  std::map<int, std::vector<int32_t>> ranks;
+  for (const InstanceSpec& instance : spec.instances) {
+    for (Rank rank : instance.ranks) ranks[instance.leader().value].push_back(rank.value);
+  }
+  return ranks;
+}
+
+// Whether every rank of the instance loaded its shard (each says so): a rank
+// that failed must not leave the others waiting in the first step.
+bool all_loaded(Collective& collective, bool loaded) {
+  const std::byte mine = loaded ? std::byte{1} : std::byte{0};
+  std::vector<std::byte> all(static_cast<size_t>(collective.size()));
+  collective.all_gather(std::span<const std::byte>(&mine, 1), all);
+  return std::all_of(all.begin(), all.end(), [](std::byte b) { return b == std::byte{1}; });
 }
 
 int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const ServeArgs& args,
@@ -106,48 +134,84 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   return 0;
 }
 
-int serve_instance(ControlChannel& channel, MpiKvTransport& transport, const ClusterSpec& spec,
-                   const ServeArgs& args) {
+void log_transport(const InstanceSpec& self, Rank rank, const MpiKvTransport& transport) {
+  const MpiKvTransport::Counters c = transport.counters();
+  spdlog::info(
+      "instance {} (rank {}): kv transport: {} messages ({} bytes) sent, {} ({} bytes) "
+      "received, {} rows messages dropped, {} imports completed, {} failed",
+      self.id, rank.value, c.messages_sent, c.bytes_sent, c.messages_received, c.bytes_received,
+      c.rows_dropped, c.imports_completed, c.imports_failed);
+}
+
+int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collective& collective,
+                   const ClusterSpec& spec, const ServeArgs& args) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
+  const bool leader = collective.rank() == 0;
   const std::string model_name = serve::model_name(args);
   std::unique_ptr<LlamaModel> model;
   EngineConfig config;
+  std::string load_error;
   try {
-    model = LlamaModel::load(args.model);
+    model = LlamaModel::load(args.model, TpPlacement{collective.rank(), self.tp});
     config = serve::engine_config(args, *model,
                                   tokenizer_from_gguf(model->file()).end_of_generation_ids());
+    if (self.tp > 1) {
+      spdlog::info(
+          "instance {} (rank {}): shard {} of {}: KV heads [{}, {}), {} weight bytes of "
+          "its own ({:.1f}% of the {} split)",
+          self.id, channel.rank().value, collective.rank(), self.tp, model->shard().kv_head_begin,
+          model->shard().kv_head_end, model->owned_weight_bytes(),
+          100.0 * static_cast<double>(model->owned_weight_bytes()) /
+              static_cast<double>(model->split_tensor_bytes()),
+          model->split_tensor_bytes());
+    }
   } catch (const std::exception& e) {
-    spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, e.what());
-    report_instance_failure(channel, self.id, e.what());
+    load_error = e.what();
+    spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, load_error);
+  }
+  if (self.tp > 1 && !all_loaded(collective, load_error.empty()) && load_error.empty())
+    load_error = "another rank of this instance could not load its shard (see its log)";
+  if (!load_error.empty()) {
+    if (leader) report_instance_failure(channel, self.id, load_error);
     channel.close(kCloseTimeout);
     return 2;
   }
   {
     const int n_threads = serve::compute_threads(args);
     cpu::ThreadPool pool(n_threads);
+    const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
     PeerLinks peers;
     if (self.role != InstanceRole::kBoth) {
       peers.transport = &transport;
       peers.transfer_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(args.kv_transfer_timeout_s * 1000.0));
+      for (Rank rank : self.ranks) peers.own_ranks.push_back(rank.value);
+      peers.instance_ranks = ranks_by_leader(spec);
     }
-    LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
-                           model_name, peers);
-    InstanceServer server(channel, instance, self.id);
-    spdlog::info("instance {} (rank {}, {}): serving {} with {} compute threads", self.id,
-                 channel.rank().value, instance_role_name(self.role), model_name, n_threads);
-    const std::string reason = server.serve();
-    const InstanceStats stats = instance.stats();
+    if (!leader) {
+      spdlog::info("instance {} (rank {}): tensor-parallel follower {} of {}", self.id,
+                   channel.rank().value, collective.rank(), self.tp);
+      run_tp_follower(*model, kernels, pool, collective, config.n_kv_blocks, peers.transport);
+      if (peers.transport != nullptr) log_transport(self, channel.rank(), transport);
+      return channel.close(kCloseTimeout) ? 0 : 1;
+    }
+    std::optional<TpLeader> tp;
+    if (self.tp > 1) tp.emplace(collective);
+    InstanceStats stats;
+    std::string reason;
+    {
+      LocalInstance instance(*model, kernels, pool, config, model_name, peers, tp ? &*tp : nullptr);
+      InstanceServer server(channel, instance, self.id);
+      spdlog::info("instance {} (rank {}, {}, tp {}): serving {} with {} compute threads", self.id,
+                   channel.rank().value, instance_role_name(self.role), self.tp, model_name,
+                   n_threads);
+      reason = server.serve();
+      stats = instance.stats();
+    }  // the engine thread has stopped: the followers may go
+    if (tp) tp->stop();
     spdlog::info("instance {} (rank {}): {} ({} steps, {} tokens generated)", self.id,
                  channel.rank().value, reason, stats.steps, stats.generated_tokens);
-    if (peers.transport != nullptr) {
-      const MpiKvTransport::Counters c = transport.counters();
-      spdlog::info(
-          "instance {} (rank {}): kv transport: {} messages ({} bytes) sent, {} ({} bytes) "
-          "received, {} rows messages dropped, {} imports completed, {} failed",
-          self.id, channel.rank().value, c.messages_sent, c.bytes_sent, c.messages_received,
-          c.bytes_received, c.rows_dropped, c.imports_completed, c.imports_failed);
-    }
+    if (peers.transport != nullptr) log_transport(self, channel.rank(), transport);
   }  // the engine thread has stopped: nothing sends any more
   if (!channel.close(kCloseTimeout)) return 1;
   return 0;
@@ -161,10 +225,15 @@ int serve_instance(ControlChannel& channel, MpiKvTransport& transport, const Clu
 int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
   MpiRuntime mpi;  // finalized last
   try {
-    const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size());
+    const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size(), args.model);
     ControlChannel channel(mpi);
     std::optional<MpiKvTransport> transport;  // every rank: its communicator is collective
     transport.emplace(channel, MpiKvTransportOptions{args.kv_checksums});
+    // Every rank too (MPI_Comm_split); the coordinator's is empty.
+    const InstanceSpec* own = spec.instance_of(mpi.rank());
+    MpiCollective collective(
+        mpi, own != nullptr ? std::span<const Rank>(own->ranks) : std::span<const Rank>(),
+        own != nullptr ? own->id : 0);
     try {
       if (mpi.rank() == kCoordinatorRank) {
         coordinator_handshake(channel, spec);
@@ -178,7 +247,7 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(channel, *transport, spec, args);
+                         : serve_instance(channel, *transport, collective, spec, args);
     spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
     return code;
   } catch (const Error& e) {

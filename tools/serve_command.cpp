@@ -79,10 +79,16 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   cmd->add_option("--decode", args.cluster.decode,
                   "Decode instances (colocated: instances, counted with --prefill)")
       ->group(group);
-  cmd->add_option("--tp", args.cluster.tp, "Ranks per instance (tensor parallel; 1 today)")
+  cmd->add_option("--tp", args.cluster.tp,
+                  "Ranks per instance: each holds 1/T of the weights and KV cache (tensor "
+                  "parallel; at most the model's KV heads)")
+      ->group(group);
+  cmd->add_option("--prefill-tp", args.cluster.prefill_tp, "Ranks per prefill instance (--tp)")
+      ->group(group);
+  cmd->add_option("--decode-tp", args.cluster.decode_tp, "Ranks per decode instance (--tp)")
       ->group(group);
   cmd->add_option("--cluster", args.cluster.file,
-                  "A cluster spec (JSON) instead of --mode/--prefill/--decode/--tp")
+                  "A cluster spec (JSON) instead of --mode/--prefill/--decode/--tp...")
       ->group(group);
   cmd->add_flag("--kv-checksums", args.kv_checksums,
                 "Checksum every KV transfer message and verify it on arrival")
@@ -130,7 +136,10 @@ std::optional<ChatTemplateKind> chat_template(const GgufFile& file) {
 EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
                            std::vector<int32_t> end_of_generation) {
   const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
-  const KvLayout probe = make_kv_layout(model.config(), 1);
+  // Every rank of a tensor-parallel instance must count the same blocks: size
+  // them by the leader's shard, which has the most KV heads.
+  KvLayout probe = make_kv_layout(model.config(), 1);
+  probe.n_kv_heads = split_evenly(probe.n_kv_heads, 0, model.shard().size).second;
   const auto block_bytes = static_cast<int64_t>(probe.bytes_per_block());
   const int64_t n_blocks = std::max<int64_t>(1, kv_budget / block_bytes);
   spdlog::info("KV cache: {} bytes per token, {} blocks of {} = {} tokens ({:.1f} MiB)",

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <span>
+#include <vector>
 
 namespace duet {
 
@@ -25,12 +26,24 @@ class Collective {
   virtual int rank() const = 0;
   virtual int size() const = 0;
 
-  // data[i] = the sum over ranks of data[i], on every rank.
+  // data[i] = the sum over ranks of data[i], on every rank, added in rank
+  // order: the same bits for an element whatever the length of `data` (a
+  // batch's rows do not change each other's sums).
   virtual void all_reduce_sum(std::span<float> data) = 0;
   // all = every rank's `mine` (all the same length), in rank order.
   virtual void all_gather(std::span<const float> mine, std::span<float> all) = 0;
+  // The same for bytes (small status exchanges).
+  virtual void all_gather(std::span<const std::byte> mine, std::span<std::byte> all) = 0;
   // data = rank `root`'s data, on every rank.
   virtual void broadcast(std::span<std::byte> data, int root) = 0;
+
+  // The leader's commands to its followers, outside the collectives: post()
+  // on the leader sends `message` to every follower and returns at once
+  // (messages arrive in order); next_message() on a follower waits for the
+  // next one without spinning while none comes (a follower may idle for
+  // hours), and quickly while they come one step after another.
+  virtual void post(std::span<const std::byte> message) = 0;
+  virtual std::vector<std::byte> next_message() = 0;
 };
 
 }  // namespace duet

@@ -7,13 +7,13 @@
 namespace duet {
 
 Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-               EngineConfig config)
+               EngineConfig config, Collective* collective)
     : model_(model),
       pool_(config.n_kv_blocks),
       kv_(pool_, KvLayout::kDefaultBlockSize),
       scheduler_(kv_, config.scheduler),
-      cache_(make_kv_layout(model.config(), config.n_kv_blocks)),
-      forward_(model, kernels, pool, cpu::AttentionOrder::kBatchInvariant),
+      cache_(model.kv_layout(config.n_kv_blocks)),
+      forward_(model, kernels, pool, cpu::AttentionOrder::kBatchInvariant, collective),
       max_running_(config.scheduler.max_running),
       end_of_generation_(std::move(config.end_of_generation)) {}
 
@@ -151,7 +151,7 @@ uint64_t Engine::kv_checksum(SequenceId id, int64_t n) const {
 }
 
 void Engine::export_layer(int64_t layer) {
-  for (const ExportRows& rows : export_rows_) {
+  for (const ForwardBatch::Export& rows : export_rows_) {
     const Live& live = live_.at(rows.id);
     live.exporting->sink.layer(rows.id, layer, rows.pos0, rows.n, kv_.block_table(rows.id), cache_);
   }
@@ -213,13 +213,15 @@ bool Engine::step() {
     // holds); a recomputed chunk after a preemption ships nothing twice.
     Live& live = live_.at(chunk.id);
     if (live.exporting && chunk.pos0 + n > live.exporting->sent_until) {
-      export_rows_.push_back(
-          {chunk.id, live.exporting->sent_until, chunk.pos0 + n - live.exporting->sent_until});
+      export_rows_.push_back({chunk.id, batch_sequences_.size() - 1, live.exporting->sent_until,
+                              chunk.pos0 + n - live.exporting->sent_until});
       live.exporting->sent_until = chunk.pos0 + n;
     }
   }
   const int64_t n_vocab = model_.config().n_vocab;
   logits_.resize(logit_rows_.size() * static_cast<size_t>(n_vocab));
+  if (before_forward_)
+    before_forward_({batch_tokens_, batch_sequences_, logit_rows_, export_rows_});
   forward_.run(
       batch_tokens_, batch_sequences_, cache_, logit_rows_, logits_.data(),
       export_rows_.empty() ? LlamaForward::LayerStored{}

@@ -93,6 +93,22 @@ struct ImportHooks {
   std::function<void(SequenceId id)> abort;
 };
 
+// One forward batch as the engine hands it to the model: what a
+// tensor-parallel leader mirrors on its followers before running its shard.
+struct ForwardBatch {
+  // Rows [pos0, pos0 + n) of batch sequence `sequence` are exported.
+  struct Export {
+    SequenceId id;
+    size_t sequence = 0;
+    int64_t pos0 = 0;
+    int64_t n = 0;
+  };
+  std::span<const int32_t> tokens;
+  std::span<const ForwardSequence> sequences;
+  std::span<const int64_t> logit_rows;
+  std::span<const Export> exports;
+};
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t computed_tokens = 0;  // rows run through the model
@@ -104,8 +120,15 @@ struct EngineStats {
 
 class Engine final {
  public:
+  // A sharded `model` (tensor parallelism) needs its instance's `collective`
+  // (outlives the engine); the followers must run every batch too (see
+  // set_before_forward).
   Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-         EngineConfig config);
+         EngineConfig config, Collective* collective = nullptr);
+
+  // Called with every batch right before the forward pass, on the engine's thread.
+  using BeforeForward = std::function<void(const ForwardBatch&)>;
+  void set_before_forward(BeforeForward hook) { before_forward_ = std::move(hook); }
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -191,12 +214,6 @@ class Engine final {
     bool reserved = false;
     bool aborted = false;  // cancelled; blocks wait for release_import
   };
-  // One exported chunk of the running step.
-  struct ExportRows {
-    SequenceId id;
-    int64_t pos0 = 0;
-    int64_t n = 0;
-  };
 
   SequenceId add_live(std::vector<int32_t>& prompt, const RequestOptions& options, TokenSink sink,
                       AdmitSink on_admitted);
@@ -215,11 +232,12 @@ class Engine final {
   const int64_t max_running_;
   std::vector<int32_t> end_of_generation_;
   std::map<SequenceId, Live> live_;
-  std::map<SequenceId, Import> imports_;  // submitted imports not yet completed
-  std::deque<SequenceId> import_queue_;   // waiting for blocks, first come first served
-  std::vector<ExportRows> export_rows_;   // of the running step
+  std::map<SequenceId, Import> imports_;           // submitted imports not yet completed
+  std::deque<SequenceId> import_queue_;            // waiting for blocks, first come first served
+  std::vector<ForwardBatch::Export> export_rows_;  // of the running step
   int64_t next_id_ = 0;
   EngineStats stats_;
+  BeforeForward before_forward_;
   // Per-step buffers, reused.
   std::vector<int32_t> batch_tokens_;
   std::vector<ForwardSequence> batch_sequences_;

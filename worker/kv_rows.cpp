@@ -34,13 +34,22 @@ void for_each_block_run(const KvLayout& layout, std::span<const int32_t> block_t
 
 void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
                   std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvElement* out) {
+  pack_kv_rows(layout, cache, layer, block_table, pos0, n, all_kv_heads(layout), out);
+}
+
+void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
+                  std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
+                  KvElement* out) {
+  DUET_ASSERT(
+      heads.first >= 0 && heads.count >= 0 && heads.first + heads.count <= layout.n_kv_heads,
+      "KV heads [{}, +{}) of {}", heads.first, heads.count, layout.n_kv_heads);
   const int64_t d = layout.head_dim;
   for_each_block_run(
       layout, block_table, pos0, n, [&](int64_t block, int64_t slot, int64_t at, int64_t run) {
-        for (int64_t h = 0; h < layout.n_kv_heads; ++h) {
-          const int64_t k = layout.k_offset(layer, block, h, slot);
+        for (int64_t h = 0; h < heads.count; ++h) {
+          const int64_t k = layout.k_offset(layer, block, heads.first + h, slot);
           std::memcpy(out + (h * n + at) * d, cache + k, run * d * sizeof(KvElement));
-          std::memcpy(out + ((layout.n_kv_heads + h) * n + at) * d, cache + k + layout.kv_elems(),
+          std::memcpy(out + ((heads.count + h) * n + at) * d, cache + k + layout.kv_elems(),
                       run * d * sizeof(KvElement));
         }
       });
@@ -49,13 +58,22 @@ void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
 void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
                     std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                     const KvElement* in) {
+  unpack_kv_rows(layout, cache, layer, block_table, pos0, n, all_kv_heads(layout), in);
+}
+
+void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
+                    std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
+                    const KvElement* in) {
+  DUET_ASSERT(
+      heads.first >= 0 && heads.count >= 0 && heads.first + heads.count <= layout.n_kv_heads,
+      "KV heads [{}, +{}) of {}", heads.first, heads.count, layout.n_kv_heads);
   const int64_t d = layout.head_dim;
   for_each_block_run(
       layout, block_table, pos0, n, [&](int64_t block, int64_t slot, int64_t at, int64_t run) {
-        for (int64_t h = 0; h < layout.n_kv_heads; ++h) {
-          const int64_t k = layout.k_offset(layer, block, h, slot);
+        for (int64_t h = 0; h < heads.count; ++h) {
+          const int64_t k = layout.k_offset(layer, block, heads.first + h, slot);
           std::memcpy(cache + k, in + (h * n + at) * d, run * d * sizeof(KvElement));
-          std::memcpy(cache + k + layout.kv_elems(), in + ((layout.n_kv_heads + h) * n + at) * d,
+          std::memcpy(cache + k + layout.kv_elems(), in + ((heads.count + h) * n + at) * d,
                       run * d * sizeof(KvElement));
         }
       });

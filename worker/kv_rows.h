@@ -17,20 +17,39 @@
 
 namespace duet {
 
-// Elements of the packed rows of n positions of one layer.
+// Some of a cache's KV heads: [first, first + count) of its own (local)
+// heads. With tensor parallelism a cache holds a shard's heads only and KV
+// moves between shards of different sizes head range by head range.
+struct KvHeads {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+inline KvHeads all_kv_heads(const KvLayout& layout) { return {0, layout.n_kv_heads}; }
+
+// Elements of the packed rows of n positions of one layer (of `heads`).
 inline int64_t packed_kv_elems(const KvLayout& layout, int64_t n) {
   return 2 * layout.n_kv_heads * n * layout.head_dim;
+}
+inline int64_t packed_kv_elems(const KvLayout& layout, int64_t n, KvHeads heads) {
+  return 2 * heads.count * n * layout.head_dim;
 }
 
 // Copies the rows of positions [pos0, pos0 + n) of `layer` from `cache`
 // (blocks by `block_table`, which covers those positions) into `out`
-// (packed_kv_elems(layout, n) elements).
+// (packed_kv_elems(layout, n, heads) elements): every head, or `heads`.
 void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
                   std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvElement* out);
+void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
+                  std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
+                  KvElement* out);
 
 // The inverse: writes packed rows into the blocks of `block_table`.
 void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
                     std::span<const int32_t> block_table, int64_t pos0, int64_t n,
+                    const KvElement* in);
+void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
+                    std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
                     const KvElement* in);
 
 // A 64-bit checksum of bytes (FNV-1a over 8-byte words, then a final mix):

@@ -20,7 +20,14 @@
 //
 // Rows travel in the packed layout of worker/kv_rows.h, one message per layer
 // per chunk. Messages between two peers arrive in the order they were sent,
-// so a handoff is behind every row of its request.
+// so a handoff is behind every row its sender sent.
+//
+// Tensor parallelism: each instance's KV heads are split over its ranks
+// (worker/tp_shard.h). Every prefill rank sends the heads it shares with
+// each decode rank straight to that rank (kv_peers), nothing goes through
+// one rank. The leaders speak the protocol above; a decode follower is told
+// by its leader to expect_import, and completes when every row of its heads
+// is in (no handoff comes to it).
 //
 // Threads: start_import, abort_import, send_rows and send_handoff from the
 // instance's engine thread; handlers run on the transport's thread and must
@@ -31,15 +38,36 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <vector>
 
 #include "common/serving.h"
 #include "worker/kv_cache.h"
 
 namespace duet {
 
+// A rank on the other side of a transfer and the KV heads the two share,
+// [head_begin, head_end) in the model's (global) head indices.
+struct KvSource {
+  int rank = 0;
+  int64_t head_begin = 0;
+  int64_t head_end = 0;
+};
+
 class KvTransport {
  public:
   using Clock = std::chrono::steady_clock;
+
+  // Where an import's rows go and where they come from.
+  struct ImportPlan {
+    RequestId id;
+    int64_t send_from = 0;  // rows [send_from, n_prompt) come
+    int64_t n_prompt = 0;
+    std::vector<KvSource> sources;  // every prefill rank that shares KV heads with `cache`
+    int64_t head_offset = 0;        // the global index of `cache`'s first KV head
+    KvCache* cache = nullptr;
+    std::vector<int32_t> block_table;
+    Clock::time_point deadline;  // past it the import fails
+  };
 
   struct Handlers {
     // Prefill side: a decode peer asks for a prompt.
@@ -59,11 +87,14 @@ class KvTransport {
   // Before the first transfer.
   virtual void set_handlers(Handlers handlers) = 0;
 
-  // Decode side. The rows of positions [order.send_from, prompt length) will
-  // be written into `cache`, blocks `block_table` (copied), until on_complete,
-  // on_failed or on_released. Past `deadline` the import fails.
-  virtual void start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
-                            std::span<const int32_t> block_table, Clock::time_point deadline) = 0;
+  // Decode leader. The rows of positions [send_from, n_prompt) of the plan's
+  // heads will be written into its cache and blocks until on_complete (the
+  // handoff from `prefill_leader` and every row from every source are in),
+  // on_failed or on_released. Sends `order` to the prefill leader.
+  virtual void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) = 0;
+  // Decode follower: the same without an order or a handoff; on_complete
+  // (with a handoff that carries only the id) once every row is in.
+  virtual void expect_import(ImportPlan plan) = 0;
   virtual void abort_import(RequestId id) = 0;
   // Ends every import that writes into `cache` at once, without handlers
   // (the cache's owner is going away); when it returns nothing writes into
@@ -71,10 +102,32 @@ class KvTransport {
   virtual void forget_imports(const KvCache& cache) = 0;
 
   // Prefill side. Copies rows [pos0, pos0 + n) of `layer` out of `cache` now
-  // and queues them for `decode_peer`.
-  virtual void send_rows(int decode_peer, RequestId id, int64_t layer, int64_t pos0, int64_t n,
-                         const KvCache& cache, std::span<const int32_t> block_table) = 0;
+  // and queues them for `decode_rank`: the global KV heads
+  // [heads.head_begin, heads.head_end) of a cache whose first head is
+  // `head_offset` (heads.rank is ignored).
+  virtual void send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
+                         const KvCache& cache, std::span<const int32_t> block_table,
+                         int64_t head_offset, const KvSource& heads) = 0;
   virtual void send_handoff(int decode_peer, const KvHandoff& handoff) = 0;
 };
+
+// The plan of an import of every KV head of `cache` from one prefill rank
+// (both instances unsplit).
+inline KvTransport::ImportPlan whole_import_plan(int prefill_rank, const PrefillOrder& order,
+                                                 KvCache& cache,
+                                                 std::span<const int32_t> block_table,
+                                                 KvTransport::Clock::time_point deadline) {
+  return {order.request.id,
+          order.send_from,
+          static_cast<int64_t>(order.request.prompt.size()),
+          {{prefill_rank, 0, cache.layout().n_kv_heads}},
+          0,
+          &cache,
+          {block_table.begin(), block_table.end()},
+          deadline};
+}
+
+// Every KV head of an unsplit cache, for send_rows.
+inline KvSource all_kv_heads_of(const KvCache& cache) { return {0, 0, cache.layout().n_kv_heads}; }
 
 }  // namespace duet

@@ -1,5 +1,7 @@
 #include "worker/llama_forward.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "common/error.h"
@@ -20,8 +22,80 @@ void add_bias(float* x, const std::vector<float>& bias, int64_t n_rows) {
 }  // namespace
 
 LlamaForward::LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels,
-                           cpu::ThreadPool& pool, cpu::AttentionOrder attention_order)
-    : model_(model), kernels_(kernels), pool_(pool), attention_order_(attention_order) {}
+                           cpu::ThreadPool& pool, cpu::AttentionOrder attention_order,
+                           Collective* collective)
+    : model_(model),
+      kernels_(kernels),
+      pool_(pool),
+      attention_order_(attention_order),
+      collective_(collective) {
+  const TpShard& shard = model.shard();
+  DUET_REQUIRE(shard.whole() || (collective != nullptr && collective->size() == shard.size &&
+                                 collective->rank() == shard.rank),
+               "a shard {} of {} needs its instance's collective of {} ranks", shard.rank,
+               shard.size, shard.size);
+}
+
+void LlamaForward::all_reduce(float* data, int64_t n) {
+  if (model_.shard().whole()) return;
+  const auto start = std::chrono::steady_clock::now();
+  collective_->all_reduce_sum(std::span<float>(data, static_cast<size_t>(n)));
+  ++collective_time_.calls;
+  collective_time_.seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void LlamaForward::embed(std::span<const int32_t> tokens) {
+  const ModelConfig& c = model_.config();
+  const TpShard& shard = model_.shard();
+  const cpu::WeightMatrix embd = model_.token_embd();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  for (int64_t r = 0; r < n; ++r) {
+    const int32_t id = tokens[static_cast<size_t>(r)];
+    DUET_REQUIRE(id >= 0 && id < c.n_vocab, "token id {} is outside the vocabulary (0..{})", id,
+                 c.n_vocab - 1);
+    float* x = x_.data() + r * c.n_embd;
+    if (id < shard.vocab_begin || id >= shard.vocab_end) {
+      std::fill(x, x + c.n_embd, 0.0f);  // another rank's row: the all-reduce brings it
+      continue;
+    }
+    const size_t row = static_cast<size_t>(id - shard.vocab_begin);
+    cpu::dequantize_row(embd.type, embd.data + row * embd.row_bytes, x, c.n_embd);
+  }
+  // One rank holds each row, the others add zeros: exact.
+  all_reduce(x_.data(), n * c.n_embd);
+}
+
+void LlamaForward::head(int64_t n_out, float* logits) {
+  const ModelConfig& c = model_.config();
+  const TpShard& shard = model_.shard();
+  const cpu::WeightMatrix head = model_.output();
+  packed_.pack(kernels_, head_in_.data(), n_out, c.n_embd, {head.type}, pool_);
+  if (shard.whole()) {
+    cpu::matmul(kernels_, head, packed_, logits, c.n_vocab, pool_);
+    return;
+  }
+  // Vocabulary-parallel: this rank's columns of the logits, gathered rank by
+  // rank, then laid out row by row.
+  const int64_t stride = shard.vocab_stride;
+  const auto size = static_cast<size_t>(n_out * stride);
+  logits_slice_.assign(size, 0.0f);
+  logits_gathered_.resize(size * static_cast<size_t>(shard.size));
+  cpu::matmul(kernels_, head, packed_, logits_slice_.data(), stride, pool_);
+  const auto start = std::chrono::steady_clock::now();
+  collective_->all_gather(logits_slice_, logits_gathered_);
+  ++collective_time_.calls;
+  collective_time_.seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int rank = 0; rank < shard.size; ++rank) {
+    const int64_t begin = rank * stride;
+    const int64_t count = std::min(stride, c.n_vocab - begin);
+    const float* from = logits_gathered_.data() + static_cast<size_t>(rank) * size;
+    for (int64_t i = 0; i < n_out; ++i) {
+      std::copy_n(from + i * stride, count, logits + i * c.n_vocab + begin);
+    }
+  }
+}
 
 void LlamaForward::resize(int64_t n, int64_t n_logit_rows) {
   const ModelConfig& c = model_.config();
@@ -30,13 +104,14 @@ void LlamaForward::resize(int64_t n, int64_t n_logit_rows) {
   };
   fit(x_, n * c.n_embd);
   fit(norm_, n * c.n_embd);
-  fit(q_, n * c.n_heads * c.head_dim);
-  fit(k_, n * c.n_kv_heads * c.head_dim);
-  fit(v_, n * c.n_kv_heads * c.head_dim);
-  fit(attn_, n * c.n_heads * c.head_dim);
+  const TpShard& s = model_.shard();
+  fit(q_, n * s.n_heads() * c.head_dim);
+  fit(k_, n * s.n_kv_heads() * c.head_dim);
+  fit(v_, n * s.n_kv_heads() * c.head_dim);
+  fit(attn_, n * s.n_heads() * c.head_dim);
   fit(attn_out_, n * c.n_embd);
-  fit(gate_, n * c.n_ff);
-  fit(up_, n * c.n_ff);
+  fit(gate_, n * s.n_ff());
+  fit(up_, n * s.n_ff());
   fit(ffn_out_, n * c.n_embd);
   fit(head_in_, n_logit_rows * c.n_embd);
   positions_.resize(static_cast<size_t>(n));
@@ -55,14 +130,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   resize(n, static_cast<int64_t>(logit_rows.size()));
 
   // Embeddings and positions.
-  const cpu::WeightMatrix embd = model_.token_embd();
-  for (int64_t r = 0; r < n; ++r) {
-    const int32_t id = tokens[static_cast<size_t>(r)];
-    DUET_REQUIRE(id >= 0 && id < c.n_vocab, "token id {} is outside the vocabulary (0..{})", id,
-                 c.n_vocab - 1);
-    cpu::dequantize_row(embd.type, embd.data + static_cast<size_t>(id) * embd.row_bytes,
-                        x_.data() + r * c.n_embd, c.n_embd);
-  }
+  embed(tokens);
   {
     int64_t r = 0;
     for (const ForwardSequence& s : sequences) {
@@ -71,8 +139,13 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     }
   }
 
-  const int64_t q_dim = c.n_heads * c.head_dim;
-  const int64_t kv_dim = c.n_kv_heads * c.head_dim;
+  // This rank's heads and hidden units (all of them when the model is whole).
+  const TpShard& shard = model_.shard();
+  const int64_t n_heads = shard.n_heads();
+  const int64_t n_kv_heads = shard.n_kv_heads();
+  const int64_t n_ff = shard.n_ff();
+  const int64_t q_dim = n_heads * c.head_dim;
+  const int64_t kv_dim = n_kv_heads * c.head_dim;
   cpu::RopeParams rope;
   rope.style = c.rope_neox ? cpu::RopeStyle::kHalves : cpu::RopeStyle::kAdjacentPairs;
   rope.n_rot = c.n_rot;
@@ -80,8 +153,8 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   rope.freq_scale = c.rope_freq_scale;
   rope.freq_factors = model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data();
   cpu::AttentionShape shape;
-  shape.n_heads = c.n_heads;
-  shape.n_kv_heads = c.n_kv_heads;
+  shape.n_heads = n_heads;
+  shape.n_kv_heads = n_kv_heads;
   shape.head_dim = c.head_dim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   shape.order = attention_order_;
@@ -108,8 +181,8 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     add_bias(q_.data(), w.bq, n);
     add_bias(k_.data(), w.bk, n);
     add_bias(v_.data(), w.bv, n);
-    cpu::rope(q_.data(), n, c.n_heads, c.head_dim, positions_.data(), rope, pool_);
-    cpu::rope(k_.data(), n, c.n_kv_heads, c.head_dim, positions_.data(), rope, pool_);
+    cpu::rope(q_.data(), n, n_heads, c.head_dim, positions_.data(), rope, pool_);
+    cpu::rope(k_.data(), n, n_kv_heads, c.head_dim, positions_.data(), rope, pool_);
     cpu::kv_cache_store_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_,
                               k_.data(), v_.data(), pool_);
     if (layer_stored) layer_stored(il);
@@ -118,19 +191,21 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
                          q_.data(), attn_.data(), pool_);
     packed_.pack(kernels_, attn_.data(), n, q_dim, {w.wo.type}, pool_);
     cpu::matmul(kernels_, w.wo, packed_, attn_out_.data(), c.n_embd, pool_);
+    all_reduce(attn_out_.data(), n * c.n_embd);
     cpu::add_in_place(x_.data(), attn_out_.data(), n * c.n_embd);
 
     // Feed-forward block (SwiGLU).
     cpu::rms_norm(x_.data(), w.ffn_norm.data(), norm_.data(), n, c.n_embd, c.rms_eps, pool_);
     packed_.pack(kernels_, norm_.data(), n, c.n_embd, {w.w_gate.type, w.w_up.type}, pool_);
-    cpu::matmul(kernels_, w.w_gate, packed_, gate_.data(), c.n_ff, pool_);
-    cpu::matmul(kernels_, w.w_up, packed_, up_.data(), c.n_ff, pool_);
+    cpu::matmul(kernels_, w.w_gate, packed_, gate_.data(), n_ff, pool_);
+    cpu::matmul(kernels_, w.w_up, packed_, up_.data(), n_ff, pool_);
     pool_.parallel_for(n, [&](int64_t r, int) {
-      float* gate = gate_.data() + r * c.n_ff;
-      kernels_.silu_mul(gate, up_.data() + r * c.n_ff, gate, c.n_ff);
+      float* gate = gate_.data() + r * n_ff;
+      kernels_.silu_mul(gate, up_.data() + r * n_ff, gate, n_ff);
     });
-    packed_.pack(kernels_, gate_.data(), n, c.n_ff, {w.w_down.type}, pool_);
+    packed_.pack(kernels_, gate_.data(), n, n_ff, {w.w_down.type}, pool_);
     cpu::matmul(kernels_, w.w_down, packed_, ffn_out_.data(), c.n_embd, pool_);
+    all_reduce(ffn_out_.data(), n * c.n_embd);
     cpu::add_in_place(x_.data(), ffn_out_.data(), n * c.n_embd);
   }
 
@@ -143,9 +218,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     cpu::rms_norm(x_.data() + r * c.n_embd, model_.output_norm().data(),
                   head_in_.data() + i * c.n_embd, 1, c.n_embd, c.rms_eps);
   }
-  const cpu::WeightMatrix head = model_.output();
-  packed_.pack(kernels_, head_in_.data(), n_out, c.n_embd, {head.type}, pool_);
-  cpu::matmul(kernels_, head, packed_, logits, c.n_vocab, pool_);
+  head(n_out, logits);
 }
 
 }  // namespace duet

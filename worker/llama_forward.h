@@ -8,6 +8,12 @@
 //   x (n, n_embd) residual stream, attn_norm/ffn_norm (n, n_embd),
 //   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
 //   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff).
+// Shapes are the shard's (LlamaModel::shard): with tensor parallelism every
+// rank of the instance runs the same batch through its own heads and hidden
+// units; the row-parallel products (O, down) and the vocabulary-parallel
+// embeddings are summed over the ranks with an all-reduce, the logits
+// assembled with an all-gather, so x and the logits end up identical, bit
+// for bit, on every rank.
 // Not thread-safe: one forward at a time per object (the compute thread's).
 #pragma once
 
@@ -20,6 +26,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/thread_pool.h"
+#include "worker/collective.h"
 #include "worker/kv_cache.h"
 #include "worker/llama_model.h"
 
@@ -38,8 +45,18 @@ class LlamaForward final {
   // token by token; kBatchInvariant makes every token's result independent of
   // how its sequence's tokens are split into steps (what a batching engine
   // with chunked prefill, preemption and prefix caching needs).
+  // `collective`: the instance's ranks when the model is a shard (outlives
+  // this object; required then), else null.
   LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-               cpu::AttentionOrder attention_order = cpu::AttentionOrder::kLlamaCpp);
+               cpu::AttentionOrder attention_order = cpu::AttentionOrder::kLlamaCpp,
+               Collective* collective = nullptr);
+
+  // Time spent in the collectives since construction (tensor parallelism).
+  struct CollectiveTime {
+    int64_t calls = 0;
+    double seconds = 0;
+  };
+  CollectiveTime collective_time() const { return collective_time_; }
 
   // Called with a layer's index as soon as the K/V of every row of that
   // layer is in the cache, while the layers above still run: a prefill
@@ -55,15 +72,23 @@ class LlamaForward final {
 
  private:
   void resize(int64_t n_rows, int64_t n_logit_rows);
+  void all_reduce(float* data, int64_t n);  // timed; nothing without a collective
+  void embed(std::span<const int32_t> tokens);
+  void head(int64_t n_out, float* logits);
 
   const LlamaModel& model_;
   const cpu::KernelTable& kernels_;
   cpu::ThreadPool& pool_;
   const cpu::AttentionOrder attention_order_;
+  Collective* const collective_;
+  CollectiveTime collective_time_;
   cpu::PackedActivations packed_;
   std::vector<int32_t> positions_;
   std::vector<cpu::AttentionSequence> attention_sequences_;
   std::vector<float> x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_;
+  // This rank's slice of the logits (n_out, vocab_stride), then every
+  // rank's in rank order; tensor parallelism only.
+  std::vector<float> logits_slice_, logits_gathered_;
 };
 
 }  // namespace duet

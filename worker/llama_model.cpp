@@ -3,43 +3,66 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "common/error.h"
 #include "kernels/cpu/quantize.h"
+#include "worker/kv_cache.h"
 
 namespace duet {
 
-std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path) {
-  return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path)));
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path,
+                                             TpPlacement placement) {
+  return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path), placement));
 }
 
-LlamaModel::LlamaModel(GgufFile file)
+int64_t LlamaModel::layer_block_size(const char* name) const {
+  int64_t block = 1;
+  for (int64_t i = 0; i < config_.n_layers; ++i) {
+    const GgufTensorInfo& t = file_.tensor(fmt::format("blk.{}.{}", i, name));
+    block = std::max(block, dtype_traits(t.type).block_size);
+  }
+  return block;
+}
+
+LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
     : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)) {
   const ModelConfig& c = config_;
-  token_embd_ = matrix("token_embd.weight", c.n_embd, c.n_vocab);
+  shard_ = placement.size == 1 ? whole_model_shard(c)
+                               : make_tp_shard(c, placement.rank, placement.size,
+                                               layer_block_size("attn_output.weight"),
+                                               layer_block_size("ffn_down.weight"));
+  const TpShard& s = shard_;
+  const int64_t hd = c.head_dim;
+  token_embd_ = rows("token_embd.weight", c.n_embd, c.n_vocab, s.vocab_begin, s.vocab_end);
   layers_.resize(static_cast<size_t>(c.n_layers));
-  const int64_t q_dim = c.n_heads * c.head_dim;
-  const int64_t kv_dim = c.n_kv_heads * c.head_dim;
+  const int64_t q_dim = c.n_heads * hd;
+  const int64_t kv_dim = c.n_kv_heads * hd;
+  const int64_t q0 = s.head_begin * hd, q1 = s.head_end * hd;
+  const int64_t kv0 = s.kv_head_begin * hd, kv1 = s.kv_head_end * hd;
   for (int64_t i = 0; i < c.n_layers; ++i) {
     const std::string p = fmt::format("blk.{}.", i);
     LlamaLayerWeights& l = layers_[static_cast<size_t>(i)];
     l.attn_norm = vector(p + "attn_norm.weight", c.n_embd);
-    l.wq = matrix(p + "attn_q.weight", c.n_embd, q_dim);
-    l.wk = matrix(p + "attn_k.weight", c.n_embd, kv_dim);
-    l.wv = matrix(p + "attn_v.weight", c.n_embd, kv_dim);
-    l.wo = matrix(p + "attn_output.weight", q_dim, c.n_embd);
+    l.wq = rows(p + "attn_q.weight", c.n_embd, q_dim, q0, q1);
+    l.wk = rows(p + "attn_k.weight", c.n_embd, kv_dim, kv0, kv1);
+    l.wv = rows(p + "attn_v.weight", c.n_embd, kv_dim, kv0, kv1);
+    l.wo = columns(p + "attn_output.weight", q_dim, c.n_embd, q0, q1);
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
-    l.w_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
-    l.w_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
-    l.w_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
+    l.w_gate = rows(p + "ffn_gate.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
+    l.w_up = rows(p + "ffn_up.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
+    l.w_down = columns(p + "ffn_down.weight", c.n_ff, c.n_embd, s.ff_begin, s.ff_end);
     // Optional for both architectures, as in llama.cpp (Qwen2 files have them); absent means zero.
-    l.bq = optional_vector(p + "attn_q.bias", q_dim);
-    l.bk = optional_vector(p + "attn_k.bias", kv_dim);
-    l.bv = optional_vector(p + "attn_v.bias", kv_dim);
+    l.bq = slice(optional_vector(p + "attn_q.bias", q_dim), q0, q1);
+    l.bk = slice(optional_vector(p + "attn_k.bias", kv_dim), kv0, kv1);
+    l.bv = slice(optional_vector(p + "attn_v.bias", kv_dim), kv0, kv1);
   }
   output_norm_ = vector("output_norm.weight", c.n_embd);
-  output_ = c.tied_embeddings ? token_embd_ : matrix("output.weight", c.n_embd, c.n_vocab);
+  output_ = c.tied_embeddings
+                ? token_embd_
+                : rows("output.weight", c.n_embd, c.n_vocab, s.vocab_begin, s.vocab_end);
   if (c.architecture == "llama") {  // llama.cpp reads rope_freqs for `llama` only
     rope_freqs_ = optional_vector("rope_freqs.weight", c.n_rot / 2);
     for (float factor : rope_freqs_) {
@@ -68,7 +91,19 @@ void LlamaModel::refuse_unused_tensors() const {
   }
 }
 
-cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t n_out) {
+KvLayout LlamaModel::kv_layout(int64_t n_blocks, int64_t block_size) const {
+  KvLayout layout = make_kv_layout(config_, n_blocks, block_size);
+  layout.n_kv_heads = shard_.n_kv_heads();
+  return layout;
+}
+
+std::vector<float> LlamaModel::slice(std::vector<float> whole, int64_t begin, int64_t end) {
+  if (whole.empty() || (begin == 0 && end == static_cast<int64_t>(whole.size()))) return whole;
+  return std::vector<float>(whole.begin() + begin, whole.begin() + end);
+}
+
+cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t n_out,
+                                     int64_t row0, int64_t row1, int64_t col0, int64_t col1) {
   const GgufTensorInfo& t = file_.tensor(name);
   if (t.ne.size() != 2 || t.ne[0] != k || t.ne[1] != n_out) {
     throw Error(ErrorKind::kCorruptFile,
@@ -81,9 +116,32 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
                             "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)",
                             file_.name(), name, dtype_name(t.type)));
   }
-  weight_bytes_ += t.n_bytes;
   used_tensors_.insert(name);
-  return cpu::make_weight_matrix(t.type, t.data, k, n_out);
+  if (row0 == 0 && row1 == n_out && col0 == 0 && col1 == k) {
+    weight_bytes_ += t.n_bytes;
+    return cpu::make_weight_matrix(t.type, t.data, k, n_out);
+  }
+  const int64_t block = dtype_traits(t.type).block_size;
+  DUET_ASSERT(col0 % block == 0 && col1 % block == 0 && row0 < row1 && col0 < col1,
+              "{}: shard rows [{}, {}) columns [{}, {}) of {}-element blocks", name, row0, row1,
+              col0, col1, block);
+  const size_t row_bytes = dtype_row_bytes(t.type, k);
+  const size_t skip = dtype_row_bytes(t.type, col0);
+  const size_t shard_row_bytes = dtype_row_bytes(t.type, col1 - col0);
+  const size_t bytes = shard_row_bytes * static_cast<size_t>(row1 - row0);
+  auto owned = std::make_unique<uint8_t[]>(bytes);
+  const auto* source = static_cast<const uint8_t*>(t.data);
+  for (int64_t r = row0; r < row1; ++r) {
+    std::memcpy(owned.get() + static_cast<size_t>(r - row0) * shard_row_bytes,
+                source + static_cast<size_t>(r) * row_bytes + skip, shard_row_bytes);
+  }
+  weight_bytes_ += bytes;
+  owned_weight_bytes_ += bytes;
+  split_tensor_bytes_ += t.n_bytes;
+  const cpu::WeightMatrix w =
+      cpu::make_weight_matrix(t.type, owned.get(), col1 - col0, row1 - row0);
+  owned_.push_back(std::move(owned));
+  return w;
 }
 
 std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {

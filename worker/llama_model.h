@@ -1,7 +1,11 @@
-// A loaded Llama-family model: its configuration and views of its weights.
+// A loaded Llama-family model, or one rank's shard of it: its configuration
+// and its weights.
 //
-// The weights stay in the read-only mapping of the GGUF file (no copy); the
-// model owns the file. Immutable after load, so any number of forward passes
+// Whole (tp 1), the weights stay in the read-only mapping of the GGUF file
+// (no copy); the model owns the file. A shard (worker/tp_shard.h) copies out
+// only its own bytes of every split tensor: rows of a column-parallel weight,
+// whole blocks of every row of a row-parallel one; the mapping's other pages
+// are never touched. Immutable after load, so any number of forward passes
 // may read it.
 #pragma once
 
@@ -12,11 +16,15 @@
 #include <vector>
 
 #include "common/gguf.h"
+#include "common/kv_layout.h"
 #include "common/model_config.h"
 #include "kernels/cpu/matmul.h"
+#include "worker/tp_shard.h"
 
 namespace duet {
 
+// Shapes are the shard's: n_heads, n_kv_heads and n_ff are the rank's own
+// (TpShard), the whole model's when tp is 1.
 struct LlamaLayerWeights {
   std::vector<float> attn_norm;  // (n_embd)
   cpu::WeightMatrix wq;          // (n_heads * head_dim) rows of n_embd
@@ -32,6 +40,12 @@ struct LlamaLayerWeights {
   cpu::WeightMatrix w_down;     // n_embd rows of n_ff
 };
 
+// Which rank of how many tensor-parallel ranks loads the model.
+struct TpPlacement {
+  int rank = 0;
+  int size = 1;
+};
+
 class LlamaModel final {
  public:
   // Opens, validates and maps a GGUF model of a supported architecture
@@ -39,28 +53,64 @@ class LlamaModel final {
   // offending tensor or key for anything unsupported or inconsistent, including
   // a tensor the forward pass would not use (a feature Duet lacks is refused,
   // never silently skipped).
-  static std::unique_ptr<LlamaModel> load(const std::filesystem::path& path);
+  // With `placement.size` > 1, loads only the rank's shard (see above);
+  // throws kUnsupported when the model cannot be split that way.
+  static std::unique_ptr<LlamaModel> load(const std::filesystem::path& path,
+                                          TpPlacement placement = {});
 
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
+  // The whole model's configuration (also for a shard).
   const ModelConfig& config() const { return config_; }
   const GgufFile& file() const { return file_; }
+  // The part this model holds; whole_model_shard when tp is 1.
+  const TpShard& shard() const { return shard_; }
+  // The layout of a KV cache for this shard's KV heads.
+  KvLayout kv_layout(int64_t n_blocks, int64_t block_size = KvLayout::kDefaultBlockSize) const;
 
-  cpu::WeightMatrix token_embd() const { return token_embd_; }  // n_vocab rows of n_embd
+  // The shard's vocabulary rows [vocab_begin, vocab_end) of n_embd.
+  cpu::WeightMatrix token_embd() const { return token_embd_; }
   const LlamaLayerWeights& layer(int64_t i) const { return layers_[static_cast<size_t>(i)]; }
   const std::vector<float>& output_norm() const { return output_norm_; }
-  cpu::WeightMatrix output() const { return output_; }  // n_vocab rows (token_embd when tied)
+  // The shard's vocabulary rows of the head (token_embd when tied).
+  cpu::WeightMatrix output() const { return output_; }
   // RoPE frequency divisors, (n_rot / 2), from `rope_freqs.weight` (Llama 3.1 bakes its
   // "llama3" scaling into it); empty when the file has none.
   const std::vector<float>& rope_freqs() const { return rope_freqs_; }
 
-  // Bytes of weight data the model reads (file tensors it uses).
+  // Bytes of weight data this model reads (its part of the file tensors it uses).
   size_t weight_bytes() const { return weight_bytes_; }
+  // Bytes copied out of the file into memory of this model's own (a shard's
+  // parts of split tensors; 0 when whole: it reads the mapping).
+  size_t owned_weight_bytes() const { return owned_weight_bytes_; }
+  // File bytes of the tensors a shard splits (whole, over all ranks): what
+  // owned_weight_bytes is about 1/tp of.
+  size_t split_tensor_bytes() const { return split_tensor_bytes_; }
 
  private:
-  explicit LlamaModel(GgufFile file);
-  cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out);
+  LlamaModel(GgufFile file, TpPlacement placement);
+  // Rows [row0, row1) and columns [col0, col1) of a [k, n_out] tensor (k
+  // columns per row): a view of the mapping when that is all of it, else a
+  // copy of just those bytes (columns on block boundaries).
+  cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
+                           int64_t row1, int64_t col0, int64_t col1);
+  cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out) {
+    return matrix(name, k, n_out, 0, n_out, 0, k);
+  }
+  // Rows [row0, row1) only (column-parallel), or columns only (row-parallel).
+  cpu::WeightMatrix rows(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
+                         int64_t row1) {
+    return matrix(name, k, n_out, row0, row1, 0, k);
+  }
+  cpu::WeightMatrix columns(const std::string& name, int64_t k, int64_t n_out, int64_t col0,
+                            int64_t col1) {
+    return matrix(name, k, n_out, 0, n_out, col0, col1);
+  }
+  // Elements [begin, end) of vector(name, n).
+  std::vector<float> slice(std::vector<float> whole, int64_t begin, int64_t end);
+  // The largest block size of the tensor `name` of every layer.
+  int64_t layer_block_size(const char* name) const;
   std::vector<float> vector(const std::string& name, int64_t n);
   // vector(name, n) when the file has the tensor, else empty.
   std::vector<float> optional_vector(const std::string& name, int64_t n);
@@ -68,12 +118,16 @@ class LlamaModel final {
 
   GgufFile file_;
   ModelConfig config_;
+  TpShard shard_;
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // the shard's copied tensors
   cpu::WeightMatrix token_embd_;
   std::vector<LlamaLayerWeights> layers_;
   std::vector<float> output_norm_;
   cpu::WeightMatrix output_;
   std::vector<float> rope_freqs_;
   size_t weight_bytes_ = 0;
+  size_t owned_weight_bytes_ = 0;
+  size_t split_tensor_bytes_ = 0;
   std::unordered_set<std::string> used_tensors_;  // tensors read, during load only (then cleared)
 };
 

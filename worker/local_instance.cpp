@@ -26,12 +26,16 @@ InstanceFinish instance_finish(FinishReason reason) {
 
 LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& kernels,
                              cpu::ThreadPool& pool, EngineConfig config, std::string model_name,
-                             PeerLinks peers)
+                             PeerLinks peers, TpLeader* tp)
     : info_{std::move(model_name), model.config().n_ctx_train, model.config().n_vocab,
             config.n_kv_blocks * KvLayout::kDefaultBlockSize, config.end_of_generation},
-      engine_(model, kernels, pool, std::move(config)),
-      peers_(peers) {
+      model_(model),
+      tp_(tp),
+      engine_(model, kernels, pool, std::move(config), tp != nullptr ? &tp->collective() : nullptr),
+      peers_(std::move(peers)) {
   publish_stats();
+  if (tp_ != nullptr)
+    engine_.set_before_forward([this](const ForwardBatch& batch) { mirror_step(batch); });
   if (peers_.transport != nullptr) {
     KvTransport::Handlers handlers;
     handlers.on_order = [this](int peer, PrefillOrder order) {
@@ -117,16 +121,33 @@ void LocalInstance::apply(Command& command) {
   } else if (const auto* failed = std::get_if<ImportFailed>(&command)) {
     auto it = sequences_.find(failed->id);
     if (it == sequences_.end() || !engine_.importing(it->second)) return;  // cancelled
-    engine_.release_import(it->second);
+    release_import(failed->id, it->second);
     requests_.erase(it->second);
     sequences_.erase(it);
     fail(failed->id, failed->error);
   } else if (const auto* released = std::get_if<Released>(&command)) {
     auto it = releasing_.find(released->id);
     if (it == releasing_.end()) return;
-    engine_.release_import(it->second);
+    release_import(released->id, it->second);
     releasing_.erase(it);
   }
+}
+
+void LocalInstance::release_import(RequestId id, SequenceId sequence) {
+  if (tp_ != nullptr) tp_->release_import(id);
+  engine_.release_import(sequence);
+}
+
+void LocalInstance::mirror_step(const ForwardBatch& batch) {
+  tp_exports_.clear();
+  for (const ForwardBatch::Export& rows : batch.exports) {
+    for (const auto& [rid, exported] : exports_) {
+      if (exported.sequence != rows.id) continue;
+      tp_exports_.push_back({rid, rows.sequence, rows.pos0, rows.n, exported.decode_ranks});
+      break;
+    }
+  }
+  tp_->step(batch, tp_exports_);
 }
 
 void LocalInstance::fail(RequestId id, ServeError error) {
@@ -164,10 +185,21 @@ void LocalInstance::apply_submit(InstanceRequest& request) {
       ImportHooks hooks;
       hooks.reserved = [this, request](SequenceId, int64_t cached,
                                        std::span<const int32_t> block_table) {
-        PrefillOrder order{request, cached};
+        PrefillOrder order{request, cached, peers_.own_ranks};
         order.request.prefill_peer = -1;
-        peers_.transport->start_import(request.prefill_peer, order, engine_.cache(), block_table,
-                                       std::chrono::steady_clock::now() + peers_.transfer_timeout);
+        TpImport import{request.id,
+                        cached,
+                        static_cast<int64_t>(request.prompt.size()),
+                        {block_table.begin(), block_table.end()},
+                        peers_.transfer_timeout,
+                        {request.prefill_peer}};
+        if (auto it = peers_.instance_ranks.find(request.prefill_peer);
+            it != peers_.instance_ranks.end())
+          import.prefill_ranks = it->second;
+        // The followers know where their rows go before the order leaves.
+        if (tp_ != nullptr) tp_->expect_import(import);
+        peers_.transport->start_import(request.prefill_peer, order,
+                                       tp_import_plan(import, model_, engine_.cache()));
       };
       hooks.abort = [this, rid](SequenceId) { peers_.transport->abort_import(rid); };
       std::vector<int32_t> prompt = request.prompt;
@@ -187,6 +219,15 @@ void LocalInstance::apply_submit(InstanceRequest& request) {
 void LocalInstance::apply_imported(const Imported& imported) {
   auto it = sequences_.find(imported.id);
   if (it == sequences_.end() || !engine_.importing(it->second)) return;  // cancelled meanwhile
+  if (tp_ != nullptr && !tp_->confirm_import(imported.id)) {
+    release_import(imported.id, it->second);
+    requests_.erase(it->second);
+    sequences_.erase(it);
+    fail(imported.id, ServeError{ServeErrorKind::kUnavailable,
+                                 "KV transfer: a follower rank of this instance did not receive "
+                                 "all of its KV heads' rows"});
+    return;
+  }
   // Queueing ended when the prefill side admitted the prompt: place that on
   // this host's clock as "prefill_ns before now".
   const KvHandoff& handoff = imported.handoff;
@@ -201,16 +242,20 @@ void LocalInstance::apply_imported(const Imported& imported) {
 void LocalInstance::apply_order(Order& order) {
   const RequestId rid = order.order.request.id;
   const int peer = order.peer;
+  std::vector<int32_t> decode_ranks = order.order.decode_ranks;
+  if (decode_ranks.empty()) decode_ranks = {peer};
   InstanceRequest& request = order.order.request;
   RequestOptions options;
   options.max_tokens = 1;  // this side samples the first token only
   options.sampling = request.sampling;
   options.ignore_eos = request.ignore_eos;
   ExportSink sink;
-  sink.layer = [this, peer, rid](SequenceId, int64_t layer, int64_t pos0, int64_t n,
-                                 std::span<const int32_t> block_table, const KvCache& cache) {
-    peers_.transport->send_rows(peer, rid, layer, pos0, n, cache, block_table);
-    exports_.at(rid).rows_sent += n;
+  sink.layer = [this, rid](SequenceId, int64_t layer, int64_t pos0, int64_t n,
+                           std::span<const int32_t> block_table, const KvCache& cache) {
+    Export& exported = exports_.at(rid);
+    tp_send_rows(*peers_.transport, model_, rid, layer, pos0, n, exported.decode_ranks, cache,
+                 block_table);
+    exported.rows_sent += n;
   };
   sink.done = [this, peer, rid](SequenceId, int32_t first_token, int64_t cached_tokens) {
     auto it = exports_.find(rid);
@@ -227,7 +272,8 @@ void LocalInstance::apply_order(Order& order) {
   try {
     const SequenceId sid = engine_.submit_export(std::move(request.prompt), options,
                                                  order.order.send_from, sink, on_admitted);
-    exports_.emplace(rid, Export{sid, peer, std::chrono::steady_clock::now(), 0});
+    exports_.emplace(
+        rid, Export{sid, peer, std::move(decode_ranks), std::chrono::steady_clock::now(), 0});
   } catch (const std::exception& e) {
     peers_.transport->send_handoff(
         peer, KvHandoff{rid, -1, 0, 0, 0,

@@ -17,6 +17,9 @@
 // the prompts' KV; it reports no events of its own. The transport's handlers
 // only queue commands: every engine call stays on the engine thread.
 //
+// With tensor parallelism this is the leader's side: a TpLeader mirrors
+// every step and import on the followers (worker/tensor_parallel.h).
+//
 // Thread affinity: submit, cancel, stats and info from any thread; the engine,
 // the id maps and the per-step event buffer belong to the engine thread.
 #pragma once
@@ -33,6 +36,7 @@
 #include "common/serving.h"
 #include "worker/engine.h"
 #include "worker/kv_transport.h"
+#include "worker/tensor_parallel.h"
 
 namespace duet {
 
@@ -42,6 +46,11 @@ struct PeerLinks {
   // The longest a decode instance waits for a prompt's KV, from the moment
   // its blocks are reserved (the prefill side's queue included).
   std::chrono::milliseconds transfer_timeout{120'000};
+  // This instance's ranks, leader first, and every instance's by its leader
+  // (tensor parallelism: KV moves between the ranks that hold its heads).
+  // Empty / absent: one rank each.
+  std::vector<int32_t> own_ranks;
+  std::map<int, std::vector<int32_t>> instance_ranks;
 };
 
 class LocalInstance final : public InstanceClient {
@@ -49,8 +58,10 @@ class LocalInstance final : public InstanceClient {
   // `model`, `kernels` and `pool` outlive the instance. The thread starts at
   // once; events go nowhere until set_event_handler. With a transport in
   // `peers`, installs its handlers (removed by the destructor).
+  // `tp`: this instance's followers when the model is a shard (outlives the instance).
   LocalInstance(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-                EngineConfig config, std::string model_name, PeerLinks peers = {});
+                EngineConfig config, std::string model_name, PeerLinks peers = {},
+                TpLeader* tp = nullptr);
   // Stops the engine thread; requests still running are dropped without events.
   ~LocalInstance() override;
   LocalInstance(const LocalInstance&) = delete;
@@ -97,6 +108,7 @@ class LocalInstance final : public InstanceClient {
   struct Export {
     SequenceId sequence;
     int peer = 0;
+    std::vector<int32_t> decode_ranks;  // the decode instance's, leader (peer) first
     std::chrono::steady_clock::time_point admitted_at{};
     int64_t rows_sent = 0;
   };
@@ -108,11 +120,17 @@ class LocalInstance final : public InstanceClient {
   void apply_order(Order& order);
   void apply_imported(const Imported& imported);
   void fail(RequestId id, ServeError error);  // a finished kFailed event
+  // An import that ends without its KV (failed, or released after a cancel):
+  // the followers let go of it too, then the engine frees its blocks.
+  void release_import(RequestId id, SequenceId sequence);
+  void mirror_step(const ForwardBatch& batch);  // tensor parallelism
   InstanceStats publish_stats();
   // Stats to the observer, then the pending events to the handler.
   void publish();
 
   InstanceInfo info_;
+  const LlamaModel& model_;
+  TpLeader* const tp_;
   Engine engine_;  // engine thread only (after construction)
 
   // Engine thread only.
@@ -121,6 +139,7 @@ class LocalInstance final : public InstanceClient {
   std::map<RequestId, SequenceId> releasing_;  // cancelled imports waiting for on_released
   std::map<RequestId, Export> exports_;
   std::vector<InstanceEvent> events_;  // of the current step
+  std::vector<TpExport> tp_exports_;   // of the current step
   const PeerLinks peers_;
 
   mutable std::mutex mutex_;  // guards the members below

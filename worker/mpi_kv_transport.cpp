@@ -28,9 +28,11 @@ struct WireHeader {
   int64_t layer = 0;
   int64_t pos0 = 0;
   int64_t n = 0;
-  uint64_t checksum = 0;  // of the rows payload; 0: not computed
+  uint64_t checksum = 0;   // of the rows payload; 0: not computed
+  int64_t head_begin = 0;  // the global KV heads [head_begin, head_end) in the payload
+  int64_t head_end = 0;
 };
-static_assert(sizeof(WireHeader) == 48);
+static_assert(sizeof(WireHeader) == 64);
 
 // A gone request's id is remembered this long, so that its late rows are
 // recognised and dropped rather than reported as strays.
@@ -116,14 +118,18 @@ std::vector<std::byte> MpiKvTransport::control_bytes(const ControlMessage& messa
   return bytes;
 }
 
-void MpiKvTransport::start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
-                                  std::span<const int32_t> block_table,
-                                  Clock::time_point deadline) {
+void MpiKvTransport::start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) {
   {
     std::lock_guard lock(mutex_);
-    starts_.push_back(Start{prefill_peer, order, &cache,
-                            std::vector<int32_t>(block_table.begin(), block_table.end()),
-                            deadline});
+    starts_.push_back(Start{prefill_leader, order, std::move(plan)});
+  }
+  channel_.wake();
+}
+
+void MpiKvTransport::expect_import(ImportPlan plan) {
+  {
+    std::lock_guard lock(mutex_);
+    starts_.push_back(Start{-1, std::nullopt, std::move(plan)});
   }
   channel_.wake();
 }
@@ -136,21 +142,23 @@ void MpiKvTransport::abort_import(RequestId id) {
   channel_.wake();
 }
 
-void MpiKvTransport::send_rows(int decode_peer, RequestId id, int64_t layer, int64_t pos0,
+void MpiKvTransport::send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0,
                                int64_t n, const KvCache& cache,
-                               std::span<const int32_t> block_table) {
+                               std::span<const int32_t> block_table, int64_t head_offset,
+                               const KvSource& heads) {
   const KvLayout& layout = cache.layout();
-  const size_t elems = static_cast<size_t>(packed_kv_elems(layout, n));
+  const KvHeads local{heads.head_begin - head_offset, heads.head_end - heads.head_begin};
+  const size_t elems = static_cast<size_t>(packed_kv_elems(layout, n, local));
   std::vector<std::byte> payload = take_buffer(elems * sizeof(KvElement));
   auto* rows = reinterpret_cast<KvElement*>(payload.data());
-  pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, rows);
-  WireHeader header{kMagic, kRows, id.value, layer, pos0, n, 0};
+  pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, local, rows);
+  WireHeader header{kMagic, kRows, id.value, layer, pos0, n, 0, heads.head_begin, heads.head_end};
   if (options_.checksums)
     header.checksum = kv_checksum(std::span<const KvElement>(rows, elems)) | 1;
   std::vector<std::byte> head = take_buffer(sizeof header);
   std::memcpy(head.data(), &header, sizeof header);
-  queue(decode_peer, kTag, std::move(head));
-  queue(decode_peer, kPayloadTag, std::move(payload));
+  queue(decode_rank, kTag, std::move(head));
+  queue(decode_rank, kPayloadTag, std::move(payload));
 }
 
 void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
@@ -168,11 +176,14 @@ bool MpiKvTransport::in_flight() const {
   if (!in_flight_.empty()) return true;
   if (imports_.empty()) return false;
   if (Clock::now() - last_rows_at_ < kFastPollAfterRows) return true;
-  return std::any_of(imports_.begin(), imports_.end(), [](const auto& entry) {
-    const Import& import = entry.second;
-    return import.rows_received >=
-           (import.n_prompt - import.send_from) * import.cache->layout().n_layers;
-  });
+  return std::any_of(imports_.begin(), imports_.end(),
+                     [](const auto& entry) { return entry.second.all_rows(); });
+}
+
+bool MpiKvTransport::Import::all_rows() const {
+  const int64_t expected = rows_expected();
+  return std::all_of(sources.begin(), sources.end(),
+                     [&](const Source& source) { return source.rows_received >= expected; });
 }
 
 bool MpiKvTransport::progress() {
@@ -195,17 +206,21 @@ void MpiKvTransport::forget_imports(const KvCache& cache) {
   std::lock_guard state(state_mutex_);  // the communication thread is not inside progress()
   {
     std::lock_guard lock(mutex_);
-    std::erase_if(starts_, [&](const Start& start) { return start.cache == &cache; });
+    std::erase_if(starts_, [&](const Start& start) { return start.plan.cache == &cache; });
   }
   for (auto it = imports_.begin(); it != imports_.end();) {
-    if (it->second.cache != &cache) {
+    if (it->second.plan.cache != &cache) {
       ++it;
       continue;
     }
-    queue(it->second.source, kTag, control_bytes(Cancel{it->first}));
+    cancel_at_source(it->first, it->second);
     gone_[it->first] = Clock::now();
     it = imports_.erase(it);
   }
+}
+
+void MpiKvTransport::cancel_at_source(RequestId id, const Import& import) {
+  if (import.leader >= 0) queue(import.leader, kTag, control_bytes(Cancel{id}));
 }
 
 void MpiKvTransport::process_commands(std::vector<Outcome>& outcomes) {
@@ -217,22 +232,19 @@ void MpiKvTransport::process_commands(std::vector<Outcome>& outcomes) {
     aborts.swap(aborts_);
   }
   for (Start& start : starts) {
-    const RequestId id = start.order.request.id;
-    Import import{start.peer,
-                  start.cache,
-                  std::move(start.block_table),
-                  start.order.send_from,
-                  static_cast<int64_t>(start.order.request.prompt.size()),
-                  0,
-                  start.deadline};
+    const RequestId id = start.plan.id;
+    Import import;
+    for (const KvSource& source : start.plan.sources) import.sources.push_back({source, 0});
+    import.plan = std::move(start.plan);
+    import.leader = start.leader;
     imports_[id] = std::move(import);  // before the order leaves: its rows find it
     gone_.erase(id);
-    queue(start.peer, kTag, control_bytes(start.order));
+    if (start.order) queue(start.leader, kTag, control_bytes(*start.order));
   }
   for (RequestId id : aborts) {
     auto it = imports_.find(id);
     if (it != imports_.end()) {
-      queue(it->second.source, kTag, control_bytes(Cancel{id}));
+      cancel_at_source(id, it->second);
       imports_.erase(it);
       gone_[id] = Clock::now();
     }
@@ -323,7 +335,13 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
   const RequestId id{h.request};
   auto it = imports_.find(id);
   if (it == imports_.end()) {
-    receive_payload(source, nullptr, 0, 0, 0);
+    // Registered after this pass began (a follower's import, told by its
+    // leader just before the order left)?
+    process_commands(outcomes);
+    it = imports_.find(id);
+  }
+  if (it == imports_.end()) {
+    receive_payload(source, nullptr, 0, 0, 0, {});
     std::lock_guard lock(mutex_);
     ++counters_.rows_dropped;
     if (!gone_.contains(id))
@@ -331,19 +349,25 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
     return;
   }
   Import& import = it->second;
-  const KvLayout& layout = import.cache->layout();
-  if (source != import.source || h.layer < 0 || h.layer >= layout.n_layers ||
-      h.pos0 < import.send_from || h.n <= 0 || h.pos0 + h.n > import.n_prompt) {
-    receive_payload(source, nullptr, 0, 0, 0);
+  const ImportPlan& plan = import.plan;
+  const KvLayout& layout = plan.cache->layout();
+  auto from = std::find_if(import.sources.begin(), import.sources.end(),
+                           [&](const Source& s) { return s.heads.rank == source; });
+  if (from == import.sources.end() || h.head_begin != from->heads.head_begin ||
+      h.head_end != from->heads.head_end || h.layer < 0 || h.layer >= layout.n_layers ||
+      h.pos0 < plan.send_from || h.n <= 0 || h.pos0 + h.n > plan.n_prompt) {
+    receive_payload(source, nullptr, 0, 0, 0, {});
     fail(id,
          {ServeErrorKind::kInternal,
           fmt::format("KV transfer: a malformed rows header from rank {} (layer {}, positions "
-                      "[{}, {}) of a {}-token prompt)",
-                      source, h.layer, h.pos0, h.pos0 + h.n, import.n_prompt)},
+                      "[{}, {}) of a {}-token prompt, KV heads [{}, {}))",
+                      source, h.layer, h.pos0, h.pos0 + h.n, plan.n_prompt, h.head_begin,
+                      h.head_end)},
          outcomes);
     return;
   }
-  if (!receive_payload(source, &import, h.layer, h.pos0, h.n)) {
+  const KvHeads heads{h.head_begin - plan.head_offset, h.head_end - h.head_begin};
+  if (!receive_payload(source, &import, h.layer, h.pos0, h.n, heads)) {
     fail(id,
          {ServeErrorKind::kInternal,
           fmt::format("KV transfer: rows of layer {} from rank {} are not the size their header "
@@ -353,8 +377,8 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
     return;
   }
   if (h.checksum != 0) {
-    check_rows_.resize(static_cast<size_t>(packed_kv_elems(layout, h.n)));
-    pack_kv_rows(layout, import.cache->data(), h.layer, import.block_table, h.pos0, h.n,
+    check_rows_.resize(static_cast<size_t>(packed_kv_elems(layout, h.n, heads)));
+    pack_kv_rows(layout, plan.cache->data(), h.layer, plan.block_table, h.pos0, h.n, heads,
                  check_rows_.data());
     if ((kv_checksum(check_rows_) | 1) != h.checksum) {
       fail(id,
@@ -366,12 +390,22 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
       return;
     }
   }
-  import.rows_received += h.n;
+  from->rows_received += h.n;
   last_rows_at_ = Clock::now();
+  complete_if_done(id, outcomes);
+}
+
+void MpiKvTransport::complete_if_done(RequestId id, std::vector<Outcome>& outcomes) {
+  auto it = imports_.find(id);
+  const Import& import = it->second;
+  if (!import.all_rows() || (import.leader >= 0 && !import.handoff)) return;
+  KvHandoff handoff = import.handoff.value_or(KvHandoff{id});
+  imports_.erase(it);
+  outcomes.push_back(Outcome{id, Outcome::Kind::kComplete, std::move(handoff), {}});
 }
 
 bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t layer, int64_t pos0,
-                                     int64_t n) {
+                                     int64_t n, KvHeads heads) {
   MPI_Message message;
   MPI_Status status;
   DUET_MPI_CHECK(MPI_Mprobe(source, kPayloadTag, comm_, &message, &status));
@@ -382,9 +416,10 @@ bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t lay
     ++counters_.messages_received;
     counters_.bytes_received += count;
   }
-  const KvLayout* layout = into != nullptr ? &into->cache->layout() : nullptr;
-  if (into == nullptr ||
-      count != packed_kv_elems(*layout, n) * static_cast<int64_t>(sizeof(KvElement))) {
+  const KvLayout* layout = into != nullptr ? &into->plan.cache->layout() : nullptr;
+  if (into == nullptr || heads.first < 0 || heads.count <= 0 ||
+      heads.first + heads.count > layout->n_kv_heads ||
+      count != packed_kv_elems(*layout, n, heads) * static_cast<int64_t>(sizeof(KvElement))) {
     // Not wanted (or not the size its header says): received into scratch, dropped.
     receive_buffer_.resize(static_cast<size_t>(count));
     DUET_MPI_CHECK(MPI_Mrecv(receive_buffer_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE));
@@ -395,16 +430,16 @@ bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t lay
   type_addresses_.clear();
   const int64_t slot_bytes = layout->head_dim * static_cast<int64_t>(sizeof(KvElement));
   for (int64_t kv = 0; kv < 2; ++kv) {
-    for (int64_t head = 0; head < layout->n_kv_heads; ++head) {
+    for (int64_t head = heads.first; head < heads.first + heads.count; ++head) {
       for (int64_t done = 0; done < n;) {
         const int64_t pos = pos0 + done;
         const int64_t slot = pos % layout->block_size;
         const int64_t run = std::min(layout->block_size - slot, n - done);
-        const int64_t block = into->block_table[static_cast<size_t>(pos / layout->block_size)];
+        const int64_t block = into->plan.block_table[static_cast<size_t>(pos / layout->block_size)];
         const int64_t offset =
             layout->k_offset(layer, block, head, slot) + (kv == 1 ? layout->kv_elems() : 0);
         MPI_Aint address = 0;
-        DUET_MPI_CHECK(MPI_Get_address(into->cache->data() + offset, &address));
+        DUET_MPI_CHECK(MPI_Get_address(into->plan.cache->data() + offset, &address));
         type_addresses_.push_back(address);
         type_lengths_.push_back(static_cast<int>(run * slot_bytes));
         done += run;
@@ -440,27 +475,32 @@ void MpiKvTransport::on_control(int source, std::span<const std::byte> payload,
   } else if (const auto* handoff = std::get_if<KvHandoff>(&message)) {
     auto it = imports_.find(handoff->id);
     if (it == imports_.end()) return;  // aborted or failed already
-    if (it->second.source != source) {
+    Import& import = it->second;
+    if (import.leader != source) {
       spdlog::error("kv transport: a handoff for request {} from rank {}, not its prefill rank {}",
-                    handoff->id.value, source, it->second.source);
+                    handoff->id.value, source, import.leader);
       return;
     }
     if (handoff->error) {
       fail(handoff->id, *handoff->error, outcomes);
       return;
     }
-    const KvLayout& layout = it->second.cache->layout();
-    const int64_t expected = (it->second.n_prompt - it->second.send_from) * layout.n_layers;
-    if (it->second.rows_received != expected || handoff->rows_sent != expected) {
+    // Every row the leader sent is in (its messages keep their order); the
+    // other prefill ranks' rows may still come.
+    const int64_t expected = import.rows_expected();
+    auto own = std::find_if(import.sources.begin(), import.sources.end(),
+                            [&](const Source& s) { return s.heads.rank == source; });
+    const int64_t from_leader = own == import.sources.end() ? expected : own->rows_received;
+    if (from_leader != expected || handoff->rows_sent != expected) {
       fail(handoff->id,
            {ServeErrorKind::kInternal,
-            fmt::format("KV transfer: {} rows arrived and {} were sent, {} expected",
-                        it->second.rows_received, handoff->rows_sent, expected)},
+            fmt::format("KV transfer: {} rows arrived and {} were sent, {} expected", from_leader,
+                        handoff->rows_sent, expected)},
            outcomes);
       return;
     }
-    imports_.erase(it);
-    outcomes.push_back(Outcome{handoff->id, Outcome::Kind::kComplete, *handoff, {}});
+    import.handoff = *handoff;
+    complete_if_done(handoff->id, outcomes);
   } else {
     spdlog::error("kv transport: dropped an unexpected {} message from rank {}",
                   control_message_name(message), source);
@@ -471,7 +511,7 @@ void MpiKvTransport::fail(RequestId id, ServeError error, std::vector<Outcome>& 
   auto it = imports_.find(id);
   if (it == imports_.end()) return;
   spdlog::warn("kv transport: request {}: {}", id.value, error.message);
-  queue(it->second.source, kTag, control_bytes(Cancel{id}));  // the prefill side stops too
+  cancel_at_source(id, it->second);  // the prefill side stops too
   imports_.erase(it);
   gone_[id] = Clock::now();
   outcomes.push_back(Outcome{id, Outcome::Kind::kFailed, {}, std::move(error)});
@@ -479,14 +519,20 @@ void MpiKvTransport::fail(RequestId id, ServeError error, std::vector<Outcome>& 
 
 void MpiKvTransport::expire(std::vector<Outcome>& outcomes) {
   const auto now = Clock::now();
-  std::vector<std::pair<RequestId, int>> late;
+  std::vector<RequestId> late;
   for (const auto& [id, import] : imports_) {
-    if (now >= import.deadline) late.emplace_back(id, import.source);
+    if (now >= import.plan.deadline) late.push_back(id);
   }
-  for (const auto& [id, source] : late) {
+  for (RequestId id : late) {
+    std::string missing;
+    for (const Source& source : imports_.at(id).sources) {
+      if (source.rows_received < imports_.at(id).rows_expected())
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", source.heads.rank);
+    }
     fail(id,
          {ServeErrorKind::kUnavailable,
-          fmt::format("KV transfer from rank {} did not complete in time", source)},
+          fmt::format("KV transfer did not complete in time (rows missing from rank(s): {})",
+                      missing.empty() ? "none; no handoff" : missing)},
          outcomes);
   }
   std::erase_if(gone_, [&](const auto& entry) { return now - entry.second > kGoneMemory; });

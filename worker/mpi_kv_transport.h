@@ -6,9 +6,10 @@
 // which calls progress() on every pass, so one thread per process drives
 // every non-blocking MPI operation.
 //
-// On the wire, on tag 1, every message starts with a 48-byte header:
+// On the wire, on tag 1, every message starts with a 64-byte header:
 //   rows:    the request, layer, first position and count of one layer of
-//            one chunk (and, when checksums are on, the payload's checksum);
+//            one chunk, the KV heads it carries (and, when checksums are on,
+//            the payload's checksum);
 //            its payload follows as the next message on tag 2;
 //   control: a Cap'n Proto control message (PrefillOrder, Cancel, KvHandoff)
 //            after the header.
@@ -33,9 +34,11 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "common/mpi/control_channel.h"
+#include "worker/kv_rows.h"
 #include "worker/kv_transport.h"
 
 namespace duet {
@@ -59,12 +62,13 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   MpiKvTransport& operator=(const MpiKvTransport&) = delete;
 
   void set_handlers(Handlers handlers) override;
-  void start_import(int prefill_peer, const PrefillOrder& order, KvCache& cache,
-                    std::span<const int32_t> block_table, Clock::time_point deadline) override;
+  void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) override;
+  void expect_import(ImportPlan plan) override;
   void abort_import(RequestId id) override;
   void forget_imports(const KvCache& cache) override;
-  void send_rows(int decode_peer, RequestId id, int64_t layer, int64_t pos0, int64_t n,
-                 const KvCache& cache, std::span<const int32_t> block_table) override;
+  void send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
+                 const KvCache& cache, std::span<const int32_t> block_table, int64_t head_offset,
+                 const KvSource& heads) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
 
   struct Counters {
@@ -85,21 +89,25 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
     std::vector<std::byte> bytes;  // owned until the send completes
     MPI_Request request = MPI_REQUEST_NULL;
   };
-  struct Import {
-    int source = 0;
-    KvCache* cache = nullptr;
-    std::vector<int32_t> block_table;
-    int64_t send_from = 0;
-    int64_t n_prompt = 0;
+  struct Source {
+    KvSource heads;
     int64_t rows_received = 0;  // positions x layers
-    Clock::time_point deadline;
+  };
+  struct Import {
+    ImportPlan plan;
+    std::vector<Source> sources;
+    int leader = -1;  // the prefill leader whose handoff ends it; -1: a follower's import
+    std::optional<KvHandoff> handoff;
+
+    int64_t rows_expected() const {  // per source
+      return (plan.n_prompt - plan.send_from) * plan.cache->layout().n_layers;
+    }
+    bool all_rows() const;
   };
   struct Start {
-    int peer = 0;
-    PrefillOrder order;
-    KvCache* cache = nullptr;
-    std::vector<int32_t> block_table;
-    Clock::time_point deadline;
+    int leader = -1;
+    std::optional<PrefillOrder> order;  // a leader's import
+    ImportPlan plan;
   };
   // A finished import's outcome, delivered outside the lock.
   struct Outcome {
@@ -123,7 +131,12 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   // Receives the rows payload that follows a header from `source`: into the
   // import's blocks through a derived datatype, or (`into` null) discarded.
   // False (and discarded) when its size is not the header's.
-  bool receive_payload(int source, const Import* into, int64_t layer, int64_t pos0, int64_t n);
+  bool receive_payload(int source, const Import* into, int64_t layer, int64_t pos0, int64_t n,
+                       KvHeads heads);
+  // Completes `id` when its handoff (a leader's) and every row are in.
+  void complete_if_done(RequestId id, std::vector<Outcome>& outcomes);
+  // Tells the prefill leader of a leader's import that it is withdrawn.
+  void cancel_at_source(RequestId id, const Import& import);
   void on_control(int source, std::span<const std::byte> payload, std::vector<Outcome>& outcomes);
   void expire(std::vector<Outcome>& outcomes);
   void fail(RequestId id, ServeError error, std::vector<Outcome>& outcomes);

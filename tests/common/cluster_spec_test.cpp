@@ -53,6 +53,25 @@ TEST(ClusterSpec, FlagsLayOutPrefillThenDecodeFromRankOne) {
   EXPECT_EQ(spec.count(InstanceRole::kDecode), 1);
 }
 
+TEST(ClusterSpec, PrefillAndDecodeInstancesTakeTheirOwnTpSizes) {
+  ClusterFlags flags;
+  flags.prefill = 1;
+  flags.decode = 1;
+  flags.tp = 2;
+  flags.decode_tp = 3;
+  const ClusterSpec spec = cluster_spec_from_flags(flags);
+  ASSERT_EQ(spec.instances.size(), 2u);
+  EXPECT_EQ(spec.instances[0].tp, 2);  // --tp
+  EXPECT_EQ(spec.instances[0].ranks, ranks({1, 2}));
+  EXPECT_EQ(spec.instances[1].tp, 3);  // --decode-tp overrides it
+  EXPECT_EQ(spec.instances[1].ranks, ranks({3, 4, 5}));
+  EXPECT_NO_THROW(spec.validate(6));
+
+  flags.prefill_tp = 0;
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags); }),
+            "cluster spec: --prefill-tp must be at least 1, got 0");
+}
+
 TEST(ClusterSpec, ColocatedFlagsMakeEveryInstanceDoBoth) {
   const ClusterSpec spec = parse_cluster_flags(1, 1, 1, ClusterMode::kColocated);
   ASSERT_EQ(spec.instances.size(), 2u);
@@ -216,8 +235,8 @@ TEST(ClusterSpec, FileAndFlagsAreExclusive) {
 
   flags.decode = 1;
   EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags); }),
-            "cluster spec: --cluster FILE and --prefill/--decode/--tp/--mode are exclusive: the "
-            "file names the whole layout");
+            "cluster spec: --cluster FILE and --prefill/--decode/--tp/--prefill-tp/--decode-tp/"
+            "--mode are exclusive: the file names the whole layout");
   std::remove(path.c_str());
 
   ClusterFlags missing;

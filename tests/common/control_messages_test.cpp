@@ -234,10 +234,12 @@ TEST(ControlMessages, PrefillOrderAndHandoffRoundTrip) {
   order.request.sampling.temperature = 0.25f;
   order.request.sampling.seed = 42;
   order.send_from = 32;
+  order.decode_ranks = {4, 5, 6};
   const PrefillOrder o = round_trip_as(order);
   expect_same(o.request, order.request);
   EXPECT_EQ(o.request.prefill_peer, -1);  // the field's default survives
   EXPECT_EQ(o.send_from, 32);
+  EXPECT_EQ(o.decode_ranks, (std::vector<int32_t>{4, 5, 6}));
 
   const KvHandoff handoff{RequestId{77}, 1234, 16, 5'000'000, 30 * 3, std::nullopt};
   const KvHandoff h = round_trip_as(handoff);

@@ -38,7 +38,7 @@ duet_add_mpi_test(mpi_idle_cpu 3 90 "mpi;slow" --scenario idle --prefill 1 --dec
 # Failures: every rank exits non-zero with the same line, and nothing hangs.
 add_test(NAME mpi_version_mismatch
   COMMAND ${DUET_EXPECT_SAME_ERROR} 3
-    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 3"
+    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 4"
     60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
     --prefill 1 --decode 1 --bad-version-rank 2)
 add_test(NAME mpi_world_size_mismatch
@@ -77,6 +77,17 @@ set_tests_properties(mpi_serve_disaggregated_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
+# `duet serve` with tensor-parallel instances (tests/mpi/test_serve_tp.py):
+# colocated TP=2, and disaggregated TP=1 -> TP=3 and TP=3 -> TP=1 with the KV
+# re-sharded rank to rank.
+foreach(layout colocated 1to3 3to1)
+  add_test(NAME mpi_serve_tp_${layout}_test
+    COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_tp.py)
+  set_tests_properties(mpi_serve_tp_${layout}_test PROPERTIES
+    ENVIRONMENT "DUET_TP_LAYOUT=${layout};DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+    LABELS mpi
+    TIMEOUT 900)
+endforeach()
 include(${CMAKE_CURRENT_LIST_DIR}/netns/netns_tests.cmake)
 
 # MpiCollective (tensor-parallel collectives): two instances (TP 2 and TP 3)

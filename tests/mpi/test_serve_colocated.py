@@ -6,7 +6,7 @@ two instances (ranks 1 and 2), against the single-process `duet serve`.
 - 16+ concurrent requests all complete and spread over both instances;
 - a client that disconnects mid-stream frees every KV block on every rank;
 - SIGTERM to the coordinator ends every rank with exit 0 within seconds;
-- a spec that does not match -np, and tp > 1, fail fast with the same error
+- a spec that does not match -np, and a tp over the model's KV heads, fail fast with the same error
   on every rank.
 
 The disaggregated cluster has its own test (test_serve_disaggregated.py).
@@ -156,9 +156,10 @@ class ClusterSpecErrorTest(unittest.TestCase):
                                "cluster spec: the spec needs 4 processes (1 coordinator + 3 "
                                "instance ranks) but mpirun started 3 (mpirun -np 4)")
 
-    def test_tensor_parallelism_is_refused(self):
-        self.expect_same_error(3, ["--mode", "colocated", "--decode", "1", "--tp", "2"],
-                               "tensor parallelism is not supported yet")
+    def test_more_tp_ranks_than_kv_heads_is_refused(self):
+        # The default model has 3 KV heads; attention is split by KV heads.
+        self.expect_same_error(5, ["--mode", "colocated", "--decode", "1", "--tp", "4"],
+                               "instance 0 has tp 4, more than the model's 3 KV heads")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,193 @@
+"""`duet serve` with tensor-parallel instances under mpirun, against the
+single-process `duet serve`. One layout per run, named by DUET_TP_LAYOUT:
+
+  colocated  one instance of TP=2 (ranks 1-2), both phases;
+  1to3       a prefill instance of TP=1 (rank 1), a decode instance of TP=3
+             (ranks 2-4): every decode rank receives its KV head's rows
+             straight from the prefill rank;
+  3to1       a prefill instance of TP=3 (ranks 1-3), a decode instance of TP=1
+             (rank 4): the decode rank receives one KV head from each.
+
+Checks:
+- greedy completions against the single process's: a TP sum rounds
+  differently from one rank's, and on this model (Q8 activations, 30 layers)
+  such differences grow to logits that differ by a median of 0.1-0.4 (one
+  flipped bit of one K element in layer 0 does as much), so near-ties flip
+  tokens. mpi_tp_forward_test checks that position by position against
+  TP=1's margins; here every completion must start as TP=1's, every
+  difference is reported, and most agree for a while;
+- seeded sampling and a 24-request burst give what the same requests give
+  one at a time (every rank runs the same batch: batching does not change a
+  token under TP either);
+- cancels while the prompt is computed, shipped and decoded free every block;
+- every rank of the instances takes part (followers log their shard; in the
+  disaggregated layouts every prefill rank sends KV and every decode rank
+  receives some, with checksums on and no failed import);
+- SIGTERM to the coordinator ends every rank with exit 0.
+
+Run by ctest (tests/mpi/tp_tests.cmake) with DUET_BINARY, DUET_MODEL,
+DUET_MPIEXEC and DUET_TP_LAYOUT set.
+"""
+
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpirun_serve import (MpirunServe, ServeProcess, complete, metrics,  # noqa: E402
+                          serve_environment, wait_until)
+from test_serve_disaggregated import words  # noqa: E402
+
+ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
+LAYOUTS = {
+    "colocated": (3, ["--mode", "colocated", "--decode", "1", "--tp", "2"]),
+    "1to3": (5, ["--prefill", "1", "--decode", "1", "--decode-tp", "3", "--kv-checksums"]),
+    "3to1": (5, ["--prefill", "1", "--decode", "1", "--prefill-tp", "3", "--kv-checksums"]),
+}
+LAYOUT = os.environ.get("DUET_TP_LAYOUT", "colocated")
+RANKS, FLAGS = LAYOUTS[LAYOUT]
+cluster = None
+
+
+def setUpModule():
+    global cluster
+    serve_environment()  # skips the module without the model
+    cluster = MpirunServe(RANKS, [*FLAGS, *ENGINE])
+    cluster.start()
+
+
+def tearDownModule():
+    if cluster is not None and cluster.process.poll() is None:
+        cluster.stop(check=False)
+
+
+def every_block_free():
+    m = metrics(cluster)
+    return (m["duet_running_sequences"] == 0 and m["duet_waiting_sequences"] == 0 and
+            m["duet_kv_blocks_free"] == m["duet_kv_blocks_total"])
+
+
+def text_of(server, body):
+    return complete(server, body)["choices"][0]["text"]
+
+
+def first_difference(a, b):
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class TensorParallelClusterTest(unittest.TestCase):
+    def test_1_greedy_outputs_equal_the_single_process(self):
+        prompts = ["The capital of France is", "def fibonacci(n):",
+                   "Write a haiku about the sea.", "Once upon a time, in a small village,",
+                   "Summarize: " + words(300, 1),  # several 128-token chunks
+                   "List the words: " + words(700, 2), "The three primary colors are",
+                   "Question: what is 12 times 12? Answer:"]
+        bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                  for p in prompts]
+        with ServeProcess(ENGINE) as single:
+            expected = [text_of(single, b) for b in bodies]
+        agreed = 0  # characters of the completions before the first difference
+        for body, want in zip(bodies, expected):
+            got = text_of(cluster, body)
+            at = first_difference(got, want)
+            agreed += min(at, len(want))
+            if got != want:
+                print(f"  {LAYOUT}: {body['prompt'][:30]!r} differs from character {at}: "
+                      f"{want[at:at + 20]!r} (TP=1) vs {got[at:at + 20]!r}", file=sys.stderr)
+                self.assertGreater(at, 0, f"{got!r} vs {want!r}")
+        total = sum(len(w) for w in expected)
+        print(f"  {LAYOUT}: {agreed} of {total} characters before the first difference",
+              file=sys.stderr)
+        # Garbage (a head in the wrong place, a stale block) disagrees at once.
+        self.assertGreater(agreed, total // 3)
+        wait_until(every_block_free, 20, "every KV block free")
+
+    def test_2_batching_does_not_change_a_token(self):
+        n = 24
+        bodies = []
+        for i in range(n):
+            body = {"prompt": f"Story {i}: " + words(10 + 37 * (i % 5), i),
+                    "max_tokens": 8 + 4 * (i % 3), "ignore_eos": True}
+            body.update({"temperature": 0} if i % 2 == 0 else
+                        {"temperature": 0.9, "seed": 1000 + i, "top_p": 0.95})
+            bodies.append(body)
+        alone = [text_of(cluster, b) for b in bodies[:6]]
+        results = [None] * n
+
+        def one(i):
+            try:
+                results[i] = text_of(cluster, bodies[i])
+            except AssertionError as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, r in enumerate(results):
+            self.assertIsInstance(r, str, f"request {i}: {r}")
+        self.assertEqual(results[:6], alone)
+        wait_until(every_block_free, 30, "every KV block free after the burst")
+
+    def test_3_cancels_in_every_phase_free_every_block(self):
+        data = json.dumps({"prompt": "Translate: " + words(1200, 3), "max_tokens": 400,
+                           "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+
+        def start():
+            sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=60)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
+                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            return sock
+
+        for delay in (0.05, 0.3, 0.8):  # while the prompt is computed and shipped
+            sock = start()
+            time.sleep(delay)
+            sock.close()
+        sock = start()  # during decode, after a few tokens
+        received = b""
+        while received.count(b"data: ") < 3:
+            chunk = sock.recv(4096)
+            self.assertTrue(chunk, "the stream ended early")
+            received += chunk
+        sock.close()
+        wait_until(every_block_free, 90, "every KV block free after the cancels")
+        r = complete(cluster, {"prompt": "After the cancels:", "max_tokens": 4, "temperature": 0})
+        self.assertEqual(r["usage"]["completion_tokens"], 4)
+
+    def test_4_every_rank_takes_part_and_exits_0(self):
+        code = cluster.stop(timeout=60, check=False)
+        log = "\n".join(cluster.log_lines())
+        self.assertEqual(code, 0, log)
+        for rank in range(RANKS):
+            self.assertIn(f"rank {rank}: exiting with code 0", log)
+        followers = re.findall(r"tensor-parallel follower (\d) of (\d)", log)
+        self.assertEqual(len(followers), 1 if LAYOUT == "colocated" else 2, log)
+        shares = [float(s) for s in re.findall(r"weight bytes of its own \(([\d.]+)% of", log)]
+        print(f"  {LAYOUT}: owned weight bytes per shard, % of the split tensors: {shares}",
+              file=sys.stderr)
+        self.assertTrue(shares, log)
+        if LAYOUT == "colocated":
+            return
+        sent = {int(r): int(b) for r, b in re.findall(
+            r"rank (\d)\): kv transport: \d+ messages \((\d+) bytes\) sent", log)}
+        received = {int(r): int(b) for r, b in re.findall(
+            r"rank (\d)\): kv transport: .* sent, \d+ \((\d+) bytes\) received", log)}
+        prefill, decode = ([1], [2, 3, 4]) if LAYOUT == "1to3" else ([1, 2, 3], [4])
+        for rank in prefill:  # sends rows (the leader also its handoffs)
+            self.assertGreater(sent.get(rank, 0), 1_000_000, (rank, sent))
+        for rank in decode:  # receives its KV heads' rows itself
+            self.assertGreater(received.get(rank, 0), 1_000_000, (rank, received))
+        failed = [int(n) for n in re.findall(r"imports completed, (\d+) failed", log)]
+        self.assertEqual(len(failed), RANKS - 1, log)
+        self.assertEqual(sum(failed), 0, log)  # every checksum matched, no deadline passed
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

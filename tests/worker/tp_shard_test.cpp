@@ -1,0 +1,157 @@
+// Tensor-parallel sharding without MPI: how heads, hidden units and the
+// vocabulary are split, how KV is re-sharded between TP sizes, which bytes a
+// shard copies out of the file, and what cannot be split.
+#include "worker/tp_shard.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "common/error.h"
+#include "tests/test_paths.h"
+#include "worker/kv_rows.h"
+#include "worker/llama_model.h"
+
+namespace duet {
+namespace {
+
+TEST(TpShardTest, SplitEvenlyGivesTheFirstPartsTheRemainder) {
+  EXPECT_EQ(split_evenly(3, 0, 2), (std::pair<int64_t, int64_t>{0, 2}));
+  EXPECT_EQ(split_evenly(3, 1, 2), (std::pair<int64_t, int64_t>{2, 3}));
+  EXPECT_EQ(split_evenly(9, 2, 3), (std::pair<int64_t, int64_t>{6, 9}));
+  EXPECT_EQ(split_evenly(5, 3, 4), (std::pair<int64_t, int64_t>{4, 5}));
+}
+
+TEST(TpShardTest, KvPeersReshardBetweenTpSizes) {
+  // 3 KV heads. TP 1 -> TP 3: the one prefill rank sends each decode rank its head.
+  const std::vector<KvPeer> one_to_three = kv_peers(3, 0, 1, 3);
+  ASSERT_EQ(one_to_three.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(one_to_three[i].index, i);
+    EXPECT_EQ(one_to_three[i].head_begin, i);
+    EXPECT_EQ(one_to_three[i].head_end, i + 1);
+  }
+  // TP 3 -> TP 1: rank 1 of 3 sends its head to the one decode rank.
+  const std::vector<KvPeer> three_to_one = kv_peers(3, 1, 3, 1);
+  ASSERT_EQ(three_to_one.size(), 1u);
+  EXPECT_EQ(three_to_one[0].index, 0);
+  EXPECT_EQ(three_to_one[0].head_begin, 1);
+  EXPECT_EQ(three_to_one[0].head_end, 2);
+  // TP 2 (heads 2 + 1) -> TP 3: rank 0 splits its two heads over decode ranks 0 and 1.
+  const std::vector<KvPeer> two_to_three = kv_peers(3, 0, 2, 3);
+  ASSERT_EQ(two_to_three.size(), 2u);
+  EXPECT_EQ(two_to_three[1].index, 1);
+  EXPECT_EQ(two_to_three[1].head_begin, 1);
+  EXPECT_EQ(kv_peers(3, 1, 2, 3).at(0).index, 2);
+  // Every head is sent exactly once, whatever the sizes.
+  for (int p = 1; p <= 3; ++p) {
+    for (int d = 1; d <= 3; ++d) {
+      int64_t heads = 0;
+      for (int i = 0; i < p; ++i) {
+        for (const KvPeer& peer : kv_peers(3, i, p, d)) heads += peer.head_end - peer.head_begin;
+      }
+      EXPECT_EQ(heads, 3) << p << " -> " << d;
+    }
+  }
+}
+
+TEST(TpShardTest, PackedRowsOfSomeHeadsLandInAnotherShardsCache) {
+  KvLayout whole;  // a TP 1 cache: 3 heads
+  whole.n_layers = 2;
+  whole.n_kv_heads = 3;
+  whole.head_dim = 4;
+  whole.block_size = 4;
+  whole.n_blocks = 8;
+  KvLayout shard = whole;  // the second rank of TP 2: head 2 only
+  shard.n_kv_heads = 1;
+  std::vector<KvElement> a(static_cast<size_t>(whole.total_elems()));
+  std::iota(a.begin(), a.end(), KvElement{1});
+  std::vector<KvElement> b(static_cast<size_t>(shard.total_elems()), 0);
+  const std::vector<int32_t> ta = {5, 2, 7}, tb = {0, 6, 3};
+  std::vector<KvElement> rows(static_cast<size_t>(packed_kv_elems(whole, 7, {2, 1})));
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    pack_kv_rows(whole, a.data(), layer, ta, 3, 7, {2, 1}, rows.data());
+    unpack_kv_rows(shard, b.data(), layer, tb, 3, 7, {0, 1}, rows.data());
+  }
+  // (layer 1, position 5 = block 1 slot 1, V, global head 2, dim 3).
+  EXPECT_EQ(b[static_cast<size_t>(shard.v_offset(1, 6, 0, 1) + 3)],
+            a[static_cast<size_t>(whole.v_offset(1, 2, 2, 1) + 3)]);
+  EXPECT_EQ(b[static_cast<size_t>(shard.k_offset(0, 0, 0, 3))],
+            a[static_cast<size_t>(whole.k_offset(0, 5, 2, 3))]);
+}
+
+TEST(TpShardTest, DefaultModelShardsOwnTheirPartAndAddUpToTheWhole) {
+  DUET_SKIP_WITHOUT_DEFAULT_MODEL(path);
+  const auto whole = LlamaModel::load(path);
+  EXPECT_EQ(whole->owned_weight_bytes(), 0u);  // it reads the mapping
+  const ModelConfig& c = whole->config();
+  for (int size = 2; size <= 3; ++size) {
+    size_t owned = 0;
+    for (int rank = 0; rank < size; ++rank) {
+      const auto model = LlamaModel::load(path, TpPlacement{rank, size});
+      const TpShard& s = model->shard();
+      const auto [kv0, kv1] = split_evenly(c.n_kv_heads, rank, size);
+      EXPECT_EQ(s.kv_head_begin, kv0);
+      EXPECT_EQ(s.kv_head_end, kv1);
+      EXPECT_EQ(s.n_heads(), s.n_kv_heads() * c.group_size());
+      const LlamaLayerWeights& w = model->layer(7);
+      EXPECT_EQ(w.wq.n_out, s.n_heads() * c.head_dim);
+      EXPECT_EQ(w.wk.n_out, s.n_kv_heads() * c.head_dim);
+      EXPECT_EQ(w.wo.k, s.n_heads() * c.head_dim);
+      EXPECT_EQ(w.wo.n_out, c.n_embd);
+      EXPECT_EQ(w.w_up.n_out, s.n_ff());
+      EXPECT_EQ(w.w_down.k, s.n_ff());
+      EXPECT_EQ(model->token_embd().n_out, s.n_vocab());
+      EXPECT_EQ(model->kv_layout(4).n_kv_heads, s.n_kv_heads());
+      // Within 10% of an even share (3 KV heads on 2 ranks: 2 + 1).
+      const double share = static_cast<double>(model->owned_weight_bytes()) /
+                           static_cast<double>(model->split_tensor_bytes());
+      EXPECT_NEAR(share, 1.0 / size, 0.1 / size) << "rank " << rank << " of " << size;
+      owned += model->owned_weight_bytes();
+    }
+    // The shards partition every split tensor: nothing twice, nothing left out.
+    const auto first = LlamaModel::load(path, TpPlacement{0, size});
+    EXPECT_EQ(owned, first->split_tensor_bytes()) << "tp " << size;
+  }
+}
+
+TEST(TpShardTest, MoreRanksThanKvHeadsIsRefused) {
+  DUET_SKIP_WITHOUT_DEFAULT_MODEL(path);
+  try {
+    LlamaModel::load(path, TpPlacement{0, 4});
+    FAIL() << "tp 4 of 3 KV heads loaded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_STREQ(e.what(),
+                 "tensor parallelism splits attention by KV heads: tp 4 is more than the "
+                 "model's 3 KV heads");
+  }
+}
+
+TEST(TpShardTest, RowParallelColumnsInsideAQuantBlockAreRefused) {
+  // 4 KV heads of 16 dims and K-quant blocks of 256 elements: a rank's 32 or
+  // 16 columns of attn_output cannot be whole blocks.
+  ModelConfig c;
+  c.n_vocab = 100;
+  c.n_embd = 64;
+  c.n_heads = 4;
+  c.n_kv_heads = 4;
+  c.head_dim = 16;
+  c.n_ff = 512;
+  EXPECT_NO_THROW(make_tp_shard(c, 1, 2, 32, 256));
+  try {
+    make_tp_shard(c, 1, 2, 256, 256);
+    FAIL() << "a split inside a 256-element block";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("splits attn_output at column 32"), std::string::npos)
+        << e.what();
+  }
+  // The feed-forward's 2 blocks of 256 go one to each of 2 ranks, none to a third.
+  EXPECT_EQ(make_tp_shard(c, 1, 2, 1, 256).ff_begin, 256);
+  EXPECT_THROW(make_tp_shard(c, 2, 3, 1, 256), Error);
+}
+
+}  // namespace
+}  // namespace duet

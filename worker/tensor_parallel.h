@@ -1,0 +1,107 @@
+// One instance on several ranks (tensor parallelism): the leader runs the
+// engine, its followers mirror it.
+//
+// The leader's engine decides everything (which sequences run, their blocks,
+// what is sampled); the followers hold their shard of the weights and a KV
+// cache of the same blocks for their own KV heads, and do what the leader
+// tells them through Collective::post, in order:
+//   step     run this forward batch (every rank runs it; the all-reduces and
+//            the logits' all-gather inside keep them in lockstep), and ship
+//            the exported rows of their heads to the decode ranks that hold
+//            them (a prefill instance);
+//   expect   an import of a decode instance: register where the rows of
+//            their heads go and where they come from; the leader waits until
+//            every follower has, before its order leaves (so no row can
+//            arrive before its import is known);
+//   confirm  the leader has its own rows and the handoff: each follower
+//            waits for all of its rows (or its import's failure) and answers;
+//   release  the import is over without them (cancelled, failed): each
+//            follower stops writing its blocks and answers;
+//   stop     the leader's engine has stopped.
+// Only the leader samples, talks to the coordinator and to other instances'
+// leaders; the KV itself moves rank to rank (worker/kv_transport.h).
+//
+// Thread affinity: TpLeader on the leader's engine thread; run_tp_follower on
+// the follower's main thread, until stop.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/serving.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
+#include "worker/collective.h"
+#include "worker/engine.h"
+#include "worker/kv_transport.h"
+#include "worker/llama_model.h"
+
+namespace duet {
+
+// Rows of one batch sequence a prefill instance ships to a decode instance.
+struct TpExport {
+  RequestId id;
+  size_t sequence = 0;  // in the batch
+  int64_t pos0 = 0;
+  int64_t n = 0;
+  std::vector<int32_t> decode_ranks;  // the decode instance's ranks, leader first
+};
+
+// The decode side's transfer of one prompt, as every rank of the instance sees it.
+struct TpImport {
+  RequestId id;
+  int64_t send_from = 0;
+  int64_t n_prompt = 0;
+  std::vector<int32_t> block_table;
+  std::chrono::milliseconds timeout{0};  // from now
+  std::vector<int32_t> prefill_ranks;    // the prefill instance's ranks, leader first
+};
+
+// The transfer plan of rank `index` of a `size`-rank decode instance.
+KvTransport::ImportPlan tp_import_plan(const TpImport& import, const LlamaModel& model,
+                                       KvCache& cache);
+
+// Ships rows [pos0, pos0 + n) of `layer` of this rank's KV heads to every
+// rank of the decode instance that holds some of them.
+void tp_send_rows(KvTransport& transport, const LlamaModel& model, RequestId id, int64_t layer,
+                  int64_t pos0, int64_t n, std::span<const int32_t> decode_ranks,
+                  const KvCache& cache, std::span<const int32_t> block_table);
+
+class TpLeader final {
+ public:
+  // Rank 0 of `collective` (outlives this object), of two ranks or more.
+  explicit TpLeader(Collective& collective);
+  TpLeader(const TpLeader&) = delete;
+  TpLeader& operator=(const TpLeader&) = delete;
+
+  Collective& collective() { return collective_; }
+
+  void step(const ForwardBatch& batch, std::span<const TpExport> exports);
+  // Returns once every follower has registered the import.
+  void expect_import(const TpImport& import);
+  // Waits for every follower's rows of `id`: true when all have them all.
+  bool confirm_import(RequestId id);
+  // Every follower stops writing `id`'s blocks; returns when they have.
+  void release_import(RequestId id);
+  // The followers leave run_tp_follower. Once only.
+  void stop();
+
+ private:
+  // One byte from every follower (the leader's own is ignored).
+  std::vector<std::byte> gather_answers();
+
+  Collective& collective_;
+  std::vector<std::byte> message_;  // reused
+};
+
+// A follower's whole life in the instance: builds its cache (n_kv_blocks,
+// as the leader's) and forward pass, then obeys the leader until stop.
+// `transport` (null when the instance has no peers) is this rank's, its
+// handlers taken over for the follower's imports.
+void run_tp_follower(const LlamaModel& model, const cpu::KernelTable& kernels,
+                     cpu::ThreadPool& pool, Collective& collective, int64_t n_kv_blocks,
+                     KvTransport* transport);
+
+}  // namespace duet
