@@ -143,43 +143,78 @@ void log_transport(const InstanceSpec& self, Rank rank, const MpiKvTransport& tr
       c.rows_dropped, c.imports_completed, c.imports_failed);
 }
 
-int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collective& collective,
-                   const ClusterSpec& spec, const ServeArgs& args) {
-  const InstanceSpec& self = *spec.instance_of(channel.rank());
-  const bool leader = collective.rank() == 0;
-  const std::string model_name = serve::model_name(args);
+// This rank's shard of the model and the engine's configuration; null when
+// it (or another rank of the instance: each says so) could not load, after
+// the leader reported why to the coordinator.
+std::unique_ptr<LlamaModel> load_shard(ControlChannel& channel, Collective& collective,
+                                       const InstanceSpec& self, const ServeArgs& args,
+                                       EngineConfig& config) {
   std::unique_ptr<LlamaModel> model;
-  EngineConfig config;
-  std::string load_error;
+  std::string error;
   try {
     model = LlamaModel::load(args.model, TpPlacement{collective.rank(), self.tp});
     config = serve::engine_config(args, *model,
                                   tokenizer_from_gguf(model->file()).end_of_generation_ids());
-    if (self.tp > 1) {
-      spdlog::info(
-          "instance {} (rank {}): shard {} of {}: KV heads [{}, {}), {} weight bytes of "
-          "its own ({:.1f}% of the {} split)",
-          self.id, channel.rank().value, collective.rank(), self.tp, model->shard().kv_head_begin,
-          model->shard().kv_head_end, model->owned_weight_bytes(),
-          100.0 * static_cast<double>(model->owned_weight_bytes()) /
-              static_cast<double>(model->split_tensor_bytes()),
-          model->split_tensor_bytes());
-    }
   } catch (const std::exception& e) {
-    load_error = e.what();
-    spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, load_error);
+    error = e.what();
+    spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, error);
   }
-  if (self.tp > 1 && !all_loaded(collective, load_error.empty()) && load_error.empty())
-    load_error = "another rank of this instance could not load its shard (see its log)";
-  if (!load_error.empty()) {
-    if (leader) report_instance_failure(channel, self.id, load_error);
+  if (self.tp > 1 && !all_loaded(collective, error.empty()) && error.empty())
+    error = "another rank of this instance could not load its shard (see its log)";
+  if (!error.empty()) {
+    if (collective.rank() == 0) report_instance_failure(channel, self.id, error);
+    return nullptr;
+  }
+  if (self.tp > 1) {
+    const TpShard& shard = model->shard();
+    spdlog::info(
+        "instance {} (rank {}): shard {} of {}: KV heads [{}, {}), {} weight bytes of its own "
+        "({:.1f}% of the {} split)",
+        self.id, channel.rank().value, shard.rank, shard.size, shard.kv_head_begin,
+        shard.kv_head_end, model->owned_weight_bytes(),
+        100.0 * static_cast<double>(model->owned_weight_bytes()) /
+            static_cast<double>(model->split_tensor_bytes()),
+        model->split_tensor_bytes());
+  }
+  return model;
+}
+
+// The leader: the engine behind an InstanceServer until Shutdown, then the
+// followers are told to stop.
+void lead_instance(ControlChannel& channel, Collective& collective, const InstanceSpec& self,
+                   const LlamaModel& model, const EngineConfig& config, cpu::ThreadPool& pool,
+                   const PeerLinks& peers, const ServeArgs& args) {
+  std::optional<TpLeader> tp;
+  if (self.tp > 1) tp.emplace(collective);
+  const std::string model_name = serve::model_name(args);
+  InstanceStats stats;
+  std::string reason;
+  {
+    LocalInstance instance(model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
+                           model_name, peers, tp ? &*tp : nullptr);
+    InstanceServer server(channel, instance, self.id);
+    spdlog::info("instance {} (rank {}, {}, tp {}): serving {} with {} compute threads", self.id,
+                 channel.rank().value, instance_role_name(self.role), self.tp, model_name,
+                 pool.size());
+    reason = server.serve();
+    stats = instance.stats();
+  }  // the engine thread has stopped: the followers may go
+  if (tp) tp->stop();
+  spdlog::info("instance {} (rank {}): {} ({} steps, {} tokens generated)", self.id,
+               channel.rank().value, reason, stats.steps, stats.generated_tokens);
+}
+
+int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collective& collective,
+                   const ClusterSpec& spec, const ServeArgs& args) {
+  const InstanceSpec& self = *spec.instance_of(channel.rank());
+  EngineConfig config;
+  const std::unique_ptr<LlamaModel> model = load_shard(channel, collective, self, args, config);
+  if (model == nullptr) {
     channel.close(kCloseTimeout);
     return 2;
   }
   {
-    const int n_threads = serve::compute_threads(args);
-    cpu::ThreadPool pool(n_threads);
-    const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
+    cpu::ThreadPool pool(serve::compute_threads(args));
     PeerLinks peers;
     if (self.role != InstanceRole::kBoth) {
       peers.transport = &transport;
@@ -188,33 +223,17 @@ int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collectiv
       for (Rank rank : self.ranks) peers.own_ranks.push_back(rank.value);
       peers.instance_ranks = ranks_by_leader(spec);
     }
-    if (!leader) {
+    if (collective.rank() == 0) {
+      lead_instance(channel, collective, self, *model, config, pool, peers, args);
+    } else {
       spdlog::info("instance {} (rank {}): tensor-parallel follower {} of {}", self.id,
                    channel.rank().value, collective.rank(), self.tp);
-      run_tp_follower(*model, kernels, pool, collective, config.n_kv_blocks, peers.transport);
-      if (peers.transport != nullptr) log_transport(self, channel.rank(), transport);
-      return channel.close(kCloseTimeout) ? 0 : 1;
+      run_tp_follower(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, collective,
+                      config.n_kv_blocks, peers.transport);
     }
-    std::optional<TpLeader> tp;
-    if (self.tp > 1) tp.emplace(collective);
-    InstanceStats stats;
-    std::string reason;
-    {
-      LocalInstance instance(*model, kernels, pool, config, model_name, peers, tp ? &*tp : nullptr);
-      InstanceServer server(channel, instance, self.id);
-      spdlog::info("instance {} (rank {}, {}, tp {}): serving {} with {} compute threads", self.id,
-                   channel.rank().value, instance_role_name(self.role), self.tp, model_name,
-                   n_threads);
-      reason = server.serve();
-      stats = instance.stats();
-    }  // the engine thread has stopped: the followers may go
-    if (tp) tp->stop();
-    spdlog::info("instance {} (rank {}): {} ({} steps, {} tokens generated)", self.id,
-                 channel.rank().value, reason, stats.steps, stats.generated_tokens);
     if (peers.transport != nullptr) log_transport(self, channel.rank(), transport);
-  }  // the engine thread has stopped: nothing sends any more
-  if (!channel.close(kCloseTimeout)) return 1;
-  return 0;
+  }  // the engine has stopped: nothing sends any more
+  return channel.close(kCloseTimeout) ? 0 : 1;
 }
 
 }  // namespace

@@ -12,7 +12,7 @@ namespace {
 constexpr int kCommandTag = 7;
 constexpr auto kSpinAfterMessage = std::chrono::milliseconds(2);
 constexpr auto kFirstPause = std::chrono::microseconds(50);
-constexpr auto kLongestPause = std::chrono::microseconds(2000);
+constexpr auto kLongestPause = std::chrono::microseconds(5000);
 
 int count_of(size_t n, const char* what) {
   DUET_REQUIRE(n <= static_cast<size_t>(INT_MAX),

@@ -187,6 +187,8 @@ class TensorParallelClusterTest(unittest.TestCase):
         failed = [int(n) for n in re.findall(r"imports completed, (\d+) failed", log)]
         self.assertEqual(len(failed), RANKS - 1, log)
         self.assertEqual(sum(failed), 0, log)  # every checksum matched, no deadline passed
+        # A cancel found its KV in transfer: the followers let go of their imports too.
+        self.assertIn("cancelled before its KV arrived", log)
 
 
 if __name__ == "__main__":
