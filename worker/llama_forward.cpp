@@ -34,6 +34,55 @@ LlamaForward::LlamaForward(const LlamaModel& model, const cpu::KernelTable& kern
                                  collective->rank() == shard.rank),
                "a shard {} of {} needs its instance's collective of {} ranks", shard.rank,
                shard.size, shard.size);
+  DUET_REQUIRE(shard.whole() || attention_order == cpu::AttentionOrder::kBatchInvariant,
+               "a shard runs in the batch-invariant order");
+}
+
+void LlamaForward::row_parallel(const cpu::WeightMatrix& whole,
+                                std::span<const cpu::WeightMatrix> groups, int64_t n_groups,
+                                int64_t group_begin, int64_t n, float* out) {
+  const int64_t n_embd = model_.config().n_embd;
+  if (attention_order_ == cpu::AttentionOrder::kLlamaCpp) {
+    cpu::matmul(kernels_, whole, packed_, out, n_embd, pool_);
+    return;
+  }
+  const TpShard& shard = model_.shard();
+  const auto n_local = static_cast<int64_t>(groups.size());
+  DUET_ASSERT(std::pair(group_begin, group_begin + n_local) ==
+                  split_evenly(n_groups, shard.rank, shard.size),
+              "rank {} holds column groups [{}, +{}) of {}", shard.rank, group_begin, n_local,
+              n_groups);
+  // Every rank sends as many partials as the rank with the most groups.
+  const int64_t n_slots = split_evenly(n_groups, 0, shard.size).second;
+  const auto slot = static_cast<size_t>(n * n_embd);
+  partials_.resize(slot * static_cast<size_t>(n_slots));
+  cpu::matmul_groups(kernels_, groups, packed_, partials_.data(), n_embd,
+                     static_cast<int64_t>(slot), pool_);
+  const float* all = partials_.data();
+  if (!shard.whole()) {
+    std::fill(partials_.begin() + static_cast<int64_t>(slot) * n_local, partials_.end(), 0.0f);
+    partials_gathered_.resize(partials_.size() * static_cast<size_t>(shard.size));
+    const auto start = std::chrono::steady_clock::now();
+    collective_->all_gather(partials_, partials_gathered_);
+    ++collective_time_.calls;
+    collective_time_.seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    all = partials_gathered_.data();
+  }
+  // Group after group, from whichever rank computed it: one order for any TP size.
+  int rank = 0;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    while (g >= split_evenly(n_groups, rank, shard.size).second) ++rank;
+    const int64_t local = g - split_evenly(n_groups, rank, shard.size).first;
+    const float* partial = all + (static_cast<size_t>(rank) * static_cast<size_t>(n_slots) +
+                                  static_cast<size_t>(local)) *
+                                     slot;
+    if (g == 0) {
+      std::copy_n(partial, slot, out);
+    } else {
+      cpu::add_in_place(out, partial, static_cast<int64_t>(slot));
+    }
+  }
 }
 
 void LlamaForward::all_reduce(float* data, int64_t n) {
@@ -189,9 +238,8 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     // Every sequence's attention in one parallel pass.
     cpu::attention_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_, shape,
                          q_.data(), attn_.data(), pool_);
-    packed_.pack(kernels_, attn_.data(), n, q_dim, {w.wo.type}, pool_);
-    cpu::matmul(kernels_, w.wo, packed_, attn_out_.data(), c.n_embd, pool_);
-    all_reduce(attn_out_.data(), n * c.n_embd);
+    packed_.pack(kernels_, attn_.data(), n, q_dim, {w.wo_groups.front().type}, pool_);
+    row_parallel(w.wo, w.wo_groups, shard.n_o_groups, shard.o_group_begin, n, attn_out_.data());
     cpu::add_in_place(x_.data(), attn_out_.data(), n * c.n_embd);
 
     // Feed-forward block (SwiGLU).
@@ -203,9 +251,9 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
       float* gate = gate_.data() + r * n_ff;
       kernels_.silu_mul(gate, up_.data() + r * n_ff, gate, n_ff);
     });
-    packed_.pack(kernels_, gate_.data(), n, n_ff, {w.w_down.type}, pool_);
-    cpu::matmul(kernels_, w.w_down, packed_, ffn_out_.data(), c.n_embd, pool_);
-    all_reduce(ffn_out_.data(), n * c.n_embd);
+    packed_.pack(kernels_, gate_.data(), n, n_ff, {w.down_groups.front().type}, pool_);
+    row_parallel(w.w_down, w.down_groups, shard.n_ff_groups, shard.ff_group_begin, n,
+                 ffn_out_.data());
     cpu::add_in_place(x_.data(), ffn_out_.data(), n * c.n_embd);
   }
 

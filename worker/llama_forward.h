@@ -10,10 +10,15 @@
 //   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff).
 // Shapes are the shard's (LlamaModel::shard): with tensor parallelism every
 // rank of the instance runs the same batch through its own heads and hidden
-// units; the row-parallel products (O, down) and the vocabulary-parallel
-// embeddings are summed over the ranks with an all-reduce, the logits
-// assembled with an all-gather, so x and the logits end up identical, bit
-// for bit, on every rank.
+// units; the vocabulary-parallel embeddings are summed over the ranks with an
+// all-reduce, the logits assembled with an all-gather.
+//
+// In the batch-invariant order the row-parallel products (O, down) are sums
+// of column groups (worker/tp_shard.h) added in group order, every rank's
+// groups brought together by an all-gather: x and the logits are the same
+// bits on every rank of an instance and for every TP size, so tensor
+// parallelism changes no token. (The kLlamaCpp order, for one whole model
+// only, multiplies in one pass as llama.cpp does.)
 // Not thread-safe: one forward at a time per object (the compute thread's).
 #pragma once
 
@@ -73,6 +78,12 @@ class LlamaForward final {
  private:
   void resize(int64_t n_rows, int64_t n_logit_rows);
   void all_reduce(float* data, int64_t n);  // timed; nothing without a collective
+  // out (n, n_embd) = the row-parallel product with packed_: in the
+  // kLlamaCpp order `whole` in one pass; else the sum of the model's
+  // n_groups column groups in order, this rank holding `groups` from
+  // group_begin on.
+  void row_parallel(const cpu::WeightMatrix& whole, std::span<const cpu::WeightMatrix> groups,
+                    int64_t n_groups, int64_t group_begin, int64_t n, float* out);
   void embed(std::span<const int32_t> tokens);
   void head(int64_t n_out, float* logits);
 
@@ -89,6 +100,9 @@ class LlamaForward final {
   // This rank's slice of the logits (n_out, vocab_stride), then every
   // rank's in rank order; tensor parallelism only.
   std::vector<float> logits_slice_, logits_gathered_;
+  // Column-group partials of a row-parallel product: this rank's, then
+  // every rank's.
+  std::vector<float> partials_, partials_gathered_;
 };
 
 }  // namespace duet

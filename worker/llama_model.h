@@ -33,11 +33,15 @@ struct LlamaLayerWeights {
   // Projection biases, added after the product (qwen2 has them; llama may): (n_heads * head_dim)
   // for bq, (n_kv_heads * head_dim) for bk and bv; empty when the file has none.
   std::vector<float> bq, bk, bv;
-  cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim)
+  cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim); whole model only
   std::vector<float> ffn_norm;  // (n_embd)
   cpu::WeightMatrix w_gate;     // n_ff rows of n_embd
   cpu::WeightMatrix w_up;       // n_ff rows of n_embd
-  cpu::WeightMatrix w_down;     // n_embd rows of n_ff
+  cpu::WeightMatrix w_down;     // n_embd rows of n_ff; whole model only
+  // The column groups of O and down this model holds (TpShard::o_group_*,
+  // ff_group_*), each stored on its own, front to back: what the
+  // batch-invariant forward multiplies, group by group.
+  std::vector<cpu::WeightMatrix> wo_groups, down_groups;
 };
 
 // Which rank of how many tensor-parallel ranks loads the model.
@@ -81,10 +85,11 @@ class LlamaModel final {
 
   // Bytes of weight data this model reads (its part of the file tensors it uses).
   size_t weight_bytes() const { return weight_bytes_; }
-  // Bytes copied out of the file into memory of this model's own (a shard's
-  // parts of split tensors; 0 when whole: it reads the mapping).
+  // Bytes copied out of the file into memory of this model's own: a shard's
+  // parts of the tensors it splits; a whole model's column groups of O and
+  // down (the rest it reads from the mapping).
   size_t owned_weight_bytes() const { return owned_weight_bytes_; }
-  // File bytes of the tensors a shard splits (whole, over all ranks): what
+  // File bytes of the tensors this model copies parts of (whole): what
   // owned_weight_bytes is about 1/tp of.
   size_t split_tensor_bytes() const { return split_tensor_bytes_; }
 
@@ -98,15 +103,14 @@ class LlamaModel final {
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out) {
     return matrix(name, k, n_out, 0, n_out, 0, k);
   }
-  // Rows [row0, row1) only (column-parallel), or columns only (row-parallel).
+  // Rows [row0, row1) only (column-parallel).
   cpu::WeightMatrix rows(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
                          int64_t row1) {
     return matrix(name, k, n_out, row0, row1, 0, k);
   }
-  cpu::WeightMatrix columns(const std::string& name, int64_t k, int64_t n_out, int64_t col0,
-                            int64_t col1) {
-    return matrix(name, k, n_out, 0, n_out, col0, col1);
-  }
+  // Column groups [begin, end) of `n_groups` equal ones (row-parallel).
+  std::vector<cpu::WeightMatrix> column_groups(const std::string& name, int64_t k, int64_t n_out,
+                                               int64_t n_groups, int64_t begin, int64_t end);
   // Elements [begin, end) of vector(name, n).
   std::vector<float> slice(std::vector<float> whole, int64_t begin, int64_t end);
   // The largest block size of the tensor `name` of every layer.
@@ -128,7 +132,8 @@ class LlamaModel final {
   size_t weight_bytes_ = 0;
   size_t owned_weight_bytes_ = 0;
   size_t split_tensor_bytes_ = 0;
-  std::unordered_set<std::string> used_tensors_;  // tensors read, during load only (then cleared)
+  std::unordered_set<std::string> used_tensors_;    // tensors read, during load only (then cleared)
+  std::unordered_set<std::string> copied_tensors_;  // parts copied, during load only
 };
 
 }  // namespace duet

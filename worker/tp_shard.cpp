@@ -1,6 +1,7 @@
 #include "worker/tp_shard.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "common/error.h"
 
@@ -14,7 +15,28 @@ std::pair<int64_t, int64_t> split_evenly(int64_t n, int rank, int size) {
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
-TpShard whole_model_shard(const ModelConfig& config) { return make_tp_shard(config, 0, 1, 1, 1); }
+namespace {
+
+// How many column groups down's `n_blocks` blocks form: a divisor of
+// n_blocks that as many TP sizes up to `max_tp` divide as can (they split
+// it evenly), the smallest such (fewest partials to exchange), at most
+// 2 * max_tp. 6 for the default model's 48 blocks and 3 KV heads.
+int64_t ff_groups(int64_t n_blocks, int64_t max_tp) {
+  int64_t best = 1;
+  int64_t best_sizes = 1;
+  for (int64_t groups = 2; groups <= std::min(n_blocks, 2 * max_tp); ++groups) {
+    if (n_blocks % groups != 0) continue;
+    int64_t sizes = 0;
+    for (int64_t t = 1; t <= max_tp; ++t) sizes += groups % t == 0 ? 1 : 0;
+    if (sizes > best_sizes) {
+      best = groups;
+      best_sizes = sizes;
+    }
+  }
+  return best;
+}
+
+}  // namespace
 
 TpShard make_tp_shard(const ModelConfig& c, int rank, int size, int64_t o_block,
                       int64_t down_block) {
@@ -41,19 +63,33 @@ TpShard make_tp_shard(const ModelConfig& c, int rank, int size, int64_t o_block,
                               size, column, o_block));
     }
   }
+  // O's column groups: one per KV head when those are whole blocks (then
+  // every TP size sums alike), else one (and the model cannot be split).
+  if ((c.group_size() * c.head_dim) % o_block == 0) {
+    s.n_o_groups = c.n_kv_heads;
+    s.o_group_begin = s.kv_head_begin;
+    s.o_group_end = s.kv_head_end;
+  } else if (size > 1) {
+    throw Error(ErrorKind::kUnsupported,
+                fmt::format("attn_output's {}-element quantization blocks span KV heads; tensor "
+                            "parallelism needs each head group's columns whole",
+                            o_block));
+  }
   if (c.n_ff % down_block != 0) {
     throw Error(
         ErrorKind::kCorruptFile,
         fmt::format("ffn_down has {} columns, not whole {}-element blocks", c.n_ff, down_block));
   }
-  const auto [ff0, ff1] = split_evenly(c.n_ff / down_block, rank, size);
-  if (ff0 == ff1) {
+  s.n_ff_groups = ff_groups(c.n_ff / down_block, c.n_kv_heads);
+  std::tie(s.ff_group_begin, s.ff_group_end) = split_evenly(s.n_ff_groups, rank, size);
+  if (s.ff_group_begin == s.ff_group_end) {
     throw Error(ErrorKind::kUnsupported,
-                fmt::format("tp {} leaves rank {} no {}-element block of ffn_down's {} columns",
-                            size, rank, down_block, c.n_ff));
+                fmt::format("tp {} leaves rank {} none of ffn_down's {} column groups", size, rank,
+                            s.n_ff_groups));
   }
-  s.ff_begin = ff0 * down_block;
-  s.ff_end = ff1 * down_block;
+  const int64_t group_columns = c.n_ff / s.n_ff_groups;
+  s.ff_begin = s.ff_group_begin * group_columns;
+  s.ff_end = s.ff_group_end * group_columns;
   s.vocab_stride = (c.n_vocab + size - 1) / size;
   s.vocab_begin = std::min(c.n_vocab, rank * s.vocab_stride);
   s.vocab_end = std::min(c.n_vocab, (rank + 1) * s.vocab_stride);

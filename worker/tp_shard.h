@@ -20,6 +20,13 @@
 //   of its per-token FLOPs (the 49k x 576 tied table) on every rank.
 // Norm weights are replicated (a few KB).
 //
+// TP-invariant sums: a row-parallel product is a sum over column groups
+// (O: one group per KV head; down: n_ff_groups equal groups, as many as
+// every TP size up to n_kv_heads divides when the blocks allow). Each group's
+// partial is computed whole on one rank, and every rank adds all groups'
+// partials in group order, so the sum has the same bits for any TP size, TP=1
+// included (worker/llama_forward.h).
+//
 // Values, no MPI.
 #pragma once
 
@@ -43,6 +50,9 @@ struct TpShard {
   int64_t head_begin = 0, head_end = 0;        // query heads owned: the same GQA groups
   int64_t ff_begin = 0, ff_end = 0;            // feed-forward hidden units owned
   int64_t vocab_begin = 0, vocab_end = 0;      // embedding and output rows owned
+  // Column groups of O and down (see above): the model's count, this rank's.
+  int64_t n_o_groups = 1, o_group_begin = 0, o_group_end = 1;
+  int64_t n_ff_groups = 1, ff_group_begin = 0, ff_group_end = 1;
   // Vocabulary rows per rank in the logits gather: ceil(n_vocab / size); the
   // last rank's slice may be shorter, padded to this.
   int64_t vocab_stride = 0;
@@ -54,14 +64,12 @@ struct TpShard {
   bool whole() const { return size == 1; }
 };
 
-// The whole model (tp 1).
-TpShard whole_model_shard(const ModelConfig& config);
-
-// Rank `rank` of `size`. `o_block` and `down_block`: the block sizes (in
-// elements) of the row-parallel weights' types, attn_output and ffn_down
-// (the largest over layers). Throws duet::Error (kUnsupported) when the
-// model cannot be split so: more ranks than KV heads, or a rank's columns of
-// a row-parallel weight that would not be whole blocks.
+// Rank `rank` of `size` (0 of 1: the whole model). `o_block` and
+// `down_block`: the block sizes (in elements) of the row-parallel weights'
+// types and of the activations they take, attn_output and ffn_down (the
+// largest over layers). Throws duet::Error (kUnsupported) when the model
+// cannot be split so: more ranks than KV heads, or a rank's columns of a
+// row-parallel weight that would not be whole column groups of whole blocks.
 TpShard make_tp_shard(const ModelConfig& config, int rank, int size, int64_t o_block,
                       int64_t down_block);
 

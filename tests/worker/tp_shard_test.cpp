@@ -84,7 +84,8 @@ TEST(TpShardTest, PackedRowsOfSomeHeadsLandInAnotherShardsCache) {
 TEST(TpShardTest, DefaultModelShardsOwnTheirPartAndAddUpToTheWhole) {
   DUET_SKIP_WITHOUT_DEFAULT_MODEL(path);
   const auto whole = LlamaModel::load(path);
-  EXPECT_EQ(whole->owned_weight_bytes(), 0u);  // it reads the mapping
+  // It reads the mapping but for O's and down's column groups, copied front to back.
+  EXPECT_EQ(whole->owned_weight_bytes(), whole->split_tensor_bytes());
   const ModelConfig& c = whole->config();
   for (int size = 2; size <= 3; ++size) {
     size_t owned = 0;
@@ -98,10 +99,17 @@ TEST(TpShardTest, DefaultModelShardsOwnTheirPartAndAddUpToTheWhole) {
       const LlamaLayerWeights& w = model->layer(7);
       EXPECT_EQ(w.wq.n_out, s.n_heads() * c.head_dim);
       EXPECT_EQ(w.wk.n_out, s.n_kv_heads() * c.head_dim);
-      EXPECT_EQ(w.wo.k, s.n_heads() * c.head_dim);
-      EXPECT_EQ(w.wo.n_out, c.n_embd);
       EXPECT_EQ(w.w_up.n_out, s.n_ff());
-      EXPECT_EQ(w.w_down.k, s.n_ff());
+      // Row-parallel weights as their column groups: one per KV head for O,
+      // 6 in all for down (every TP size up to 3 divides 6).
+      int64_t o_columns = 0, down_columns = 0;
+      for (const cpu::WeightMatrix& g : w.wo_groups) o_columns += g.k;
+      for (const cpu::WeightMatrix& g : w.down_groups) down_columns += g.k;
+      EXPECT_EQ(static_cast<int64_t>(w.wo_groups.size()), s.n_kv_heads());
+      EXPECT_EQ(o_columns, s.n_heads() * c.head_dim);
+      EXPECT_EQ(w.wo_groups.front().n_out, c.n_embd);
+      EXPECT_EQ(static_cast<int64_t>(w.down_groups.size()), 6 / size);
+      EXPECT_EQ(down_columns, s.n_ff());
       EXPECT_EQ(model->token_embd().n_out, s.n_vocab());
       EXPECT_EQ(model->kv_layout(4).n_kv_heads, s.n_kv_heads());
       // Within 10% of an even share (3 KV heads on 2 ranks: 2 + 1).
@@ -130,27 +138,55 @@ TEST(TpShardTest, MoreRanksThanKvHeadsIsRefused) {
 }
 
 TEST(TpShardTest, RowParallelColumnsInsideAQuantBlockAreRefused) {
-  // 4 KV heads of 16 dims and K-quant blocks of 256 elements: a rank's 32 or
-  // 16 columns of attn_output cannot be whole blocks.
+  // 4 KV heads of 32 dims: a head group's 32 columns of attn_output are whole
+  // 32-element blocks, but not whole 256-element K-quant blocks.
   ModelConfig c;
   c.n_vocab = 100;
-  c.n_embd = 64;
+  c.n_embd = 128;
   c.n_heads = 4;
   c.n_kv_heads = 4;
-  c.head_dim = 16;
+  c.head_dim = 32;
   c.n_ff = 512;
-  EXPECT_NO_THROW(make_tp_shard(c, 1, 2, 32, 256));
+  const TpShard fine = make_tp_shard(c, 1, 2, 32, 256);
+  EXPECT_EQ(fine.n_o_groups, 4);
+  EXPECT_EQ(fine.o_group_begin, 2);
   try {
     make_tp_shard(c, 1, 2, 256, 256);
     FAIL() << "a split inside a 256-element block";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("splits attn_output at column 32"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("splits attn_output at column 64"), std::string::npos)
         << e.what();
   }
-  // The feed-forward's 2 blocks of 256 go one to each of 2 ranks, none to a third.
-  EXPECT_EQ(make_tp_shard(c, 1, 2, 1, 256).ff_begin, 256);
+  // Blocks spanning head groups: whole, the model sums O in one group; split, refused.
+  c.head_dim = 16;
+  c.n_embd = 64;
+  EXPECT_EQ(make_tp_shard(c, 0, 1, 32, 256).n_o_groups, 1);
+  EXPECT_THROW(make_tp_shard(c, 0, 2, 32, 256), Error);
+  // The feed-forward's 2 blocks of 256 form 2 column groups: one for each of
+  // 2 ranks, none for a third.
+  const TpShard ff = make_tp_shard(c, 1, 2, 1, 256);
+  EXPECT_EQ(ff.n_ff_groups, 2);
+  EXPECT_EQ(ff.ff_begin, 256);
   EXPECT_THROW(make_tp_shard(c, 2, 3, 1, 256), Error);
+}
+
+TEST(TpShardTest, FeedForwardGroupsSplitEvenlyForEveryTpSize) {
+  ModelConfig c;  // the default model's shape
+  c.n_vocab = 49152;
+  c.n_embd = 576;
+  c.n_heads = 9;
+  c.n_kv_heads = 3;
+  c.head_dim = 64;
+  c.n_ff = 1536;
+  for (int64_t block : {32, 256}) {
+    EXPECT_EQ(make_tp_shard(c, 0, 1, 32, block).n_ff_groups, 6);
+    for (int size = 1; size <= 3; ++size) {
+      for (int rank = 0; rank < size; ++rank) {
+        EXPECT_EQ(make_tp_shard(c, rank, size, 32, block).n_ff(), 1536 / size);
+      }
+    }
+  }
 }
 
 }  // namespace
