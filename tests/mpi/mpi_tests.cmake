@@ -89,6 +89,7 @@ foreach(layout colocated 1to3 3to1)
     TIMEOUT 900)
 endforeach()
 include(${CMAKE_CURRENT_LIST_DIR}/netns/netns_tests.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/tp_tests.cmake)
 
 # MpiCollective (tensor-parallel collectives): two instances (TP 2 and TP 3)
 # at once on 6 ranks; sums, bit-identical results on every rank, rank order.
