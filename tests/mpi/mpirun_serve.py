@@ -13,8 +13,10 @@ DUET_MPIEXEC names mpirun (ctest sets it; default "mpirun").
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
@@ -80,9 +82,43 @@ def complete(server, body, expect=200, timeout=300):
     return json.loads(reply)
 
 
+def complete_all(server, bodies, timeout=300):
+    """Every body's reply (or the AssertionError), all sent at once, one thread each."""
+    results = [None] * len(bodies)
+
+    def one(i):
+        try:
+            results[i] = complete(server, bodies[i], timeout=timeout)
+        except AssertionError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
+
+
 def metrics(server):
     """GET /metrics, parsed into {name: value}."""
     return parse_metrics(http_request(server.http_url + "/metrics")[2].decode())
+
+
+def every_block_free(server):
+    """Whether the cluster holds no sequence and every KV block is free."""
+    m = metrics(server)
+    return (m["duet_running_sequences"] == 0 and m["duet_waiting_sequences"] == 0 and
+            m["duet_kv_blocks_free"] == m["duet_kv_blocks_total"])
+
+
+def open_stream(server, body, timeout=60):
+    """A raw socket that has sent POST /v1/completions with `body` (stream it; close to cancel)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=timeout)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
 
 
 def wait_until(predicate, timeout, what):

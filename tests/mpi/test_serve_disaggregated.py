@@ -17,19 +17,17 @@ Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
 DUET_MPIEXEC set.
 """
 
-import json
 import os
 import random
 import re
-import socket
 import sys
-import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MpirunServe, ServeProcess, complete, http_request, metrics,  # noqa: E402
-                          serve_environment, wait_until)
+import mpirun_serve  # noqa: E402
+from mpirun_serve import (MpirunServe, ServeProcess, complete, complete_all,  # noqa: E402
+                          http_request, open_stream, serve_environment, wait_until)
 
 # 128 MiB of KV per instance: 5825 tokens of the default model, under its
 # 8192-token context, so a request can be too big for the KV cache alone.
@@ -51,9 +49,7 @@ def tearDownModule():
 
 
 def every_block_free():
-    m = metrics(cluster)
-    return (m["duet_running_sequences"] == 0 and m["duet_waiting_sequences"] == 0 and
-            m["duet_kv_blocks_free"] == m["duet_kv_blocks_total"])
+    return mpirun_serve.every_block_free(cluster)
 
 
 def words(n, seed):
@@ -93,19 +89,7 @@ class DisaggregatedClusterTest(unittest.TestCase):
         bodies = [{"prompt": f"Request {i}: " + words(rng.choice([4, 20, 60, 150, 400]), i),
                    "max_tokens": rng.choice([4, 12, 32]), "temperature": 0, "ignore_eos": True}
                   for i in range(n)]
-        results = [None] * n
-
-        def one(i):
-            try:
-                results[i] = complete(cluster, bodies[i])
-            except AssertionError as e:
-                results[i] = e
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = complete_all(cluster, bodies)
         for i, r in enumerate(results):
             self.assertIsInstance(r, dict, f"request {i}: {r}")
             self.assertEqual(r["usage"]["completion_tokens"], bodies[i]["max_tokens"])
@@ -113,14 +97,11 @@ class DisaggregatedClusterTest(unittest.TestCase):
 
     def test_3_cancels_in_every_phase_free_every_block(self):
         long_prompt = "Translate: " + words(1500, 3)  # 12+ prefill chunks
-        data = json.dumps({"prompt": long_prompt, "max_tokens": 500, "ignore_eos": True,
-                           "stream": True, "temperature": 0}).encode()
+        body = {"prompt": long_prompt, "max_tokens": 500, "ignore_eos": True, "stream": True,
+                "temperature": 0}
 
         def start():
-            sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=60)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
-                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-            return sock
+            return open_stream(cluster, body)
 
         # Before the first token: while the prompt is prefilled and shipped.
         for delay in (0.02, 0.1, 0.25, 0.5, 0.8):

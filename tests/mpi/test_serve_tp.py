@@ -26,18 +26,16 @@ Run by ctest (tests/mpi/tp_tests.cmake) with DUET_BINARY, DUET_MODEL,
 DUET_MPIEXEC and DUET_TP_LAYOUT set.
 """
 
-import json
 import os
 import re
-import socket
 import sys
-import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MpirunServe, ServeProcess, complete, metrics,  # noqa: E402
-                          serve_environment, wait_until)
+import mpirun_serve  # noqa: E402
+from mpirun_serve import (MpirunServe, ServeProcess, complete, complete_all,  # noqa: E402
+                          open_stream, serve_environment, wait_until)
 from test_serve_disaggregated import words  # noqa: E402
 
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
@@ -64,9 +62,7 @@ def tearDownModule():
 
 
 def every_block_free():
-    m = metrics(cluster)
-    return (m["duet_running_sequences"] == 0 and m["duet_waiting_sequences"] == 0 and
-            m["duet_kv_blocks_free"] == m["duet_kv_blocks_total"])
+    return mpirun_serve.every_block_free(cluster)
 
 
 def text_of(server, body):
@@ -109,33 +105,18 @@ class TensorParallelClusterTest(unittest.TestCase):
                         {"temperature": 0.9, "seed": 1000 + i, "top_p": 0.95})
             bodies.append(body)
         alone = [text_of(cluster, b) for b in bodies[:6]]
-        results = [None] * n
-
-        def one(i):
-            try:
-                results[i] = text_of(cluster, bodies[i])
-            except AssertionError as e:
-                results[i] = e
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = complete_all(cluster, bodies)
         for i, r in enumerate(results):
-            self.assertIsInstance(r, str, f"request {i}: {r}")
-        self.assertEqual(results[:6], alone)
+            self.assertIsInstance(r, dict, f"request {i}: {r}")
+        self.assertEqual([r["choices"][0]["text"] for r in results[:6]], alone)
         wait_until(every_block_free, 30, "every KV block free after the burst")
 
     def test_3_cancels_in_every_phase_free_every_block(self):
-        data = json.dumps({"prompt": "Translate: " + words(1200, 3), "max_tokens": 400,
-                           "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+        body = {"prompt": "Translate: " + words(1200, 3), "max_tokens": 400, "ignore_eos": True,
+                "stream": True, "temperature": 0}
 
         def start():
-            sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=60)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
-                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-            return sock
+            return open_stream(cluster, body)
 
         for delay in (0.05, 0.3, 0.8):  # while the prompt is computed and shipped
             sock = start()
