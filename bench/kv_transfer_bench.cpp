@@ -12,19 +12,15 @@
 //      prefill on rank 2 against submit_import on rank 2 fed by submit_export
 //      on rank 1, split into where the time goes.
 //
-// Clocks: every timestamp is MPI_Wtime. Rank 1's are moved onto rank 2's
-// clock by an offset measured with ping-pongs (the midpoint of the fastest
-// round trip), reported with its uncertainty and MPI_WTIME_IS_GLOBAL. Raw and
-// transport times both run from the sender's first send call to the receiver
-// holding the last byte (its last MPI_Recv returned; on_complete ran, which
-// follows every row's arrival in the blocks). A rank that waits while the
-// other computes polls with sleeps instead of spinning in MPI, leaving the
-// other the core.
-// Rank 2 prints Markdown tables (and --json FILE); the job exits non-zero
-// when the received KV or the first tokens differ.
+// Clocks: every timestamp is MPI_Wtime. Rank 1's are moved onto rank 2's clock by an offset
+// measured with ping-pongs (the midpoint of the fastest round trip), reported with its uncertainty
+// and MPI_WTIME_IS_GLOBAL. Raw and transport times both run from the sender's first send call to
+// the receiver holding the last byte (its last MPI_Recv returned; on_complete ran, which follows
+// every row's arrival in the blocks). A rank that waits while the other computes polls with sleeps
+// instead of spinning in MPI, leaving the other the core. Rank 2 prints Markdown tables (and --json
+// FILE); the job exits non-zero when the received KV or the first tokens differ.
 //
-//   mpirun -np 3 duet-kv-transfer-bench [--model M] [--tokens 512] [--chunk C]
-//       [--reps 7] [--threads 1] [--json FILE]
+//   mpirun -np 3 duet-kv-transfer-bench [--model M] [--tokens N] [--chunk C] [--reps R] [--json F]
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
