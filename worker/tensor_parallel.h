@@ -5,8 +5,8 @@
 // what is sampled); the followers hold their shard of the weights and a KV
 // cache of the same blocks for their own KV heads, and do what the leader
 // tells them through Collective::post, in order:
-//   step     run this forward batch (every rank runs it; the all-reduces and
-//            the logits' all-gather inside keep them in lockstep), and ship
+//   step     run this forward batch (every rank runs it; the collectives
+//            inside keep them in lockstep), and ship
 //            the exported rows of their heads to the decode ranks that hold
 //            them (a prefill instance);
 //   expect   an import of a decode instance: register where the rows of

@@ -7,9 +7,10 @@
 //   other rank. KV heads that do not divide evenly go one extra to the first
 //   ranks (3 KV heads on 2 ranks: 2 + 1). Q/K/V are column-parallel (a rank
 //   computes its heads' rows), O is row-parallel (a rank multiplies its
-//   heads' columns) followed by an all-reduce.
+//   heads' columns) and the partial products are summed over the ranks
+//   (see TP-invariant sums below).
 // - The feed-forward is split by hidden units: gate/up column-parallel,
-//   down row-parallel (then an all-reduce), on boundaries of down's
+//   down row-parallel (summed likewise), on boundaries of down's
 //   quantization blocks (32 elements, 256 for K-quants) so that every rank's
 //   columns are whole blocks.
 // - Embeddings and the output head are vocabulary-parallel: a rank holds the
