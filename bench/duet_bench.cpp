@@ -7,6 +7,7 @@
 //   duet-bench --rate 2,4,8 -n 200 --input-len uniform:64:512 --output-len 128
 //              --slo ttft=500,tpot=50 --json out.json --plot out.png
 //   duet-bench --http http://127.0.0.1:8080 --concurrency 16 --trace chat.csv
+#include <fmt/format.h>
 #include <spawn.h>
 #include <sys/wait.h>
 

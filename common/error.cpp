@@ -20,7 +20,7 @@ std::string_view error_kind_name(ErrorKind kind) {
 
 void throw_assert_failure(const char* condition, const char* file, int line,
                           const std::string& detail) {
-  std::string message = fmt::format("internal error: {} failed at {}:{}", condition, file, line);
+  std::string message = duet::format("internal error: {} failed at {}:{}", condition, file, line);
   if (!detail.empty()) message += ": " + detail;
   throw Error(ErrorKind::kInternal, message);
 }

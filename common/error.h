@@ -4,14 +4,16 @@
 // message; DUET_ASSERT checks our own invariants and throws an internal error
 // that names the file and line. Both are exceptions so that a server can turn
 // them into typed replies at its boundary and keep serving.
+//
+// Messages are made by duet::format (common/format.h): "{}" placeholders only,
+// no format specs, so that this header needs nothing but the standard library.
 #pragma once
-
-#include <fmt/format.h>
 
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <utility>
+
+#include "common/format.h"
 
 namespace duet {
 
@@ -36,8 +38,8 @@ class Error : public std::runtime_error {
 
 inline std::string assert_detail() { return {}; }
 template <typename... Args>
-std::string assert_detail(fmt::format_string<Args...> format, Args&&... args) {
-  return fmt::format(format, std::forward<Args>(args)...);
+std::string assert_detail(std::string_view pattern, const Args&... args) {
+  return ::duet::format(pattern, args...);
 }
 
 [[noreturn]] void throw_assert_failure(const char* condition, const char* file, int line,
@@ -46,10 +48,10 @@ std::string assert_detail(fmt::format_string<Args...> format, Args&&... args) {
 }  // namespace duet
 
 // The caller's fault: `DUET_REQUIRE(n > 0, "n must be positive, got {}", n)`.
-#define DUET_REQUIRE(cond, ...)                                                             \
-  do {                                                                                      \
-    if (!(cond)) [[unlikely]]                                                               \
-      throw ::duet::Error(::duet::ErrorKind::kInvalidArgument, ::fmt::format(__VA_ARGS__)); \
+#define DUET_REQUIRE(cond, ...)                                                              \
+  do {                                                                                       \
+    if (!(cond)) [[unlikely]]                                                                \
+      throw ::duet::Error(::duet::ErrorKind::kInvalidArgument, ::duet::format(__VA_ARGS__)); \
   } while (0)
 
 // Our fault: `DUET_ASSERT(i < size)` or `DUET_ASSERT(i < size, "i={}", i)`.

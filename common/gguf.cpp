@@ -72,11 +72,14 @@ std::string shown(std::string_view s) {
     if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\') {
       out += static_cast<char>(c);
     } else {
-      out += fmt::format("\\x{:02x}", c);
+      constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
     }
   }
   out += "'";
-  if (s.size() > kMaxShown) out += fmt::format(" (cut from {} bytes)", s.size());
+  if (s.size() > kMaxShown) out += duet::format(" (cut from {} bytes)", s.size());
   return out;
 }
 
@@ -84,13 +87,13 @@ std::string shown(std::string_view s) {
 std::string describe(const GgufValue& value) {
   const std::string_view name = gguf_type_name(value.type());
   if (value.is_array()) {
-    return fmt::format("array of {} {}", value.size(), gguf_type_name(value.element_type()));
+    return duet::format("array of {} {}", value.size(), gguf_type_name(value.element_type()));
   }
-  if (auto v = value.integer_as<int64_t>()) return fmt::format("{} {}", name, *v);
-  if (auto v = value.integer_as<uint64_t>()) return fmt::format("{} {}", name, *v);
-  if (value.type() == GgufType::kF32) return fmt::format("f32 {}", value.as_f32());
-  if (value.type() == GgufType::kF64) return fmt::format("f64 {}", value.as_f64());
-  if (value.type() == GgufType::kBool) return fmt::format("bool {}", value.as_bool());
+  if (auto v = value.integer_as<int64_t>()) return duet::format("{} {}", name, *v);
+  if (auto v = value.integer_as<uint64_t>()) return duet::format("{} {}", name, *v);
+  if (value.type() == GgufType::kF32) return duet::format("f32 {}", value.as_f32());
+  if (value.type() == GgufType::kF64) return duet::format("f64 {}", value.as_f64());
+  if (value.type() == GgufType::kBool) return duet::format("bool {}", value.as_bool());
   return std::string(name);
 }
 
@@ -127,12 +130,12 @@ class Cursor {
   }
 
   template <typename... Args>
-  [[noreturn]] void fail(uint64_t at, fmt::format_string<Args...> format, Args&&... args) const {
-    fail_as(ErrorKind::kCorruptFile, at, fmt::format(format, std::forward<Args>(args)...));
+  [[noreturn]] void fail(uint64_t at, std::string_view pattern, const Args&... args) const {
+    fail_as(ErrorKind::kCorruptFile, at, duet::format(pattern, args...));
   }
 
   [[noreturn]] void fail_as(ErrorKind kind, uint64_t at, const std::string& what) const {
-    std::string message = fmt::format("{}: offset {}: ", name_, at);
+    std::string message = duet::format("{}: offset {}: ", name_, at);
     if (!context_.empty()) message += context_ + ": ";
     throw Error(kind, message + what);
   }
@@ -195,21 +198,21 @@ class GgufParser {
     const uint32_t swapped = __builtin_bswap32(version);
     if (swapped == 2 || swapped == 3) {
       cursor_.fail_as(ErrorKind::kUnsupported, 4,
-                      fmt::format("a big-endian GGUF file (version {} byte-swapped); Duet reads "
-                                  "little-endian files only",
-                                  swapped));
+                      duet::format("a big-endian GGUF file (version {} byte-swapped); Duet reads "
+                                   "little-endian files only",
+                                   swapped));
     }
     cursor_.fail_as(
         ErrorKind::kUnsupported, 4,
-        fmt::format("GGUF version {} is not supported (Duet reads versions 2 and 3)", version));
+        duet::format("GGUF version {} is not supported (Duet reads versions 2 and 3)", version));
   }
 
   void parse_key_value(uint64_t index) {
     Cursor& c = cursor_;
     const uint64_t at = c.offset();
-    c.set_context(fmt::format("metadata pair #{}", index));
+    c.set_context(duet::format("metadata pair #{}", index));
     std::string key = c.read_string("key");
-    c.set_context(fmt::format("metadata key {}", shown(key)));
+    c.set_context(duet::format("metadata key {}", shown(key)));
     const uint64_t type_at = c.offset();
     const uint32_t raw_type = c.read<uint32_t>("the value type");
     if (!is_known_type(raw_type)) c.fail(type_at, "unknown value type {}", raw_type);
@@ -301,11 +304,11 @@ class GgufParser {
 
   void parse_tensor_info(uint64_t index, std::vector<uint64_t>& offset_fields) {
     Cursor& c = cursor_;
-    c.set_context(fmt::format("tensor info #{}", index));
+    c.set_context(duet::format("tensor info #{}", index));
     const uint64_t name_at = c.offset();
     GgufTensorInfo tensor;
     tensor.name = c.read_string("tensor name");
-    c.set_context(fmt::format("tensor {}", shown(tensor.name)));
+    c.set_context(duet::format("tensor {}", shown(tensor.name)));
     const uint64_t dims_at = c.offset();
     const uint32_t n_dims = c.read<uint32_t>("the dimension count");
     if (n_dims == 0 || n_dims > kGgufMaxDims) {
@@ -360,7 +363,7 @@ class GgufParser {
     const uint64_t data_size = file_.size_ - file_.data_offset_;
     for (size_t i = 0; i < file_.tensors_.size(); ++i) {
       GgufTensorInfo& tensor = file_.tensors_[i];
-      c.set_context(fmt::format("tensor {}", shown(tensor.name)));
+      c.set_context(duet::format("tensor {}", shown(tensor.name)));
       if (tensor.offset % alignment != 0) {
         c.fail(offset_fields[i], "data offset {} is not a multiple of the alignment {}",
                tensor.offset, alignment);
@@ -460,7 +463,7 @@ GgufFile GgufFile::open(const std::filesystem::path& path) {
   file.path_ = path;
   file.name_ = path.string();
   const auto fail = [&](ErrorKind kind, std::string_view what) {
-    throw Error(kind, fmt::format("{}: {}", file.name_, what));
+    throw Error(kind, duet::format("{}: {}", file.name_, what));
   };
   const auto system_message = [](int err) { return std::generic_category().message(err); };
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -481,7 +484,7 @@ GgufFile GgufFile::open(const std::filesystem::path& path) {
     void* mapping = ::mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (mapping == MAP_FAILED) {
       fail(ErrorKind::kInvalidArgument,
-           fmt::format("cannot map {} bytes: {}", file.size_, system_message(errno)));
+           duet::format("cannot map {} bytes: {}", file.size_, system_message(errno)));
     }
     file.mapping_ = mapping;
     file.mapping_size_ = file.size_;
@@ -546,8 +549,8 @@ const GgufValue* GgufFile::find(std::string_view key) const {
 
 void GgufFile::fail_type(const GgufKeyValue& entry, std::string_view expected) const {
   throw Error(ErrorKind::kCorruptFile,
-              fmt::format("{}: offset {}: metadata key {} is {}, expected {}", name_, entry.offset,
-                          shown(entry.key), describe(entry.value), expected));
+              duet::format("{}: offset {}: metadata key {} is {}, expected {}", name_, entry.offset,
+                           shown(entry.key), describe(entry.value), expected));
 }
 
 std::optional<uint32_t> GgufFile::get_u32(std::string_view key) const {
@@ -608,7 +611,7 @@ std::optional<std::vector<int32_t>> GgufFile::get_i32_array(std::string_view key
   for (size_t i = 0; i < out.size(); ++i) {
     const uint64_t bits = load_scalar_bits(element, bytes.data() + i * element_size);
     const std::optional<int32_t> v = GgufValue::integer_from_bits<int32_t>(element, bits);
-    if (!v) fail_type(*entry, fmt::format("integers that fit in i32 (element {} does not)", i));
+    if (!v) fail_type(*entry, duet::format("integers that fit in i32 (element {} does not)", i));
     out[i] = *v;
   }
   return out;
@@ -639,7 +642,7 @@ const GgufTensorInfo* GgufFile::find_tensor(std::string_view name) const {
 const GgufTensorInfo& GgufFile::tensor(std::string_view name) const {
   const GgufTensorInfo* info = find_tensor(name);
   if (info == nullptr) {
-    throw Error(ErrorKind::kNotFound, fmt::format("{}: no tensor named {}", name_, shown(name)));
+    throw Error(ErrorKind::kNotFound, duet::format("{}: no tensor named {}", name_, shown(name)));
   }
   return *info;
 }

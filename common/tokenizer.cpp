@@ -1,5 +1,7 @@
 #include "common/tokenizer.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <initializer_list>
 #include <queue>

@@ -1,5 +1,7 @@
 #include "common/unicode.h"
 
+#include <fmt/format.h>
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
@@ -13,7 +15,7 @@ namespace duet {
 // UTF-8
 
 void utf8_append(std::string& out, char32_t cpt) {
-  DUET_ASSERT(cpt <= 0x10FFFF, "code point {:#x}", static_cast<uint32_t>(cpt));
+  DUET_ASSERT(cpt <= 0x10FFFF, "code point {}", fmt::format("{:#x}", static_cast<uint32_t>(cpt)));
   if (cpt < 0x80) {
     out.push_back(static_cast<char>(cpt));
   } else if (cpt < 0x800) {

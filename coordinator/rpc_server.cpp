@@ -1,6 +1,7 @@
 #include "coordinator/rpc_server.h"
 
 #include <capnp/rpc-twoparty.h>
+#include <fmt/format.h>
 #include <kj/async-io.h>
 #include <kj/debug.h>
 #include <spdlog/spdlog.h>

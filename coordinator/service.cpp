@@ -1,5 +1,7 @@
 #include "coordinator/service.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <utility>
 

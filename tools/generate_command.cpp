@@ -1,5 +1,6 @@
 #include "tools/generate_command.h"
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
 

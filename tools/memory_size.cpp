@@ -1,5 +1,7 @@
 #include "tools/memory_size.h"
 
+#include <fmt/format.h>
+
 #include <fstream>
 
 #include "common/error.h"

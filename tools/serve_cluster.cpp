@@ -19,6 +19,7 @@
 //
 // Instance ranks ignore SIGINT/SIGTERM (mpirun forwards them to every rank):
 // the coordinator's Shutdown ends them, so that every rank ends in order.
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>

@@ -1,13 +1,11 @@
 #include "worker/llama_model.h"
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "common/error.h"
+#include "common/format.h"
 #include "kernels/cpu/quantize.h"
 #include "worker/kv_cache.h"
 
@@ -21,7 +19,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path,
 int64_t LlamaModel::layer_block_size(const char* name) const {
   int64_t block = 1;
   for (int64_t i = 0; i < config_.n_layers; ++i) {
-    const GgufTensorInfo& t = file_.tensor(fmt::format("blk.{}.{}", i, name));
+    const GgufTensorInfo& t = file_.tensor(duet::format("blk.{}.{}", i, name));
     block = std::max(block, dtype_traits(t.type).block_size);
   }
   return block;
@@ -41,7 +39,7 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
   const int64_t q0 = s.head_begin * hd, q1 = s.head_end * hd;
   const int64_t kv0 = s.kv_head_begin * hd, kv1 = s.kv_head_end * hd;
   for (int64_t i = 0; i < c.n_layers; ++i) {
-    const std::string p = fmt::format("blk.{}.", i);
+    const std::string p = duet::format("blk.{}.", i);
     LlamaLayerWeights& l = layers_[static_cast<size_t>(i)];
     l.attn_norm = vector(p + "attn_norm.weight", c.n_embd);
     l.wq = rows(p + "attn_q.weight", c.n_embd, q_dim, q0, q1);
@@ -71,9 +69,9 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
       if (!(factor > 0.0f) || !std::isfinite(factor)) {
         throw Error(
             ErrorKind::kCorruptFile,
-            fmt::format("{}: tensor rope_freqs.weight holds {}; RoPE frequency divisors must be "
-                        "positive and finite",
-                        file_.name(), factor));
+            duet::format("{}: tensor rope_freqs.weight holds {}; RoPE frequency divisors must be "
+                         "positive and finite",
+                         file_.name(), factor));
       }
     }
   }
@@ -87,9 +85,9 @@ void LlamaModel::refuse_unused_tensors() const {
     if (used_tensors_.count(t.name) == 0) {
       throw Error(
           ErrorKind::kUnsupported,
-          fmt::format("{}: tensor {} is not part of Duet's '{}' forward pass (a feature Duet does "
-                      "not implement); refusing the model rather than ignoring it",
-                      file_.name(), t.name, config_.architecture));
+          duet::format("{}: tensor {} is not part of Duet's '{}' forward pass (a feature Duet does "
+                       "not implement); refusing the model rather than ignoring it",
+                       file_.name(), t.name, config_.architecture));
     }
   }
 }
@@ -110,14 +108,14 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
   const GgufTensorInfo& t = file_.tensor(name);
   if (t.ne.size() != 2 || t.ne[0] != k || t.ne[1] != n_out) {
     throw Error(ErrorKind::kCorruptFile,
-                fmt::format("{}: tensor {} has shape [{}], expected [{}, {}]", file_.name(), name,
-                            fmt::join(t.ne, ", "), k, n_out));
+                duet::format("{}: tensor {} has shape [{}], expected [{}, {}]", file_.name(), name,
+                             duet::join(t.ne, ", "), k, n_out));
   }
   if (!dtype_is_supported_weight(t.type)) {
     throw Error(ErrorKind::kUnsupported,
-                fmt::format("{}: tensor {} has weight type {}, which is not supported "
-                            "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)",
-                            file_.name(), name, dtype_name(t.type)));
+                duet::format("{}: tensor {} has weight type {}, which is not supported "
+                             "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)",
+                             file_.name(), name, dtype_name(t.type)));
   }
   used_tensors_.insert(name);
   if (row0 == 0 && row1 == n_out && col0 == 0 && col1 == k) {
@@ -166,15 +164,15 @@ std::vector<cpu::WeightMatrix> LlamaModel::column_groups(const std::string& name
 std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {
   const GgufTensorInfo& t = file_.tensor(name);
   if (t.n_elements() != n) {
-    throw Error(ErrorKind::kCorruptFile, fmt::format("{}: tensor {} has {} elements, expected {}",
-                                                     file_.name(), name, t.n_elements(), n));
+    throw Error(ErrorKind::kCorruptFile, duet::format("{}: tensor {} has {} elements, expected {}",
+                                                      file_.name(), name, t.n_elements(), n));
   }
   if (t.type != DType::kF32 && t.type != DType::kF16 && t.type != DType::kBF16) {
     throw Error(
         ErrorKind::kUnsupported,
-        fmt::format("{}: tensor {} has type {}; vectors (norm weights, biases, rope_freqs) must "
-                    "be F32, F16 or BF16",
-                    file_.name(), name, dtype_name(t.type)));
+        duet::format("{}: tensor {} has type {}; vectors (norm weights, biases, rope_freqs) must "
+                     "be F32, F16 or BF16",
+                     file_.name(), name, dtype_name(t.type)));
   }
   std::vector<float> out(static_cast<size_t>(n));
   cpu::dequantize_row(t.type, t.data, out.data(), n);

@@ -1,5 +1,6 @@
 #include "worker/mpi_kv_transport.h"
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>

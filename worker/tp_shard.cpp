@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "common/format.h"
 
 namespace duet {
 
@@ -43,9 +44,9 @@ TpShard make_tp_shard(const ModelConfig& c, int rank, int size, int64_t o_block,
   DUET_REQUIRE(size >= 1 && rank >= 0 && rank < size, "tensor-parallel rank {} of {}", rank, size);
   if (size > c.n_kv_heads) {
     throw Error(ErrorKind::kUnsupported,
-                fmt::format("tensor parallelism splits attention by KV heads: tp {} is more than "
-                            "the model's {} KV heads",
-                            size, c.n_kv_heads));
+                duet::format("tensor parallelism splits attention by KV heads: tp {} is more than "
+                             "the model's {} KV heads",
+                             size, c.n_kv_heads));
   }
   TpShard s;
   s.rank = rank;
@@ -57,10 +58,10 @@ TpShard make_tp_shard(const ModelConfig& c, int rank, int size, int64_t o_block,
   for (int64_t column : {s.head_begin * c.head_dim, s.head_end * c.head_dim}) {
     if (column % o_block != 0) {
       throw Error(ErrorKind::kUnsupported,
-                  fmt::format("tp {} splits attn_output at column {}, inside one of its "
-                              "{}-element quantization blocks; choose a tp whose KV-head "
-                              "groups end on block boundaries",
-                              size, column, o_block));
+                  duet::format("tp {} splits attn_output at column {}, inside one of its "
+                               "{}-element quantization blocks; choose a tp whose KV-head "
+                               "groups end on block boundaries",
+                               size, column, o_block));
     }
   }
   // O's column groups: one per KV head when those are whole blocks (then
@@ -71,21 +72,21 @@ TpShard make_tp_shard(const ModelConfig& c, int rank, int size, int64_t o_block,
     s.o_group_end = s.kv_head_end;
   } else if (size > 1) {
     throw Error(ErrorKind::kUnsupported,
-                fmt::format("attn_output's {}-element quantization blocks span KV heads; tensor "
-                            "parallelism needs each head group's columns whole",
-                            o_block));
+                duet::format("attn_output's {}-element quantization blocks span KV heads; tensor "
+                             "parallelism needs each head group's columns whole",
+                             o_block));
   }
   if (c.n_ff % down_block != 0) {
     throw Error(
         ErrorKind::kCorruptFile,
-        fmt::format("ffn_down has {} columns, not whole {}-element blocks", c.n_ff, down_block));
+        duet::format("ffn_down has {} columns, not whole {}-element blocks", c.n_ff, down_block));
   }
   s.n_ff_groups = ff_groups(c.n_ff / down_block, c.n_kv_heads);
   std::tie(s.ff_group_begin, s.ff_group_end) = split_evenly(s.n_ff_groups, rank, size);
   if (s.ff_group_begin == s.ff_group_end) {
     throw Error(ErrorKind::kUnsupported,
-                fmt::format("tp {} leaves rank {} none of ffn_down's {} column groups", size, rank,
-                            s.n_ff_groups));
+                duet::format("tp {} leaves rank {} none of ffn_down's {} column groups", size, rank,
+                             s.n_ff_groups));
   }
   const int64_t group_columns = c.n_ff / s.n_ff_groups;
   s.ff_begin = s.ff_group_begin * group_columns;

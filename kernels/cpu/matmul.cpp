@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/format.h"
 
 namespace duet::cpu {
 namespace {
@@ -62,7 +63,7 @@ DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type) {
       return kernels.dot_q6_k;
     default:
       throw Error(ErrorKind::kUnsupported,
-                  fmt::format("no matrix kernel for {} weights", dtype_name(weight_type)));
+                  duet::format("no matrix kernel for {} weights", dtype_name(weight_type)));
   }
 }
 
@@ -94,7 +95,7 @@ DType activation_type(DType weight_type) {
       return DType::kQ8_K;
     default:
       throw Error(ErrorKind::kUnsupported,
-                  fmt::format("{} weights are not supported", dtype_name(weight_type)));
+                  duet::format("{} weights are not supported", dtype_name(weight_type)));
   }
 }
 

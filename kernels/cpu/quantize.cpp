@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/format.h"
 #include "common/fp16.h"
 #include "common/quant_blocks.h"
 #include "kernels/cpu/quantize_rows_inl.h"
@@ -305,7 +306,7 @@ void dequantize_row(DType type, const void* row, float* out, int64_t n) {
     }
     default:
       throw Error(ErrorKind::kUnsupported,
-                  fmt::format("cannot dequantize {} rows", dtype_name(type)));
+                  duet::format("cannot dequantize {} rows", dtype_name(type)));
   }
 }
 
@@ -342,7 +343,7 @@ void quantize_row(DType type, const float* x, void* out, int64_t n) {
       quantize_row_q8_k(x, out, n);
       return;
     default:
-      throw Error(ErrorKind::kUnsupported, fmt::format("cannot quantize to {}", dtype_name(type)));
+      throw Error(ErrorKind::kUnsupported, duet::format("cannot quantize to {}", dtype_name(type)));
   }
 }
 

@@ -2,6 +2,7 @@
 // one test per kind of corruption, and the real model files when they are present.
 #include "common/gguf.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 

@@ -4,6 +4,7 @@
 // in tests/golden/tokenizer_stories260k.json.
 #include "common/spm_tokenizer.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
