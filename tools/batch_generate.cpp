@@ -83,6 +83,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   config.scheduler.max_running = args.max_running;
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
   config.end_of_generation = tokenizer.end_of_generation_ids();
+  config.device = parse_device(args.device);
   Engine engine(*model, cpu::kernel_table(isa), pool, config);
 
   struct Output {

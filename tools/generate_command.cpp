@@ -13,6 +13,7 @@
 #include "common/stop_matcher.h"
 #include "common/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
+#include "tools/device_option.h"
 #include "worker/generator.h"
 
 namespace duet::tools {
@@ -73,6 +74,10 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
       ->allow_extra_args(false);
   cmd->add_option("-t,--threads", args.threads, "Compute threads (default: all cores)")
       ->check(CLI::Range(0, 1024));
+  cmd->add_option("--device", args.device,
+                  "Where the model runs: cpu, cuda (GPU 0) or cuda:N (needs a CUDA build)")
+      ->capture_default_str()
+      ->check(device_validator());
   cmd->add_flag("--no-kv-cache", args.no_kv_cache,
                 "Recompute the whole context at every step (to measure what the cache saves)");
 }
@@ -91,6 +96,7 @@ int run_generate(const GenerateArgs& args) {
   options.sampling.presence_penalty = args.presence_penalty;
   options.use_kv_cache = !args.no_kv_cache;
   validate_sampling_params(options.sampling);  // before the slow model load
+  require_device(parse_device(args.device));
   DUET_REQUIRE(!args.prompt.empty() || !args.prompts_file.empty(),
                "give a prompt (--prompt) or a file of prompts (--prompts-file)");
   if (!args.prompts_file.empty()) return run_batch_generate(args, options);
@@ -128,7 +134,7 @@ int run_generate(const GenerateArgs& args) {
       tokenizer.encode(prompt, /*add_special=*/true, /*parse_special=*/args.chat);
 
   cpu::ThreadPool pool(n_threads);
-  Generator generator(*model, kernels, pool);
+  Generator generator(*model, kernels, pool, parse_device(args.device));
   IncrementalDecoder decoder(tokenizer);
 
   // Text goes token -> decoder (whole UTF-8 characters) -> stop matcher (holds

@@ -29,6 +29,7 @@ struct GenerateArgs {
   float presence_penalty = 0.0f;
   std::vector<std::string> stop;  // stop strings, not printed (see common/stop_matcher.h)
   int threads = 0;                // 0: all hardware threads
+  std::string device = "cpu";     // cpu, cuda or cuda:N
   bool no_kv_cache = false;
   // Batch mode: every line of this file is a prompt, run through the batching engine.
   std::string prompts_file;

@@ -18,6 +18,7 @@
 #include "coordinator/rpc_server.h"
 #include "coordinator/service.h"
 #include "kernels/cpu/isa.h"
+#include "tools/device_option.h"
 #include "tools/memory_size.h"
 #include "worker/local_instance.h"
 
@@ -40,6 +41,11 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
                   "Require this key: HTTP bearer token, Cap'n Proto login (default: none)");
   cmd->add_option("-t,--threads", args.threads, "Compute threads (default: all cores)")
       ->check(CLI::Range(0, 1024));
+  cmd->add_option("--device", args.device,
+                  "Where every instance's engine runs: cpu, cuda (GPU 0) or cuda:N (needs a "
+                  "CUDA build)")
+      ->capture_default_str()
+      ->check(device_validator());
   cmd->add_option("--kv-cache-mem", args.kv_cache_mem,
                   "KV cache size, bytes (512MiB, 2GiB) or a fraction of free memory")
       ->capture_default_str();
@@ -151,6 +157,8 @@ EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
   config.scheduler.max_running = args.max_running;
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
   config.end_of_generation = std::move(end_of_generation);
+  config.device = parse_device(args.device);
+  require_device(config.device, &model);
   return config;
 }
 
@@ -195,6 +203,7 @@ int run_serve(const ServeArgs& args) {
   if (launched_by_mpirun() || args.cluster.any()) return run_cluster_serve(args, signals);
 
   const int n_threads = serve::compute_threads(args);
+  require_device(parse_device(args.device));  // before the slow model load
   std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   const std::optional<ChatTemplateKind> chat = serve::chat_template(model->file());

@@ -26,10 +26,11 @@ struct ServeArgs {
   std::string model;
   std::string model_name;  // the id clients name; default: the file's stem
   std::string host = "127.0.0.1";
-  int rpc_port = 7433;   // 0: any free port (printed)
-  int http_port = 8000;  // 0: any free port (printed)
-  std::string api_key;   // empty: none; else both fronts require it
-  int threads = 0;       // 0: all hardware threads
+  int rpc_port = 7433;         // 0: any free port (printed)
+  int http_port = 8000;        // 0: any free port (printed)
+  std::string api_key;         // empty: none; else both fronts require it
+  int threads = 0;             // 0: all hardware threads
+  std::string device = "cpu";  // every instance's engine: cpu, cuda or cuda:N
   std::string kv_cache_mem = "1GiB";
   int64_t max_running = 64;
   int64_t step_tokens = 512;

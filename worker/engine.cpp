@@ -13,7 +13,8 @@ Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::Th
       kv_(pool_, KvLayout::kDefaultBlockSize),
       scheduler_(kv_, config.scheduler),
       cache_(model.kv_layout(config.n_kv_blocks)),
-      forward_(model, kernels, pool, cpu::AttentionOrder::kBatchInvariant, collective),
+      forward_(make_forward(model, kernels, pool,
+                            {config.device, cpu::AttentionOrder::kBatchInvariant, collective})),
       max_running_(config.scheduler.max_running),
       end_of_generation_(std::move(config.end_of_generation)) {}
 
@@ -91,6 +92,7 @@ void Engine::reserve_imports() {
     if (!cached) return;
     import_queue_.pop_front();
     import.reserved = true;
+    import.cached_tokens = *cached;
     if (import.hooks.reserved) import.hooks.reserved(id, *cached, kv_.block_table(id));
   }
 }
@@ -100,7 +102,11 @@ void Engine::complete_import(SequenceId id, int32_t first_token) {
   DUET_REQUIRE(it != imports_.end() && it->second.reserved && !it->second.aborted,
                "sequence {} is not an import in transfer", id.value);
   std::vector<int32_t> prompt = std::move(it->second.prompt);
+  const int64_t cached_tokens = it->second.cached_tokens;
   imports_.erase(it);
+  // The transferred rows, from the host staging copy to the device (GPU only).
+  forward_->kv_from_host(kv_.block_table(id), cached_tokens,
+                         static_cast<int64_t>(prompt.size()) - cached_tokens, cache_);
   const int64_t n_committed = kv_.n_tokens(id);
   kv_.commit_tokens(id, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(n_committed)));
   const int64_t position = static_cast<int64_t>(prompt.size());
@@ -144,15 +150,17 @@ void Engine::cancel(SequenceId id) {
   if (sink) sink({id, -1, 0, true, FinishReason::kStopped});
 }
 
-uint64_t Engine::kv_checksum(SequenceId id, int64_t n) const {
+uint64_t Engine::kv_checksum(SequenceId id, int64_t n) {
   DUET_REQUIRE(kv_.has_sequence(id) && n <= kv_.n_reserved_tokens(id),
                "sequence {} holds no KV for {} positions", id.value, n);
+  forward_->kv_to_host(-1, kv_.block_table(id), 0, n, cache_);
   return kv_rows_checksum(cache_.layout(), cache_.data(), kv_.block_table(id), 0, n);
 }
 
 void Engine::export_layer(int64_t layer) {
   for (const ForwardBatch::Export& rows : export_rows_) {
     const Live& live = live_.at(rows.id);
+    forward_->kv_to_host(layer, kv_.block_table(rows.id), rows.pos0, rows.n, cache_);
     live.exporting->sink.layer(rows.id, layer, rows.pos0, rows.n, kv_.block_table(rows.id), cache_);
   }
 }
@@ -218,31 +226,21 @@ bool Engine::step() {
       live.exporting->sent_until = chunk.pos0 + n;
     }
   }
-  const int64_t n_vocab = model_.config().n_vocab;
-  logits_.resize(logit_rows_.size() * static_cast<size_t>(n_vocab));
   if (before_forward_)
     before_forward_({batch_tokens_, batch_sequences_, logit_rows_, export_rows_});
-  forward_.run(
-      batch_tokens_, batch_sequences_, cache_, logit_rows_, logits_.data(),
-      export_rows_.empty() ? LlamaForward::LayerStored{}
+  // Rows sampled on the device leave their logits there.
+  const bool on_device = samples_on_device(plan);
+  if (!on_device) logits_.resize(logit_rows_.size() * static_cast<size_t>(model_.config().n_vocab));
+  forward_->run(
+      batch_tokens_, batch_sequences_, cache_, logit_rows_, on_device ? nullptr : logits_.data(),
+      export_rows_.empty() ? ModelForward::LayerStored{}
                            : [this](int64_t layer) { export_layer(layer); });
   ++stats_.steps;
   stats_.computed_tokens += plan.n_tokens;
-
-  sampled_.clear();
-  size_t row = 0;
-  for (const ScheduledChunk& chunk : plan.chunks) {
-    if (!chunk.samples) continue;
-    const int64_t position = chunk.pos0 + static_cast<int64_t>(chunk.tokens.size());
-    Live& live = live_.at(chunk.id);
-    const std::span<const float> logits(logits_.data() + row * n_vocab,
-                                        static_cast<size_t>(n_vocab));
-    sampled_.push_back(live.sampler.sample(logits, static_cast<uint64_t>(position)));
-    ++row;
-  }
+  sample(plan, on_device);
   scheduler_.complete(plan, sampled_);
 
-  row = 0;
+  size_t row = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.samples) continue;
     const int32_t token = sampled_[row++];
@@ -261,6 +259,42 @@ bool Engine::step() {
     emit(chunk.id, token, position);
   }
   return true;
+}
+
+bool Engine::samples_on_device(const StepPlan& plan) const {
+  if (!forward_->samples_on_device()) return false;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.samples) continue;
+    const SamplingParams& p = live_.at(chunk.id).sampler.params();
+    if (p.penalties_enabled() || p.min_p > 0.0f) return false;
+  }
+  return true;
+}
+
+void Engine::sample(const StepPlan& plan, bool on_device) {
+  sampled_.clear();
+  device_sampling_.clear();
+  const int64_t n_vocab = model_.config().n_vocab;
+  size_t row = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.samples) continue;
+    const auto position =
+        static_cast<uint64_t>(chunk.pos0 + static_cast<int64_t>(chunk.tokens.size()));
+    Sampler& sampler = live_.at(chunk.id).sampler;
+    if (on_device) {
+      const SamplingParams& p = sampler.params();
+      device_sampling_.push_back({p.temperature, p.top_k, p.top_p, uniform_at(p.seed, position)});
+      continue;
+    }
+    const std::span<const float> logits(logits_.data() + row * n_vocab,
+                                        static_cast<size_t>(n_vocab));
+    sampled_.push_back(sampler.sample(logits, position));
+    ++row;
+  }
+  if (on_device) {
+    sampled_.resize(device_sampling_.size());
+    forward_->sample(device_sampling_, sampled_);
+  }
 }
 
 void Engine::run_until_idle() {

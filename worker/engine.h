@@ -38,7 +38,7 @@
 #include "worker/kv_cache.h"
 #include "worker/kv_cache_manager.h"
 #include "worker/kv_rows.h"
-#include "worker/llama_forward.h"
+#include "worker/model_forward.h"
 #include "worker/scheduler.h"
 
 namespace duet {
@@ -47,6 +47,7 @@ struct EngineConfig {
   int64_t n_kv_blocks = 256;  // KV cache capacity, in blocks of 16 tokens
   SchedulerConfig scheduler;
   std::vector<int32_t> end_of_generation;  // ids that end a sequence (emitted, then finished)
+  int device = -1;                         // -1: the CPU; else the CUDA device index
 };
 
 struct RequestOptions {
@@ -122,7 +123,9 @@ class Engine final {
  public:
   // A sharded `model` (tensor parallelism) needs its instance's `collective`
   // (outlives the engine); the followers must run every batch too (see
-  // set_before_forward).
+  // set_before_forward). config.device >= 0 runs the forward pass on that
+  // GPU (throws kUnsupported where there is none); its KV cache then lives
+  // in device memory and cache() is the transports' staging copy.
   Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
          EngineConfig config, Collective* collective = nullptr);
 
@@ -156,9 +159,10 @@ class Engine final {
   // hooks.abort, or a transfer that failed). A sequence still live ends
   // without a sink event (its owner reports why). Unknown ids are ignored.
   void release_import(SequenceId id);
-  // The KV memory. A transport writes imported rows into it from its own
-  // thread, only into the blocks of a reserved import, and only until the
-  // import completes or is released.
+  // The KV memory (on a GPU engine, the host staging copy, synchronized for
+  // exported and imported rows). A transport writes imported rows into it
+  // from its own thread, only into the blocks of a reserved import, and only
+  // until the import completes or is released.
   KvCache& cache() { return cache_; }
   // Whether `id` is an import not yet completed (waiting for blocks or rows).
   bool importing(SequenceId id) const { return imports_.contains(id); }
@@ -176,7 +180,7 @@ class Engine final {
 
   // The checksum (worker/kv_rows.h kv_rows_checksum) of a live sequence's KV
   // rows [0, n): to compare a transferred cache with a computed one.
-  uint64_t kv_checksum(SequenceId id, int64_t n) const;
+  uint64_t kv_checksum(SequenceId id, int64_t n);
 
   // Runs one step; false when there was nothing to do.
   bool step();
@@ -212,7 +216,8 @@ class Engine final {
     std::vector<int32_t> prompt;
     ImportHooks hooks;
     bool reserved = false;
-    bool aborted = false;  // cancelled; blocks wait for release_import
+    int64_t cached_tokens = 0;  // prompt rows the prefix cache held (not transferred)
+    bool aborted = false;       // cancelled; blocks wait for release_import
   };
 
   SequenceId add_live(std::vector<int32_t>& prompt, const RequestOptions& options, TokenSink sink,
@@ -220,6 +225,11 @@ class Engine final {
   void validate(std::span<const int32_t> prompt, const RequestOptions& options) const;
   void reserve_imports();
   void export_layer(int64_t layer);
+  // Whether the step's logit rows are sampled on the device: the forward
+  // can, and no row needs penalties or min-p (the host sampler's controls).
+  bool samples_on_device(const StepPlan& plan) const;
+  // Samples every logit row of the step into sampled_.
+  void sample(const StepPlan& plan, bool on_device);
   // Emits a sampled token; finishes the sequence when it ends it.
   void emit(SequenceId id, int32_t token, int64_t position);
 
@@ -228,7 +238,7 @@ class Engine final {
   KvCacheManager kv_;
   Scheduler scheduler_;
   KvCache cache_;
-  LlamaForward forward_;
+  std::unique_ptr<ModelForward> forward_;
   const int64_t max_running_;
   std::vector<int32_t> end_of_generation_;
   std::map<SequenceId, Live> live_;
@@ -244,6 +254,7 @@ class Engine final {
   std::vector<int64_t> logit_rows_;
   std::vector<float> logits_;
   std::vector<int32_t> sampled_;
+  std::vector<DeviceSampling> device_sampling_;
 };
 
 }  // namespace duet

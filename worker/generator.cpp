@@ -29,8 +29,9 @@ struct SequenceCache {
 }  // namespace
 
 Generator::Generator(const LlamaModel& model, const cpu::KernelTable& kernels,
-                     cpu::ThreadPool& pool)
-    : model_(model), forward_(model, kernels, pool) {}
+                     cpu::ThreadPool& pool, int device)
+    : model_(model),
+      forward_(make_forward(model, kernels, pool, {device, cpu::AttentionOrder::kLlamaCpp})) {}
 
 GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                                    const std::function<bool(int32_t)>& on_token,
@@ -56,7 +57,7 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   auto step = [&](int64_t pos0, std::span<const int32_t> tokens) {
     const ForwardSequence fs{seq.block_table, pos0, static_cast<int64_t>(tokens.size())};
     const int64_t last = static_cast<int64_t>(tokens.size()) - 1;
-    forward_.run(tokens, {&fs, 1}, seq.cache, {&last, 1}, logits.data());
+    forward_->run(tokens, {&fs, 1}, seq.cache, {&last, 1}, logits.data());
   };
 
   const auto start = Clock::now();
@@ -99,7 +100,7 @@ std::vector<float> Generator::logits_all(std::span<const int32_t> tokens) {
   std::iota(rows.begin(), rows.end(), 0);
   std::vector<float> logits(static_cast<size_t>(n * c.n_vocab));
   const ForwardSequence fs{seq.block_table, 0, n};
-  forward_.run(tokens, {&fs, 1}, seq.cache, rows, logits.data());
+  forward_->run(tokens, {&fs, 1}, seq.cache, rows, logits.data());
   return logits;
 }
 

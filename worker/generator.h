@@ -11,8 +11,8 @@
 #include "common/sampling.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
-#include "worker/llama_forward.h"
 #include "worker/llama_model.h"
+#include "worker/model_forward.h"
 
 namespace duet {
 
@@ -37,7 +37,10 @@ struct GenerateResult {
 
 class Generator final {
  public:
-  Generator(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool);
+  // device: -1 for the CPU, else the CUDA device index (throws kUnsupported
+  // where there is no such GPU).
+  Generator(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
+            int device = -1);
 
   // Generates up to options.max_tokens tokens after `prompt`. on_token is
   // called with each new token; returning false stops generation (kStopped).
@@ -55,7 +58,7 @@ class Generator final {
 
  private:
   const LlamaModel& model_;
-  LlamaForward forward_;
+  std::unique_ptr<ModelForward> forward_;
 };
 
 }  // namespace duet

@@ -34,17 +34,11 @@
 #include "worker/collective.h"
 #include "worker/kv_cache.h"
 #include "worker/llama_model.h"
+#include "worker/model_forward.h"
 
 namespace duet {
 
-// One sequence's rows in a forward batch.
-struct ForwardSequence {
-  std::span<const int32_t> block_table;  // physical blocks of positions [0, pos0 + n_tokens)
-  int64_t pos0 = 0;                      // position of its first row in this batch
-  int64_t n_tokens = 0;                  // its rows, consecutive in the batch, in order
-};
-
-class LlamaForward final {
+class LlamaForward final : public ModelForward {
  public:
   // attention_order: kLlamaCpp reproduces llama.cpp for one sequence decoded
   // token by token; kBatchInvariant makes every token's result independent of
@@ -63,17 +57,12 @@ class LlamaForward final {
   };
   CollectiveTime collective_time() const { return collective_time_; }
 
-  // Called with a layer's index as soon as the K/V of every row of that
-  // layer is in the cache, while the layers above still run: a prefill
-  // instance ships the layer from here. Runs on the calling thread.
-  using LayerStored = std::function<void(int64_t layer)>;
-
-  // tokens: all rows of the batch, sequence after sequence. Writes K/V of every
-  // row into `cache`, and the logits of the batch rows in `logit_rows` into
-  // logits (logit_rows.size(), n_vocab).
+  // Writes K/V of every row into `cache` and the logits of `logit_rows`
+  // into `logits` (never null here); layer_stored is where a prefill
+  // instance ships each layer (see ModelForward).
   void run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
            KvCache& cache, std::span<const int64_t> logit_rows, float* logits,
-           const LayerStored& layer_stored = {});
+           const LayerStored& layer_stored = {}) override;
 
  private:
   void resize(int64_t n_rows, int64_t n_logit_rows);

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "worker/llama_forward.h"
 #include "worker/tp_shard.h"
 
 namespace duet {

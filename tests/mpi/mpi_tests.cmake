@@ -59,6 +59,18 @@ add_test(NAME mpi_refused_outside_mpirun
     $<TARGET_FILE:control_plane_test> --scenario handshake --prefill 1 --decode 1)
 set_tests_properties(mpi_refused_outside_mpirun PROPERTIES TIMEOUT 60)
 
+# --device cuda on a machine without a GPU (or a build without CUDA): every
+# instance refuses it at load and the coordinator ends the job with that one
+# line. (On a machine with a GPU the cluster would serve instead.)
+if(NOT EXISTS /dev/nvidia0)
+  add_test(NAME mpi_serve_device_refused
+    COMMAND ${DUET_EXPECT_SAME_ERROR} 1 "could not start: --device cuda:0 asked for a GPU"
+      60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:duet> serve
+      --model ${PROJECT_SOURCE_DIR}/tests/fixtures/tiny/tiny_q4_1_gqa_tied.gguf
+      --prefill 1 --decode 1 --rpc-port 0 --http-port 0 --threads 1 --device cuda)
+  set_tests_properties(mpi_serve_device_refused PROPERTIES LABELS mpi TIMEOUT 90)
+endif()
+
 # `duet serve` as a colocated cluster (coordinator + 2 instances) against the
 # single-process server, end to end over HTTP; spec errors on every rank.
 add_test(NAME mpi_serve_colocated_test

@@ -149,5 +149,46 @@ TEST(Cli, PromptAndPromptsFileAreExclusive) {
   EXPECT_EQ(count_lines(run.err), 1) << run.err;
 }
 
+TEST(Cli, UnknownDeviceIsOneLineAndExitTwo) {
+  for (const char* device : {"gpu", "cuda:", "cuda:x1", "cuda:-1"}) {
+    const ProcessResult run = run_duet("generate -m " + tiny_model() + " -p hi --device " + device);
+    EXPECT_EQ(run.exit_code, 2) << device;
+    EXPECT_EQ(count_lines(run.err), 1) << run.err;
+    EXPECT_NE(run.err.find("--device"), std::string::npos) << run.err;
+    EXPECT_TRUE(run.out.empty()) << run.out;
+  }
+}
+
+TEST(Cli, CpuDeviceIsTheDefault) {
+  const ProcessResult plain = run_duet("generate -m " + tiny_model() + " -p hello -n 8 -t 1");
+  const ProcessResult cpu =
+      run_duet("generate -m " + tiny_model() + " -p hello -n 8 -t 1 --device cpu");
+  EXPECT_EQ(cpu.exit_code, 0) << cpu.err;
+  EXPECT_EQ(plain.out, cpu.out);
+}
+
+// Without a GPU (or in a build without CUDA), asking for one is the only
+// thing that fails, with one clear line; the CPU path above still works.
+TEST(Cli, CudaDeviceWithoutAGpuIsOneLineAndExitTwo) {
+  if (std::filesystem::exists("/dev/nvidia0")) GTEST_SKIP() << "this machine has a GPU";
+  const auto prompts = std::filesystem::temp_directory_path() /
+                       ("duet-device-prompts-" + std::to_string(::getpid()) + ".txt");
+  std::ofstream(prompts) << "hello\n";
+  for (const char* command :
+       {"generate -m {} -p hi --device cuda", "generate -m {} --prompts-file {} --device cuda:1",
+        "serve -m {} --rpc-port 0 --http-port 0 --device cuda"}) {
+    std::string args = command;
+    args.replace(args.find("{}"), 2, tiny_model());
+    if (const size_t at = args.find("{}"); at != std::string::npos)
+      args.replace(at, 2, prompts.string());
+    const ProcessResult run = run_duet(args);
+    EXPECT_EQ(run.exit_code, 2) << args << ": " << run.err;
+    EXPECT_EQ(count_lines(run.err), 1) << run.err;
+    EXPECT_NE(run.err.find("GPU"), std::string::npos) << run.err;
+    EXPECT_TRUE(run.out.empty()) << run.out;
+  }
+  std::filesystem::remove(prompts);
+}
+
 }  // namespace
 }  // namespace duet
