@@ -14,7 +14,10 @@ if(NOT DUET_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_ARCHITECTURES 80 90)
     endif()
     enable_language(CUDA)
-    set(CMAKE_CUDA_STANDARD 17)
+    # CMake 3.25 knows no C++20 dialect flag for nvcc; nvcc 13 takes -std=c++20.
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION -std=c++20)
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION -std=c++20)
+    set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     find_package(CUDAToolkit REQUIRED)               # CUDA::cudart, CUDA::cublas
     find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})

@@ -1,7 +1,11 @@
 # Every third-party dependency of DESIGN.md, found once here so that later
 # layers only link targets. All come from Debian packages (launch/setup.sh).
-include(FindPkgConfig)
 find_package(Threads REQUIRED)
+# The CUDA-only build (DUET_CUDA_ONLY) needs no other library.
+if(DUET_CUDA_ONLY)
+  return()
+endif()
+include(FindPkgConfig)
 
 set(MPI_CXX_SKIP_MPICXX ON)
 find_package(MPI REQUIRED COMPONENTS CXX)            # MPI::MPI_CXX

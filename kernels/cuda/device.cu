@@ -27,9 +27,9 @@ std::string library_versions() {
   DUET_CUBLAS_CHECK(cublasGetProperty(PATCH_LEVEL, &cublas_patch));
   int nccl = 0;
   DUET_NCCL_CHECK(ncclGetVersion(&nccl));
-  return fmt::format("CUDA runtime {}.{}, cuBLAS {}.{}.{}, NCCL {}.{}.{}", runtime / 1000,
-                     runtime % 1000 / 10, cublas_major, cublas_minor, cublas_patch, nccl / 10000,
-                     nccl % 10000 / 100, nccl % 100);
+  return format("CUDA runtime {}.{}, cuBLAS {}.{}.{}, NCCL {}.{}.{}", runtime / 1000,
+                runtime % 1000 / 10, cublas_major, cublas_minor, cublas_patch, nccl / 10000,
+                nccl % 10000 / 100, nccl % 100);
 }
 
 }  // namespace duet::cuda

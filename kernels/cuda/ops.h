@@ -1,0 +1,37 @@
+// GPU twins of the element-wise and row-wise ops of kernels/cpu/ops.h (and of
+// the embedding lookup and SwiGLU the CPU forward does with
+// cpu::dequantize_row and KernelTable::silu_mul). Device pointers; each
+// queues one kernel on the backend's stream.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cpu/ops.h"
+#include "kernels/cuda/backend.h"
+#include "kernels/cuda/weights.h"
+
+namespace duet::cuda {
+
+// out (n, table.k) = rows tokens[0..n) of the table, dequantized. Token ids
+// must be inside the table (the caller checks them on the host).
+void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, float* out,
+                CudaBackend& backend);
+
+// Twin of cpu::rms_norm (the sum of squares in F64, in another order); out may alias x.
+void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
+              float eps, CudaBackend& backend);
+
+// Twin of cpu::rope; params.freq_factors, when set, is a device pointer.
+void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
+          const cpu::RopeParams& params, CudaBackend& backend);
+
+// out[i] = silu(gate[i]) * up[i] (twin of KernelTable::silu_mul); out may alias gate.
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, CudaBackend& backend);
+
+// x[i] += y[i]
+void add_in_place(float* x, const float* y, int64_t n, CudaBackend& backend);
+
+// x (n_rows, dim) += bias (dim) on every row.
+void add_bias(float* x, const float* bias, int64_t n_rows, int64_t dim, CudaBackend& backend);
+
+}  // namespace duet::cuda

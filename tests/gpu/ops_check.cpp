@@ -1,0 +1,138 @@
+// Every element-wise and row-wise CUDA op (kernels/cuda/ops.h) against its
+// CPU twin on the same inputs: embedding rows of every weight type, RMSNorm,
+// RoPE (both styles, with and without frequency divisors), SwiGLU and adds.
+#include <algorithm>
+#include <random>
+
+#include "common/dtype.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/quantize.h"
+#include "kernels/cuda/ops.h"
+#include "tests/gpu/device_vector.h"
+#include "tests/gpu/gpu_check.h"
+
+namespace duet {
+namespace {
+
+using gpu_check::expect_close;
+using gpu_check::to_device;
+using gpu_check::to_host;
+
+std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+void check_embedding(cuda::CudaBackend& backend) {
+  const int64_t k = 576, n_vocab = 300;
+  const std::vector<float> table = random_floats(static_cast<size_t>(k * n_vocab), 1);
+  const std::vector<int32_t> tokens = {0, 7, 299, 7, 150, 42};
+  const auto n = static_cast<int64_t>(tokens.size());
+  for (DType type : {DType::kF32, DType::kF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
+    const size_t row_bytes = dtype_row_bytes(type, k);
+    std::vector<uint8_t> stored(row_bytes * n_vocab);
+    for (int64_t r = 0; r < n_vocab; ++r)
+      cpu::quantize_row(type, table.data() + r * k, stored.data() + r * row_bytes, k);
+    std::vector<float> want(static_cast<size_t>(n * k));
+    for (int64_t i = 0; i < n; ++i)
+      cpu::dequantize_row(type, stored.data() + tokens[i] * row_bytes, want.data() + i * k, k);
+    const cuda::DeviceWeight weight =
+        cuda::upload_weight(cpu::make_weight_matrix(type, stored.data(), k, n_vocab), backend);
+    const cuda::DeviceBuffer d_tokens = to_device(tokens, backend);
+    cuda::DeviceBuffer out(want.size() * sizeof(float));
+    cuda::embed_rows(weight, d_tokens.as<int32_t>(), n, out.as<float>(), backend);
+    // F32 tables are stored as F16 on the GPU: their rows are rounded.
+    const double tolerance = type == DType::kF32 ? 1e-3 : 0.0;
+    expect_close(dtype_name(type).data(), to_host<float>(out, want.size(), backend), want,
+                 tolerance);
+  }
+}
+
+void check_rms_norm(cuda::CudaBackend& backend) {
+  const int64_t n_rows = 37, dim = 4096;
+  const std::vector<float> x = random_floats(static_cast<size_t>(n_rows * dim), 2, 3.0f);
+  const std::vector<float> w = random_floats(static_cast<size_t>(dim), 3);
+  std::vector<float> want(x.size());
+  cpu::rms_norm(x.data(), w.data(), want.data(), n_rows, dim, 1e-5f);
+  const cuda::DeviceBuffer d_x = to_device(x, backend), d_w = to_device(w, backend);
+  cuda::DeviceBuffer out(x.size() * sizeof(float));
+  cuda::rms_norm(d_x.as<float>(), d_w.as<float>(), out.as<float>(), n_rows, dim, 1e-5f, backend);
+  expect_close("rms_norm 37 x 4096", to_host<float>(out, x.size(), backend), want, 1e-6);
+}
+
+void check_rope(cuda::CudaBackend& backend) {
+  const int64_t n_rows = 19, n_heads = 8, head_dim = 128;
+  const std::vector<float> x = random_floats(static_cast<size_t>(n_rows * n_heads * head_dim), 4);
+  std::vector<int32_t> positions(static_cast<size_t>(n_rows));
+  for (int64_t r = 0; r < n_rows; ++r)
+    positions[static_cast<size_t>(r)] = static_cast<int32_t>(r * 211 % 8000);
+  std::vector<float> factors(static_cast<size_t>(head_dim / 2));
+  for (size_t i = 0; i < factors.size(); ++i) factors[i] = 1.0f + static_cast<float>(i % 7);
+  const cuda::DeviceBuffer d_positions = to_device(positions, backend);
+  const cuda::DeviceBuffer d_factors = to_device(factors, backend);
+  for (cpu::RopeStyle style : {cpu::RopeStyle::kAdjacentPairs, cpu::RopeStyle::kHalves}) {
+    for (bool with_factors : {false, true}) {
+      cpu::RopeParams params;
+      params.style = style;
+      params.n_rot = head_dim;
+      params.freq_base = 500000.0f;
+      params.freq_factors = with_factors ? factors.data() : nullptr;
+      std::vector<float> want = x;
+      cpu::rope(want.data(), n_rows, n_heads, head_dim, positions.data(), params);
+      cuda::DeviceBuffer d_x = to_device(x, backend);
+      params.freq_factors = with_factors ? d_factors.as<float>() : nullptr;
+      cuda::rope(d_x.as<float>(), n_rows, n_heads, head_dim, d_positions.as<int32_t>(), params,
+                 backend);
+      const std::string what = std::string("rope ") +
+                               (style == cpu::RopeStyle::kHalves ? "halves" : "adjacent pairs") +
+                               (with_factors ? ", divisors" : "");
+      // Angles up to 8000 radians: sin/cos of the same float angle differ
+      // in the last bits between libm and CUDA.
+      expect_close(what.c_str(), to_host<float>(d_x, x.size(), backend), want, 1e-5);
+    }
+  }
+}
+
+void check_silu_mul_and_add(cuda::CudaBackend& backend) {
+  const int64_t n = 3 * 14336;
+  const std::vector<float> gate = random_floats(static_cast<size_t>(n), 5, 4.0f);
+  const std::vector<float> up = random_floats(static_cast<size_t>(n), 6);
+  std::vector<float> want(gate.size());
+  cpu::kernel_table(cpu::best_isa()).silu_mul(gate.data(), up.data(), want.data(), n);
+  const cuda::DeviceBuffer d_gate = to_device(gate, backend), d_up = to_device(up, backend);
+  cuda::silu_mul(d_gate.as<float>(), d_up.as<float>(), d_gate.as<float>(), n, backend);
+  expect_close("silu_mul (in place)", to_host<float>(d_gate, gate.size(), backend), want, 1e-5);
+
+  std::vector<float> sum = gate;
+  cpu::add_in_place(sum.data(), up.data(), n);
+  const cuda::DeviceBuffer d_x = to_device(gate, backend);
+  cuda::add_in_place(d_x.as<float>(), d_up.as<float>(), n, backend);
+  expect_close("add_in_place", to_host<float>(d_x, sum.size(), backend), sum, 0.0);
+
+  const int64_t dim = 14336, n_rows = 3;
+  std::vector<float> biased = gate;
+  for (int64_t r = 0; r < n_rows; ++r) cpu::add_in_place(biased.data() + r * dim, up.data(), dim);
+  const cuda::DeviceBuffer d_b = to_device(gate, backend);
+  cuda::add_bias(d_b.as<float>(), d_up.as<float>(), n_rows, dim, backend);
+  expect_close("add_bias", to_host<float>(d_b, biased.size(), backend), biased, 0.0);
+}
+
+}  // namespace
+}  // namespace duet
+
+int main() {
+  using namespace duet;
+  if (gpu_check::no_gpu()) return gpu_check::kSkipped;
+  cuda::CudaBackend backend(0);
+  std::printf("device: %s\n", backend.name().c_str());
+  gpu_check::run_case("embedding rows, every weight type", [&] { check_embedding(backend); });
+  gpu_check::run_case("rms_norm", [&] { check_rms_norm(backend); });
+  gpu_check::run_case("rope", [&] { check_rope(backend); });
+  gpu_check::run_case("silu_mul, add_in_place, add_bias", [&] { check_silu_mul_and_add(backend); });
+  return gpu_check::finish();
+}
