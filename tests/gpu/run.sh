@@ -72,7 +72,9 @@ export DUET_MODEL="$model"
 run_check ops tests/gpu/cuda_ops_check
 run_check matmul tests/gpu/cuda_matmul_check
 run_check attention tests/gpu/cuda_attention_check
+run_check kv_rows tests/gpu/cuda_kv_rows_check
 run_check sampling tests/gpu/cuda_sampling_check
+run_check nccl tests/gpu/cuda_nccl_check
 run_check model tests/gpu/cuda_model_check
 
 # 4. The benchmark.
@@ -86,14 +88,14 @@ run_check bench tests/gpu/duet-cuda-bench "${bench_args[@]}"
   printf '{\n  "seconds": %d,\n  "model": "%s",\n  "steps": {' $(($(date +%s) - start)) \
     "$([ -f "$model" ] && basename "$model" || echo absent)"
   sep=""
-  for step in probe build ops matmul attention sampling model bench; do
+  for step in probe build ops matmul attention kv_rows sampling nccl model bench; do
     printf '%s\n    "%s": "%s"' "$sep" "$step" "${status[$step]:-not-run}"
     sep=","
   done
   printf '\n  },\n  "bench": %s\n}\n' "$([ -s "$out/bench.json" ] && cat "$out/bench.json" || echo null)"
 } >"$out/summary.json"
 say "summary: $out/summary.json"
-for step in probe build ops matmul attention sampling model bench; do
+for step in probe build ops matmul attention kv_rows sampling nccl model bench; do
   case ${status[$step]:-not-run} in ok | passed) ;; *) exit 1 ;; esac
 done
 exit 0
