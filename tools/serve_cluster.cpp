@@ -37,6 +37,7 @@
 #include "coordinator/router.h"
 #include "kernels/cpu/isa.h"
 #include "tools/serve_command.h"
+#include "worker/device_kv_setup.h"
 #include "worker/instance_server.h"
 #include "worker/mpi_collective.h"
 #include "worker/mpi_kv_transport.h"
@@ -148,14 +149,14 @@ void log_transport(const InstanceSpec& self, Rank rank, const MpiKvTransport& tr
 // it (or another rank of the instance: each says so) could not load, after
 // the leader reported why to the coordinator.
 std::unique_ptr<LlamaModel> load_shard(ControlChannel& channel, Collective& collective,
-                                       const InstanceSpec& self, const ServeArgs& args,
+                                       const InstanceSpec& self, const ServeArgs& args, int device,
                                        EngineConfig& config) {
   std::unique_ptr<LlamaModel> model;
   std::string error;
   try {
     model = LlamaModel::load(args.model, TpPlacement{collective.rank(), self.tp});
-    config = serve::engine_config(args, *model,
-                                  tokenizer_from_gguf(model->file()).end_of_generation_ids());
+    config = serve::engine_config(
+        args, *model, tokenizer_from_gguf(model->file()).end_of_generation_ids(), device);
   } catch (const std::exception& e) {
     error = e.what();
     spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, error);
@@ -206,10 +207,11 @@ void lead_instance(ControlChannel& channel, Collective& collective, const Instan
 }
 
 int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collective& collective,
-                   const ClusterSpec& spec, const ServeArgs& args) {
+                   const ClusterSpec& spec, const ServeArgs& args, int device) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
   EngineConfig config;
-  const std::unique_ptr<LlamaModel> model = load_shard(channel, collective, self, args, config);
+  const std::unique_ptr<LlamaModel> model =
+      load_shard(channel, collective, self, args, device, config);
   if (model == nullptr) {
     channel.close(kCloseTimeout);
     return 2;
@@ -247,8 +249,14 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
   try {
     const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size(), args.model);
     ControlChannel channel(mpi);
+    // Where every rank runs, and the device channels of its GPU pairs (both
+    // collective over the world, as the transport's communicator is).
+    const RankPlacement placement = own_placement(mpi, spec, args.device);
+    const std::vector<RankPlacement> placements = gather_placements(mpi, placement);
     std::optional<MpiKvTransport> transport;  // every rank: its communicator is collective
-    transport.emplace(channel, MpiKvTransportOptions{args.kv_checksums});
+    transport.emplace(
+        channel, MpiKvTransportOptions{args.kv_checksums},
+        make_device_kv_channel(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
     // Every rank too (MPI_Comm_split); the coordinator's is empty.
     const InstanceSpec* own = spec.instance_of(mpi.rank());
     MpiCollective collective(
@@ -265,9 +273,10 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       channel.close(10s);  // so that the verdict reaches every rank
       throw;
     }
-    const int code = mpi.rank() == kCoordinatorRank
-                         ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(channel, *transport, collective, spec, args);
+    const int code =
+        mpi.rank() == kCoordinatorRank
+            ? serve_coordinator(channel, spec, args, signals)
+            : serve_instance(channel, *transport, collective, spec, args, placement.device);
     spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
     return code;
   } catch (const Error& e) {

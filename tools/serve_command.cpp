@@ -104,6 +104,12 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--kv-same-host", args.kv_same_host,
+                  "How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl "
+                  "(one GPU shared by two ranks is always ipc; other hosts nccl)")
+      ->check(CLI::IsMember({"ipc", "nccl"}))
+      ->capture_default_str()
+      ->group(group);
 }
 
 namespace serve {
@@ -140,7 +146,7 @@ std::optional<ChatTemplateKind> chat_template(const GgufFile& file) {
 }
 
 EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
-                           std::vector<int32_t> end_of_generation) {
+                           std::vector<int32_t> end_of_generation, int device) {
   const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
   // Every rank of a tensor-parallel instance must count the same blocks: size
   // them by the leader's shard, which has the most KV heads.
@@ -157,7 +163,7 @@ EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
   config.scheduler.max_running = args.max_running;
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
   config.end_of_generation = std::move(end_of_generation);
-  config.device = parse_device(args.device);
+  config.device = device;
   require_device(config.device, &model);
   return config;
 }
@@ -211,7 +217,8 @@ int run_serve(const ServeArgs& args) {
 
   cpu::ThreadPool pool(n_threads);
   LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool,
-                         serve::engine_config(args, *model, tokenizer.end_of_generation_ids()),
+                         serve::engine_config(args, *model, tokenizer.end_of_generation_ids(),
+                                              parse_device(args.device)),
                          model_name);
   Service service(instance, tokenizer, chat, model_name, serve::service_limits(args));
   spdlog::info("{} compute threads", n_threads);

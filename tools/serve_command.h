@@ -44,6 +44,8 @@ struct ServeArgs {
   // instance waits for a prompt's KV (prefill queue included).
   bool kv_checksums = false;
   double kv_transfer_timeout_s = 120.0;
+  // How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl.
+  std::string kv_same_host = "ipc";
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);
@@ -62,8 +64,10 @@ std::string model_name(const ServeArgs& args);
 int compute_threads(const ServeArgs& args);
 std::optional<ChatTemplateKind> chat_template(const GgufFile& file);
 // The engine's configuration for `model` (KV size from --kv-cache-mem, logged).
+// `device`: -1 for the CPU, else the CUDA device the engine runs on (refused,
+// kUnsupported, where there is none).
 EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
-                           std::vector<int32_t> end_of_generation);
+                           std::vector<int32_t> end_of_generation, int device);
 ServiceLimits service_limits(const ServeArgs& args);
 // Starts both fronts over `service`, prints their `... listening on` lines,
 // waits for a signal in `signals`, then refuses new requests, cancels running

@@ -25,6 +25,13 @@ float* floats_mut(const cuda::DeviceBuffer& buffer) { return buffer.as<float>();
 CudaForward::CudaForward(const LlamaModel& model, int device)
     : model_(model), backend_(std::make_unique<cuda::CudaBackend>(device)) {
   DUET_REQUIRE(model.shard().whole(), "the CUDA forward runs whole models only");
+  const int64_t head_dim = model.config().head_dim;
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+    throw Error(ErrorKind::kUnsupported,
+                format("the CUDA backend's attention runs head_dim 64, 128 and 256; this model's "
+                       "heads have {} dimensions (run it with --device cpu)",
+                       head_dim));
+  }
   cuda::CudaBackend& b = *backend_;
   auto weight = [&](const cpu::WeightMatrix& w) {
     cuda::DeviceWeight d = cuda::upload_weight(w, b);
@@ -321,6 +328,12 @@ void CudaForward::kv_to_host(int64_t layer, std::span<const int32_t> block_table
   backend_->bind();
   use_layout(cache.layout());
   copy_blocks(layer, block_table, pos0, n, cache.data(), true);
+}
+
+DeviceKv CudaForward::device_kv(const KvLayout& layout) {
+  backend_->bind();
+  use_layout(layout);
+  return {kv_.as<KvElement>(), backend_->device(), backend_->stream()};
 }
 
 void CudaForward::kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,

@@ -29,7 +29,8 @@ namespace duet {
 class CudaForward final : public ModelForward {
  public:
   // Uploads the model's weights to CUDA device `device`. Throws
-  // kUnsupported without such a GPU. The device KV cache takes the layout
+  // kUnsupported without such a GPU, or for heads of other than 64, 128 or
+  // 256 dimensions (what the attention kernel runs). The device KV cache takes the layout
   // of the host cache the calls pass (allocated on first use, grown when a
   // larger one comes; a new layout starts empty).
   CudaForward(const LlamaModel& model, int device);
@@ -44,6 +45,7 @@ class CudaForward final : public ModelForward {
                   KvCache& cache) override;
   void kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                     const KvCache& cache) override;
+  DeviceKv device_kv(const KvLayout& layout) override;
 
   cuda::CudaBackend& backend() { return *backend_; }
   // Device bytes of the weights and of the KV cache.

@@ -16,7 +16,9 @@ Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::Th
       forward_(make_forward(model, kernels, pool,
                             {config.device, cpu::AttentionOrder::kBatchInvariant, collective})),
       max_running_(config.scheduler.max_running),
-      end_of_generation_(std::move(config.end_of_generation)) {}
+      end_of_generation_(std::move(config.end_of_generation)) {
+  cache_.set_device_copy(forward_->device_kv(cache_.layout()));
+}
 
 void Engine::validate(std::span<const int32_t> prompt, const RequestOptions& options) const {
   const ModelConfig& c = model_.config();
@@ -103,10 +105,13 @@ void Engine::complete_import(SequenceId id, int32_t first_token) {
                "sequence {} is not an import in transfer", id.value);
   std::vector<int32_t> prompt = std::move(it->second.prompt);
   const int64_t cached_tokens = it->second.cached_tokens;
+  const bool device_rows = it->second.hooks.device_rows;
   imports_.erase(it);
-  // The transferred rows, from the host staging copy to the device (GPU only).
-  forward_->kv_from_host(kv_.block_table(id), cached_tokens,
-                         static_cast<int64_t>(prompt.size()) - cached_tokens, cache_);
+  // Rows that came through the host staging copy go to the device (GPU only).
+  if (!device_rows) {
+    forward_->kv_from_host(kv_.block_table(id), cached_tokens,
+                           static_cast<int64_t>(prompt.size()) - cached_tokens, cache_);
+  }
   const int64_t n_committed = kv_.n_tokens(id);
   kv_.commit_tokens(id, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(n_committed)));
   const int64_t position = static_cast<int64_t>(prompt.size());
@@ -160,7 +165,8 @@ uint64_t Engine::kv_checksum(SequenceId id, int64_t n) {
 void Engine::export_layer(int64_t layer) {
   for (const ForwardBatch::Export& rows : export_rows_) {
     const Live& live = live_.at(rows.id);
-    forward_->kv_to_host(layer, kv_.block_table(rows.id), rows.pos0, rows.n, cache_);
+    if (!live.exporting->sink.device_rows)
+      forward_->kv_to_host(layer, kv_.block_table(rows.id), rows.pos0, rows.n, cache_);
     live.exporting->sink.layer(rows.id, layer, rows.pos0, rows.n, kv_.block_table(rows.id), cache_);
   }
 }

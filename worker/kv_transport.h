@@ -109,6 +109,11 @@ class KvTransport {
                          const KvCache& cache, std::span<const int32_t> block_table,
                          int64_t head_offset, const KvSource& heads) = 0;
   virtual void send_handoff(int decode_peer, const KvHandoff& handoff) = 0;
+
+  // Whether rows to or from world rank `peer` move device to device (a GPU
+  // engine then neither copies exported rows to its host cache nor uploads
+  // imported ones from it): GPU pairs with a device channel.
+  virtual bool device_link(int /*peer*/) const { return false; }
 };
 
 // The plan of an import of every KV head of `cache` from one prefill rank

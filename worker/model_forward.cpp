@@ -31,6 +31,8 @@ void ModelForward::sample(std::span<const DeviceSampling>, std::span<int32_t>) {
 
 void ModelForward::kv_to_host(int64_t, std::span<const int32_t>, int64_t, int64_t, KvCache&) {}
 
+DeviceKv ModelForward::device_kv(const KvLayout&) { return {}; }
+
 void ModelForward::kv_from_host(std::span<const int32_t>, int64_t, int64_t, const KvCache&) {}
 
 void require_device(int device, const LlamaModel* model) {

@@ -65,6 +65,9 @@ class ModelForward {
   // move, so rows [pos0, pos0 + n) must own their blocks from pos0's block on.
   virtual void kv_to_host(int64_t layer, std::span<const int32_t> block_table, int64_t pos0,
                           int64_t n, KvCache& cache);
+  // The device pool laid out as `layout` (allocated now, kept for the
+  // forward's life); invalid on the CPU.
+  virtual DeviceKv device_kv(const KvLayout& layout);
   virtual void kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                             const KvCache& cache);
 };

@@ -19,8 +19,10 @@ namespace {
 constexpr int kTag = 1;                   // headers (and control messages)
 constexpr int kPayloadTag = 2;            // the rows after a rows header
 constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
-constexpr uint32_t kRows = 1;
-constexpr uint32_t kControl = 2;
+constexpr uint32_t kRows = 1;             // an MPI payload follows on kPayloadTag
+constexpr uint32_t kControl = 2;          // a control message follows in this message
+constexpr uint32_t kDeviceRows = 3;       // the payload goes through the device channel
+constexpr uint32_t kRowsDone = 4;         // receiver -> sender: a device payload's staging is free
 
 struct WireHeader {
   uint32_t magic = kMagic;
@@ -32,8 +34,10 @@ struct WireHeader {
   uint64_t checksum = 0;   // of the rows payload; 0: not computed
   int64_t head_begin = 0;  // the global KV heads [head_begin, head_end) in the payload
   int64_t head_end = 0;
+  uint64_t ticket_offset = 0;  // device rows and rows done: the payload's DeviceRowsTicket
+  uint64_t ticket_bytes = 0;
 };
-static_assert(sizeof(WireHeader) == 64);
+static_assert(sizeof(WireHeader) == 80);
 
 // A gone request's id is remembered this long, so that its late rows are
 // recognised and dropped rather than reported as strays.
@@ -43,11 +47,14 @@ constexpr auto kFlushOnDestroy = std::chrono::milliseconds(500);
 constexpr size_t kMaxSpares = 64;
 // How long after a rows message the communication thread keeps polling fast.
 constexpr auto kFastPollAfterRows = std::chrono::milliseconds(5);
+// How long forget_imports waits for device payloads before it gives their links up.
+constexpr auto kForgetPatience = std::chrono::seconds(5);
 
 }  // namespace
 
-MpiKvTransport::MpiKvTransport(ControlChannel& channel, MpiKvTransportOptions options)
-    : channel_(channel), options_(options) {
+MpiKvTransport::MpiKvTransport(ControlChannel& channel, MpiKvTransportOptions options,
+                               std::unique_ptr<DeviceKvChannel> device)
+    : channel_(channel), options_(options), device_(std::move(device)) {
   DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
   channel_.attach(*this);
 }
@@ -149,6 +156,28 @@ void MpiKvTransport::send_rows(int decode_rank, RequestId id, int64_t layer, int
                                const KvSource& heads) {
   const KvLayout& layout = cache.layout();
   const KvHeads local{heads.head_begin - head_offset, heads.head_end - heads.head_begin};
+  if (cache.device_copy().valid() && device_link(decode_rank)) {
+    const std::optional<DeviceRowsTicket> ticket =
+        device_->send(decode_rank, layout, cache.device_copy(), layer, block_table, pos0, n, local);
+    if (!ticket) {
+      // The receiver's import fails on the handoff's row count or its deadline.
+      spdlog::warn(
+          "kv transport: request {}: the device link to rank {} is full or broken; "
+          "layer {} rows not sent",
+          id.value, decode_rank, layer);
+      return;
+    }
+    WireHeader header{kMagic, kDeviceRows,      id.value,       layer,          pos0,         n,
+                      0,      heads.head_begin, heads.head_end, ticket->offset, ticket->bytes};
+    std::vector<std::byte> head = take_buffer(sizeof header);
+    std::memcpy(head.data(), &header, sizeof header);
+    {
+      std::lock_guard lock(mutex_);
+      counters_.device_bytes_sent += static_cast<int64_t>(ticket->bytes);
+    }
+    queue(decode_rank, kTag, std::move(head));
+    return;
+  }
   const size_t elems = static_cast<size_t>(packed_kv_elems(layout, n, local));
   std::vector<std::byte> payload = take_buffer(elems * sizeof(KvElement));
   auto* rows = reinterpret_cast<KvElement*>(payload.data());
@@ -166,6 +195,10 @@ void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
   queue(decode_peer, kTag, control_bytes(handoff));
 }
 
+bool MpiKvTransport::device_link(int peer) const {
+  return device_ != nullptr && device_->carries(peer);
+}
+
 // ---------------------------------------------------------------- the communication thread
 
 // Fast polling costs the decode rank CPU, and an import may wait seconds in
@@ -175,6 +208,7 @@ void MpiKvTransport::send_handoff(int decode_peer, const KvHandoff& handoff) {
 bool MpiKvTransport::in_flight() const {
   std::lock_guard state(state_mutex_);
   if (!in_flight_.empty()) return true;
+  if (device_ != nullptr && (device_->busy() || receipts_.holding())) return true;
   if (imports_.empty()) return false;
   if (Clock::now() - last_rows_at_ < kFastPollAfterRows) return true;
   return std::any_of(imports_.begin(), imports_.end(),
@@ -196,6 +230,7 @@ bool MpiKvTransport::progress() {
     active = post_sends() || active;
     active = test_sends() || active;
     active = receive_some(outcomes) || active;
+    if (device_ != nullptr) active = poll_device(outcomes) || active;
     if (!imports_.empty() || !gone_.empty()) expire(outcomes);
   }
   active = active || !outcomes.empty();
@@ -217,6 +252,22 @@ void MpiKvTransport::forget_imports(const KvCache& cache) {
     cancel_at_source(it->first, it->second);
     gone_[it->first] = Clock::now();
     it = imports_.erase(it);
+  }
+  // Device payloads may still be landing in `cache` (one engine, one cache
+  // per rank: wait for all of them). Their outcomes go to no handler.
+  if (device_ == nullptr) return;
+  std::vector<Outcome> dropped;
+  const auto patience = Clock::now() + kForgetPatience;
+  while (!receipts_.empty()) {
+    if (Clock::now() > patience) {
+      spdlog::warn("kv transport: device payloads still in flight at shutdown; giving up links");
+      for (int peer = 0; peer < channel_.world_size(); ++peer) {
+        if (device_link(peer)) device_->abandon(peer);
+      }
+    }
+    if (!poll_device(dropped)) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    dropped.clear();
+    if (Clock::now() > patience + kForgetPatience) break;
   }
 }
 
@@ -249,8 +300,9 @@ void MpiKvTransport::process_commands(std::vector<Outcome>& outcomes) {
       imports_.erase(it);
       gone_[id] = Clock::now();
     }
-    // Nothing writes its blocks any more (rows are unpacked on this thread).
-    outcomes.push_back(Outcome{id, Outcome::Kind::kReleased, {}, {}});
+    // Nothing writes its blocks any more once no device receipt of it is in
+    // flight (MPI rows are unpacked on this thread).
+    end_import(id, Outcome{id, Outcome::Kind::kReleased, {}, {}}, outcomes);
   }
 }
 
@@ -317,8 +369,11 @@ bool MpiKvTransport::receive_some(std::vector<Outcome>& outcomes) {
                     bytes.size(), status.MPI_SOURCE);
       continue;
     }
-    if (header.kind == kRows) {
+    if (header.kind == kRows || header.kind == kDeviceRows) {
       on_rows(status.MPI_SOURCE, bytes.first(sizeof header), outcomes);
+    } else if (header.kind == kRowsDone) {
+      if (device_ != nullptr)
+        device_->released(status.MPI_SOURCE, {header.ticket_offset, header.ticket_bytes});
     } else if (header.kind == kControl) {
       on_control(status.MPI_SOURCE, bytes.subspan(sizeof header), outcomes);
     } else {
@@ -341,8 +396,17 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
     process_commands(outcomes);
     it = imports_.find(id);
   }
+  const bool device_rows = h.kind == kDeviceRows;
+  if (device_rows && !device_link(source)) {
+    spdlog::error("kv transport: device rows from rank {}, which has no device link here", source);
+    return;
+  }
   if (it == imports_.end()) {
-    receive_payload(source, nullptr, 0, 0, 0, {});
+    if (device_rows) {
+      receive_device_rows(source, header, nullptr, outcomes);
+    } else {
+      receive_payload(source, nullptr, 0, 0, 0, {});
+    }
     std::lock_guard lock(mutex_);
     ++counters_.rows_dropped;
     if (!gone_.contains(id))
@@ -356,8 +420,13 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
                            [&](const Source& s) { return s.heads.rank == source; });
   if (from == import.sources.end() || h.head_begin != from->heads.head_begin ||
       h.head_end != from->heads.head_end || h.layer < 0 || h.layer >= layout.n_layers ||
-      h.pos0 < plan.send_from || h.n <= 0 || h.pos0 + h.n > plan.n_prompt) {
-    receive_payload(source, nullptr, 0, 0, 0, {});
+      h.pos0 < plan.send_from || h.n <= 0 || h.pos0 + h.n > plan.n_prompt ||
+      (device_rows && !plan.cache->device_copy().valid())) {
+    if (device_rows) {
+      receive_device_rows(source, header, nullptr, outcomes);
+    } else {
+      receive_payload(source, nullptr, 0, 0, 0, {});
+    }
     fail(id,
          {ServeErrorKind::kInternal,
           fmt::format("KV transfer: a malformed rows header from rank {} (layer {}, positions "
@@ -365,6 +434,10 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
                       source, h.layer, h.pos0, h.pos0 + h.n, plan.n_prompt, h.head_begin,
                       h.head_end)},
          outcomes);
+    return;
+  }
+  if (device_rows) {
+    receive_device_rows(source, header, &import, outcomes);
     return;
   }
   const KvHeads heads{h.head_begin - plan.head_offset, h.head_end - h.head_begin};
@@ -391,9 +464,89 @@ void MpiKvTransport::on_rows(int source, std::span<const std::byte> header,
       return;
     }
   }
+  from->rows_announced += h.n;
   from->rows_received += h.n;
   last_rows_at_ = Clock::now();
   complete_if_done(id, outcomes);
+}
+
+void MpiKvTransport::receive_device_rows(int source, std::span<const std::byte> header,
+                                         Import* into, std::vector<Outcome>& outcomes) {
+  WireHeader h;
+  std::memcpy(&h, header.data(), sizeof h);
+  const DeviceRowsTicket ticket{h.ticket_offset, h.ticket_bytes};
+  if (into == nullptr) {  // nobody wants the rows: the channel drains them
+    try {
+      device_->receive(source, ticket, {}, nullptr, {}, h.layer, h.pos0, h.n, {});
+    } catch (const Error& e) {
+      spdlog::error("kv transport: device rows from rank {} not drained: {}", source, e.what());
+    }
+    return;
+  }
+  const RequestId id{h.request};
+  const ImportPlan& plan = into->plan;
+  const KvHeads heads{h.head_begin - plan.head_offset, h.head_end - h.head_begin};
+  uint64_t receipt = 0;
+  try {
+    receipt = device_->receive(source, ticket, plan.cache->layout(), &plan.cache->device_copy(),
+                               plan.block_table, h.layer, h.pos0, h.n, heads);
+  } catch (const Error& e) {
+    receive_device_rows(source, header, nullptr, outcomes);  // drained, if it can be
+    fail(id, {ServeErrorKind::kInternal, std::string("KV transfer: ") + e.what()}, outcomes);
+    return;
+  }
+  receipts_.add(receipt, id, source, h.n);
+  auto from = std::find_if(into->sources.begin(), into->sources.end(),
+                           [&](const Source& s) { return s.heads.rank == source; });
+  from->rows_announced += h.n;
+  last_rows_at_ = Clock::now();
+  std::lock_guard lock(mutex_);
+  counters_.device_bytes_received += static_cast<int64_t>(ticket.bytes);
+}
+
+bool MpiKvTransport::poll_device(std::vector<Outcome>& outcomes) {
+  std::vector<DeviceKvChannel::Done> done;
+  try {
+    done = device_->poll();
+  } catch (const std::exception& e) {
+    // The channel gives up the links it can blame; this thread goes on.
+    spdlog::error("kv transport: device channel: {}", e.what());
+    return false;
+  }
+  for (const std::string& note : device_->take_notes())
+    spdlog::error("kv transport: device channel: {}", note);
+  for (const DeviceKvChannel::Done& d : done) {
+    if (d.ack) {
+      WireHeader ack;
+      ack.kind = kRowsDone;
+      ack.ticket_offset = d.ack->offset;
+      ack.ticket_bytes = d.ack->bytes;
+      std::vector<std::byte> bytes = take_buffer(sizeof ack);
+      std::memcpy(bytes.data(), &ack, sizeof ack);
+      queue(d.peer, kTag, std::move(bytes));
+    }
+    const auto rows = receipts_.finish(d.receipt, d.ok, outcomes);
+    if (!rows) continue;  // drained, or its import is over
+    auto it = imports_.find(rows->id);
+    if (it == imports_.end()) continue;
+    if (!rows->ok) {
+      fail(rows->id,
+           {ServeErrorKind::kUnavailable,
+            fmt::format("KV transfer: the device link from rank {} broke", rows->source)},
+           outcomes);
+      continue;
+    }
+    auto from = std::find_if(it->second.sources.begin(), it->second.sources.end(),
+                             [&](const Source& s) { return s.heads.rank == rows->source; });
+    from->rows_received += rows->n;
+    last_rows_at_ = Clock::now();
+    complete_if_done(rows->id, outcomes);
+  }
+  return !done.empty();
+}
+
+void MpiKvTransport::end_import(RequestId id, Outcome outcome, std::vector<Outcome>& outcomes) {
+  receipts_.end(id, std::move(outcome), outcomes);
 }
 
 void MpiKvTransport::complete_if_done(RequestId id, std::vector<Outcome>& outcomes) {
@@ -402,7 +555,7 @@ void MpiKvTransport::complete_if_done(RequestId id, std::vector<Outcome>& outcom
   if (!import.all_rows() || (import.leader >= 0 && !import.handoff)) return;
   KvHandoff handoff = import.handoff.value_or(KvHandoff{id});
   imports_.erase(it);
-  outcomes.push_back(Outcome{id, Outcome::Kind::kComplete, std::move(handoff), {}});
+  end_import(id, Outcome{id, Outcome::Kind::kComplete, std::move(handoff), {}}, outcomes);
 }
 
 bool MpiKvTransport::receive_payload(int source, const Import* into, int64_t layer, int64_t pos0,
@@ -491,7 +644,7 @@ void MpiKvTransport::on_control(int source, std::span<const std::byte> payload,
     const int64_t expected = import.rows_expected();
     auto own = std::find_if(import.sources.begin(), import.sources.end(),
                             [&](const Source& s) { return s.heads.rank == source; });
-    const int64_t from_leader = own == import.sources.end() ? expected : own->rows_received;
+    const int64_t from_leader = own == import.sources.end() ? expected : own->rows_announced;
     if (from_leader != expected || handoff->rows_sent != expected) {
       fail(handoff->id,
            {ServeErrorKind::kInternal,
@@ -515,7 +668,7 @@ void MpiKvTransport::fail(RequestId id, ServeError error, std::vector<Outcome>& 
   cancel_at_source(id, it->second);  // the prefill side stops too
   imports_.erase(it);
   gone_[id] = Clock::now();
-  outcomes.push_back(Outcome{id, Outcome::Kind::kFailed, {}, std::move(error)});
+  end_import(id, Outcome{id, Outcome::Kind::kFailed, {}, std::move(error)}, outcomes);
 }
 
 void MpiKvTransport::expire(std::vector<Outcome>& outcomes) {
@@ -525,6 +678,12 @@ void MpiKvTransport::expire(std::vector<Outcome>& outcomes) {
     if (now >= import.plan.deadline) late.push_back(id);
   }
   for (RequestId id : late) {
+    // Device payloads still in flight this late will not come: give the links up.
+    if (receipts_.pending(id)) {
+      for (const Source& source : imports_.at(id).sources) {
+        if (device_link(source.heads.rank)) device_->abandon(source.heads.rank);
+      }
+    }
     std::string missing;
     for (const Source& source : imports_.at(id).sources) {
       if (source.rows_received < imports_.at(id).rows_expected())

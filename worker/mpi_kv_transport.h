@@ -1,12 +1,17 @@
 // KvTransport over MPI point-to-point (worker/kv_transport.h), for CPU
-// instances on one host (shared memory) or across hosts (TCP).
+// instances on one host (shared memory) or across hosts (TCP), and for GPU
+// instances with a DeviceKvChannel (worker/device_kv_channel.h) for the
+// pairs whose KV moves device to device (common/kv_link.h): their rows
+// headers and every control message still go over MPI, their payloads
+// through the channel (NCCL or CUDA IPC). Any other pair with a GPU side
+// moves its rows over MPI through the GPU engine's host staging copy.
 //
 // It has its own communicator, duplicated from MPI_COMM_WORLD, and no thread
 // of its own: it attaches to the control channel's communication thread,
 // which calls progress() on every pass, so one thread per process drives
 // every non-blocking MPI operation.
 //
-// On the wire, on tag 1, every message starts with a 64-byte header:
+// On the wire, on tag 1, every message starts with an 80-byte header:
 //   rows:    the request, layer, first position and count of one layer of
 //            one chunk, the KV heads it carries (and, when checksums are on,
 //            the payload's checksum);
@@ -26,6 +31,15 @@
 // they are done; headers are received with MPI_Improbe then MPI_Mrecv,
 // payloads with MPI_Recv of the datatype.
 //
+// Device rows: a header of kind "device rows" names the payload's place in
+// the sender's staging (a ticket) instead of preceding an MPI payload. The
+// receiver starts the channel's receipt at once and counts the rows only
+// when it completes; an import that ends (fails, is cancelled, expires)
+// with receipts in flight reports its end once the last one is done, so
+// nothing writes its blocks after on_failed or on_released. When the
+// channel needs the sender to free its staging (IPC), a "rows done" header
+// goes back with the ticket.
+//
 // Threads: see KvTransport. counters() from any thread.
 #pragma once
 
@@ -33,11 +47,14 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
 
 #include "common/mpi/control_channel.h"
+#include "worker/device_kv_channel.h"
+#include "worker/device_receipts.h"
 #include "worker/kv_rows.h"
 #include "worker/kv_transport.h"
 
@@ -53,8 +70,10 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
  public:
   // Collective over MPI_COMM_WORLD: every rank constructs one, in the same
   // order relative to other collectives (right after its ControlChannel).
-  // `channel` outlives the transport.
-  MpiKvTransport(ControlChannel& channel, MpiKvTransportOptions options = {});
+  // `channel` outlives the transport. `device`: the channel for this rank's
+  // GPU pairs (null: every pair over MPI).
+  MpiKvTransport(ControlChannel& channel, MpiKvTransportOptions options = {},
+                 std::unique_ptr<DeviceKvChannel> device = nullptr);
   // Detaches from the thread, gives sends in flight a moment to finish, and
   // frees the communicator. Destroy it before the channel closes.
   ~MpiKvTransport() override;
@@ -70,6 +89,7 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
                  const KvCache& cache, std::span<const int32_t> block_table, int64_t head_offset,
                  const KvSource& heads) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
+  bool device_link(int peer) const override;
 
   struct Counters {
     int64_t messages_sent = 0;
@@ -79,6 +99,8 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
     int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
     int64_t imports_completed = 0;
     int64_t imports_failed = 0;
+    int64_t device_bytes_sent = 0;  // rows payloads through the device channel
+    int64_t device_bytes_received = 0;
   };
   Counters counters() const;
 
@@ -91,7 +113,8 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   };
   struct Source {
     KvSource heads;
-    int64_t rows_received = 0;  // positions x layers
+    int64_t rows_announced = 0;  // positions x layers whose rows headers came
+    int64_t rows_received = 0;   // of them, in place (device rows land later)
   };
   struct Import {
     ImportPlan plan;
@@ -133,6 +156,14 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   // False (and discarded) when its size is not the header's.
   bool receive_payload(int source, const Import* into, int64_t layer, int64_t pos0, int64_t n,
                        KvHeads heads);
+  // A device rows header: its receipt started (into the import's blocks, or
+  // drained when `into` is null).
+  void receive_device_rows(int source, std::span<const std::byte> header, Import* into,
+                           std::vector<Outcome>& outcomes);
+  // The channel's finished receipts: rows counted, acks sent, held ends released.
+  bool poll_device(std::vector<Outcome>& outcomes);
+  // Ends import `it` with `outcome` now, or once its receipts are done.
+  void end_import(RequestId id, Outcome outcome, std::vector<Outcome>& outcomes);
   // Completes `id` when its handoff (a leader's) and every row are in.
   void complete_if_done(RequestId id, std::vector<Outcome>& outcomes);
   // Tells the prefill leader of a leader's import that it is withdrawn.
@@ -145,6 +176,7 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   ControlChannel& channel_;
   const MpiKvTransportOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
+  const std::unique_ptr<DeviceKvChannel> device_;
 
   // The communication thread's state: that thread holds the mutex while it
   // works on it; forget_imports takes it from another thread.
@@ -157,6 +189,7 @@ class MpiKvTransport final : public KvTransport, private CommEndpoint {
   std::vector<int> type_lengths_;  // the receive datatype's runs, reused
   std::vector<MPI_Aint> type_addresses_;
   std::vector<KvElement> check_rows_;  // rows repacked to verify a checksum
+  DeviceReceipts<Outcome> receipts_;   // device payloads in flight, ends held for them
 
   // Held while a handler runs and by set_handlers: once that returns, the old
   // handlers are not running and will not run again.

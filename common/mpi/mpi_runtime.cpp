@@ -73,4 +73,11 @@ MpiRuntime::MpiRuntime() {
 
 MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
 
+std::vector<std::byte> MpiRuntime::all_gather(std::span<const std::byte> mine) const {
+  std::vector<std::byte> all(mine.size() * static_cast<size_t>(world_size_));
+  DUET_MPI_CHECK(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, all.data(),
+                               static_cast<int>(mine.size()), MPI_BYTE, MPI_COMM_WORLD));
+  return all;
+}
+
 }  // namespace duet

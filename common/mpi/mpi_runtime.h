@@ -16,7 +16,10 @@
 
 #include <mpi.h>
 
+#include <cstddef>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "common/cluster_spec.h"
 
@@ -46,8 +49,12 @@ class MpiRuntime final {
 
   Rank rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  // The host name MPI reports for this rank (logs).
+  // The host name MPI reports for this rank (logs, and which ranks share a host).
   const std::string& processor_name() const { return processor_name_; }
+
+  // Every rank's `mine` (the same size on all), in rank order: a collective
+  // over MPI_COMM_WORLD, for start-up exchanges (placements, handles).
+  std::vector<std::byte> all_gather(std::span<const std::byte> mine) const;
 
  private:
   Rank rank_;

@@ -13,7 +13,15 @@ std::vector<DeviceInfo> list_devices() {
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
-    devices.push_back({i, prop.name, prop.totalGlobalMem, prop.major, prop.minor});
+    std::string uuid = "GPU-";
+    constexpr char kHex[] = "0123456789abcdef";
+    for (int b = 0; b < 16; ++b) {
+      if (b == 4 || b == 6 || b == 8 || b == 10) uuid += '-';
+      const auto byte = static_cast<unsigned char>(prop.uuid.bytes[b]);
+      uuid += kHex[byte >> 4];
+      uuid += kHex[byte & 0xf];
+    }
+    devices.push_back({i, prop.name, prop.totalGlobalMem, prop.major, prop.minor, uuid});
   }
   return devices;
 }

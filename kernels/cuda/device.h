@@ -14,6 +14,9 @@ struct DeviceInfo {
   size_t memory_bytes = 0;
   int compute_major = 0;
   int compute_minor = 0;
+  // "GPU-5e2a1c3d-0f4b-7a6e-9c8d-112233445566", as nvidia-smi writes it: the
+  // same GPU has the same UUID in every process, whatever its index there.
+  std::string uuid;
 };
 
 // The devices this process can use; empty, never an error, on a machine

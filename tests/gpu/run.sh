@@ -76,6 +76,8 @@ run_check kv_rows tests/gpu/cuda_kv_rows_check
 run_check sampling tests/gpu/cuda_sampling_check
 run_check nccl tests/gpu/cuda_nccl_check
 run_check model tests/gpu/cuda_model_check
+run_check nccl_kv tests/gpu/cuda_nccl_kv_check
+run_check ipc_kv tests/gpu/cuda_ipc_kv_check
 
 # 4. The benchmark.
 bench_args=(--json "$out/bench.json")
@@ -88,14 +90,14 @@ run_check bench tests/gpu/duet-cuda-bench "${bench_args[@]}"
   printf '{\n  "seconds": %d,\n  "model": "%s",\n  "steps": {' $(($(date +%s) - start)) \
     "$([ -f "$model" ] && basename "$model" || echo absent)"
   sep=""
-  for step in probe build ops matmul attention kv_rows sampling nccl model bench; do
+  for step in probe build ops matmul attention kv_rows sampling nccl model nccl_kv ipc_kv bench; do
     printf '%s\n    "%s": "%s"' "$sep" "$step" "${status[$step]:-not-run}"
     sep=","
   done
   printf '\n  },\n  "bench": %s\n}\n' "$([ -s "$out/bench.json" ] && cat "$out/bench.json" || echo null)"
 } >"$out/summary.json"
 say "summary: $out/summary.json"
-for step in probe build ops matmul attention kv_rows sampling nccl model bench; do
+for step in probe build ops matmul attention kv_rows sampling nccl model nccl_kv ipc_kv bench; do
   case ${status[$step]:-not-run} in ok | passed) ;; *) exit 1 ;; esac
 done
 exit 0

@@ -1,0 +1,145 @@
+// The choice of KV link per pair of ranks (common/kv_link.h): every case of
+// where two ranks run, the NCCL pairs of whole clusters, and the placement
+// record every rank all-gathers at start.
+#include "common/kv_link.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+
+namespace duet {
+namespace {
+
+RankPlacement cpu(const std::string& host) { return {host, -1, ""}; }
+RankPlacement gpu(const std::string& host, int device, const std::string& uuid) {
+  return {host, device, uuid};
+}
+
+TEST(KvLink, BothOnTheCpuIsMpi) {
+  EXPECT_EQ(select_kv_link(cpu("a"), cpu("a")), KvLink::kMpi);
+  EXPECT_EQ(select_kv_link(cpu("a"), cpu("b")), KvLink::kMpi);
+}
+
+TEST(KvLink, OneSideOnTheCpuIsStagedMpi) {
+  EXPECT_EQ(select_kv_link(cpu("a"), gpu("a", 0, "GPU-0")), KvLink::kMpiStaged);
+  EXPECT_EQ(select_kv_link(gpu("a", 0, "GPU-0"), cpu("b")), KvLink::kMpiStaged);
+}
+
+TEST(KvLink, OneGpuIsIpcEvenWhenNcclIsPreferred) {
+  // Two ranks with one UUID share a GPU, even under different device indices
+  // (each sees its own CUDA_VISIBLE_DEVICES).
+  const RankPlacement p = gpu("a", 0, "GPU-aa"), d = gpu("a", 1, "GPU-aa");
+  EXPECT_EQ(select_kv_link(p, d), KvLink::kCudaIpc);
+  EXPECT_EQ(select_kv_link(p, d, SameHostGpus::kNccl), KvLink::kCudaIpc);
+  // Without UUIDs, the device index decides.
+  EXPECT_EQ(select_kv_link(gpu("a", 0, ""), gpu("a", 0, ""), SameHostGpus::kNccl),
+            KvLink::kCudaIpc);
+}
+
+TEST(KvLink, TwoGpusOfOneHostFollowThePolicy) {
+  const RankPlacement p = gpu("a", 0, "GPU-aa"), d = gpu("a", 1, "GPU-bb");
+  EXPECT_EQ(select_kv_link(p, d), KvLink::kCudaIpc);
+  EXPECT_EQ(select_kv_link(p, d, SameHostGpus::kNccl), KvLink::kNccl);
+}
+
+TEST(KvLink, GpusOfTwoHostsAreNccl) {
+  // Equal device indices and even equal UUID strings on two hosts are two GPUs.
+  EXPECT_EQ(select_kv_link(gpu("a", 0, "GPU-aa"), gpu("b", 0, "GPU-bb")), KvLink::kNccl);
+  EXPECT_EQ(select_kv_link(gpu("a", 0, ""), gpu("b", 0, "")), KvLink::kNccl);
+}
+
+TEST(KvLink, IsSymmetric) {
+  const std::vector<RankPlacement> all = {cpu("a"),          cpu("b"),          gpu("a", 0, "G0"),
+                                          gpu("a", 1, "G1"), gpu("b", 0, "G2"), gpu("a", 0, "G0"),
+                                          gpu("a", 0, ""),   gpu("a", 1, "")};
+  for (const auto& x : all) {
+    for (const auto& y : all) {
+      for (SameHostGpus policy : {SameHostGpus::kCudaIpc, SameHostGpus::kNccl})
+        EXPECT_EQ(select_kv_link(x, y, policy), select_kv_link(y, x, policy));
+    }
+  }
+}
+
+TEST(KvLink, NamesAndPolicyOption) {
+  EXPECT_EQ(kv_link_name(KvLink::kMpi), "mpi");
+  EXPECT_EQ(kv_link_name(KvLink::kMpiStaged), "mpi-staged");
+  EXPECT_EQ(kv_link_name(KvLink::kCudaIpc), "cuda-ipc");
+  EXPECT_EQ(kv_link_name(KvLink::kNccl), "nccl");
+  EXPECT_EQ(parse_same_host_gpus("ipc"), SameHostGpus::kCudaIpc);
+  EXPECT_EQ(parse_same_host_gpus("nccl"), SameHostGpus::kNccl);
+  EXPECT_THROW(parse_same_host_gpus("shm"), Error);
+}
+
+// 1 prefill (TP 2 on ranks 1, 2) and 2 decode instances (ranks 3 and 4).
+ClusterSpec two_by_two() { return parse_cluster_flags(1, 2, 2, 1, ClusterMode::kDisaggregated); }
+
+TEST(KvLinkPairs, GpusOnTwoHostsPairEveryPrefillRankWithEveryDecodeRank) {
+  const ClusterSpec spec = two_by_two();
+  spec.validate(5);
+  const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("a", 1, "G1"),
+                                                 gpu("b", 0, "G2"), gpu("b", 1, "G3")};
+  const auto pairs = nccl_pairs(spec, placements);
+  const std::vector<std::pair<Rank, Rank>> want = {
+      {Rank{1}, Rank{3}}, {Rank{1}, Rank{4}}, {Rank{2}, Rank{3}}, {Rank{2}, Rank{4}}};
+  EXPECT_EQ(pairs, want);
+}
+
+TEST(KvLinkPairs, OnlyTheNcclPairsOfAMixedCluster) {
+  const ClusterSpec spec = two_by_two();
+  // Rank 3 on the prefill ranks' host (IPC by default), rank 4 on the CPU.
+  const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("a", 1, "G1"),
+                                                 gpu("a", 2, "G2"), cpu("b")};
+  EXPECT_TRUE(nccl_pairs(spec, placements).empty());
+  const auto pairs = nccl_pairs(spec, placements, SameHostGpus::kNccl);
+  const std::vector<std::pair<Rank, Rank>> want = {{Rank{1}, Rank{3}}, {Rank{2}, Rank{3}}};
+  EXPECT_EQ(pairs, want);
+}
+
+TEST(KvLinkPairs, ColocatedMovesNoKv) {
+  const ClusterSpec spec = parse_cluster_flags(1, 1, 1, ClusterMode::kColocated);
+  const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("b", 0, "G1")};
+  EXPECT_TRUE(nccl_pairs(spec, placements).empty());
+}
+
+TEST(KvLinkPairs, APlacementTableTooShortIsRefused) {
+  const ClusterSpec spec = two_by_two();
+  const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0")};
+  EXPECT_THROW(nccl_pairs(spec, placements), Error);
+}
+
+TEST(PlacementRecord, RoundTrips) {
+  for (const RankPlacement& p :
+       {cpu("node-17.cluster"), gpu("h", 3, "GPU-5e2a1c3d-0f4b-7a6e-9c8d-112233445566"), cpu(""),
+        gpu(std::string(63, 'x'), 0, "")}) {
+    const PlacementRecord record = encode_placement(p);
+    EXPECT_EQ(decode_placement(record), p) << describe_placement(p);
+  }
+}
+
+TEST(PlacementRecord, RefusesWhatDoesNotFitOrIsNotARecord) {
+  EXPECT_THROW(encode_placement(cpu(std::string(64, 'x'))), Error);
+  EXPECT_THROW(encode_placement(gpu("h", 0, std::string(56, 'u'))), Error);
+  EXPECT_THROW(encode_placement(cpu(std::string("a\0b", 3))), Error);
+  PlacementRecord record = encode_placement(gpu("h", 1, "G"));
+  PlacementRecord bad = record;
+  bad[0] = std::byte{0};
+  EXPECT_THROW(decode_placement(bad), Error);
+  bad = record;
+  for (size_t i = 8; i < 72; ++i) bad[i] = std::byte{'x'};  // no terminator in the host name
+  EXPECT_THROW(decode_placement(bad), Error);
+  EXPECT_THROW(decode_placement(std::span<const std::byte>(record).first(64)), Error);
+  record = encode_placement(cpu("h"));
+  record[72] = std::byte{'G'};  // a UUID on the CPU
+  EXPECT_THROW(decode_placement(record), Error);
+}
+
+TEST(PlacementRecord, Describes) {
+  EXPECT_EQ(describe_placement(cpu("a")), "a cpu");
+  EXPECT_EQ(describe_placement(gpu("a", 1, "GPU-1")), "a cuda:1 (GPU-1)");
+}
+
+}  // namespace
+}  // namespace duet
