@@ -56,16 +56,39 @@ SameHostGpus parse_same_host_gpus(std::string_view name) {
               format("--kv-same-host must be ipc or nccl, got '{}'", name));
 }
 
+bool same_gpu(const RankPlacement& a, const RankPlacement& b) {
+  if (!a.on_gpu() || !b.on_gpu() || a.host != b.host) return false;
+  // UUIDs decide when both sides know theirs; else the device index does.
+  return !a.gpu_uuid.empty() && !b.gpu_uuid.empty() ? a.gpu_uuid == b.gpu_uuid
+                                                    : a.device == b.device;
+}
+
+void require_gpu_per_rank(const InstanceSpec& instance, std::span<const RankPlacement> placements) {
+  const std::vector<Rank>& ranks = instance.ranks;
+  for (Rank r : ranks) {
+    DUET_REQUIRE(r.value >= 0 && r.value < static_cast<int>(placements.size()),
+                 "no placement for rank {}", r.value);
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    for (size_t j = i + 1; j < ranks.size(); ++j) {
+      const RankPlacement& a = placements[static_cast<size_t>(ranks[i].value)];
+      const RankPlacement& b = placements[static_cast<size_t>(ranks[j].value)];
+      if (!same_gpu(a, b)) continue;
+      throw Error(ErrorKind::kUnsupported,
+                  format("instance {}: ranks {} and {} (tensor-parallel ranks {} and {}) would "
+                         "share one GPU, {}; its collectives run on NCCL, which needs one GPU per "
+                         "rank: give the instance as many GPUs as --tp, or run it on the CPU",
+                         instance.id, ranks[i].value, ranks[j].value, i, j, describe_placement(a)));
+    }
+  }
+}
+
 KvLink select_kv_link(const RankPlacement& prefill, const RankPlacement& decode,
                       SameHostGpus same_host) {
   if (!prefill.on_gpu() && !decode.on_gpu()) return KvLink::kMpi;
   if (!prefill.on_gpu() || !decode.on_gpu()) return KvLink::kMpiStaged;
   if (prefill.host != decode.host) return KvLink::kNccl;
-  // UUIDs decide when both sides know theirs; else the device index does.
-  const bool same_gpu = !prefill.gpu_uuid.empty() && !decode.gpu_uuid.empty()
-                            ? prefill.gpu_uuid == decode.gpu_uuid
-                            : prefill.device == decode.device;
-  if (same_gpu) return KvLink::kCudaIpc;  // NCCL refuses two ranks on one GPU
+  if (same_gpu(prefill, decode)) return KvLink::kCudaIpc;  // NCCL refuses two ranks on one GPU
   return same_host == SameHostGpus::kNccl ? KvLink::kNccl : KvLink::kCudaIpc;
 }
 

@@ -61,6 +61,17 @@ enum class SameHostGpus {
 // "ipc" or "nccl" (the --kv-same-host option); throws kInvalidArgument otherwise.
 SameHostGpus parse_same_host_gpus(std::string_view name);
 
+// Whether two GPU placements are one GPU: the same host and, when both know
+// theirs, the same UUID, else the same device index. False when either is
+// on the CPU.
+bool same_gpu(const RankPlacement& a, const RankPlacement& b);
+
+// Throws duet::Error (kUnsupported) when two ranks of `instance` (of two
+// ranks or more, on GPUs) share one GPU: its tensor-parallel collectives
+// run on an NCCL communicator of its ranks, and NCCL refuses two ranks on
+// one device. `placements`: every world rank's, by rank.
+void require_gpu_per_rank(const InstanceSpec& instance, std::span<const RankPlacement> placements);
+
 // The link KV takes from `prefill` to `decode` (or back: it is symmetric).
 KvLink select_kv_link(const RankPlacement& prefill, const RankPlacement& decode,
                       SameHostGpus same_host = SameHostGpus::kCudaIpc);

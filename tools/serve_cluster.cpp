@@ -29,6 +29,7 @@
 #include <optional>
 
 #include "common/error.h"
+#include "common/kv_link.h"
 #include "common/mpi/control_channel.h"
 #include "common/mpi/control_handshake.h"
 #include "common/mpi/mpi_runtime.h"
@@ -39,6 +40,7 @@
 #include "tools/serve_command.h"
 #include "worker/device_kv_setup.h"
 #include "worker/instance_server.h"
+#include "worker/model_forward.h"
 #include "worker/mpi_collective.h"
 #include "worker/mpi_kv_transport.h"
 #include "worker/tensor_parallel.h"
@@ -145,49 +147,77 @@ void log_transport(const InstanceSpec& self, Rank rank, const MpiKvTransport& tr
       c.rows_dropped, c.imports_completed, c.imports_failed);
 }
 
-// This rank's shard of the model and the engine's configuration; null when
-// it (or another rank of the instance: each says so) could not load, after
-// the leader reported why to the coordinator.
-std::unique_ptr<LlamaModel> load_shard(ControlChannel& channel, Collective& collective,
-                                       const InstanceSpec& self, const ServeArgs& args, int device,
-                                       EngineConfig& config) {
+// This rank's shard of the model and, when the instance runs on GPUs, the
+// instance's NCCL communicator for its collectives.
+struct LoadedShard {
   std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<DeviceCollective> device_collective;  // null on the CPU and for tp 1
+};
+
+// The shard and the engine's configuration; a null model when it (or
+// another rank of the instance: each says so) could not load, or could not
+// join the instance's communicator, after the leader reported why to the
+// coordinator.
+LoadedShard load_shard(ControlChannel& channel, Collective& collective, const InstanceSpec& self,
+                       std::span<const RankPlacement> placements, const ServeArgs& args, int device,
+                       EngineConfig& config) {
+  LoadedShard shard;
   std::string error;
+  auto report = [&]() {
+    if (collective.rank() == 0) report_instance_failure(channel, self.id, error);
+    return LoadedShard{};
+  };
   try {
-    model = LlamaModel::load(args.model, TpPlacement{collective.rank(), self.tp});
-    config = serve::engine_config(
-        args, *model, tokenizer_from_gguf(model->file()).end_of_generation_ids(), device);
+    if (self.tp > 1 && device >= 0) {
+      require_device(device);  // "no GPU" before "two ranks on one GPU"
+      require_gpu_per_rank(self, placements);
+    }
+    shard.model = LlamaModel::load(args.model, TpPlacement{collective.rank(), self.tp});
+    config = serve::engine_config(args, *shard.model,
+                                  tokenizer_from_gguf(shard.model->file()).end_of_generation_ids(),
+                                  device);
   } catch (const std::exception& e) {
     error = e.what();
     spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, error);
   }
   if (self.tp > 1 && !all_loaded(collective, error.empty()) && error.empty())
     error = "another rank of this instance could not load its shard (see its log)";
-  if (!error.empty()) {
-    if (collective.rank() == 0) report_instance_failure(channel, self.id, error);
-    return nullptr;
+  if (!error.empty()) return report();
+  if (self.tp == 1) return shard;
+  const LlamaModel& model = *shard.model;
+  const TpShard& split = model.shard();
+  spdlog::info(
+      "instance {} (rank {}): shard {} of {}: KV heads [{}, {}), {} weight bytes of its own "
+      "({:.1f}% of the {} split)",
+      self.id, channel.rank().value, split.rank, split.size, split.kv_head_begin, split.kv_head_end,
+      model.owned_weight_bytes(),
+      100.0 * static_cast<double>(model.owned_weight_bytes()) /
+          static_cast<double>(model.split_tensor_bytes()),
+      model.split_tensor_bytes());
+  if (device < 0) return shard;
+  // Every rank has its shard: now they join one NCCL communicator together.
+  try {
+    shard.device_collective = join_device_collective(collective, device);
+    spdlog::info("instance {} (rank {}): NCCL rank {} of {} on cuda:{}", self.id,
+                 channel.rank().value, collective.rank(), self.tp, device);
+  } catch (const std::exception& e) {
+    error = e.what();
+    spdlog::error("instance {} (rank {}): {}", self.id, channel.rank().value, error);
   }
-  if (self.tp > 1) {
-    const TpShard& shard = model->shard();
-    spdlog::info(
-        "instance {} (rank {}): shard {} of {}: KV heads [{}, {}), {} weight bytes of its own "
-        "({:.1f}% of the {} split)",
-        self.id, channel.rank().value, shard.rank, shard.size, shard.kv_head_begin,
-        shard.kv_head_end, model->owned_weight_bytes(),
-        100.0 * static_cast<double>(model->owned_weight_bytes()) /
-            static_cast<double>(model->split_tensor_bytes()),
-        model->split_tensor_bytes());
-  }
-  return model;
+  if (!all_loaded(collective, error.empty()) && error.empty())
+    error = "another rank of this instance could not join its NCCL communicator (see its log)";
+  if (!error.empty()) return report();
+  return shard;
 }
 
 // The leader: the engine behind an InstanceServer until Shutdown, then the
 // followers are told to stop.
-void lead_instance(ControlChannel& channel, Collective& collective, const InstanceSpec& self,
+void lead_instance(ControlChannel& channel, Collective& collective,
+                   DeviceCollective* device_collective, const InstanceSpec& self,
                    const LlamaModel& model, const EngineConfig& config, cpu::ThreadPool& pool,
                    const PeerLinks& peers, const ServeArgs& args) {
   std::optional<TpLeader> tp;
-  if (self.tp > 1) tp.emplace(collective);
+  if (self.tp > 1) tp.emplace(collective, device_collective);
   const std::string model_name = serve::model_name(args);
   InstanceStats stats;
   std::string reason;
@@ -207,11 +237,13 @@ void lead_instance(ControlChannel& channel, Collective& collective, const Instan
 }
 
 int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collective& collective,
-                   const ClusterSpec& spec, const ServeArgs& args, int device) {
+                   const ClusterSpec& spec, std::span<const RankPlacement> placements,
+                   const ServeArgs& args, int device) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
   EngineConfig config;
-  const std::unique_ptr<LlamaModel> model =
-      load_shard(channel, collective, self, args, device, config);
+  // Outlives the engine (whose CUDA graphs captured the communicator's operations).
+  const LoadedShard shard = load_shard(channel, collective, self, placements, args, device, config);
+  const LlamaModel* model = shard.model.get();
   if (model == nullptr) {
     channel.close(kCloseTimeout);
     return 2;
@@ -227,12 +259,13 @@ int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collectiv
       peers.instance_ranks = ranks_by_leader(spec);
     }
     if (collective.rank() == 0) {
-      lead_instance(channel, collective, self, *model, config, pool, peers, args);
+      lead_instance(channel, collective, shard.device_collective.get(), self, *model, config, pool,
+                    peers, args);
     } else {
       spdlog::info("instance {} (rank {}): tensor-parallel follower {} of {}", self.id,
                    channel.rank().value, collective.rank(), self.tp);
       run_tp_follower(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, collective,
-                      config.n_kv_blocks, peers.transport);
+                      config.n_kv_blocks, peers.transport, {device, shard.device_collective.get()});
     }
     if (peers.transport != nullptr) log_transport(self, channel.rank(), transport);
   }  // the engine has stopped: nothing sends any more
@@ -273,10 +306,10 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       channel.close(10s);  // so that the verdict reaches every rank
       throw;
     }
-    const int code =
-        mpi.rank() == kCoordinatorRank
-            ? serve_coordinator(channel, spec, args, signals)
-            : serve_instance(channel, *transport, collective, spec, args, placement.device);
+    const int code = mpi.rank() == kCoordinatorRank
+                         ? serve_coordinator(channel, spec, args, signals)
+                         : serve_instance(channel, *transport, collective, spec, placements, args,
+                                          placement.device);
     spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
     return code;
   } catch (const Error& e) {

@@ -164,7 +164,7 @@ EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
   config.end_of_generation = std::move(end_of_generation);
   config.device = device;
-  require_device(config.device, &model);
+  require_device(config.device);
   return config;
 }
 

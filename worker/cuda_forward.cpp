@@ -20,11 +20,47 @@ cuda::DeviceBuffer upload_vector(const std::vector<float>& values, cuda::CudaBac
 const float* floats(const cuda::DeviceBuffer& buffer) { return buffer.as<float>(); }
 float* floats_mut(const cuda::DeviceBuffer& buffer) { return buffer.as<float>(); }
 
+// A shard's column groups of a row-parallel weight (O, down; stored apart)
+// side by side as one matrix: row r is every group's row r, in order. Each
+// group's rows are whole quantization blocks, so their bytes join as they
+// are. `storage` holds the bytes until the upload.
+cpu::WeightMatrix join_column_groups(std::span<const cpu::WeightMatrix> groups,
+                                     std::vector<uint8_t>& storage) {
+  DUET_ASSERT(!groups.empty(), "a row-parallel weight without column groups");
+  const cpu::WeightMatrix& first = groups.front();
+  if (groups.size() == 1) return first;
+  int64_t k = 0;
+  size_t row_bytes = 0;
+  for (const cpu::WeightMatrix& g : groups) {
+    DUET_ASSERT(g.type == first.type && g.n_out == first.n_out,
+                "column groups of one weight differ in type or rows");
+    k += g.k;
+    row_bytes += g.row_bytes;
+  }
+  DUET_ASSERT(row_bytes == dtype_row_bytes(first.type, k),
+              "column groups of {} bytes a row are not whole blocks of {} columns", row_bytes, k);
+  storage.resize(row_bytes * static_cast<size_t>(first.n_out));
+  uint8_t* to = storage.data();
+  for (int64_t r = 0; r < first.n_out; ++r) {
+    for (const cpu::WeightMatrix& g : groups) {
+      std::memcpy(to, g.data + static_cast<size_t>(r) * g.row_bytes, g.row_bytes);
+      to += g.row_bytes;
+    }
+  }
+  return cpu::make_weight_matrix(first.type, storage.data(), k, first.n_out);
+}
+
 }  // namespace
 
-CudaForward::CudaForward(const LlamaModel& model, int device)
-    : model_(model), backend_(std::make_unique<cuda::CudaBackend>(device)) {
-  DUET_REQUIRE(model.shard().whole(), "the CUDA forward runs whole models only");
+CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* collective)
+    : model_(model),
+      collective_(model.shard().whole() ? nullptr : collective),
+      backend_(std::make_unique<cuda::CudaBackend>(device)) {
+  const TpShard& shard = model.shard();
+  DUET_REQUIRE(shard.whole() || (collective != nullptr && collective->size() == shard.size &&
+                                 collective->rank() == shard.rank),
+               "a shard {} of {} needs its instance's device collective of {} ranks", shard.rank,
+               shard.size, shard.size);
   const int64_t head_dim = model.config().head_dim;
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
     throw Error(ErrorKind::kUnsupported,
@@ -37,6 +73,12 @@ CudaForward::CudaForward(const LlamaModel& model, int device)
     cuda::DeviceWeight d = cuda::upload_weight(w, b);
     weight_bytes_ += d.bytes();
     return d;
+  };
+  std::vector<uint8_t> joined;  // a shard's O or down, its groups side by side
+  auto row_parallel = [&](const cpu::WeightMatrix& whole,
+                          std::span<const cpu::WeightMatrix> groups) {
+    if (shard.whole()) return weight(whole);
+    return weight(join_column_groups(groups, joined));
   };
   token_embd_ = weight(model.token_embd());
   output_ = weight(model.output());
@@ -54,10 +96,10 @@ CudaForward::CudaForward(const LlamaModel& model, int device)
     l.wq = weight(w.wq);
     l.wk = weight(w.wk);
     l.wv = weight(w.wv);
-    l.wo = weight(w.wo);
+    l.wo = row_parallel(w.wo, w.wo_groups);
     l.w_gate = weight(w.w_gate);
     l.w_up = weight(w.w_up);
-    l.w_down = weight(w.w_down);
+    l.w_down = row_parallel(w.w_down, w.down_groups);
   }
 }
 
@@ -70,21 +112,39 @@ void CudaForward::reserve(int64_t n_rows, int64_t n_out) {
   capacity_ = std::max(capacity_, n_rows);
   out_capacity_ = std::max(out_capacity_, n_out);
   const ModelConfig& c = model_.config();
+  const TpShard& s = model_.shard();
   const auto rows = [&](int64_t width) {
     return cuda::DeviceBuffer(static_cast<size_t>(capacity_ * width) * sizeof(float));
   };
+  const auto out_rows = [&](int64_t width) {
+    return cuda::DeviceBuffer(static_cast<size_t>(out_capacity_ * width) * sizeof(float));
+  };
   x_ = rows(c.n_embd);
   norm_ = rows(c.n_embd);
-  q_ = rows(c.n_heads * c.head_dim);
-  k_ = rows(c.n_kv_heads * c.head_dim);
-  v_ = rows(c.n_kv_heads * c.head_dim);
-  attn_ = rows(c.n_heads * c.head_dim);
+  q_ = rows(s.n_heads() * c.head_dim);
+  k_ = rows(s.n_kv_heads() * c.head_dim);
+  v_ = rows(s.n_kv_heads() * c.head_dim);
+  attn_ = rows(s.n_heads() * c.head_dim);
   attn_out_ = rows(c.n_embd);
-  gate_ = rows(c.n_ff);
-  up_ = rows(c.n_ff);
+  gate_ = rows(s.n_ff());
+  up_ = rows(s.n_ff());
   ffn_out_ = rows(c.n_embd);
-  head_in_ = cuda::DeviceBuffer(static_cast<size_t>(out_capacity_ * c.n_embd) * sizeof(float));
-  logits_ = cuda::DeviceBuffer(static_cast<size_t>(out_capacity_ * c.n_vocab) * sizeof(float));
+  head_in_ = out_rows(c.n_embd);
+  logits_ = out_rows(c.n_vocab);
+  if (!s.whole()) {
+    logits_slice_ = out_rows(s.vocab_stride);
+    logits_gathered_ = out_rows(s.vocab_stride * s.size);
+    // Every rank of the instance must capture and replay its decode graphs
+    // at the same steps (NCCL's rule for captured collectives). A move of
+    // the scratch drops the graphs, and a rank's own shapes would move it at
+    // its own times: size it here from the whole model's, the same on every
+    // rank, so that it moves only when the batch grows, everywhere at once.
+    const int64_t q_dim = c.n_heads * c.head_dim;
+    const int64_t widest = std::max({c.n_embd, q_dim, c.n_ff});
+    backend_->reserve_scratch(
+        std::max(cuda::gemm_scratch_bound(widest, widest, capacity_),
+                 cuda::gemm_scratch_bound(c.n_embd, c.n_vocab, out_capacity_)));
+  }
   const size_t input_bytes = static_cast<size_t>(2 * capacity_ + out_capacity_) * sizeof(int32_t);
   inputs_host_ = cuda::PinnedBuffer(input_bytes);
   inputs_ = cuda::DeviceBuffer(input_bytes);
@@ -101,10 +161,10 @@ void CudaForward::use_layout(const KvLayout& layout) {
                     layout.block_size == layout_.block_size && layout.n_blocks == layout_.n_blocks;
   if (same) return;
   const ModelConfig& c = model_.config();
-  DUET_REQUIRE(layout.n_layers == c.n_layers && layout.n_kv_heads == c.n_kv_heads &&
+  DUET_REQUIRE(layout.n_layers == c.n_layers && layout.n_kv_heads == model_.shard().n_kv_heads() &&
                    layout.head_dim == c.head_dim,
-               "a KV cache of {} layers x {} KV heads x {} is not this model's", layout.n_layers,
-               layout.n_kv_heads, layout.head_dim);
+               "a KV cache of {} layers x {} KV heads x {} is not this model's (shard's)",
+               layout.n_layers, layout.n_kv_heads, layout.head_dim);
   graphs_.clear();  // captured with the old layout's offsets
   layout_ = layout;
   backend_->synchronize();
@@ -198,11 +258,16 @@ void CudaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSe
 void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> logit_rows,
                           bool logit_rows_are_all, const LayerStored& layer_stored) {
   const ModelConfig& c = model_.config();
+  const TpShard& shard = model_.shard();
   cuda::CudaBackend& b = *backend_;
   const int32_t* tokens = inputs_.as<int32_t>();
   const int32_t* positions = tokens + capacity_;
-  const int64_t q_dim = c.n_heads * c.head_dim;
-  const int64_t kv_dim = c.n_kv_heads * c.head_dim;
+  // This rank's heads and hidden units (all of them when the model is whole).
+  const int64_t n_heads = shard.n_heads();
+  const int64_t n_kv_heads = shard.n_kv_heads();
+  const int64_t n_ff = shard.n_ff();
+  const int64_t q_dim = n_heads * c.head_dim;
+  const int64_t kv_dim = n_kv_heads * c.head_dim;
   cpu::RopeParams rope;
   rope.style = c.rope_neox ? cpu::RopeStyle::kHalves : cpu::RopeStyle::kAdjacentPairs;
   rope.n_rot = c.n_rot;
@@ -210,8 +275,8 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
   rope.freq_scale = c.rope_freq_scale;
   rope.freq_factors = rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_);
   cpu::AttentionShape shape;
-  shape.n_heads = c.n_heads;
-  shape.n_kv_heads = c.n_kv_heads;
+  shape.n_heads = n_heads;
+  shape.n_kv_heads = n_kv_heads;
   shape.head_dim = c.head_dim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   auto* kv = kv_.as<KvElement>();
@@ -226,7 +291,8 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
   float* up = floats_mut(up_);
   float* ffn_out = floats_mut(ffn_out_);
 
-  cuda::embed_rows(token_embd_, tokens, n, x, b);
+  cuda::embed_rows(token_embd_, tokens, n, x, b, shard.vocab_begin);
+  all_reduce(x, n * c.n_embd);  // one rank holds each row, the others add zeros: exact
   for (int64_t il = 0; il < c.n_layers; ++il) {
     const Layer& w = layers_[static_cast<size_t>(il)];
 
@@ -238,8 +304,8 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
     if (w.bq.bytes() != 0) cuda::add_bias(q, floats(w.bq), n, q_dim, b);
     if (w.bk.bytes() != 0) cuda::add_bias(k, floats(w.bk), n, kv_dim, b);
     if (w.bv.bytes() != 0) cuda::add_bias(v, floats(w.bv), n, kv_dim, b);
-    cuda::rope(q, n, c.n_heads, c.head_dim, positions, rope, b);
-    cuda::rope(k, n, c.n_kv_heads, c.head_dim, positions, rope, b);
+    cuda::rope(q, n, n_heads, c.head_dim, positions, rope, b);
+    cuda::rope(k, n, n_kv_heads, c.head_dim, positions, rope, b);
     cuda::kv_cache_store_batch(layout_, kv, il, batch_, k, v, b);
     if (layer_stored) {
       b.synchronize();
@@ -247,14 +313,16 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
     }
     cuda::attention_batch(layout_, kv, il, batch_, shape, q, attn, b);
     cuda::matmul(w.wo, attn, n, attn_out, c.n_embd, b);
+    all_reduce(attn_out, n * c.n_embd);
     cuda::add_in_place(x, attn_out, n * c.n_embd, b);
 
     // Feed-forward block (SwiGLU).
     cuda::rms_norm(x, floats(w.ffn_norm), norm, n, c.n_embd, c.rms_eps, b);
-    cuda::matmul(w.w_gate, norm, n, gate, c.n_ff, b);
-    cuda::matmul(w.w_up, norm, n, up, c.n_ff, b);
-    cuda::silu_mul(gate, up, gate, n * c.n_ff, b);
+    cuda::matmul(w.w_gate, norm, n, gate, n_ff, b);
+    cuda::matmul(w.w_up, norm, n, up, n_ff, b);
+    cuda::silu_mul(gate, up, gate, n * n_ff, b);
     cuda::matmul(w.w_down, gate, n, ffn_out, c.n_embd, b);
+    all_reduce(ffn_out, n * c.n_embd);
     cuda::add_in_place(x, ffn_out, n * c.n_embd, b);
   }
 
@@ -270,7 +338,22 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
                      c.rms_eps, b);
     }
   }
-  cuda::matmul(output_, head_in, n_out, floats_mut(logits_), c.n_vocab, b);
+  if (shard.whole()) {
+    cuda::matmul(output_, head_in, n_out, floats_mut(logits_), c.n_vocab, b);
+    return;
+  }
+  // Vocabulary-parallel: this rank's columns of the logits, gathered rank by
+  // rank, then laid out row by row on every rank.
+  const int64_t stride = shard.vocab_stride;
+  float* slice = floats_mut(logits_slice_);
+  float* gathered = floats_mut(logits_gathered_);
+  cuda::matmul(output_, head_in, n_out, slice, stride, b);
+  collective_->all_gather(slice, gathered, n_out * stride, b.stream());
+  cuda::assemble_slices(gathered, shard.size, n_out, stride, c.n_vocab, floats_mut(logits_), b);
+}
+
+void CudaForward::all_reduce(float* data, int64_t n) {
+  if (collective_ != nullptr) collective_->all_reduce_sum(data, n, backend_->stream());
 }
 
 void CudaForward::sample(std::span<const DeviceSampling> rows, std::span<int32_t> tokens) {

@@ -12,7 +12,21 @@
 // Numerics: activations in F32, products with F32 accumulation (F16 inputs on
 // the cuBLAS path), the KV cache in F16. Not batch-invariant: a row's result
 // may change in the last bits with the batch it runs in (the GEMV and the
-// cuBLAS paths round differently). Whole models only (no tensor parallelism).
+// cuBLAS paths round differently).
+//
+// Tensor parallelism: given a shard of the model (worker/tp_shard.h) and the
+// instance's DeviceCollective (NCCL, one GPU per rank), every rank runs the
+// same batch through its own heads and hidden units, as LlamaForward does on
+// the CPU, with the collectives on the compute stream (inside the decode
+// graphs too): the vocabulary-parallel embeddings and the row-parallel O and
+// down products are summed with all_reduce_sum, the logit slices gathered
+// with all_gather and reassembled row by row on every rank. A rank multiplies
+// its column groups of O and down as one matrix, so the sums are NCCL's
+// (worker/device_collective.h): a token may differ from a TP=1 run where two
+// logits are within rounding. NCCL requires every rank to capture its
+// collectives in graphs at the same steps: whether a step is captured or
+// replayed depends only on the batch (the same on every rank), never on a
+// rank's own shapes.
 #pragma once
 
 #include <map>
@@ -22,18 +36,21 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/weights.h"
+#include "worker/device_collective.h"
 #include "worker/model_forward.h"
 
 namespace duet {
 
 class CudaForward final : public ModelForward {
  public:
-  // Uploads the model's weights to CUDA device `device`. Throws
-  // kUnsupported without such a GPU, or for heads of other than 64, 128 or
-  // 256 dimensions (what the attention kernel runs). The device KV cache takes the layout
-  // of the host cache the calls pass (allocated on first use, grown when a
-  // larger one comes; a new layout starts empty).
-  CudaForward(const LlamaModel& model, int device);
+  // Uploads the model's weights (a shard's: its own) to CUDA device
+  // `device`. Throws kUnsupported without such a GPU, or for heads of other
+  // than 64, 128 or 256 dimensions (what the attention kernel runs). The
+  // device KV cache takes the layout of the host cache the calls pass
+  // (allocated on first use, grown when a larger one comes; a new layout
+  // starts empty). `collective`: the instance's ranks on their GPUs when the
+  // model is a shard (its rank and size; outlives this object), else null.
+  CudaForward(const LlamaModel& model, int device, DeviceCollective* collective = nullptr);
   ~CudaForward() override;
 
   void run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
@@ -73,8 +90,11 @@ class CudaForward final : public ModelForward {
   // the host one, in runs of consecutive block ids.
   void copy_blocks(int64_t layer, std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                    KvElement* host, bool to_host);
+  // The sum over the instance's ranks, in place (nothing for a whole model).
+  void all_reduce(float* data, int64_t n);
 
   const LlamaModel& model_;
+  DeviceCollective* const collective_;  // null for a whole model
   std::unique_ptr<cuda::CudaBackend> backend_;
   KvLayout layout_;
   cuda::DeviceBuffer kv_;
@@ -87,6 +107,9 @@ class CudaForward final : public ModelForward {
   int64_t capacity_ = 0, out_capacity_ = 0;
   cuda::DeviceBuffer x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_,
       logits_;
+  // Tensor parallelism: this rank's logit slice (out_capacity_, vocab_stride)
+  // and every rank's, in rank order.
+  cuda::DeviceBuffer logits_slice_, logits_gathered_;
   // Step inputs: tokens (n), positions (n), logit rows (n_out), staged in
   // pinned memory and uploaded in one copy.
   cuda::PinnedBuffer inputs_host_;

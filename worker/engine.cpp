@@ -7,14 +7,15 @@
 namespace duet {
 
 Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-               EngineConfig config, Collective* collective)
+               EngineConfig config, Collective* collective, DeviceCollective* device_collective)
     : model_(model),
       pool_(config.n_kv_blocks),
       kv_(pool_, KvLayout::kDefaultBlockSize),
       scheduler_(kv_, config.scheduler),
       cache_(model.kv_layout(config.n_kv_blocks)),
-      forward_(make_forward(model, kernels, pool,
-                            {config.device, cpu::AttentionOrder::kBatchInvariant, collective})),
+      forward_(make_forward(
+          model, kernels, pool,
+          {config.device, cpu::AttentionOrder::kBatchInvariant, collective, device_collective})),
       max_running_(config.scheduler.max_running),
       end_of_generation_(std::move(config.end_of_generation)) {
   cache_.set_device_copy(forward_->device_kv(cache_.layout()));

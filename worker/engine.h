@@ -133,7 +133,8 @@ class Engine final {
   // GPU (throws kUnsupported where there is none); its KV cache then lives
   // in device memory and cache() is the transports' staging copy.
   Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-         EngineConfig config, Collective* collective = nullptr);
+         EngineConfig config, Collective* collective = nullptr,
+         DeviceCollective* device_collective = nullptr);
 
   // Called with every batch right before the forward pass, on the engine's thread.
   using BeforeForward = std::function<void(const ForwardBatch&)>;

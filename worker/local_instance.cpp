@@ -32,7 +32,8 @@ LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& ke
             config.n_kv_blocks * KvLayout::kDefaultBlockSize, config.end_of_generation},
       model_(model),
       tp_(tp),
-      engine_(model, kernels, pool, std::move(config), tp != nullptr ? &tp->collective() : nullptr),
+      engine_(model, kernels, pool, std::move(config), tp != nullptr ? &tp->collective() : nullptr,
+              tp != nullptr ? tp->device_collective() : nullptr),
       peers_(std::move(peers)) {
   publish_stats();
   if (tp_ != nullptr)

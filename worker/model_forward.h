@@ -18,6 +18,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 #include "worker/collective.h"
+#include "worker/device_collective.h"
 #include "worker/kv_cache.h"
 #include "worker/llama_model.h"
 
@@ -76,7 +77,10 @@ class ModelForward {
 struct ForwardPlacement {
   int device = -1;
   cpu::AttentionOrder attention_order = cpu::AttentionOrder::kBatchInvariant;
-  Collective* collective = nullptr;  // tensor parallelism (CPU only for now)
+  // Tensor parallelism: the instance's ranks (a CPU shard's collectives go
+  // through `collective`), and on a GPU their device collective (NCCL) too.
+  Collective* collective = nullptr;
+  DeviceCollective* device_collective = nullptr;
 };
 
 // "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N; throws kInvalidArgument otherwise.
@@ -84,9 +88,19 @@ int parse_device(std::string_view device);
 
 // Throws duet::Error (kUnsupported) when a forward cannot run on `device`:
 // a CUDA device in a build without the CUDA backend or on a machine without
-// that GPU, or (given the model) a tensor-parallel shard on a GPU. Cheap, so
-// that commands check it before loading a model.
-void require_device(int device, const LlamaModel* model = nullptr);
+// that GPU. Cheap, so that commands check it before loading a model.
+void require_device(int device);
+
+// The device collective of a tensor-parallel instance whose ranks run on
+// GPUs, one per rank (`device` is this rank's): an NCCL communicator of the
+// instance's ranks, its id made by the leader and broadcast over `instance`.
+// Null for a CPU instance (device < 0) or one of one rank. Collective over
+// `instance`: every rank calls it, with its own device, and returns once all
+// have joined. Throws as require_device does (every rank alike, for a build
+// without CUDA), kInternal when NCCL fails: every rank when the leader
+// cannot make the id; a rank whose ncclCommInitRank fails leaves the others
+// waiting in theirs (the job ends when it reports its instance failed).
+std::unique_ptr<DeviceCollective> join_device_collective(Collective& instance, int device);
 
 // Throws as require_device does.
 std::unique_ptr<ModelForward> make_forward(const LlamaModel& model, const cpu::KernelTable& kernels,

@@ -10,6 +10,8 @@
 #include "kernels/cuda/check.h"
 
 namespace duet {
+static_assert(sizeof(ncclUniqueId) == NcclCollective::kUniqueIdBytes);
+
 namespace {
 
 ncclComm_t as_comm(void* comm) { return static_cast<ncclComm_t>(comm); }

@@ -34,6 +34,7 @@ class NcclCollective final : public DeviceCollective {
  public:
   // A new NCCL unique id (ncclGetUniqueId) as bytes, for every rank's
   // constructor. Call it once per communicator, on one rank.
+  static constexpr size_t kUniqueIdBytes = 128;  // sizeof(ncclUniqueId)
   static std::vector<std::byte> unique_id();
 
   // Rank `rank` of `size`, on CUDA device `device`: makes `device` the

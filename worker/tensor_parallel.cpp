@@ -2,14 +2,16 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 
 #include "common/error.h"
-#include "worker/llama_forward.h"
+#include "worker/model_forward.h"
 #include "worker/tp_shard.h"
 
 namespace duet {
@@ -123,7 +125,8 @@ void tp_send_rows(KvTransport& transport, const LlamaModel& model, RequestId id,
 
 // ------------------------------------------------------------------ leader
 
-TpLeader::TpLeader(Collective& collective) : collective_(collective) {
+TpLeader::TpLeader(Collective& collective, DeviceCollective* device_collective)
+    : collective_(collective), device_collective_(device_collective) {
   DUET_REQUIRE(collective.rank() == 0 && collective.size() >= 2,
                "a tensor-parallel leader is rank 0 of two or more, not {} of {}", collective.rank(),
                collective.size());
@@ -232,12 +235,16 @@ constexpr auto kOutcomeGrace = std::chrono::seconds(10);
 class Follower {
  public:
   Follower(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-           Collective& collective, int64_t n_kv_blocks, KvTransport* transport)
+           Collective& collective, int64_t n_kv_blocks, KvTransport* transport,
+           const TpFollowerPlacement& placement)
       : model_(model),
         collective_(collective),
         transport_(transport),
         cache_(model.kv_layout(n_kv_blocks)),
-        forward_(model, kernels, pool, cpu::AttentionOrder::kBatchInvariant, &collective) {
+        forward_(make_forward(model, kernels, pool,
+                              {placement.device, cpu::AttentionOrder::kBatchInvariant, &collective,
+                               placement.device_collective})) {
+    cache_.set_device_copy(forward_->device_kv(cache_.layout()));
     if (transport_ == nullptr) return;
     KvTransport::Handlers handlers;
     handlers.on_order = [](int peer, const PrefillOrder& order) {
@@ -290,7 +297,16 @@ class Follower {
  private:
   struct Import {
     std::chrono::steady_clock::time_point deadline;
+    std::vector<int32_t> block_table;
+    int64_t send_from = 0, n_prompt = 0;
+    bool device_rows = false;  // every source has a device link: rows land on the GPU
   };
+
+  // Whether every rank of `ranks` moves rows device to device with this one.
+  bool device_links(std::span<const int32_t> ranks) const {
+    return std::all_of(ranks.begin(), ranks.end(),
+                       [this](int32_t rank) { return transport_->device_link(rank); });
+  }
 
   void answer(bool ok) {
     const std::byte mine = ok ? std::byte{1} : std::byte{0};
@@ -318,24 +334,37 @@ class Follower {
       e.n = r.get<int64_t>();
       e.decode_ranks = r.get_array<int32_t>();
     }
-    logits_.resize(logit_rows_.size() * static_cast<size_t>(model_.config().n_vocab));
-    LlamaForward::LayerStored ship;
-    if (!exports_.empty() && transport_ != nullptr) {
+    // Whether a step ships its layers is the leader's choice too (a GPU
+    // forward captures decode graphs only for steps that ship nothing, and
+    // every rank must capture at the same steps).
+    ModelForward::LayerStored ship;
+    if (!exports_.empty()) {
       ship = [this](int64_t layer) {
+        if (transport_ == nullptr) return;
         for (const TpExport& e : exports_) {
+          const std::span<const int32_t> table = sequences_[e.sequence].block_table;
+          // Rows for ranks without a device link leave from the host copy.
+          if (!device_links(e.decode_ranks))
+            forward_->kv_to_host(layer, table, e.pos0, e.n, cache_);
           tp_send_rows(*transport_, model_, e.id, layer, e.pos0, e.n, e.decode_ranks, cache_,
-                       sequences_[e.sequence].block_table);
+                       table);
         }
       };
     }
     // The logits come out here as on the leader (the all-gather); only the
-    // leader samples from them.
-    forward_.run(tokens_, sequences_, cache_, logit_rows_, logits_.data(), ship);
+    // leader samples from them (a GPU forward keeps them on the device).
+    const bool on_device = forward_->samples_on_device();
+    if (!on_device)
+      logits_.resize(logit_rows_.size() * static_cast<size_t>(model_.config().n_vocab));
+    forward_->run(tokens_, sequences_, cache_, logit_rows_, on_device ? nullptr : logits_.data(),
+                  ship);
   }
 
   void expect(const TpImport& import) {
     DUET_ASSERT(transport_ != nullptr, "an import on an instance without a transport");
-    imports_[import.id] = Import{std::chrono::steady_clock::now() + import.timeout};
+    imports_[import.id] =
+        Import{std::chrono::steady_clock::now() + import.timeout, import.block_table,
+               import.send_from, import.n_prompt, device_links(import.prefill_ranks)};
     transport_->expect_import(tp_import_plan(import, model_, cache_));
     answer(true);
   }
@@ -344,9 +373,16 @@ class Follower {
     auto it = imports_.find(id);
     if (it == imports_.end()) return false;
     const auto state = outcomes_.take(id, it->second.deadline + kOutcomeGrace);
+    const Import import = std::move(it->second);
     imports_.erase(it);
     if (!state) spdlog::error("tp follower: request {}: the transport never settled", id.value);
-    return state == ImportOutcomes::State::kComplete;
+    if (state != ImportOutcomes::State::kComplete) return false;
+    // Rows that came through the host staging copy go to the device (GPU only).
+    if (!import.device_rows) {
+      forward_->kv_from_host(import.block_table, import.send_from,
+                             import.n_prompt - import.send_from, cache_);
+    }
+    return true;
   }
 
   void release(RequestId id) {
@@ -362,7 +398,7 @@ class Follower {
   Collective& collective_;
   KvTransport* transport_;
   KvCache cache_;
-  LlamaForward forward_;
+  std::unique_ptr<ModelForward> forward_;
   ImportOutcomes outcomes_;
   std::map<RequestId, Import> imports_;
   // The running step's batch, reused.
@@ -378,8 +414,8 @@ class Follower {
 
 void run_tp_follower(const LlamaModel& model, const cpu::KernelTable& kernels,
                      cpu::ThreadPool& pool, Collective& collective, int64_t n_kv_blocks,
-                     KvTransport* transport) {
-  Follower follower(model, kernels, pool, collective, n_kv_blocks, transport);
+                     KvTransport* transport, const TpFollowerPlacement& placement) {
+  Follower follower(model, kernels, pool, collective, n_kv_blocks, transport, placement);
   follower.run();
 }
 

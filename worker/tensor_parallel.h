@@ -34,6 +34,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 #include "worker/collective.h"
+#include "worker/device_collective.h"
 #include "worker/engine.h"
 #include "worker/kv_transport.h"
 #include "worker/llama_model.h"
@@ -71,12 +72,15 @@ void tp_send_rows(KvTransport& transport, const LlamaModel& model, RequestId id,
 
 class TpLeader final {
  public:
-  // Rank 0 of `collective` (outlives this object), of two ranks or more.
-  explicit TpLeader(Collective& collective);
+  // Rank 0 of `collective` (outlives this object), of two ranks or more;
+  // `device_collective`: the same ranks on their GPUs (NCCL) when the
+  // instance runs there (outlives this object), else null.
+  explicit TpLeader(Collective& collective, DeviceCollective* device_collective = nullptr);
   TpLeader(const TpLeader&) = delete;
   TpLeader& operator=(const TpLeader&) = delete;
 
   Collective& collective() { return collective_; }
+  DeviceCollective* device_collective() { return device_collective_; }
 
   void step(const ForwardBatch& batch, std::span<const TpExport> exports);
   // Returns once every follower has registered the import.
@@ -93,15 +97,24 @@ class TpLeader final {
   std::vector<std::byte> gather_answers();
 
   Collective& collective_;
+  DeviceCollective* const device_collective_;
   std::vector<std::byte> message_;  // reused
+};
+
+// Where a follower runs: the CPU (device -1), or CUDA device `device` with
+// the instance's device collective.
+struct TpFollowerPlacement {
+  int device = -1;
+  DeviceCollective* device_collective = nullptr;
 };
 
 // A follower's whole life in the instance: builds its cache (n_kv_blocks,
 // as the leader's) and forward pass, then obeys the leader until stop.
 // `transport` (null when the instance has no peers) is this rank's, its
-// handlers taken over for the follower's imports.
+// handlers taken over for the follower's imports. On a GPU the host cache
+// is the staging copy of the device's, as the leader's engine keeps it.
 void run_tp_follower(const LlamaModel& model, const cpu::KernelTable& kernels,
                      cpu::ThreadPool& pool, Collective& collective, int64_t n_kv_blocks,
-                     KvTransport* transport);
+                     KvTransport* transport, const TpFollowerPlacement& placement = {});
 
 }  // namespace duet

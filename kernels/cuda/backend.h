@@ -113,6 +113,9 @@ class CudaBackend {
   // Device scratch shared by ops within one op call (dequantized weight
   // tiles, converted activations). Valid until the next scratch() call.
   void* scratch(size_t bytes);
+  // Grows the scratch to `bytes` now (nothing when it has them), so that
+  // later scratch() calls of up to `bytes` never move it.
+  void reserve_scratch(size_t bytes) { scratch(bytes); }
   // Counts the times scratch() moved its buffer: a graph captured over the
   // scratch is stale once this changes.
   int64_t scratch_generation() const { return scratch_generation_; }

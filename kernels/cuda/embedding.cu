@@ -14,10 +14,14 @@ __device__ __forceinline__ float half_bits(uint16_t bits) {
 // One thread block per token, threads over the row's elements.
 __global__ void embed_kernel(DType type, const uint8_t* __restrict__ quants,
                              const uint16_t* __restrict__ scales, const uint16_t* __restrict__ mins,
-                             int64_t k, const int32_t* __restrict__ tokens,
-                             float* __restrict__ out) {
-  const int64_t row = tokens[blockIdx.x];
+                             int64_t k, int64_t first_row, int64_t n_rows,
+                             const int32_t* __restrict__ tokens, float* __restrict__ out) {
+  const int64_t row = tokens[blockIdx.x] - first_row;
   float* o = out + static_cast<int64_t>(blockIdx.x) * k;
+  if (row < 0 || row >= n_rows) {  // another rank's vocabulary slice
+    for (int64_t e = threadIdx.x; e < k; e += blockDim.x) o[e] = 0.0f;
+    return;
+  }
   for (int64_t e = threadIdx.x; e < k; e += blockDim.x) {
     const int64_t index = row * k + e;
     const int64_t b = index / kQuantBlock, j = index % kQuantBlock;
@@ -47,10 +51,11 @@ __global__ void embed_kernel(DType type, const uint8_t* __restrict__ quants,
 }  // namespace
 
 void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, float* out,
-                CudaBackend& backend) {
+                CudaBackend& backend, int64_t first_row) {
   if (n == 0) return;
   embed_kernel<<<static_cast<unsigned>(n), 256, 0, static_cast<cudaStream_t>(backend.stream())>>>(
-      table.type, table.quants, table.scales, table.mins, table.k, tokens, out);
+      table.type, table.quants, table.scales, table.mins, table.k, first_row, table.n_out, tokens,
+      out);
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -289,6 +289,14 @@ void matmul_gemv(const DeviceWeight& w, const float* x, int64_t n_x, float* y, i
   }
 }
 
+size_t gemm_scratch_bound(int64_t k, int64_t n_out, int64_t n_x) {
+  // As matmul_gemm lays it out: a tile of max(1, min(n_out', kTileElements /
+  // k')) rows of k' is at most max(k', min(n_out' * k', kTileElements)) elements.
+  const size_t x_bytes = (static_cast<size_t>(n_x * k) * sizeof(__half) + 255) / 256 * 256;
+  const int64_t tile = std::max(k, std::min(n_out * k, kTileElements));
+  return x_bytes + static_cast<size_t>(tile) * sizeof(__half);
+}
+
 void matmul_gemm(const DeviceWeight& w, const float* x, int64_t n_x, float* y, int64_t ldy,
                  CudaBackend& backend) {
   const int64_t k = w.k;

@@ -30,6 +30,12 @@ void matmul_gemv(const DeviceWeight& w, const float* x, int64_t n_x, float* y, i
 void matmul_gemm(const DeviceWeight& w, const float* x, int64_t n_x, float* y, int64_t ldy,
                  CudaBackend& backend);
 
+// Scratch bytes enough for matmul_gemm of n_x rows by any weight of at most
+// k columns and n_out rows, whatever its type (the larger batches' F16
+// activations and dequantized tile). A caller that reserves this up front
+// (CudaBackend::reserve_scratch) keeps the scratch from moving during a step.
+size_t gemm_scratch_bound(int64_t k, int64_t n_out, int64_t n_x);
+
 // Dequantizes rows [row0, row0 + n_rows) of w into out (n_rows, k) F16
 // (IEEE half bits), device memory, 16-byte aligned.
 void dequantize_f16(const DeviceWeight& w, int64_t row0, int64_t n_rows, uint16_t* out,

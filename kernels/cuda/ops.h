@@ -12,10 +12,19 @@
 
 namespace duet::cuda {
 
-// out (n, table.k) = rows tokens[0..n) of the table, dequantized. Token ids
-// must be inside the table (the caller checks them on the host).
+// out (n, table.k) = rows tokens[0..n) of the table, dequantized, where the
+// table holds the vocabulary's rows [first_row, first_row + table.n_out) (a
+// tensor-parallel rank's slice); the rows of tokens outside it are zeros.
 void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, float* out,
-                CudaBackend& backend);
+                CudaBackend& backend, int64_t first_row = 0);
+
+// Vocabulary-parallel logits laid out row by row: `slices` holds n_slices
+// blocks of (n_rows, stride), slice s the columns [s * stride, s * stride +
+// stride) of every row (an all-gather's result, the last slice padded); out
+// (n_rows, n_cols) takes each row's n_cols columns from them. The twin of
+// the loop closing LlamaForward's head.
+void assemble_slices(const float* slices, int64_t n_slices, int64_t n_rows, int64_t stride,
+                     int64_t n_cols, float* out, CudaBackend& backend);
 
 // Twin of cpu::rms_norm (the sum of squares in F64, in another order); out may alias x.
 void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,

@@ -110,6 +110,51 @@ TEST(KvLinkPairs, APlacementTableTooShortIsRefused) {
   EXPECT_THROW(nccl_pairs(spec, placements), Error);
 }
 
+// A tensor-parallel instance's NCCL communicator needs one GPU per rank.
+InstanceSpec tp_instance(std::vector<int> ranks) {
+  InstanceSpec instance;
+  instance.id = 1;
+  instance.tp = static_cast<int>(ranks.size());
+  for (int r : ranks) instance.ranks.push_back(Rank{r});
+  return instance;
+}
+
+TEST(GpuPerRank, DistinctGpusAndCpuRanksPass) {
+  const std::vector<RankPlacement> placements = {
+      cpu("a"), gpu("a", 0, "G0"), gpu("a", 1, "G1"), gpu("b", 0, "G2"), cpu("a"), cpu("a")};
+  EXPECT_NO_THROW(require_gpu_per_rank(tp_instance({1, 2, 3}), placements));
+  EXPECT_NO_THROW(require_gpu_per_rank(tp_instance({4, 5}), placements));  // the CPU
+  EXPECT_NO_THROW(require_gpu_per_rank(tp_instance({1}), placements));
+}
+
+TEST(GpuPerRank, TwoRanksOnOneGpuAreRefusedByName) {
+  // Ranks 1 and 3 see one GPU under different indices (CUDA_VISIBLE_DEVICES).
+  const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("a", 1, "G1"),
+                                                 gpu("a", 2, "G0")};
+  try {
+    require_gpu_per_rank(tp_instance({1, 2, 3}), placements);
+    FAIL() << "two ranks on GPU G0 passed";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ranks 1 and 3"), std::string::npos) << what;
+    EXPECT_NE(what.find("one GPU per rank"), std::string::npos) << what;
+  }
+  // Without UUIDs the device index decides, on one host only.
+  const std::vector<RankPlacement> bare = {cpu("a"), gpu("a", 0, ""), gpu("a", 0, ""),
+                                           gpu("b", 0, "")};
+  EXPECT_THROW(require_gpu_per_rank(tp_instance({1, 2}), bare), Error);
+  EXPECT_NO_THROW(require_gpu_per_rank(tp_instance({2, 3}), bare));
+}
+
+TEST(GpuPerRank, SameGpuNeedsOneHostAndTwoGpuSides) {
+  EXPECT_TRUE(same_gpu(gpu("a", 0, "G0"), gpu("a", 3, "G0")));
+  EXPECT_FALSE(same_gpu(gpu("a", 0, "G0"), gpu("a", 0, "G1")));
+  EXPECT_FALSE(same_gpu(gpu("a", 0, ""), gpu("b", 0, "")));
+  EXPECT_FALSE(same_gpu(cpu("a"), cpu("a")));
+  EXPECT_FALSE(same_gpu(cpu("a"), gpu("a", 0, "G0")));
+}
+
 TEST(PlacementRecord, RoundTrips) {
   for (const RankPlacement& p :
        {cpu("node-17.cluster"), gpu("h", 3, "GPU-5e2a1c3d-0f4b-7a6e-9c8d-112233445566"), cpu(""),

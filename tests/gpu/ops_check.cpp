@@ -1,6 +1,8 @@
 // Every element-wise and row-wise CUDA op (kernels/cuda/ops.h) against its
 // CPU twin on the same inputs: embedding rows of every weight type, RMSNorm,
-// RoPE (both styles, with and without frequency divisors), SwiGLU and adds.
+// RoPE (both styles, with and without frequency divisors), SwiGLU and adds;
+// and the two tensor-parallel layouts: a vocabulary slice's embedding rows
+// (zeros for the other ranks' tokens) and the gathered logits reassembled.
 #include <algorithm>
 #include <random>
 
@@ -51,6 +53,55 @@ void check_embedding(cuda::CudaBackend& backend) {
     expect_close(dtype_name(type).data(), to_host<float>(out, want.size(), backend), want,
                  tolerance);
   }
+}
+
+// A rank's slice of the table: its tokens' rows as in the whole table, the
+// others' zeros (the all-reduce over ranks then adds exactly one row).
+void check_embedding_slice(cuda::CudaBackend& backend) {
+  const int64_t k = 256, n_vocab = 300, first = 150, n_slice = 100;
+  const std::vector<float> table = random_floats(static_cast<size_t>(k * n_vocab), 11);
+  const DType type = DType::kQ8_0;
+  const size_t row_bytes = dtype_row_bytes(type, k);
+  std::vector<uint8_t> stored(row_bytes * n_vocab);
+  for (int64_t r = 0; r < n_vocab; ++r)
+    cpu::quantize_row(type, table.data() + r * k, stored.data() + r * row_bytes, k);
+  const std::vector<int32_t> tokens = {0, 149, 150, 249, 250, 299, 200};
+  const auto n = static_cast<int64_t>(tokens.size());
+  std::vector<float> want(static_cast<size_t>(n * k), 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] >= first && tokens[i] < first + n_slice)
+      cpu::dequantize_row(type, stored.data() + tokens[i] * row_bytes, want.data() + i * k, k);
+  }
+  const cuda::DeviceWeight weight = cuda::upload_weight(
+      cpu::make_weight_matrix(type, stored.data() + first * row_bytes, k, n_slice), backend);
+  const cuda::DeviceBuffer d_tokens = to_device(tokens, backend);
+  cuda::DeviceBuffer out(want.size() * sizeof(float));
+  cuda::embed_rows(weight, d_tokens.as<int32_t>(), n, out.as<float>(), backend, first);
+  expect_close("slice [150, 250) of 300 rows", to_host<float>(out, want.size(), backend), want,
+               0.0);
+}
+
+// Three ranks' logit slices of 4 rows, stride 34 over a vocabulary of 100
+// (the last slice 32 wide, padded): every element lands where the CPU's
+// head puts it.
+void check_assemble_slices(cuda::CudaBackend& backend) {
+  const int64_t n_slices = 3, n_rows = 4, stride = 34, n_cols = 100;
+  const std::vector<float> slices =
+      random_floats(static_cast<size_t>(n_slices * n_rows * stride), 12);
+  std::vector<float> want(static_cast<size_t>(n_rows * n_cols));
+  for (int64_t s = 0; s < n_slices; ++s) {
+    const int64_t count = std::min(stride, n_cols - s * stride);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      std::copy_n(slices.data() + (s * n_rows + i) * stride, count,
+                  want.data() + i * n_cols + s * stride);
+    }
+  }
+  const cuda::DeviceBuffer d_slices = to_device(slices, backend);
+  cuda::DeviceBuffer out(want.size() * sizeof(float));
+  cuda::assemble_slices(d_slices.as<float>(), n_slices, n_rows, stride, n_cols, out.as<float>(),
+                        backend);
+  expect_close("3 slices of (4, 34) into (4, 100)", to_host<float>(out, want.size(), backend), want,
+               0.0);
 }
 
 void check_rms_norm(cuda::CudaBackend& backend) {
@@ -131,6 +182,9 @@ int main() {
   cuda::CudaBackend backend(0);
   std::printf("device: %s\n", backend.name().c_str());
   gpu_check::run_case("embedding rows, every weight type", [&] { check_embedding(backend); });
+  gpu_check::run_case("embedding rows of a vocabulary slice",
+                      [&] { check_embedding_slice(backend); });
+  gpu_check::run_case("logit slices assembled", [&] { check_assemble_slices(backend); });
   gpu_check::run_case("rms_norm", [&] { check_rms_norm(backend); });
   gpu_check::run_case("rope", [&] { check_rope(backend); });
   gpu_check::run_case("silu_mul, add_in_place, add_bias", [&] { check_silu_mul_and_add(backend); });

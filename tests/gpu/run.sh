@@ -3,7 +3,8 @@
 # other package needed, no network): a 10-second probe of the GPU, a
 # CUDA-only build (-DDUET_CUDA_ONLY=ON: the core, the kernels, the model and
 # these checks), the op-consistency checks (every CUDA op against its CPU
-# twin), the end-to-end model check (GPU against CPU), and the GPU benchmark.
+# twin), the end-to-end model check (GPU against CPU), the KV channels, tensor
+# parallelism over NCCL (two GPUs or more), and the GPU benchmark.
 # Logs and a JSON summary (summary.json) go into the folder given.
 #
 #   tests/gpu/run.sh OUT_DIR
@@ -78,6 +79,7 @@ run_check nccl tests/gpu/cuda_nccl_check
 run_check model tests/gpu/cuda_model_check
 run_check nccl_kv tests/gpu/cuda_nccl_kv_check
 run_check ipc_kv tests/gpu/cuda_ipc_kv_check
+run_check tp tests/gpu/cuda_tp_check
 
 # 4. The benchmark.
 bench_args=(--json "$out/bench.json")
@@ -90,14 +92,16 @@ run_check bench tests/gpu/duet-cuda-bench "${bench_args[@]}"
   printf '{\n  "seconds": %d,\n  "model": "%s",\n  "steps": {' $(($(date +%s) - start)) \
     "$([ -f "$model" ] && basename "$model" || echo absent)"
   sep=""
-  for step in probe build ops matmul attention kv_rows sampling nccl model nccl_kv ipc_kv bench; do
+  for step in probe build ops matmul attention kv_rows sampling nccl model nccl_kv ipc_kv tp bench; do
     printf '%s\n    "%s": "%s"' "$sep" "$step" "${status[$step]:-not-run}"
     sep=","
   done
   printf '\n  },\n  "bench": %s\n}\n' "$([ -s "$out/bench.json" ] && cat "$out/bench.json" || echo null)"
 } >"$out/summary.json"
 say "summary: $out/summary.json"
-for step in probe build ops matmul attention kv_rows sampling nccl model nccl_kv ipc_kv bench; do
+for step in probe build ops matmul attention kv_rows sampling nccl model nccl_kv ipc_kv tp bench; do
+  # tp skips on a machine with one GPU (it needs one per rank)
+  [ "$step" = tp ] && [ "${status[$step]:-}" = skipped ] && continue
   case ${status[$step]:-not-run} in ok | passed) ;; *) exit 1 ;; esac
 done
 exit 0

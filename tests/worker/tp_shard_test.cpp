@@ -5,12 +5,16 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <filesystem>
 #include <numeric>
 #include <vector>
 
 #include "common/error.h"
+#include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
 #include "worker/kv_rows.h"
+#include "worker/llama_forward.h"
 #include "worker/llama_model.h"
 
 namespace duet {
@@ -187,6 +191,47 @@ TEST(TpShardTest, FeedForwardGroupsSplitEvenlyForEveryTpSize) {
       }
     }
   }
+}
+
+// The GPU checks' own models (tests/fixtures/tiny_gpu, head_dim 64): each
+// loads and runs on the CPU (its logits finite and not flat), and splits in
+// two shards of one KV head, half the feed-forward and half the vocabulary
+// each (tests/gpu/tp_check.cpp runs them so on two GPUs).
+TEST(TpShardTest, TheGpuFixturesRunAndSplitInTwo) {
+  int n_models = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(testing::fixture_path("fixtures/tiny_gpu"))) {
+    if (entry.path().extension() != ".gguf") continue;
+    ++n_models;
+    SCOPED_TRACE(entry.path().filename().string());
+    const std::unique_ptr<LlamaModel> whole = LlamaModel::load(entry.path());
+    const ModelConfig& c = whole->config();
+    EXPECT_EQ(c.head_dim, 64);
+    cpu::ThreadPool pool(1);
+    LlamaForward forward(*whole, cpu::kernel_table(cpu::best_isa()), pool,
+                         cpu::AttentionOrder::kBatchInvariant);
+    KvCache cache(whole->kv_layout(4));
+    const std::vector<int32_t> tokens = {3, 40, 77, 120, 200, 298, 5, 64};
+    const std::vector<int32_t> table = {0, 1, 2, 3};
+    const ForwardSequence sequence{table, 0, static_cast<int64_t>(tokens.size())};
+    const int64_t last = sequence.n_tokens - 1;
+    std::vector<float> logits(static_cast<size_t>(c.n_vocab));
+    forward.run(tokens, {&sequence, 1}, cache, {&last, 1}, logits.data());
+    const auto [low, high] = std::minmax_element(logits.begin(), logits.end());
+    EXPECT_TRUE(
+        std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); }));
+    EXPECT_GT(*high - *low, 1.0f);
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::unique_ptr<LlamaModel> shard =
+          LlamaModel::load(entry.path(), TpPlacement{rank, 2});
+      const TpShard& s = shard->shard();
+      EXPECT_EQ(s.n_kv_heads(), 1);
+      EXPECT_EQ(s.n_heads(), c.n_heads / 2);
+      EXPECT_EQ(s.n_ff(), c.n_ff / 2);
+      EXPECT_EQ(s.vocab_begin, rank * ((c.n_vocab + 1) / 2));
+    }
+  }
+  EXPECT_EQ(n_models, 2);
 }
 
 }  // namespace
