@@ -70,6 +70,14 @@ if(NOT EXISTS /dev/nvidia0)
       --model ${PROJECT_SOURCE_DIR}/tests/fixtures/tiny/tiny_q4_1_gqa_tied.gguf
       --prefill 1 --decode 1 --rpc-port 0 --http-port 0 --threads 1 --device cuda)
   set_tests_properties(mpi_serve_device_refused PROPERTIES LABELS mpi TIMEOUT 90)
+  # The same for a tensor-parallel decode instance: both of its ranks refuse
+  # before they would join an NCCL communicator, and nothing waits for them.
+  add_test(NAME mpi_serve_tp_device_refused
+    COMMAND ${DUET_EXPECT_SAME_ERROR} 1 "could not start: --device cuda:0 asked for a GPU"
+      60 ${DUET_MPIRUN} -np 4 $<TARGET_FILE:duet> serve
+      --model ${PROJECT_SOURCE_DIR}/tests/fixtures/tiny/tiny_q4_1_gqa_tied.gguf
+      --prefill 1 --decode 1 --decode-tp 2 --rpc-port 0 --http-port 0 --threads 1 --device cuda)
+  set_tests_properties(mpi_serve_tp_device_refused PROPERTIES LABELS mpi TIMEOUT 90)
 endif()
 
 # `duet serve` as a colocated cluster (coordinator + 2 instances) against the
