@@ -33,6 +33,7 @@
 
 #include "common/error.h"
 #include "kernels/cuda/backend.h"
+#include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
 #include "worker/cuda_forward.h"
@@ -42,6 +43,8 @@
 
 namespace duet {
 namespace {
+
+using gpu_check::blocks_from;
 
 constexpr int kPrefillRank = 0;
 constexpr int kDecodeRank = 1;
@@ -97,12 +100,6 @@ std::vector<int32_t> prompt_for(const LlamaModel& model) {
   return prompt;
 }
 
-std::vector<int32_t> blocks_from(int32_t first, int64_t n) {
-  std::vector<int32_t> table(static_cast<size_t>(n));
-  std::iota(table.begin(), table.end(), first);
-  return table;
-}
-
 KvLayout burst_layout() {
   KvLayout layout;
   layout.n_layers = 1;
@@ -111,22 +108,6 @@ KvLayout burst_layout() {
   layout.block_size = 16;
   layout.n_blocks = 128;  // 2048 positions: 8 MiB of K and V
   return layout;
-}
-
-// Greedy decode on the GPU from `tokens` (the prompt and the first token),
-// its KV of the prompt in `table`.
-std::vector<int32_t> greedy_decode(CudaForward& forward, KvCache& staging,
-                                   std::span<const int32_t> table, std::vector<int32_t> tokens) {
-  const DeviceSampling greedy;
-  for (int64_t step = 0; step < kSteps; ++step) {
-    const ForwardSequence one{table, static_cast<int64_t>(tokens.size()) - 1, 1};
-    const int64_t row = 0;
-    forward.run({&tokens.back(), 1}, {&one, 1}, staging, {&row, 1}, nullptr);
-    int32_t next = 0;
-    forward.sample({&greedy, 1}, {&next, 1});
-    tokens.push_back(next);
-  }
-  return tokens;
 }
 
 // ---------------------------------------------------------------- the prefill process
@@ -238,7 +219,8 @@ int run_decode(int fd, int result_fd) {
   }
   DUET_REQUIRE(layers == model->config().n_layers, "{} layers arrived of {}", layers,
                model->config().n_layers);
-  const std::vector<int32_t> decoded = greedy_decode(forward, staging, table, tokens);
+  const std::vector<int32_t> decoded =
+      gpu_check::greedy_decode(forward, staging, {&table, 1}, {tokens}, kSteps, false)[0];
 
   // The burst, timed from the first header to the last payload in place.
   const KvLayout big = burst_layout();
@@ -362,7 +344,8 @@ int main() {
     int32_t first = 0;
     forward.sample({&greedy, 1}, {&first, 1});
     tokens.push_back(first);
-    const std::vector<int32_t> alone = greedy_decode(forward, staging, table, tokens);
+    const std::vector<int32_t> alone =
+        gpu_check::greedy_decode(forward, staging, {&table, 1}, {tokens}, kSteps, false)[0];
     size_t same = 0;
     while (same < alone.size() && same < decoded.size() && alone[same] == decoded[same]) ++same;
     std::printf("    %zu of %zu tokens equal (prompt %zu, then %lld generated)\n", same,

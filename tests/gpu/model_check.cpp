@@ -28,6 +28,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
+#include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
 #include "worker/cuda_forward.h"
@@ -36,23 +37,17 @@
 namespace duet {
 namespace {
 
+using gpu_check::argmax;
+using gpu_check::blocks_from;
+using gpu_check::common_prefix;
 using gpu_check::expect_close;
 using gpu_check::fail;
+using gpu_check::greedy_decode;
+using gpu_check::kNearTie;
+using gpu_check::teacher_forced;
 
-constexpr float kNearTie = 0.1f;  // top-two logit margin under which argmaxes may differ
 constexpr int64_t kSteps = 48;
 constexpr int64_t kBlocks = 64;
-
-int32_t argmax(std::span<const float> row) {
-  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
-}
-
-// Block table of `n_blocks` blocks from `first` on.
-std::vector<int32_t> blocks_from(int32_t first, int64_t n_blocks) {
-  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
-  std::iota(table.begin(), table.end(), first);
-  return table;
-}
 
 struct CpuRun {
   std::vector<int32_t> tokens;  // prompt then the greedy path
@@ -88,19 +83,6 @@ CpuRun cpu_greedy(const LlamaModel& model, KvCache& cache, std::span<const int32
   return run;
 }
 
-// The GPU's logits for every position of `tokens` in one prefill.
-std::vector<float> gpu_teacher_forced(CudaForward& gpu, KvCache& staging,
-                                      std::span<const int32_t> table,
-                                      const std::vector<int32_t>& tokens, int64_t n_vocab) {
-  const auto n = static_cast<int64_t>(tokens.size());
-  std::vector<int64_t> rows(static_cast<size_t>(n));
-  std::iota(rows.begin(), rows.end(), 0);
-  std::vector<float> logits(static_cast<size_t>(n * n_vocab));
-  const ForwardSequence whole{table, 0, n};
-  gpu.run(tokens, {&whole, 1}, staging, rows, logits.data());
-  return logits;
-}
-
 // Compares the teacher-forced rows with the CPU's; counts argmax
 // differences that are not near-ties as failures.
 void compare_logits(const char* what, const std::vector<float>& gpu, const CpuRun& cpu,
@@ -134,47 +116,6 @@ void compare_logits(const char* what, const std::vector<float>& gpu, const CpuRu
     fail("%s: %lld argmax difference(s) beyond near-ties", what, static_cast<long long>(flips));
 }
 
-// Greedy decode on the GPU from a prefilled prompt; returns the tokens.
-std::vector<int32_t> gpu_greedy_decode(CudaForward& gpu, KvCache& staging,
-                                       std::span<const std::vector<int32_t>> tables,
-                                       std::vector<std::vector<int32_t>> tokens, int64_t steps,
-                                       bool prefill) {
-  const auto n_seq = static_cast<int64_t>(tables.size());
-  std::vector<int64_t> all(static_cast<size_t>(n_seq));
-  std::iota(all.begin(), all.end(), 0);
-  std::vector<DeviceSampling> greedy(static_cast<size_t>(n_seq));
-  std::vector<int32_t> next(static_cast<size_t>(n_seq));
-  if (prefill) {
-    for (int64_t s = 0; s < n_seq; ++s) {
-      const auto n = static_cast<int64_t>(tokens[s].size());
-      const ForwardSequence seq{tables[s], 0, n};
-      const int64_t last = n - 1;
-      gpu.run(tokens[s], {&seq, 1}, staging, {&last, 1}, nullptr);
-      gpu.sample({&greedy[0], 1}, {&next[s], 1});
-      tokens[s].push_back(next[s]);
-    }
-  }
-  for (int64_t step = 0; step < steps; ++step) {
-    std::vector<ForwardSequence> seqs;
-    std::vector<int32_t> batch;
-    for (int64_t s = 0; s < n_seq; ++s) {
-      seqs.push_back({tables[s], static_cast<int64_t>(tokens[s].size()) - 1, 1});
-      batch.push_back(tokens[s].back());
-    }
-    gpu.run(batch, seqs, staging, all, nullptr);
-    gpu.sample(greedy, next);
-    for (int64_t s = 0; s < n_seq; ++s) tokens[s].push_back(next[s]);
-  }
-  return tokens[0];
-}
-
-// How many tokens two paths share from the start.
-size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
-  size_t i = 0;
-  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
-  return i;
-}
-
 void check_default_model(const std::filesystem::path& path, cpu::ThreadPool& pool) {
   auto model = LlamaModel::load(path);
   const int64_t n_vocab = model->config().n_vocab;
@@ -190,13 +131,13 @@ void check_default_model(const std::filesystem::path& path, cpu::ThreadPool& poo
               static_cast<double>(gpu.weight_bytes()) / (1 << 20));
   // Teacher-forced: the CPU's path in one GPU prefill (the last token predicts nothing).
   const std::vector<int32_t> forced(cpu.tokens.begin(), cpu.tokens.end() - 1);
-  const std::vector<float> logits = gpu_teacher_forced(gpu, staging, table, forced, n_vocab);
+  const std::vector<float> logits = teacher_forced(gpu, staging, table, forced, n_vocab);
   compare_logits("teacher-forced", logits, cpu, n_vocab, 5e-2, 1e-2);
 
   // The GPU's own greedy path follows the CPU's up to a near-tie.
   const std::vector<std::vector<int32_t>> tables = {blocks_from(8, 8)};
   const std::vector<int32_t> gpu_path =
-      gpu_greedy_decode(gpu, staging, tables, {prompt}, kSteps - 1, true);
+      greedy_decode(gpu, staging, tables, {prompt}, kSteps - 1, true)[0];
   const size_t same = common_prefix(gpu_path, cpu.tokens);
   std::printf("    greedy decode: %zu of %zu generated tokens as on the CPU\n",
               same - prompt.size(), cpu.tokens.size() - prompt.size());
@@ -211,16 +152,16 @@ void check_default_model(const std::filesystem::path& path, cpu::ThreadPool& poo
 
   // Graphs and batching change no bit of a decode step.
   gpu.set_use_graphs(false);
-  const std::vector<int32_t> eager = gpu_greedy_decode(gpu, staging, tables, {prompt}, 8, true);
+  const std::vector<int32_t> eager = greedy_decode(gpu, staging, tables, {prompt}, 8, true)[0];
   gpu.set_use_graphs(true);
-  const std::vector<int32_t> graphed = gpu_greedy_decode(gpu, staging, tables, {prompt}, 8, true);
+  const std::vector<int32_t> graphed = greedy_decode(gpu, staging, tables, {prompt}, 8, true)[0];
   GPU_EXPECT(eager == graphed);
   GPU_EXPECT(gpu.graph_launches() > 0);
   const std::vector<std::vector<int32_t>> four = {blocks_from(8, 8), blocks_from(16, 8),
                                                   blocks_from(24, 8), blocks_from(32, 8)};
   const std::vector<int32_t> other = {1, 504, 3458, 282, 4649};
   const std::vector<int32_t> batched =
-      gpu_greedy_decode(gpu, staging, four, {prompt, other, other, prompt}, 8, true);
+      greedy_decode(gpu, staging, four, {prompt, other, other, prompt}, 8, true)[0];
   GPU_EXPECT(batched == eager);
   std::printf("    graphs: %lld batch size(s) captured, %lld replays; batch of 4 = alone: %s\n",
               static_cast<long long>(gpu.n_graphs()), static_cast<long long>(gpu.graph_launches()),
@@ -255,7 +196,7 @@ void check_default_model(const std::filesystem::path& path, cpu::ThreadPool& poo
   imported.push_back(cpu.tokens[prompt.size()]);  // the first token, sampled by the CPU
   const std::vector<std::vector<int32_t>> fresh_tables = {fresh};
   const std::vector<int32_t> continued =
-      gpu_greedy_decode(gpu, staging, fresh_tables, {imported}, kSteps - 2, false);
+      greedy_decode(gpu, staging, fresh_tables, {imported}, kSteps - 2, false)[0];
   const size_t agree = common_prefix(continued, cpu.tokens);
   std::printf("    CPU prefill -> GPU decode: %zu of %zu tokens as on the CPU\n",
               agree - prompt.size(), cpu.tokens.size() - prompt.size());
@@ -294,7 +235,7 @@ void check_tiny_model(const std::filesystem::path& path, cpu::ThreadPool& pool) 
   CudaForward& gpu = *made;
   const CpuRun cpu = cpu_greedy(*model, cpu_cache, table, prompt, 16, pool);
   const std::vector<int32_t> forced(cpu.tokens.begin(), cpu.tokens.end() - 1);
-  const std::vector<float> logits = gpu_teacher_forced(gpu, staging, table, forced, n_vocab);
+  const std::vector<float> logits = teacher_forced(gpu, staging, table, forced, n_vocab);
   compare_logits(path.filename().c_str(), logits, cpu, n_vocab, 5e-2, 2e-2);
 }
 

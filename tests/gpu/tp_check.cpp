@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
 #include "worker/cuda_forward.h"
@@ -30,72 +31,22 @@
 namespace duet {
 namespace {
 
+using gpu_check::argmax;
+using gpu_check::blocks_from;
+using gpu_check::common_prefix;
 using gpu_check::fail;
+using gpu_check::greedy_decode;
+using gpu_check::kNearTie;
+using gpu_check::teacher_forced;
 
-constexpr float kNearTie = 0.1f;  // top-two logit margin under which argmaxes may differ
 constexpr int64_t kSteps = 24;
 constexpr int64_t kBlocks = 32;
-
-int32_t argmax(std::span<const float> row) {
-  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
-}
-
-std::vector<int32_t> blocks_from(int32_t first, int64_t n_blocks) {
-  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
-  std::iota(table.begin(), table.end(), first);
-  return table;
-}
 
 std::vector<int32_t> prompt_of(int64_t n_vocab, int32_t seed, int32_t n) {
   std::vector<int32_t> prompt;
   for (int32_t i = 0; i < n; ++i)
     prompt.push_back((i * 37 + seed * 101 + 5) % static_cast<int32_t>(n_vocab));
   return prompt;
-}
-
-// Every position's logits of `tokens` in one prefill.
-std::vector<float> teacher_forced(CudaForward& gpu, KvCache& staging,
-                                  std::span<const int32_t> table,
-                                  const std::vector<int32_t>& tokens, int64_t n_vocab) {
-  const auto n = static_cast<int64_t>(tokens.size());
-  std::vector<int64_t> rows(static_cast<size_t>(n));
-  std::iota(rows.begin(), rows.end(), 0);
-  std::vector<float> logits(static_cast<size_t>(n * n_vocab));
-  const ForwardSequence whole{table, 0, n};
-  gpu.run(tokens, {&whole, 1}, staging, rows, logits.data());
-  return logits;
-}
-
-// Greedy decode of every prompt together (prefill one by one, then steps of
-// one row each); returns each sequence's tokens.
-std::vector<std::vector<int32_t>> greedy(CudaForward& gpu, KvCache& staging,
-                                         std::span<const std::vector<int32_t>> tables,
-                                         std::vector<std::vector<int32_t>> tokens, int64_t steps) {
-  const auto n_seq = static_cast<int64_t>(tables.size());
-  std::vector<DeviceSampling> draws(static_cast<size_t>(n_seq));
-  std::vector<int32_t> next(static_cast<size_t>(n_seq));
-  for (int64_t s = 0; s < n_seq; ++s) {
-    const auto n = static_cast<int64_t>(tokens[s].size());
-    const ForwardSequence seq{tables[s], 0, n};
-    const int64_t last = n - 1;
-    gpu.run(tokens[s], {&seq, 1}, staging, {&last, 1}, nullptr);
-    gpu.sample({&draws[0], 1}, {&next[s], 1});
-    tokens[s].push_back(next[s]);
-  }
-  std::vector<int64_t> all(static_cast<size_t>(n_seq));
-  std::iota(all.begin(), all.end(), 0);
-  for (int64_t step = 1; step < steps; ++step) {
-    std::vector<ForwardSequence> seqs;
-    std::vector<int32_t> batch;
-    for (int64_t s = 0; s < n_seq; ++s) {
-      seqs.push_back({tables[s], static_cast<int64_t>(tokens[s].size()) - 1, 1});
-      batch.push_back(tokens[s].back());
-    }
-    gpu.run(batch, seqs, staging, all, nullptr);
-    gpu.sample(draws, next);
-    for (int64_t s = 0; s < n_seq; ++s) tokens[s].push_back(next[s]);
-  }
-  return tokens;
 }
 
 // What one shard's thread produced.
@@ -134,7 +85,7 @@ void check_split(const std::filesystem::path& path, int tp) {
                                                      prompt_of(n_vocab, 2, 13)};
   KvCache whole_staging(whole->kv_layout(kBlocks));
   const std::vector<int32_t> path_tokens =
-      greedy(*reference, whole_staging, {&tables[0], 1}, {prompts[0]}, kSteps)[0];
+      greedy_decode(*reference, whole_staging, {&tables[0], 1}, {prompts[0]}, kSteps - 1, true)[0];
   const std::vector<int32_t> forced_input(path_tokens.begin(), path_tokens.end() - 1);
   const std::vector<float> want =
       teacher_forced(*reference, whole_staging, tables[0], forced_input, n_vocab);
@@ -155,7 +106,7 @@ void check_split(const std::filesystem::path& path, int tp) {
           CudaForward gpu(shard, r, collectives[static_cast<size_t>(r)].get());
           KvCache staging(shard.kv_layout(kBlocks));
           run.forced = teacher_forced(gpu, staging, tables[0], forced_input, n_vocab);
-          run.decoded = greedy(gpu, staging, tables, prompts, kSteps);
+          run.decoded = greedy_decode(gpu, staging, tables, prompts, kSteps - 1, true);
           run.graph_launches = gpu.graph_launches();
         } catch (const std::exception& e) {
           run.error = e.what();
@@ -229,8 +180,7 @@ void check_split(const std::filesystem::path& path, int tp) {
     if (run.graph_launches == 0) fail("tp %d: rank %d never replayed a decode graph", tp, r);
   }
   const std::vector<int32_t>& got = leader.decoded[0];
-  size_t same = 0;
-  while (same < got.size() && same < path_tokens.size() && got[same] == path_tokens[same]) ++same;
+  const size_t same = common_prefix(got, path_tokens);
   std::printf("    tp %d decode: %zu of %zu tokens as the whole model, %lld graph replays\n", tp,
               same, path_tokens.size(), static_cast<long long>(leader.graph_launches));
   if (same < path_tokens.size()) {
