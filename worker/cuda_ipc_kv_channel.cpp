@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "common/error.h"
 #include "kernels/cuda/check.h"
@@ -45,10 +46,16 @@ CudaIpcKvChannel::CudaIpcKvChannel(int device, bool sends, bool receives, Option
         cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventInterprocess));
     send_event_ = event;
   }
-  if (receives) {
-    receive_staging_ = std::make_unique<DeviceStaging>(options_.receive_staging_bytes);
-    receive_tables_ = std::make_unique<TableStaging>(options_.table_entries);
-    stream_ = std::make_unique<DeviceStream>();
+  try {
+    if (receives) {
+      receive_staging_ = std::make_unique<DeviceStaging>(options_.receive_staging_bytes);
+      receive_tables_ = std::make_unique<TableStaging>(options_.table_entries);
+      stream_ = std::make_unique<DeviceStream>();
+    }
+  } catch (...) {
+    // No destructor runs for a constructor that throws: the event is ours to free.
+    if (send_event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(send_event_));
+    throw;
   }
 }
 
@@ -165,10 +172,22 @@ uint64_t CudaIpcKvChannel::receive(int peer, const DeviceRowsTicket& ticket, con
   const auto sender = senders_.find(peer);
   DUET_ASSERT(sender != senders_.end(), "rows from rank {}, whose CUDA IPC handles are not open",
               peer);
+  DUET_ASSERT(kv == nullptr || kv->device == device_,
+              "rows for device {} through a channel of device {}", kv->device, device_);
+  // The ticket comes off the wire: no sum that could wrap.
   DUET_REQUIRE((kv == nullptr || ticket.bytes == payload_bytes(layout, n, heads)) &&
-                   ticket.offset + ticket.bytes <= sender->second.bytes,
+                   ticket.bytes <= sender->second.bytes &&
+                   ticket.offset <= sender->second.bytes - ticket.bytes,
                "rank {}'s payload [{}, +{}) is not its rows' size or outside its staging", peer,
                ticket.offset, ticket.bytes);
+  // What the unpack would refuse later, on the communication thread, is
+  // refused here, before anything is queued.
+  DUET_REQUIRE(kv == nullptr || (layer >= 0 && layer < layout.n_layers && pos0 >= 0 && n >= 0 &&
+                                 heads.first >= 0 && heads.count >= 0 &&
+                                 heads.first + heads.count <= layout.n_kv_heads),
+               "rank {}'s rows (layer {}, [{}, +{}), heads [{}, +{})) are not in a {}-layer, "
+               "{}-head cache",
+               peer, layer, pos0, n, heads.first, heads.count, layout.n_layers, layout.n_kv_heads);
   DUET_REQUIRE(kv == nullptr || ticket.bytes <= receive_staging_->capacity(),
                "a {}-byte KV payload is larger than the {}-byte receive staging", ticket.bytes,
                receive_staging_->capacity());
@@ -207,13 +226,25 @@ bool CudaIpcKvChannel::start(Receipt& r) {
   }
   const Sender& sender = senders_.at(r.peer);
   const auto stream = static_cast<cudaStream_t>(stream_->get());
-  DUET_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(sender.event), 0));
-  DUET_CUDA_CHECK(cudaMemcpyAsync(receive_staging_->at(*offset),
-                                  static_cast<const std::byte*>(sender.staging) + r.ticket.offset,
-                                  r.ticket.bytes, cudaMemcpyDeviceToDevice, stream));
-  cuda::unpack_kv_rows(r.layout, r.kv.data, r.layer, table->device, r.pos0, r.n, r.heads.first,
-                       r.heads.count, receive_staging_->at(*offset), stream);
-  r.done.record(stream);
+  try {
+    DUET_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(sender.event), 0));
+    DUET_CUDA_CHECK(cudaMemcpyAsync(receive_staging_->at(*offset),
+                                    static_cast<const std::byte*>(sender.staging) + r.ticket.offset,
+                                    r.ticket.bytes, cudaMemcpyDeviceToDevice, stream));
+    cuda::unpack_kv_rows(r.layout, r.kv.data, r.layer, table->device, r.pos0, r.n, r.heads.first,
+                         r.heads.count, receive_staging_->at(*offset), stream);
+    r.done.record(stream);
+  } catch (const std::exception& e) {
+    // Its slots go back (what was queued runs first on this one stream) and
+    // it completes not ok, so that the receipts behind it are not stuck.
+    receive_staging_->release(*offset);
+    receive_tables_->release(table->offset);
+    notes_.push_back(format("rows from rank {} could not be copied: {}", r.peer, e.what()));
+    r.kv = {};
+    r.ok = false;
+    r.started = true;
+    return true;
+  }
   r.staging_offset = *offset;
   r.table_offset = table->offset;
   r.started = true;
@@ -235,13 +266,15 @@ std::vector<DeviceKvChannel::Done> CudaIpcKvChannel::poll() {
       receive_staging_->release(r.staging_offset);
       receive_tables_->release(r.table_offset);
     }
-    done.push_back(Done{r.id, r.peer, true, r.ticket});
+    done.push_back(Done{r.id, r.peer, r.ok, r.ticket});
     receipts_.pop_front();
   }
   return done;
 }
 
 void CudaIpcKvChannel::abandon(int) {}
+
+std::vector<std::string> CudaIpcKvChannel::take_notes() { return std::exchange(notes_, {}); }
 
 bool CudaIpcKvChannel::busy() const { return !receipts_.empty(); }
 

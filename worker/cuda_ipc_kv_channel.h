@@ -73,6 +73,7 @@ class CudaIpcKvChannel final : public DeviceKvChannel {
   // IPC copies always finish: the receipts of `peer` simply complete.
   void abandon(int peer) override;
   bool busy() const override;
+  std::vector<std::string> take_notes() override;
 
  private:
   struct Sender {             // a rank this one receives from
@@ -91,11 +92,13 @@ class CudaIpcKvChannel final : public DeviceKvChannel {
     int64_t layer = 0, pos0 = 0, n = 0;
     KvHeads heads;
     bool started = false;
+    bool ok = true;  // false: its copy could not be queued (it completes not ok)
     size_t staging_offset = 0, table_offset = 0;
     DeviceEvent done;
   };
 
-  bool start(Receipt& receipt);  // false: no room yet
+  bool start(Receipt& receipt);     // false: no room yet
+  std::vector<std::string> notes_;  // for the owner's log
 
   const int device_;
   const Options options_;

@@ -81,8 +81,9 @@ class DeviceKvChannel {
   // Sender: the receiver is done with `ticket` from this rank's staging.
   virtual void released(int peer, const DeviceRowsTicket& ticket) = 0;
 
-  // Gives up on the receipts from `peer` (an import's deadline passed): they
-  // complete, not ok, in the next poll(). A channel that cannot cancel work
+  // Gives up on the receipts from `peer` (a payload that could not even be
+  // drained, or a shutdown with payloads still in flight): they complete,
+  // not ok, in the next poll(). A channel that cannot cancel work
   // in flight breaks the link to `peer` for good (NCCL aborts its
   // communicator); one whose work always finishes may simply let it finish.
   virtual void abandon(int peer) = 0;

@@ -479,7 +479,10 @@ void MpiKvTransport::receive_device_rows(int source, std::span<const std::byte> 
     try {
       device_->receive(source, ticket, {}, nullptr, {}, h.layer, h.pos0, h.n, {});
     } catch (const Error& e) {
+      // An NCCL link matches receives with sends by order: one payload not
+      // received puts every later one out of step, so the link is given up.
       spdlog::error("kv transport: device rows from rank {} not drained: {}", source, e.what());
+      device_->abandon(source);
     }
     return;
   }
@@ -678,12 +681,10 @@ void MpiKvTransport::expire(std::vector<Outcome>& outcomes) {
     if (now >= import.plan.deadline) late.push_back(id);
   }
   for (RequestId id : late) {
-    // Device payloads still in flight this late will not come: give the links up.
-    if (receipts_.pending(id)) {
-      for (const Source& source : imports_.at(id).sources) {
-        if (device_link(source.heads.rank)) device_->abandon(source.heads.rank);
-      }
-    }
+    // Device payloads still in flight keep the import's outcome held until
+    // they land (DeviceReceipts); a link that never delivers them is given
+    // up by its channel's own patience, not here: a late import alone says
+    // nothing of the link, which other imports may be using well.
     std::string missing;
     for (const Source& source : imports_.at(id).sources) {
       if (source.rows_received < imports_.at(id).rows_expected())

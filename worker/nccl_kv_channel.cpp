@@ -170,6 +170,8 @@ uint64_t NcclKvChannel::receive(int peer, const DeviceRowsTicket& ticket, const 
   const auto p = peers_.find(peer);
   DUET_ASSERT(p != peers_.end() && receive_staging_ != nullptr,
               "rows from rank {}, which has no NCCL link here", peer);
+  DUET_ASSERT(kv == nullptr || kv->device == device_,
+              "rows for device {} through a channel of device {}", kv->device, device_);
   DUET_REQUIRE(ticket.bytes > 0 && ticket.bytes <= receive_staging_->capacity() &&
                    (kv == nullptr || ticket.bytes == payload_bytes(layout, n, heads)),
                "rank {}'s NCCL payload of {} bytes is not its rows' size (or over the {}-byte "
@@ -207,9 +209,15 @@ std::vector<DeviceKvChannel::Done> NcclKvChannel::poll() {
     if (sends_.empty() && receipts_.empty()) return done;
   }
   bind(device_);
-  post(done);
-  collect(done);
-  check_links(done);
+  try {
+    post(done);
+    collect(done);
+    check_links(done);
+  } catch (...) {
+    // What finished (or broke) so far is not lost: the next poll() hands it out.
+    abandoned_.insert(abandoned_.begin(), done.begin(), done.end());
+    throw;
+  }
   return done;
 }
 
@@ -277,29 +285,44 @@ void NcclKvChannel::post(std::vector<Done>& done) {
                             as_comm(p.comm), as_stream(p.stream->get())) == ncclSuccess;
   }
   const ncclResult_t ended = ncclGroupEnd();
-  // Behind the transfers on each peer's stream (NCCL launched them at
-  // ncclGroupEnd): the unpacks, then the events that say they are done.
+  // Posted (or refused) as one group: none of them may be posted again,
+  // whatever happens below, or the pair's order of operations would slip.
   const auto now = std::chrono::steady_clock::now();
   for (Send* s : sends) {
-    s->done.record(peers_.at(s->peer).stream->get());
     s->posted_at = now;
     s->posted = true;
   }
   for (Receipt* r : receipts) {
-    void* stream = peers_.at(r->peer).stream->get();
-    if (r->kv.valid()) {
-      cuda::unpack_kv_rows(
-          r->layout, r->kv.data, r->layer, receive_tables_->device_at(r->table_offset), r->pos0,
-          r->n, r->heads.first, r->heads.count, receive_staging_->at(r->staging_offset), stream);
-    }
-    r->done.record(stream);
     r->posted_at = now;
     r->posted = true;
   }
-  if (!grouped || ended != ncclSuccess) {
-    // NCCL refused the group: every link in it is given up.
-    notes_.push_back(format("NCCL refused a group of {} send(s) and {} receive(s): {}",
-                            sends.size(), receipts.size(), ncclGetErrorString(ended)));
+  bool queued = grouped && ended == ncclSuccess;
+  std::string why = ncclGetErrorString(ended);
+  if (queued) {
+    // Behind the transfers on each peer's stream (NCCL launched them at
+    // ncclGroupEnd): the unpacks, then the events that say they are done.
+    try {
+      for (Send* s : sends) s->done.record(peers_.at(s->peer).stream->get());
+      for (Receipt* r : receipts) {
+        void* stream = peers_.at(r->peer).stream->get();
+        if (r->kv.valid()) {
+          cuda::unpack_kv_rows(r->layout, r->kv.data, r->layer,
+                               receive_tables_->device_at(r->table_offset), r->pos0, r->n,
+                               r->heads.first, r->heads.count,
+                               receive_staging_->at(r->staging_offset), stream);
+        }
+        r->done.record(stream);
+      }
+    } catch (const std::exception& e) {
+      queued = false;
+      why = e.what();
+    }
+  }
+  if (!queued) {
+    // NCCL refused the group, or what follows it could not be queued: every
+    // link in it is given up (its operations end with the communicator).
+    notes_.push_back(format("a group of {} NCCL send(s) and {} receive(s) failed: {}", sends.size(),
+                            receipts.size(), why));
     std::vector<int> peers;
     for (Send* s : sends) peers.push_back(s->peer);
     for (Receipt* r : receipts) peers.push_back(r->peer);
@@ -320,8 +343,13 @@ void NcclKvChannel::collect(std::vector<Done>& done) {
     if (freed) send_room_.notify_all();
   }
   // Each peer's receipts finish in order on its stream; peers independently.
+  // Which ones are asked first (a query may throw), then they go.
+  std::vector<bool> finished;
+  finished.reserve(receipts_.size());
+  for (const auto& r : receipts_) finished.push_back(r->posted && r->done.done());
+  size_t i = 0;
   std::erase_if(receipts_, [&](const std::unique_ptr<Receipt>& r) {
-    if (!r->posted || !r->done.done()) return false;
+    if (!finished[i++]) return false;
     receive_staging_->release(r->staging_offset);
     if (r->has_table) receive_tables_->release(r->table_offset);
     done.push_back(Done{r->id, r->peer, true, std::nullopt});
@@ -367,14 +395,20 @@ void NcclKvChannel::break_link(int peer, std::vector<Done>& done) {
   Peer& p = peers_.at(peer);
   if (p.broken) return;
   ncclCommAbort(as_comm(p.comm));  // ends the operations posted on it, on the GPU too
-  p.stream->synchronize();         // nothing of it runs on the staging any more
+  {
+    std::lock_guard lock(send_mutex_);
+    p.broken = true;  // from here on nothing touches the freed communicator
+  }
+  p.comm = nullptr;
+  // Nothing of it runs on the staging any more (an error here is the abort's).
+  cudaStreamSynchronize(as_stream(p.stream->get()));
+  cudaGetLastError();
   notes_.push_back(
       format("the NCCL link to rank {} is given up: KV transfers with it fail until "
              "the cluster restarts",
              peer));
   {
     std::lock_guard lock(send_mutex_);
-    p.broken = true;
     std::erase_if(sends_, [&](const std::unique_ptr<Send>& s) {
       if (s->peer != peer) return false;
       send_staging_->release(s->offset);

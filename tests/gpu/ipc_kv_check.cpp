@@ -123,13 +123,28 @@ int run_prefill(int fd) {
   // Acks come back while this thread sends: another thread frees the staging.
   std::atomic<int> acks{0};
   std::thread acker([&] {
-    for (;;) {
-      const Message m = read_message(fd);
-      if (m.kind != Message::kAck) return;  // kBurstDone: the decode side is finished
-      channel.released(kDecodeRank, m.ticket);
-      ++acks;
+    try {
+      for (;;) {
+        const Message m = read_message(fd);
+        if (m.kind != Message::kAck) return;  // kBurstDone: the decode side is finished
+        channel.released(kDecodeRank, m.ticket);
+        ++acks;
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "  prefill process, acks: %s\n", e.what());
     }
   });
+  // However this function ends, the acker is joined (an error below first
+  // shuts the socket, which ends its read), so no joinable thread unwinds.
+  struct Joined {
+    std::thread& thread;
+    int fd;
+    ~Joined() {
+      if (!thread.joinable()) return;
+      ::shutdown(fd, SHUT_RDWR);
+      thread.join();
+    }
+  } joined{acker, fd};
 
   auto model = LlamaModel::load(model_path());
   CudaForward forward(*model, 0);
@@ -248,6 +263,9 @@ int run_decode(int fd, int result_fd) {
 }
 
 int child(const char* what, const std::function<int()>& body) {
+  // A peer that died closes the socket: writes then fail with EPIPE, saying
+  // so, instead of killing this process without a word.
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     return body();
   } catch (const std::exception& e) {
