@@ -2,7 +2,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "common/error.h"
@@ -49,6 +51,20 @@ std::vector<std::pair<Rank, Rank>> kv_pairs(const ClusterSpec& spec) {
 }
 
 #ifdef DUET_HAVE_CUDA
+// Collective: every rank says whether it made its channel (`failure` empty)
+// before any waits on a peer's; every rank throws if one could not, the
+// one that failed with its reason.
+void agree_channel_ready(const MpiRuntime& mpi, const std::string& failure, const char* kind) {
+  const std::byte ready{static_cast<unsigned char>(failure.empty() ? 1 : 0)};
+  const std::vector<std::byte> all = mpi.all_gather(std::span(&ready, 1));
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] == std::byte{1}) continue;
+    throw Error(ErrorKind::kInternal,
+                failure.empty() ? format("rank {} could not set up its {} KV channel", r, kind)
+                                : format("the {} KV channel: {}", kind, failure));
+  }
+}
+
 // The CUDA IPC channel of this rank, its handles exchanged with every rank
 // (all call this when the cluster has any IPC pair).
 std::unique_ptr<DeviceKvChannel> make_ipc_channel(const MpiRuntime& mpi,
@@ -62,11 +78,18 @@ std::unique_ptr<DeviceKvChannel> make_ipc_channel(const MpiRuntime& mpi,
   }
   std::unique_ptr<CudaIpcKvChannel> channel;
   std::vector<std::byte> mine(CudaIpcKvChannel::kExportBytes);
+  std::string failure;
   if (sends || receives) {
-    channel = std::make_unique<CudaIpcKvChannel>(placements[static_cast<size_t>(self.value)].device,
-                                                 sends, receives, CudaIpcKvChannel::Options{});
-    if (sends) mine = channel->exported();
+    try {
+      channel =
+          std::make_unique<CudaIpcKvChannel>(placements[static_cast<size_t>(self.value)].device,
+                                             sends, receives, CudaIpcKvChannel::Options{});
+      if (sends) mine = channel->exported();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
   }
+  agree_channel_ready(mpi, failure, "CUDA IPC");
   const std::vector<std::byte> all = mpi.all_gather(mine);
   for (const auto& [p, d] : ipc) {
     if (p == self) channel->add_receiver(d.value);
@@ -93,17 +116,27 @@ std::unique_ptr<DeviceKvChannel> make_nccl_channel(
       receives = instance.role == InstanceRole::kDecode;
     }
   }
+  // The channel (its staging) first, on every rank in a pair, and all agree
+  // that every one has it before any rank waits on a peer in the pairing.
   std::unique_ptr<NcclKvChannel> channel;
+  const int device = placements[static_cast<size_t>(self.value)].device;
+  const bool paired = std::any_of(pairs.begin(), pairs.end(), [&](const auto& pair) {
+    return pair.first == self || pair.second == self;
+  });
+  std::string failure;
+  if (paired) {
+    try {
+      channel = std::make_unique<NcclKvChannel>(device, sends, receives, NcclKvChannel::Options{});
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  agree_channel_ready(mpi, failure, "NCCL");
   MPI_Comm comm = MPI_COMM_NULL;
   DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
   try {
     for (const auto& [lo, hi] : pairs) {
       if (self != lo && self != hi) continue;
-      const int device = placements[static_cast<size_t>(self.value)].device;
-      if (!channel) {
-        channel =
-            std::make_unique<NcclKvChannel>(device, sends, receives, NcclKvChannel::Options{});
-      }
       std::vector<std::byte> id;
       if (self == lo) {
         id = NcclKvChannel::unique_id();

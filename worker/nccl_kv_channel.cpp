@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -24,9 +25,17 @@ void bind(int device) { DUET_CUDA_CHECK(cudaSetDevice(device)); }
 ncclComm_t as_comm(void* comm) { return static_cast<ncclComm_t>(comm); }
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+// Connections made when a communicator is created, not at its first
+// transfers (NCCL's default since 2.22): a pair's first large payload then
+// cannot wait on the host for a connection its busy peer has yet to make,
+// and connect() warms up everything. Read by NCCL when it first creates a
+// communicator in the process; a value the user set is kept.
+void connect_at_init() { ::setenv("NCCL_RUNTIME_CONNECT", "0", 0); }
+
 }  // namespace
 
 std::vector<std::byte> NcclKvChannel::unique_id() {
+  connect_at_init();
   ncclUniqueId id;
   DUET_NCCL_CHECK(ncclGetUniqueId(&id));
   std::vector<std::byte> bytes(sizeof id);
@@ -41,6 +50,7 @@ void* NcclKvChannel::join(std::span<const std::byte> unique_id, int n_ranks, int
   DUET_REQUIRE(n_ranks >= 1 && rank >= 0 && rank < n_ranks, "NCCL rank {} of {}", rank, n_ranks);
   std::memcpy(&id, unique_id.data(), sizeof id);
   bind(device);
+  connect_at_init();
   ncclComm_t comm = nullptr;
   DUET_NCCL_CHECK(ncclCommInitRank(&comm, n_ranks, id, rank));
   return comm;
