@@ -48,7 +48,7 @@ struct Options {
   // core each). At 2 ms an idle rank costs 1-2.5% of a core here, on a
   // shared 2-core VM, varying from day to day.
   double idle_cpu_limit = 0.15;
-  int bad_version_rank = -1;     // this rank speaks protocol version 99
+  int bad_version_rank = -1;  // this rank speaks protocol version 99
   int handshake_timeout_ms = 20'000;
   int burst = 2000;  // shutdown: events each leader sends right before closing
 };
