@@ -268,17 +268,10 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
   const int64_t n_ff = shard.n_ff();
   const int64_t q_dim = n_heads * c.head_dim;
   const int64_t kv_dim = n_kv_heads * c.head_dim;
-  cpu::RopeParams rope;
-  rope.style = c.rope_neox ? cpu::RopeStyle::kHalves : cpu::RopeStyle::kAdjacentPairs;
-  rope.n_rot = c.n_rot;
-  rope.freq_base = c.rope_freq_base;
-  rope.freq_scale = c.rope_freq_scale;
-  rope.freq_factors = rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_);
-  cpu::AttentionShape shape;
-  shape.n_heads = n_heads;
-  shape.n_kv_heads = n_kv_heads;
-  shape.head_dim = c.head_dim;
-  shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const cpu::RopeParams rope =
+      rope_params(c, rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_));
+  // shape.order: ignored on the GPU (its attention has one order).
+  const cpu::AttentionShape shape = attention_shape(c, shard, cpu::AttentionOrder::kBatchInvariant);
   auto* kv = kv_.as<KvElement>();
   float* x = floats_mut(x_);
   float* norm = floats_mut(norm_);

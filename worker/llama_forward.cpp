@@ -195,18 +195,9 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   const int64_t n_ff = shard.n_ff();
   const int64_t q_dim = n_heads * c.head_dim;
   const int64_t kv_dim = n_kv_heads * c.head_dim;
-  cpu::RopeParams rope;
-  rope.style = c.rope_neox ? cpu::RopeStyle::kHalves : cpu::RopeStyle::kAdjacentPairs;
-  rope.n_rot = c.n_rot;
-  rope.freq_base = c.rope_freq_base;
-  rope.freq_scale = c.rope_freq_scale;
-  rope.freq_factors = model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data();
-  cpu::AttentionShape shape;
-  shape.n_heads = n_heads;
-  shape.n_kv_heads = n_kv_heads;
-  shape.head_dim = c.head_dim;
-  shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  shape.order = attention_order_;
+  const cpu::RopeParams rope =
+      rope_params(c, model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data());
+  const cpu::AttentionShape shape = attention_shape(c, shard, attention_order_);
 
   // Each sequence's rows of the batch, for the cache stores and the attention.
   attention_sequences_.clear();

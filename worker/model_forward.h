@@ -16,6 +16,7 @@
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "worker/collective.h"
 #include "worker/device_collective.h"
@@ -72,6 +73,13 @@ class ModelForward {
   virtual void kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                             const KvCache& cache);
 };
+
+// What every forward pass sets up alike from the model: its RoPE (the
+// frequency divisors `freq_factors`, or null; host or device memory, as the
+// forward's kernels read them) and the attention of the shard's heads.
+cpu::RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
+cpu::AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard,
+                                    cpu::AttentionOrder order);
 
 // Where a forward runs: the CPU (device -1) or CUDA device `device`.
 struct ForwardPlacement {
