@@ -36,7 +36,7 @@ constexpr int64_t kLayers = 30;
 
 struct AttentionCase {
   Isa isa;
-  AttentionOrder order;
+  bool one_token;  // the rows' reduction order: llama.cpp's one-token or multi-token
   int64_t n_seq;
   int64_t ctx;
   int n_threads;
@@ -65,14 +65,13 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
     auto& table = tables[static_cast<size_t>(i)];
     for (int64_t b = 0; b < blocks_per_seq; ++b)
       table.push_back(static_cast<int32_t>(b * c.n_seq + i));
-    sequences.push_back({table, c.ctx - 1, 1, i});
+    sequences.push_back({table, c.ctx - 1, 1, i, c.one_token ? 0 : kNoOneTokenRows});
   }
   AttentionShape shape;
   shape.n_heads = kHeads;
   shape.n_kv_heads = kKvHeads;
   shape.head_dim = kHeadDim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  shape.order = c.order;
   std::vector<float> q(static_cast<size_t>(c.n_seq * kHeads * kHeadDim));
   for (float& v : q) v = normal(rng);
   std::vector<float> out(q.size());
@@ -91,15 +90,14 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
 void register_benchmarks() {
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
     if (!cpu_supports(isa)) continue;
-    for (AttentionOrder order : {AttentionOrder::kBatchInvariant, AttentionOrder::kLlamaCpp}) {
+    for (bool one_token : {false, true}) {
       for (int64_t n_seq : {1, 32}) {
         for (int n_threads : {1, 2}) {
-          const AttentionCase c{isa, order, n_seq, 192, n_threads};
+          const AttentionCase c{isa, one_token, n_seq, 192, n_threads};
           const std::string name =
               "attention/" + std::string(isa_name(isa)) + "/" +
-              (order == AttentionOrder::kBatchInvariant ? "batch_invariant" : "llama_cpp") +
-              "/n_seq:" + std::to_string(n_seq) + "/ctx:" + std::to_string(c.ctx) +
-              "/threads:" + std::to_string(n_threads);
+              (one_token ? "one_token" : "multi_token") + "/n_seq:" + std::to_string(n_seq) +
+              "/ctx:" + std::to_string(c.ctx) + "/threads:" + std::to_string(n_threads);
           benchmark::RegisterBenchmark(name.c_str(), bench_attention, c)
               ->UseRealTime()
               ->Unit(benchmark::kMicrosecond);

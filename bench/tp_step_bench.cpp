@@ -10,10 +10,11 @@
 // the share of the step spent in collectives (LlamaForward::collective_time's
 // delta over the step's wall time, median over steps; the leader's, then every
 // rank's: it includes waiting for a slower rank), and the bytes the
-// collectives gather into each rank per step: per layer O's and down's
-// column-group partials (T ranks x as many slots as the rank with the most
-// groups x B * n_embd floats), the embeddings' all-reduce (T x B * n_embd),
-// the logits (T x B * vocab_stride). One human line, then one JSON line.
+// collectives gather into each rank per step: per layer O's and down's whole
+// inputs and their outputs (T ranks x the widest rank's part x B floats, for
+// the query dims, the hidden units and twice the output rows), the
+// embeddings' all-reduce (T x B * n_embd), the logits (T x B * vocab_stride).
+// One human line, then one JSON line.
 //
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none -np T duet-tp-step-bench
 //       --model M [--threads N] [--batch B] [--context L] [--steps S] [--warmup W]
@@ -93,8 +94,7 @@ Result run_bench(const Args& args, const LlamaModel& model, Collective* collecti
   }
 
   cpu::ThreadPool pool(args.threads);
-  LlamaForward forward(model, cpu::kernel_table(cpu::isa_from_environment()), pool,
-                       cpu::AttentionOrder::kBatchInvariant, collective);
+  LlamaForward forward(model, cpu::kernel_table(cpu::isa_from_environment()), pool, collective);
   const std::vector<int32_t> text = tokenizer_from_gguf(model.file()).encode(kText, false, false);
   DUET_ASSERT(!text.empty());
 
@@ -118,7 +118,8 @@ Result run_bench(const Args& args, const LlamaModel& model, Collective* collecti
   Result result;
   for (int step = 0; step < args.warmup + args.steps; ++step) {
     for (int64_t s = 0; s < b; ++s)
-      seqs[static_cast<size_t>(s)] = {tables[static_cast<size_t>(s)], args.context + step, 1};
+      seqs[static_cast<size_t>(s)] = {tables[static_cast<size_t>(s)], args.context + step, 1,
+                                      args.context};  // generated: the one-token order
     const LlamaForward::CollectiveTime before = forward.collective_time();
     const auto start = Clock::now();
     forward.run(next, seqs, cache, rows, logits.data());
@@ -148,21 +149,24 @@ void report(const Args& args, const LlamaModel& model, const Result& r,
   const double p90 = percentile(r.step_ms, 0.9);
   const double share = percentile(r.collective, 0.5);
   const double tokens_per_s = static_cast<double>(args.batch) / (median / 1e3);
-  // Row-parallel partials: every rank sends the slots of the rank with the most groups.
-  const int64_t row_bytes = args.batch * c.n_embd * 4;  // one (B, n_embd) partial
-  const int64_t slots =
-      split_evenly(shard.n_o_groups, 0, tp).second + split_evenly(shard.n_ff_groups, 0, tp).second;
-  const int64_t partial_bytes = tp == 1 ? 0 : c.n_layers * tp * slots * row_bytes;
+  // O and down per layer: their whole inputs and their outputs gathered, every
+  // rank sending as many floats as the rank with the widest part.
+  const int64_t row_bytes = args.batch * c.n_embd * 4;  // one (B, n_embd) row block
+  int64_t widest = 0;
+  for (int64_t width : {split_evenly(c.n_kv_heads, 0, tp).second * c.group_size() * c.head_dim,
+                        make_tp_shard(c, 0, tp).n_ff(), split_evenly(c.n_embd, 0, tp).second * 2})
+    widest += width;
+  const int64_t o_down_bytes = tp == 1 ? 0 : c.n_layers * tp * widest * args.batch * 4;
   const int64_t embedding_bytes = tp == 1 ? 0 : tp * row_bytes;
   const int64_t gather_bytes = tp == 1 ? 0 : args.batch * shard.vocab_stride * tp * 4;
   std::printf(
       "tp %d, %d thread(s)/rank, batch %lld, context %lld, %d steps: step median %.2f ms, p90 "
       "%.2f ms, %.1f tokens/s, collectives %.1f%% of the step (median, %lld calls), gathered "
-      "into each rank per step: row-parallel partials %.2f MB, embeddings %.3f MB, logits %.2f "
+      "into each rank per step: O/down inputs and outputs %.2f MB, embeddings %.3f MB, logits %.2f "
       "MB; collective share by rank: %s\n",
       tp, args.threads, static_cast<long long>(args.batch), static_cast<long long>(args.context),
       args.steps, median, p90, tokens_per_s, share * 100,
-      static_cast<long long>(r.collective_calls), static_cast<double>(partial_bytes) / 1e6,
+      static_cast<long long>(r.collective_calls), static_cast<double>(o_down_bytes) / 1e6,
       static_cast<double>(embedding_bytes) / 1e6, static_cast<double>(gather_bytes) / 1e6,
       fmt::format(
           "{:.1f}%",
@@ -182,7 +186,7 @@ void report(const Args& args, const LlamaModel& model, const Result& r,
                                {"collective_share_median", share},
                                {"collective_share_median_by_rank", rank_shares},
                                {"collective_calls_per_step", r.collective_calls},
-                               {"partial_bytes_per_step", partial_bytes},
+                               {"o_down_bytes_per_step", o_down_bytes},
                                {"embedding_bytes_per_step", embedding_bytes},
                                {"logits_bytes_per_step", gather_bytes},
                                {"step_ms", r.step_ms}};

@@ -62,7 +62,8 @@ std::pair<double, double> run_once(duet::LlamaForward& forward, const duet::Mode
     const auto start = Clock::now();
     for (int64_t i = 0; i < n_gen; ++i) {
       const int32_t t = token(rng);
-      const duet::ForwardSequence seq{blocks, n_prompt + i, 1};
+      // A generated token: llama.cpp's one-token order, as the engine runs it.
+      const duet::ForwardSequence seq{blocks, n_prompt + i, 1, n_prompt + i};
       const int64_t last = 0;
       forward.run({&t, 1}, {&seq, 1}, cache, {&last, 1}, logits.data());
     }

@@ -20,34 +20,21 @@ cuda::DeviceBuffer upload_vector(const std::vector<float>& values, cuda::CudaBac
 const float* floats(const cuda::DeviceBuffer& buffer) { return buffer.as<float>(); }
 float* floats_mut(const cuda::DeviceBuffer& buffer) { return buffer.as<float>(); }
 
-// A shard's column groups of a row-parallel weight (O, down; stored apart)
-// side by side as one matrix: row r is every group's row r, in order. Each
-// group's rows are whole quantization blocks, so their bytes join as they
-// are. `storage` holds the bytes until the upload.
-cpu::WeightMatrix join_column_groups(std::span<const cpu::WeightMatrix> groups,
-                                     std::vector<uint8_t>& storage) {
-  DUET_ASSERT(!groups.empty(), "a row-parallel weight without column groups");
-  const cpu::WeightMatrix& first = groups.front();
-  if (groups.size() == 1) return first;
-  int64_t k = 0;
-  size_t row_bytes = 0;
-  for (const cpu::WeightMatrix& g : groups) {
-    DUET_ASSERT(g.type == first.type && g.n_out == first.n_out,
-                "column groups of one weight differ in type or rows");
-    k += g.k;
-    row_bytes += g.row_bytes;
-  }
-  DUET_ASSERT(row_bytes == dtype_row_bytes(first.type, k),
-              "column groups of {} bytes a row are not whole blocks of {} columns", row_bytes, k);
-  storage.resize(row_bytes * static_cast<size_t>(first.n_out));
-  uint8_t* to = storage.data();
-  for (int64_t r = 0; r < first.n_out; ++r) {
-    for (const cpu::WeightMatrix& g : groups) {
-      std::memcpy(to, g.data + static_cast<size_t>(r) * g.row_bytes, g.row_bytes);
-      to += g.row_bytes;
-    }
-  }
-  return cpu::make_weight_matrix(first.type, storage.data(), k, first.n_out);
+// Every rank's share of a dimension split over `size` ranks, as column parts.
+template <typename Width>
+cuda::ColumnParts column_parts(int size, Width width) {
+  DUET_REQUIRE(size <= cuda::kMaxParts, "the CUDA forward splits a model over at most {} GPUs",
+               cuda::kMaxParts);
+  cuda::ColumnParts parts;
+  parts.n_parts = size;
+  for (int rank = 0; rank < size; ++rank) parts.begin[rank + 1] = parts.begin[rank] + width(rank);
+  return parts;
+}
+
+int64_t widest(const cuda::ColumnParts& parts) {
+  int64_t w = 0;
+  for (int p = 0; p < parts.n_parts; ++p) w = std::max(w, parts.begin[p + 1] - parts.begin[p]);
+  return w;
 }
 
 }  // namespace
@@ -74,12 +61,14 @@ CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* 
     weight_bytes_ += d.bytes();
     return d;
   };
-  std::vector<uint8_t> joined;  // a shard's O or down, its groups side by side
-  auto row_parallel = [&](const cpu::WeightMatrix& whole,
-                          std::span<const cpu::WeightMatrix> groups) {
-    if (shard.whole()) return weight(whole);
-    return weight(join_column_groups(groups, joined));
-  };
+  const ModelConfig& c = model.config();
+  q_parts_ = column_parts(
+      shard.size, [&](int r) { return make_tp_shard(c, r, shard.size).n_heads() * c.head_dim; });
+  ff_parts_ =
+      column_parts(shard.size, [&](int r) { return make_tp_shard(c, r, shard.size).n_ff(); });
+  embd_parts_ =
+      column_parts(shard.size, [&](int r) { return make_tp_shard(c, r, shard.size).n_embd(); });
+  widest_part_ = std::max({widest(q_parts_), widest(ff_parts_), widest(embd_parts_)});
   token_embd_ = weight(model.token_embd());
   output_ = weight(model.output());
   output_norm_ = upload_vector(model.output_norm(), b);
@@ -96,10 +85,10 @@ CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* 
     l.wq = weight(w.wq);
     l.wk = weight(w.wk);
     l.wv = weight(w.wv);
-    l.wo = row_parallel(w.wo, w.wo_groups);
+    l.wo = weight(w.wo);
     l.w_gate = weight(w.w_gate);
     l.w_up = weight(w.w_up);
-    l.w_down = row_parallel(w.w_down, w.down_groups);
+    l.w_down = weight(w.w_down);
   }
 }
 
@@ -124,9 +113,10 @@ void CudaForward::reserve(int64_t n_rows, int64_t n_out) {
   q_ = rows(s.n_heads() * c.head_dim);
   k_ = rows(s.n_kv_heads() * c.head_dim);
   v_ = rows(s.n_kv_heads() * c.head_dim);
-  attn_ = rows(s.n_heads() * c.head_dim);
+  // attn_ and gate_ are sent whole by an all-gather: as wide as the widest rank's part.
+  attn_ = rows(s.whole() ? s.n_heads() * c.head_dim : widest(q_parts_));
   attn_out_ = rows(c.n_embd);
-  gate_ = rows(s.n_ff());
+  gate_ = rows(s.whole() ? s.n_ff() : widest(ff_parts_));
   up_ = rows(s.n_ff());
   ffn_out_ = rows(c.n_embd);
   head_in_ = out_rows(c.n_embd);
@@ -134,15 +124,18 @@ void CudaForward::reserve(int64_t n_rows, int64_t n_out) {
   if (!s.whole()) {
     logits_slice_ = out_rows(s.vocab_stride);
     logits_gathered_ = out_rows(s.vocab_stride * s.size);
+    whole_in_ = rows(std::max(c.n_heads * c.head_dim, c.n_ff));
+    out_rows_ = rows(widest(embd_parts_));
+    gathered_ = rows(widest_part_ * s.size);
     // Every rank of the instance must capture and replay its decode graphs
     // at the same steps (NCCL's rule for captured collectives). A move of
     // the scratch drops the graphs, and a rank's own shapes would move it at
     // its own times: size it here from the whole model's, the same on every
     // rank, so that it moves only when the batch grows, everywhere at once.
     const int64_t q_dim = c.n_heads * c.head_dim;
-    const int64_t widest = std::max({c.n_embd, q_dim, c.n_ff});
+    const int64_t widest_dim = std::max({c.n_embd, q_dim, c.n_ff});
     backend_->reserve_scratch(
-        std::max(cuda::gemm_scratch_bound(widest, widest, capacity_),
+        std::max(cuda::gemm_scratch_bound(widest_dim, widest_dim, capacity_),
                  cuda::gemm_scratch_bound(c.n_embd, c.n_vocab, out_capacity_)));
   }
   const size_t input_bytes = static_cast<size_t>(2 * capacity_ + out_capacity_) * sizeof(int32_t);
@@ -270,8 +263,8 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
   const int64_t kv_dim = n_kv_heads * c.head_dim;
   const cpu::RopeParams rope =
       rope_params(c, rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_));
-  // shape.order: ignored on the GPU (its attention has one order).
-  const cpu::AttentionShape shape = attention_shape(c, shard, cpu::AttentionOrder::kBatchInvariant);
+  // One reduction order on the GPU: the sequences' one_token_from is not read.
+  const cpu::AttentionShape shape = attention_shape(c, shard);
   auto* kv = kv_.as<KvElement>();
   float* x = floats_mut(x_);
   float* norm = floats_mut(norm_);
@@ -305,8 +298,7 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
       layer_stored(il);
     }
     cuda::attention_batch(layout_, kv, il, batch_, shape, q, attn, b);
-    cuda::matmul(w.wo, attn, n, attn_out, c.n_embd, b);
-    all_reduce(attn_out, n * c.n_embd);
+    split_product(w.wo, attn, q_parts_, n, attn_out);
     cuda::add_in_place(x, attn_out, n * c.n_embd, b);
 
     // Feed-forward block (SwiGLU).
@@ -314,8 +306,7 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
     cuda::matmul(w.w_gate, norm, n, gate, n_ff, b);
     cuda::matmul(w.w_up, norm, n, up, n_ff, b);
     cuda::silu_mul(gate, up, gate, n * n_ff, b);
-    cuda::matmul(w.w_down, gate, n, ffn_out, c.n_embd, b);
-    all_reduce(ffn_out, n * c.n_embd);
+    split_product(w.w_down, gate, ff_parts_, n, ffn_out);
     cuda::add_in_place(x, ffn_out, n * c.n_embd, b);
   }
 
@@ -347,6 +338,28 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
 
 void CudaForward::all_reduce(float* data, int64_t n) {
   if (collective_ != nullptr) collective_->all_reduce_sum(data, n, backend_->stream());
+}
+
+void CudaForward::gather_columns(const float* mine, const cuda::ColumnParts& parts, int64_t n,
+                                 float* all) {
+  const int64_t slot = widest(parts) * n;  // a narrower part sends padding past its rows
+  float* gathered = floats_mut(gathered_);
+  collective_->all_gather(mine, gathered, slot, backend_->stream());
+  cuda::assemble_parts(gathered, slot, parts, n, all, *backend_);
+}
+
+void CudaForward::split_product(const cuda::DeviceWeight& w, const float* mine,
+                                const cuda::ColumnParts& parts, int64_t n, float* out) {
+  cuda::CudaBackend& b = *backend_;
+  if (collective_ == nullptr) {
+    cuda::matmul(w, mine, n, out, model_.config().n_embd, b);
+    return;
+  }
+  float* whole = floats_mut(whole_in_);
+  gather_columns(mine, parts, n, whole);
+  float* rows = floats_mut(out_rows_);
+  cuda::matmul(w, whole, n, rows, w.n_out, b);
+  gather_columns(rows, embd_parts_, n, out);
 }
 
 void CudaForward::sample(std::span<const DeviceSampling> rows, std::span<int32_t> tokens) {

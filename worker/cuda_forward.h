@@ -18,12 +18,14 @@
 // instance's DeviceCollective (NCCL, one GPU per rank), every rank runs the
 // same batch through its own heads and hidden units, as LlamaForward does on
 // the CPU, with the collectives on the compute stream (inside the decode
-// graphs too): the vocabulary-parallel embeddings and the row-parallel O and
-// down products are summed with all_reduce_sum, the logit slices gathered
-// with all_gather and reassembled row by row on every rank. A rank multiplies
-// its column groups of O and down as one matrix, so the sums are NCCL's
-// (worker/device_collective.h): a token may differ from a TP=1 run where two
-// logits are within rounding. NCCL requires every rank to capture its
+// graphs too): the vocabulary-parallel embeddings are summed with
+// all_reduce_sum (one rank holds each row: exact); O and down gather their
+// whole input, multiply it by the rank's output rows and gather the outputs;
+// the logit slices are gathered too, and every gather is reassembled row by
+// row on every rank. No element is a sum over ranks, as on the CPU; the GPU's
+// own kernels are not batch-invariant (their order depends on the batch's
+// shape), so GPU tokens may differ from the CPU's, and from one batch shape
+// to another, where two logits are within rounding. NCCL requires every rank to capture its
 // collectives in graphs at the same steps: whether a step is captured or
 // replayed depends only on the batch (the same on every rank), never on a
 // rank's own shapes.
@@ -35,6 +37,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/backend.h"
+#include "kernels/cuda/ops.h"
 #include "kernels/cuda/weights.h"
 #include "worker/device_collective.h"
 #include "worker/model_forward.h"
@@ -92,6 +95,12 @@ class CudaForward final : public ModelForward {
                    KvElement* host, bool to_host);
   // The sum over the instance's ranks, in place (nothing for a whole model).
   void all_reduce(float* data, int64_t n);
+  // all (n, sum of parts) = every rank's `mine` (n, its part), side by side.
+  void gather_columns(const float* mine, const cuda::ColumnParts& parts, int64_t n, float* all);
+  // out (n, n_embd) = O or down of the input split over the ranks by `parts`
+  // (this rank's columns in `mine`; see the header comment).
+  void split_product(const cuda::DeviceWeight& w, const float* mine, const cuda::ColumnParts& parts,
+                     int64_t n, float* out);
 
   const LlamaModel& model_;
   DeviceCollective* const collective_;  // null for a whole model
@@ -108,8 +117,13 @@ class CudaForward final : public ModelForward {
   cuda::DeviceBuffer x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_,
       logits_;
   // Tensor parallelism: this rank's logit slice (out_capacity_, vocab_stride)
-  // and every rank's, in rank order.
+  // and every rank's, in rank order; the split dimensions' parts (query dims,
+  // hidden units, output rows of O and down) and their widest; the gathered
+  // input of O or down, this rank's rows of its output, an all-gather's result.
   cuda::DeviceBuffer logits_slice_, logits_gathered_;
+  cuda::ColumnParts q_parts_, ff_parts_, embd_parts_;
+  int64_t widest_part_ = 0;
+  cuda::DeviceBuffer whole_in_, out_rows_, gathered_;
   // Step inputs: tokens (n), positions (n), logit rows (n_out), staged in
   // pinned memory and uploaded in one copy.
   cuda::PinnedBuffer inputs_host_;

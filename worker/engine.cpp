@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "worker/token_order.h"
 
 namespace duet {
 
@@ -10,12 +11,10 @@ Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::Th
                EngineConfig config, Collective* collective, DeviceCollective* device_collective)
     : model_(model),
       pool_(config.n_kv_blocks),
-      kv_(pool_, KvLayout::kDefaultBlockSize),
+      kv_(pool_, KvLayout::kDefaultBlockSize, /*prefix_caching=*/!config.scheduler.recompute),
       scheduler_(kv_, config.scheduler),
       cache_(model.kv_layout(config.n_kv_blocks)),
-      forward_(make_forward(
-          model, kernels, pool,
-          {config.device, cpu::AttentionOrder::kBatchInvariant, collective, device_collective})),
+      forward_(make_forward(model, kernels, pool, {config.device, collective, device_collective})),
       max_running_(config.scheduler.max_running),
       end_of_generation_(std::move(config.end_of_generation)) {
   cache_.set_device_copy(forward_->device_kv(cache_.layout()));
@@ -91,7 +90,8 @@ void Engine::reserve_imports() {
         (static_cast<int64_t>(import.prompt.size()) + kv_.block_size()) / kv_.block_size();
     if (scheduler_.n_running() + in_flight >= max_running_) return;
     if (kv_.n_free_blocks() - blocks < scheduler_.n_running()) return;
-    const std::optional<int64_t> cached = kv_.begin_sequence(id, import.prompt);
+    const std::optional<int64_t> cached = kv_.begin_sequence(
+        id, import.prompt, one_token_from(static_cast<int64_t>(import.prompt.size())));
     if (!cached) return;
     import_queue_.pop_front();
     import.reserved = true;
@@ -222,7 +222,7 @@ bool Engine::step() {
     const int64_t n = static_cast<int64_t>(chunk.tokens.size());
     if (chunk.samples) logit_rows_.push_back(static_cast<int64_t>(batch_tokens_.size()) + n - 1);
     batch_tokens_.insert(batch_tokens_.end(), chunk.tokens.begin(), chunk.tokens.end());
-    batch_sequences_.push_back({kv_.block_table(chunk.id), chunk.pos0, n});
+    batch_sequences_.push_back({kv_.block_table(chunk.id), chunk.pos0, n, chunk.one_token_from});
     // An export ships every row it has not shipped yet: on its first chunk
     // that includes rows the prefix cache supplied (beyond what the receiver
     // holds); a recomputed chunk after a preemption ships nothing twice.

@@ -45,7 +45,7 @@ namespace duet {
 
 struct EngineConfig {
   int64_t n_kv_blocks = 256;  // KV cache capacity, in blocks of 16 tokens
-  SchedulerConfig scheduler;
+  SchedulerConfig scheduler;  // scheduler.recompute: no KV kept between steps (nor prefixes)
   std::vector<int32_t> end_of_generation;  // ids that end a sequence (emitted, then finished)
   int device = -1;                         // -1: the CPU; else the CUDA device index
 };

@@ -1,37 +1,30 @@
 #include "worker/generator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 
 #include "common/error.h"
+#include "worker/engine.h"
 
 namespace duet {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
 }
-
-// A cache for one sequence of up to n_tokens, blocks in order 0, 1, 2, ...
-struct SequenceCache {
-  SequenceCache(const ModelConfig& config, int64_t n_tokens)
-      : cache(make_kv_layout(
-            config, (n_tokens + KvLayout::kDefaultBlockSize - 1) / KvLayout::kDefaultBlockSize)),
-        block_table(static_cast<size_t>(cache.layout().n_blocks)) {
-    std::iota(block_table.begin(), block_table.end(), 0);
-  }
-  KvCache cache;
-  std::vector<int32_t> block_table;
-};
 
 }  // namespace
 
 Generator::Generator(const LlamaModel& model, const cpu::KernelTable& kernels,
                      cpu::ThreadPool& pool, int device)
-    : model_(model),
-      forward_(make_forward(model, kernels, pool, {device, cpu::AttentionOrder::kLlamaCpp})) {}
+    : model_(model), kernels_(kernels), pool_(pool), device_(device) {
+  require_device(device);
+}
+
+Generator::~Generator() = default;
 
 GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                                    const std::function<bool(int32_t)>& on_token,
@@ -42,51 +35,63 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   DUET_REQUIRE(options.max_tokens >= 0, "max_tokens must be >= 0, got {}", options.max_tokens);
   DUET_REQUIRE(n_prompt < c.n_ctx_train, "the prompt has {} tokens; the model's context holds {}",
                n_prompt, c.n_ctx_train);
+  DUET_REQUIRE(options.step_tokens >= 1, "the step token budget must be >= 1, got {}",
+               options.step_tokens);
+  validate_sampling_params(options.sampling);
   const int64_t max_tokens = std::min(options.max_tokens, c.n_ctx_train - n_prompt);
-
-  Sampler sampler(options.sampling);  // validates the sampling parameters
   GenerateResult result;
   result.n_prompt = n_prompt;
   if (max_tokens == 0) return result;
-  for (const int32_t token : prompt) sampler.accept(token);
 
-  SequenceCache seq(c, n_prompt + max_tokens);
-  std::vector<int32_t> context(prompt.begin(), prompt.end());
-  std::vector<float> logits(static_cast<size_t>(c.n_vocab));
-
-  auto step = [&](int64_t pos0, std::span<const int32_t> tokens) {
-    const ForwardSequence fs{seq.block_table, pos0, static_cast<int64_t>(tokens.size())};
-    const int64_t last = static_cast<int64_t>(tokens.size()) - 1;
-    forward_->run(tokens, {&fs, 1}, seq.cache, {&last, 1}, logits.data());
-  };
-
-  const auto start = Clock::now();
-  step(0, context);
-  result.prompt_seconds = seconds_since(start);
-  const auto decode_start = Clock::now();
-  result.finish = FinishReason::kLength;
-  for (int64_t i = 0; i < max_tokens; ++i) {
-    const int64_t position = static_cast<int64_t>(context.size());
-    const int32_t token = sampler.sample(logits, static_cast<uint64_t>(position));
-    sampler.accept(token);
-    result.tokens.push_back(token);
-    context.push_back(token);
-    if (!on_token(token)) {
-      result.finish = FinishReason::kStopped;
-      break;
-    }
-    if (is_end(token)) {
-      result.finish = FinishReason::kEndOfGeneration;
-      break;
-    }
-    if (i + 1 == max_tokens) break;
-    if (options.use_kv_cache) {
-      step(position, {&context.back(), 1});
-    } else {
-      step(0, context);  // the whole context again: nothing is reused
-    }
+  // One sequence: a KV cache of just its blocks (one spare for the token
+  // that the last step reserves).
+  const int64_t block = KvLayout::kDefaultBlockSize;
+  const int64_t n_blocks = (n_prompt + max_tokens + block - 1) / block + 1;
+  const bool recompute = !options.use_kv_cache;
+  if (!engine_ || engine_blocks_ < n_blocks || engine_step_tokens_ != options.step_tokens ||
+      engine_recompute_ != recompute) {
+    engine_.reset();  // a GPU engine's memory goes before the next one takes its own
+    EngineConfig config;
+    config.n_kv_blocks = n_blocks;
+    config.scheduler.max_running = 1;
+    config.scheduler.max_step_tokens = options.step_tokens;
+    config.scheduler.recompute = recompute;
+    config.device = device_;
+    engine_ = std::make_unique<Engine>(model_, kernels_, pool_, config);
+    engine_blocks_ = n_blocks;
+    engine_step_tokens_ = options.step_tokens;
+    engine_recompute_ = recompute;
   }
-  result.generate_seconds = seconds_since(decode_start);
+
+  RequestOptions request;
+  request.max_tokens = max_tokens;
+  request.sampling = options.sampling;
+  request.ignore_eos = true;  // is_end decides, below
+  const auto start = Clock::now();
+  auto last = start;
+  SequenceId id;
+  bool done = false;
+  id = engine_->submit(
+      std::vector<int32_t>(prompt.begin(), prompt.end()), request, [&](const TokenEvent& event) {
+        if (event.token < 0 || done) return;  // the final event of our own cancel
+        const auto now = Clock::now();
+        (result.tokens.empty() ? result.prompt_seconds : result.generate_seconds) +=
+            seconds_between(last, now);
+        last = now;
+        result.tokens.push_back(event.token);
+        if (!on_token(event.token)) {
+          result.finish = FinishReason::kStopped;
+        } else if (is_end(event.token)) {
+          result.finish = FinishReason::kEndOfGeneration;
+        } else if (event.finished) {
+          result.finish = FinishReason::kLength;
+        } else {
+          return;
+        }
+        done = true;
+        if (!event.finished) engine_->cancel(id);
+      });
+  engine_->run_until_idle();
   return result;
 }
 
@@ -95,12 +100,16 @@ std::vector<float> Generator::logits_all(std::span<const int32_t> tokens) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   DUET_REQUIRE(n > 0 && n <= c.n_ctx_train, "logits_all needs 1..{} tokens, got {}", c.n_ctx_train,
                n);
-  SequenceCache seq(c, n);
+  if (!forward_) forward_ = make_forward(model_, kernels_, pool_, {device_});
+  KvCache cache(
+      model_.kv_layout((n + KvLayout::kDefaultBlockSize - 1) / KvLayout::kDefaultBlockSize));
+  std::vector<int32_t> table(static_cast<size_t>(cache.layout().n_blocks));
+  std::iota(table.begin(), table.end(), 0);
   std::vector<int64_t> rows(static_cast<size_t>(n));
   std::iota(rows.begin(), rows.end(), 0);
   std::vector<float> logits(static_cast<size_t>(n * c.n_vocab));
-  const ForwardSequence fs{seq.block_table, 0, n};
-  forward_->run(tokens, {&fs, 1}, seq.cache, rows, logits.data());
+  const ForwardSequence fs{table, 0, n};
+  forward_->run(tokens, {&fs, 1}, cache, rows, logits.data());
   return logits;
 }
 

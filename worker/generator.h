@@ -1,10 +1,13 @@
-// Generation of one sequence at a time: prefill the prompt in one forward
-// batch, then decode token by token over the KV cache (or, with the cache
-// off, recompute the whole context every step, to show what the cache buys).
+// Generation of one prompt at a time, through the batching engine: a thin
+// client of Engine (worker/engine.h), so that `duet generate` computes every
+// token exactly as `duet serve` does, alone or batched. With the KV cache off
+// the engine recomputes the whole context every step (to show what the cache
+// buys), and gives the same tokens.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -16,6 +19,8 @@
 
 namespace duet {
 
+class Engine;
+
 // A plain value. Stop strings are not here: the generator works on token ids,
 // and the caller that detokenizes (a CLI, a server) matches them and returns
 // false from on_token (see common/stop_matcher.h).
@@ -23,6 +28,7 @@ struct GenerateOptions {
   int64_t max_tokens = 128;
   SamplingParams sampling;  // temperature, seed, top-k/p, min-p, penalties
   bool use_kv_cache = true;
+  int64_t step_tokens = 512;  // the engine's token budget per step (prompt chunks)
 };
 
 enum class FinishReason { kEndOfGeneration, kLength, kStopped };
@@ -31,7 +37,7 @@ struct GenerateResult {
   std::vector<int32_t> tokens;  // generated tokens, including an end-of-generation one
   FinishReason finish = FinishReason::kLength;
   int64_t n_prompt = 0;
-  double prompt_seconds = 0.0;    // prefill, up to the first token's logits
+  double prompt_seconds = 0.0;    // prefill, up to the first token
   double generate_seconds = 0.0;  // every later step
 };
 
@@ -41,6 +47,7 @@ class Generator final {
   // where there is no such GPU).
   Generator(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
             int device = -1);
+  ~Generator();
 
   // Generates up to options.max_tokens tokens after `prompt`. on_token is
   // called with each new token; returning false stops generation (kStopped).
@@ -52,13 +59,23 @@ class Generator final {
                           const std::function<bool(int32_t)>& on_token,
                           const std::function<bool(int32_t)>& is_end);
 
-  // Teacher-forced logits of every position of `tokens` in one forward pass:
+  // Teacher-forced logits of every position of `tokens` in one forward pass
+  // (every row in the multi-token order, as llama.cpp evaluates a prompt):
   // (tokens.size(), n_vocab), row i predicting token i + 1.
   std::vector<float> logits_all(std::span<const int32_t> tokens);
 
  private:
   const LlamaModel& model_;
-  std::unique_ptr<ModelForward> forward_;
+  const cpu::KernelTable& kernels_;
+  cpu::ThreadPool& pool_;
+  const int device_;
+  // The engine of the last generate(), kept while its capacity and mode fit
+  // (a GPU engine uploads the weights once).
+  std::unique_ptr<Engine> engine_;
+  int64_t engine_blocks_ = 0;
+  int64_t engine_step_tokens_ = 0;
+  bool engine_recompute_ = false;
+  std::unique_ptr<ModelForward> forward_;  // logits_all's, made on first use
 };
 
 }  // namespace duet

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "worker/token_order.h"
 
 namespace duet {
 namespace {
@@ -25,7 +26,7 @@ constexpr uint64_t mix64(uint64_t z) {
 
 }  // namespace
 
-uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens) {
+uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens, int64_t n_one_token) {
   uint64_t acc = mix64(parent) + kPrime5;
   for (const int32_t token : tokens) {
     uint64_t k = static_cast<uint64_t>(static_cast<uint32_t>(token)) * kPrime2;
@@ -33,11 +34,20 @@ uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens) {
     acc ^= k;
     acc = std::rotl(acc, 27) * kPrime1 + kPrime4;
   }
-  return mix64(acc ^ static_cast<uint64_t>(tokens.size()));
+  // A block of prompt tokens only hashes as it did before orders were hashed.
+  const uint64_t tail =
+      static_cast<uint64_t>(tokens.size()) ^ (static_cast<uint64_t>(n_one_token) << 32);
+  return mix64(acc ^ tail);
 }
 
-KvCacheManager::KvCacheManager(BlockPool& pool, int64_t block_size)
-    : pool_(pool), block_size_(block_size) {
+uint64_t KvCacheManager::block_hash(uint64_t parent, std::span<const int32_t> tokens, int64_t b,
+                                    int64_t from) const {
+  return hash_block_tokens(parent, tokens.subspan(b * block_size_, block_size_),
+                           n_one_token(b * block_size_, block_size_, from));
+}
+
+KvCacheManager::KvCacheManager(BlockPool& pool, int64_t block_size, bool prefix_caching)
+    : pool_(pool), block_size_(block_size), prefix_caching_(prefix_caching) {
   DUET_REQUIRE(block_size > 0, "block size must be positive, got {}", block_size);
 }
 
@@ -54,21 +64,21 @@ const KvCacheManager::Sequence& KvCacheManager::sequence(SequenceId id) const {
 }
 
 std::optional<int64_t> KvCacheManager::begin_sequence(SequenceId id,
-                                                      std::span<const int32_t> prompt_tokens) {
+                                                      std::span<const int32_t> prompt_tokens,
+                                                      int64_t one_token_from) {
   DUET_ASSERT(!prompt_tokens.empty(), "sequence {} has an empty prompt", id.value);
   DUET_ASSERT(!has_sequence(id), "sequence {} is already live", id.value);
   const auto n_prompt = static_cast<int64_t>(prompt_tokens.size());
 
   // The longest cached run of full blocks, leaving the last token to compute.
   // Only looked at here (find), so a refusal changes nothing.
-  const int64_t max_hit_blocks = (n_prompt - 1) / block_size_;
+  const int64_t max_hit_blocks = prefix_caching_ ? (n_prompt - 1) / block_size_ : 0;
   std::vector<uint64_t> hashes;
   std::vector<BlockId> hits;
   int64_t n_revived = 0;  // hits nobody holds: taking them uses up available blocks
   uint64_t parent = kRootBlockHash;
   for (int64_t i = 0; i < max_hit_blocks; ++i) {
-    const uint64_t hash =
-        hash_block_tokens(parent, prompt_tokens.subspan(i * block_size_, block_size_));
+    const uint64_t hash = block_hash(parent, prompt_tokens, i, one_token_from);
     const std::optional<BlockId> block = pool_.find(hash);
     if (!block) break;
     hashes.push_back(hash);
@@ -96,6 +106,7 @@ std::optional<int64_t> KvCacheManager::begin_sequence(SequenceId id,
   const int64_t n_hit_tokens = n_hit_blocks * block_size_;
   seq.tokens.assign(prompt_tokens.begin(), prompt_tokens.begin() + n_hit_tokens);
   seq.block_hashes = std::move(hashes);
+  seq.one_token_from = one_token_from;
   sequences_.emplace(id, std::move(seq));
 
   n_prompt_tokens_ += n_prompt;
@@ -138,9 +149,10 @@ void KvCacheManager::commit_tokens(SequenceId id, std::span<const int32_t> token
   seq.tokens.insert(seq.tokens.end(), tokens.begin(), tokens.end());
   const int64_t n_full = n_after / block_size_;
   const std::span<const int32_t> all(seq.tokens);
+  if (!prefix_caching_) return;
   for (auto b = static_cast<int64_t>(seq.block_hashes.size()); b < n_full; ++b) {
     const uint64_t parent = b == 0 ? kRootBlockHash : seq.block_hashes[b - 1];
-    const uint64_t hash = hash_block_tokens(parent, all.subspan(b * block_size_, block_size_));
+    const uint64_t hash = block_hash(parent, all, b, seq.one_token_from);
     seq.block_hashes.push_back(hash);
     pool_.register_full_block(seq.blocks[b], hash);
   }

@@ -11,8 +11,11 @@
 //   free_sequence(id)
 //
 // Block i of a sequence is "full" once all block_size of its tokens are
-// committed; its hash is hash(hash of block i-1, its token ids), so equal
-// hashes mean an equal whole prefix, not just equal block content. Full blocks
+// committed; its hash is hash(hash of block i-1, its token ids, how many of
+// them are computed in the one-token order), so equal hashes mean an equal
+// whole prefix computed alike, not just equal block content: a block holding
+// generated tokens (one-token order, worker/token_order.h) never stands in
+// for the same tokens of a longer prompt (multi-token order). Full blocks
 // are registered with the pool, and a later prompt that starts with the same
 // tokens shares them (read-only) instead of recomputing their KV. Blocks that
 // are not full are never shared, so KV is only written into blocks that one
@@ -52,28 +55,36 @@ struct std::hash<duet::SequenceId> {
 namespace duet {
 
 // The chained hash of one full block: `parent` is the previous block's hash
-// (kRootBlockHash for block 0), `tokens` the block's token ids. 64 bits, an
+// (kRootBlockHash for block 0), `tokens` the block's token ids, the last
+// `n_one_token` of them computed in the one-token order. 64 bits, an
 // xxhash64-style mix with a splitmix64 finish. Hits are trusted by hash alone
 // (no token comparison): a collision among n cached blocks has odds ~n^2/2^65.
 inline constexpr uint64_t kRootBlockHash = 0x6475657420726f6fULL;
-uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens);
+uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens,
+                           int64_t n_one_token = 0);
 
 class KvCacheManager final {
  public:
   // `pool` is borrowed and must outlive the manager; the manager assumes it
-  // is the pool's only user when it answers n_free_blocks().
-  explicit KvCacheManager(BlockPool& pool, int64_t block_size = KvLayout::kDefaultBlockSize);
+  // is the pool's only user when it answers n_free_blocks(). Without
+  // `prefix_caching`, full blocks are neither registered nor looked up.
+  explicit KvCacheManager(BlockPool& pool, int64_t block_size = KvLayout::kDefaultBlockSize,
+                          bool prefix_caching = true);
   KvCacheManager(const KvCacheManager&) = delete;
   KvCacheManager& operator=(const KvCacheManager&) = delete;
 
-  // Admits a new sequence with `prompt_tokens` (non-empty; `id` not live):
+  // Admits a new sequence with `prompt_tokens` (non-empty; `id` not live),
+  // whose positions from `one_token_from` on are computed in the one-token
+  // order (worker/token_order.h; the prompt of a recomputed sequence holds
+  // its generated tokens too):
   // shares the longest run of cached full blocks that start the prompt, capped
   // so at least the last prompt token is computed (its logits are needed), and
   // allocates blocks for the rest of the prompt. Returns how many prompt
   // tokens already have their KV (a multiple of block_size, < the prompt
   // length); those count as committed. nullopt, with nothing changed, when the
   // pool cannot hold the whole prompt.
-  std::optional<int64_t> begin_sequence(SequenceId id, std::span<const int32_t> prompt_tokens);
+  std::optional<int64_t> begin_sequence(SequenceId id, std::span<const int32_t> prompt_tokens,
+                                        int64_t one_token_from);
 
   // Grows the sequence's blocks so it can hold n_tokens_total tokens in all.
   // All or nothing: false, with nothing changed and no cached block evicted,
@@ -115,7 +126,11 @@ class KvCacheManager final {
     std::vector<int32_t> table;          // blocks as int32_t, for block_table()
     std::vector<int32_t> tokens;         // committed token ids
     std::vector<uint64_t> block_hashes;  // chained hashes of the full blocks
+    int64_t one_token_from = 0;          // see begin_sequence
   };
+  // The chained hash of block `b` of tokens whose one-token rows start at `from`.
+  uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens, int64_t b,
+                      int64_t from) const;
 
   Sequence& sequence(SequenceId id);
   const Sequence& sequence(SequenceId id) const;
@@ -123,6 +138,7 @@ class KvCacheManager final {
 
   BlockPool& pool_;
   int64_t block_size_;
+  bool prefix_caching_;
   std::unordered_map<SequenceId, Sequence> sequences_;
   int64_t n_prompt_tokens_ = 0;
   int64_t n_prefix_hit_tokens_ = 0;

@@ -22,67 +22,52 @@ void add_bias(float* x, const std::vector<float>& bias, int64_t n_rows) {
 }  // namespace
 
 LlamaForward::LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels,
-                           cpu::ThreadPool& pool, cpu::AttentionOrder attention_order,
-                           Collective* collective)
-    : model_(model),
-      kernels_(kernels),
-      pool_(pool),
-      attention_order_(attention_order),
-      collective_(collective) {
+                           cpu::ThreadPool& pool, Collective* collective)
+    : model_(model), kernels_(kernels), pool_(pool), collective_(collective) {
   const TpShard& shard = model.shard();
   DUET_REQUIRE(shard.whole() || (collective != nullptr && collective->size() == shard.size &&
                                  collective->rank() == shard.rank),
                "a shard {} of {} needs its instance's collective of {} ranks", shard.rank,
                shard.size, shard.size);
-  DUET_REQUIRE(shard.whole() || attention_order == cpu::AttentionOrder::kBatchInvariant,
-               "a shard runs in the batch-invariant order");
+  const ModelConfig& c = model.config();
+  for (int rank = 0; rank < shard.size; ++rank) {
+    const TpShard s = make_tp_shard(c, rank, shard.size);
+    q_parts_.push_back(s.n_heads() * c.head_dim);
+    ff_parts_.push_back(s.n_ff());
+    embd_parts_.push_back(s.n_embd());
+  }
 }
 
-void LlamaForward::row_parallel(const cpu::WeightMatrix& whole,
-                                std::span<const cpu::WeightMatrix> groups, int64_t n_groups,
-                                int64_t group_begin, int64_t n, float* out) {
+void LlamaForward::gather_columns(const float* mine, std::span<const int64_t> parts, int64_t n,
+                                  float* all) {
+  const int64_t slot = *std::max_element(parts.begin(), parts.end()) * n;
+  const int64_t part = parts[static_cast<size_t>(model_.shard().rank)];
+  gather_send_.assign(static_cast<size_t>(slot), 0.0f);  // a shorter part is padded
+  std::copy_n(mine, part * n, gather_send_.begin());
+  gather_recv_.resize(static_cast<size_t>(slot) * parts.size());
+  const auto start = std::chrono::steady_clock::now();
+  collective_->all_gather(gather_send_, gather_recv_);
+  ++collective_time_.calls;
+  collective_time_.seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  assemble_slices(gather_recv_.data(), slot, parts, n, all);
+}
+
+void LlamaForward::split_product(const cpu::WeightMatrix& w, const float* mine,
+                                 std::span<const int64_t> in_parts, int64_t n, float* out) {
   const int64_t n_embd = model_.config().n_embd;
-  if (attention_order_ == cpu::AttentionOrder::kLlamaCpp) {
-    cpu::matmul(kernels_, whole, packed_, out, n_embd, pool_);
+  if (model_.shard().whole()) {
+    packed_.pack(kernels_, mine, n, w.k, {w.type}, pool_);
+    cpu::matmul(kernels_, w, packed_, out, n_embd, pool_);
     return;
   }
-  const TpShard& shard = model_.shard();
-  const auto n_local = static_cast<int64_t>(groups.size());
-  DUET_ASSERT(std::pair(group_begin, group_begin + n_local) ==
-                  split_evenly(n_groups, shard.rank, shard.size),
-              "rank {} holds column groups [{}, +{}) of {}", shard.rank, group_begin, n_local,
-              n_groups);
-  // Every rank sends as many partials as the rank with the most groups.
-  const int64_t n_slots = split_evenly(n_groups, 0, shard.size).second;
-  const auto slot = static_cast<size_t>(n * n_embd);
-  partials_.resize(slot * static_cast<size_t>(n_slots));
-  cpu::matmul_groups(kernels_, groups, packed_, partials_.data(), n_embd,
-                     static_cast<int64_t>(slot), pool_);
-  const float* all = partials_.data();
-  if (!shard.whole()) {
-    std::fill(partials_.begin() + static_cast<int64_t>(slot) * n_local, partials_.end(), 0.0f);
-    partials_gathered_.resize(partials_.size() * static_cast<size_t>(shard.size));
-    const auto start = std::chrono::steady_clock::now();
-    collective_->all_gather(partials_, partials_gathered_);
-    ++collective_time_.calls;
-    collective_time_.seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    all = partials_gathered_.data();
-  }
-  // Group after group, from whichever rank computed it: one order for any TP size.
-  int rank = 0;
-  for (int64_t g = 0; g < n_groups; ++g) {
-    while (g >= split_evenly(n_groups, rank, shard.size).second) ++rank;
-    const int64_t local = g - split_evenly(n_groups, rank, shard.size).first;
-    const float* partial = all + (static_cast<size_t>(rank) * static_cast<size_t>(n_slots) +
-                                  static_cast<size_t>(local)) *
-                                     slot;
-    if (g == 0) {
-      std::copy_n(partial, slot, out);
-    } else {
-      cpu::add_in_place(out, partial, static_cast<int64_t>(slot));
-    }
-  }
+  // (n, k): the rows quantize exactly as one rank's whole rows do.
+  whole_in_.resize(static_cast<size_t>(n * w.k));
+  gather_columns(mine, in_parts, n, whole_in_.data());
+  packed_.pack(kernels_, whole_in_.data(), n, w.k, {w.type}, pool_);
+  out_rows_.resize(static_cast<size_t>(n * w.n_out));
+  cpu::matmul(kernels_, w, packed_, out_rows_.data(), w.n_out, pool_);
+  gather_columns(out_rows_.data(), embd_parts_, n, out);
 }
 
 void LlamaForward::all_reduce(float* data, int64_t n) {
@@ -197,14 +182,14 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
   const int64_t kv_dim = n_kv_heads * c.head_dim;
   const cpu::RopeParams rope =
       rope_params(c, model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data());
-  const cpu::AttentionShape shape = attention_shape(c, shard, attention_order_);
+  const cpu::AttentionShape shape = attention_shape(c, shard);
 
   // Each sequence's rows of the batch, for the cache stores and the attention.
   attention_sequences_.clear();
   {
     int64_t row = 0;
     for (const ForwardSequence& s : sequences) {
-      attention_sequences_.push_back({s.block_table, s.pos0, s.n_tokens, row});
+      attention_sequences_.push_back({s.block_table, s.pos0, s.n_tokens, row, s.one_token_from});
       row += s.n_tokens;
     }
   }
@@ -229,8 +214,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
     // Every sequence's attention in one parallel pass.
     cpu::attention_batch(kernels_, cache.layout(), cache.data(), il, attention_sequences_, shape,
                          q_.data(), attn_.data(), pool_);
-    packed_.pack(kernels_, attn_.data(), n, q_dim, {w.wo_groups.front().type}, pool_);
-    row_parallel(w.wo, w.wo_groups, shard.n_o_groups, shard.o_group_begin, n, attn_out_.data());
+    split_product(w.wo, attn_.data(), q_parts_, n, attn_out_.data());
     cpu::add_in_place(x_.data(), attn_out_.data(), n * c.n_embd);
 
     // Feed-forward block (SwiGLU).
@@ -242,9 +226,7 @@ void LlamaForward::run(std::span<const int32_t> tokens, std::span<const ForwardS
       float* gate = gate_.data() + r * n_ff;
       kernels_.silu_mul(gate, up_.data() + r * n_ff, gate, n_ff);
     });
-    packed_.pack(kernels_, gate_.data(), n, n_ff, {w.down_groups.front().type}, pool_);
-    row_parallel(w.w_down, w.down_groups, shard.n_ff_groups, shard.ff_group_begin, n,
-                 ffn_out_.data());
+    split_product(w.w_down, gate_.data(), ff_parts_, n, ffn_out_.data());
     cpu::add_in_place(x_.data(), ffn_out_.data(), n * c.n_embd);
   }
 

@@ -11,14 +11,15 @@
 // Shapes are the shard's (LlamaModel::shard): with tensor parallelism every
 // rank of the instance runs the same batch through its own heads and hidden
 // units; the vocabulary-parallel embeddings are summed over the ranks with an
-// all-reduce, the logits assembled with an all-gather.
+// all-reduce, the logits assembled with an all-gather; O and down take the
+// gathered whole input and give their rows of the output, gathered too
+// (worker/tp_shard.h). No element is ever a sum over ranks: x and the logits
+// are the same bits on every rank of an instance and for every TP size.
 //
-// In the batch-invariant order the row-parallel products (O, down) are sums
-// of column groups (worker/tp_shard.h) added in group order, every rank's
-// groups brought together by an all-gather: x and the logits are the same
-// bits on every rank of an instance and for every TP size, so tensor
-// parallelism changes no token. (The kLlamaCpp order, for one whole model
-// only, multiplies in one pass as llama.cpp does.)
+// Reduction orders: every weight product is one pass of llama.cpp's order
+// (the same for any number of rows), and each row's attention reduces in the
+// order its sequence names for its position (ForwardSequence::one_token_from),
+// so a token's result depends on neither the batch nor the step it is in.
 // Not thread-safe: one forward at a time per object (the compute thread's).
 #pragma once
 
@@ -40,14 +41,9 @@ namespace duet {
 
 class LlamaForward final : public ModelForward {
  public:
-  // attention_order: kLlamaCpp reproduces llama.cpp for one sequence decoded
-  // token by token; kBatchInvariant makes every token's result independent of
-  // how its sequence's tokens are split into steps (what a batching engine
-  // with chunked prefill, preemption and prefix caching needs).
   // `collective`: the instance's ranks when the model is a shard (outlives
   // this object; required then), else null.
   LlamaForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-               cpu::AttentionOrder attention_order = cpu::AttentionOrder::kLlamaCpp,
                Collective* collective = nullptr);
 
   // Time spent in the collectives since construction (tensor parallelism).
@@ -67,20 +63,25 @@ class LlamaForward final : public ModelForward {
  private:
   void resize(int64_t n_rows, int64_t n_logit_rows);
   void all_reduce(float* data, int64_t n);  // timed; nothing without a collective
-  // out (n, n_embd) = the row-parallel product with packed_: in the
-  // kLlamaCpp order `whole` in one pass; else the sum of the model's
-  // n_groups column groups in order, this rank holding `groups` from
-  // group_begin on.
-  void row_parallel(const cpu::WeightMatrix& whole, std::span<const cpu::WeightMatrix> groups,
-                    int64_t n_groups, int64_t group_begin, int64_t n, float* out);
+  // all (n, sum of parts) = every rank's `mine` (n, parts[rank]), side by
+  // side in rank order; timed.
+  void gather_columns(const float* mine, std::span<const int64_t> parts, int64_t n, float* all);
+  // out (n, n_embd) = in (n, k) . w^T for O or down, whose input is split
+  // over the ranks by `in_parts` (this rank's columns in `mine`): the whole
+  // input is gathered, this rank multiplies it by its output rows, and the
+  // output rows are gathered.
+  void split_product(const cpu::WeightMatrix& w, const float* mine,
+                     std::span<const int64_t> in_parts, int64_t n, float* out);
   void embed(std::span<const int32_t> tokens);
   void head(int64_t n_out, float* logits);
 
   const LlamaModel& model_;
   const cpu::KernelTable& kernels_;
   cpu::ThreadPool& pool_;
-  const cpu::AttentionOrder attention_order_;
   Collective* const collective_;
+  // Every rank's share, in rank order, of the split dimensions: query dims
+  // (n_heads * head_dim), hidden units, output rows of O and down.
+  std::vector<int64_t> q_parts_, ff_parts_, embd_parts_;
   CollectiveTime collective_time_;
   cpu::PackedActivations packed_;
   std::vector<int32_t> positions_;
@@ -89,9 +90,10 @@ class LlamaForward final : public ModelForward {
   // This rank's slice of the logits (n_out, vocab_stride), then every
   // rank's in rank order; tensor parallelism only.
   std::vector<float> logits_slice_, logits_gathered_;
-  // Column-group partials of a row-parallel product: this rank's, then
-  // every rank's.
-  std::vector<float> partials_, partials_gathered_;
+  // Tensor parallelism: a gathered input (n, k) of O or down, this rank's
+  // rows of its output (n, shard n_embd), and an all-gather's send and
+  // receive slots.
+  std::vector<float> whole_in_, out_rows_, gather_send_, gather_recv_;
 };
 
 }  // namespace duet

@@ -16,20 +16,10 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path,
   return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path), placement));
 }
 
-int64_t LlamaModel::layer_block_size(const char* name) const {
-  int64_t block = 1;
-  for (int64_t i = 0; i < config_.n_layers; ++i) {
-    const GgufTensorInfo& t = file_.tensor(duet::format("blk.{}.{}", i, name));
-    block = std::max(block, dtype_traits(t.type).block_size);
-  }
-  return block;
-}
-
 LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
     : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)) {
   const ModelConfig& c = config_;
-  shard_ = make_tp_shard(c, placement.rank, placement.size, layer_block_size("attn_output.weight"),
-                         layer_block_size("ffn_down.weight"));
+  shard_ = make_tp_shard(c, placement.rank, placement.size);
   const TpShard& s = shard_;
   const int64_t hd = c.head_dim;
   token_embd_ = rows("token_embd.weight", c.n_embd, c.n_vocab, s.vocab_begin, s.vocab_end);
@@ -45,15 +35,11 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
     l.wq = rows(p + "attn_q.weight", c.n_embd, q_dim, q0, q1);
     l.wk = rows(p + "attn_k.weight", c.n_embd, kv_dim, kv0, kv1);
     l.wv = rows(p + "attn_v.weight", c.n_embd, kv_dim, kv0, kv1);
-    if (s.whole()) l.wo = matrix(p + "attn_output.weight", q_dim, c.n_embd);
-    l.wo_groups = column_groups(p + "attn_output.weight", q_dim, c.n_embd, s.n_o_groups,
-                                s.o_group_begin, s.o_group_end);
+    l.wo = rows(p + "attn_output.weight", q_dim, c.n_embd, s.embd_begin, s.embd_end);
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
     l.w_gate = rows(p + "ffn_gate.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
     l.w_up = rows(p + "ffn_up.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
-    if (s.whole()) l.w_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
-    l.down_groups = column_groups(p + "ffn_down.weight", c.n_ff, c.n_embd, s.n_ff_groups,
-                                  s.ff_group_begin, s.ff_group_end);
+    l.w_down = rows(p + "ffn_down.weight", c.n_ff, c.n_embd, s.embd_begin, s.embd_end);
     // Optional for both architectures, as in llama.cpp (Qwen2 files have them); absent means zero.
     l.bq = slice(optional_vector(p + "attn_q.bias", q_dim), q0, q1);
     l.bk = slice(optional_vector(p + "attn_k.bias", kv_dim), kv0, kv1);
@@ -143,22 +129,6 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
       cpu::make_weight_matrix(t.type, owned.get(), col1 - col0, row1 - row0);
   owned_.push_back(std::move(owned));
   return w;
-}
-
-std::vector<cpu::WeightMatrix> LlamaModel::column_groups(const std::string& name, int64_t k,
-                                                         int64_t n_out, int64_t n_groups,
-                                                         int64_t begin, int64_t end) {
-  const int64_t width = k / n_groups;
-  std::vector<cpu::WeightMatrix> groups;
-  if (n_groups == 1) {  // a whole model's one group: the tensor as it is (validated already)
-    DUET_ASSERT(shard_.whole() && used_tensors_.contains(name), "{}: one column group", name);
-    const GgufTensorInfo& t = file_.tensor(name);
-    groups.push_back(cpu::make_weight_matrix(t.type, t.data, k, n_out));
-    return groups;
-  }
-  for (int64_t g = begin; g < end; ++g)
-    groups.push_back(matrix(name, k, n_out, 0, n_out, g * width, (g + 1) * width));
-  return groups;
 }
 
 std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {

@@ -3,8 +3,8 @@
 //
 // Whole (tp 1), the weights stay in the read-only mapping of the GGUF file
 // (no copy); the model owns the file. A shard (worker/tp_shard.h) copies out
-// only its own bytes of every split tensor: rows of a column-parallel weight,
-// whole blocks of every row of a row-parallel one; the mapping's other pages
+// only its own rows of every split tensor (Q/K/V, gate/up, O, down, the
+// vocabulary); the mapping's other pages
 // are never touched. Immutable after load, so any number of forward passes
 // may read it.
 #pragma once
@@ -33,15 +33,13 @@ struct LlamaLayerWeights {
   // Projection biases, added after the product (qwen2 has them; llama may): (n_heads * head_dim)
   // for bq, (n_kv_heads * head_dim) for bk and bv; empty when the file has none.
   std::vector<float> bq, bk, bv;
-  cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim); whole model only
+  // O and down: the shard's output rows [embd_begin, embd_end) of the whole
+  // input (every rank's heads, every rank's hidden units).
+  cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim), all heads
   std::vector<float> ffn_norm;  // (n_embd)
   cpu::WeightMatrix w_gate;     // n_ff rows of n_embd
   cpu::WeightMatrix w_up;       // n_ff rows of n_embd
-  cpu::WeightMatrix w_down;     // n_embd rows of n_ff; whole model only
-  // The column groups of O and down this model holds (TpShard::o_group_*,
-  // ff_group_*), each stored on its own, front to back: what the
-  // batch-invariant forward multiplies, group by group.
-  std::vector<cpu::WeightMatrix> wo_groups, down_groups;
+  cpu::WeightMatrix w_down;     // n_embd rows of n_ff, all hidden units
 };
 
 // Which rank of how many tensor-parallel ranks loads the model.
@@ -86,8 +84,8 @@ class LlamaModel final {
   // Bytes of weight data this model reads (its part of the file tensors it uses).
   size_t weight_bytes() const { return weight_bytes_; }
   // Bytes copied out of the file into memory of this model's own: a shard's
-  // parts of the tensors it splits; a whole model's column groups of O and
-  // down (the rest it reads from the mapping).
+  // parts of the tensors it splits (none for a whole model, which reads the
+  // mapping).
   size_t owned_weight_bytes() const { return owned_weight_bytes_; }
   // File bytes of the tensors this model copies parts of (whole): what
   // owned_weight_bytes is about 1/tp of.
@@ -108,13 +106,8 @@ class LlamaModel final {
                          int64_t row1) {
     return matrix(name, k, n_out, row0, row1, 0, k);
   }
-  // Column groups [begin, end) of `n_groups` equal ones (row-parallel).
-  std::vector<cpu::WeightMatrix> column_groups(const std::string& name, int64_t k, int64_t n_out,
-                                               int64_t n_groups, int64_t begin, int64_t end);
   // Elements [begin, end) of vector(name, n).
   std::vector<float> slice(std::vector<float> whole, int64_t begin, int64_t end);
-  // The largest block size of the tensor `name` of every layer.
-  int64_t layer_block_size(const char* name) const;
   std::vector<float> vector(const std::string& name, int64_t n);
   // vector(name, n) when the file has the tensor, else empty.
   std::vector<float> optional_vector(const std::string& name, int64_t n);

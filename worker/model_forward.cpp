@@ -40,14 +40,12 @@ cpu::RopeParams rope_params(const ModelConfig& c, const float* freq_factors) {
   return rope;
 }
 
-cpu::AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard,
-                                    cpu::AttentionOrder order) {
+cpu::AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard) {
   cpu::AttentionShape shape;
   shape.n_heads = shard.n_heads();
   shape.n_kv_heads = shard.n_kv_heads();
   shape.head_dim = c.head_dim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  shape.order = order;
   return shape;
 }
 
@@ -119,8 +117,7 @@ std::unique_ptr<ModelForward> make_forward(const LlamaModel& model, const cpu::K
                                            const ForwardPlacement& placement) {
   require_device(placement.device);
   if (placement.device < 0) {
-    return std::make_unique<LlamaForward>(model, kernels, pool, placement.attention_order,
-                                          placement.collective);
+    return std::make_unique<LlamaForward>(model, kernels, pool, placement.collective);
   }
 #ifdef DUET_HAVE_CUDA
   if (!model.shard().whole() && placement.device_collective == nullptr) {

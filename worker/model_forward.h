@@ -30,6 +30,10 @@ struct ForwardSequence {
   std::span<const int32_t> block_table;  // physical blocks of positions [0, pos0 + n_tokens)
   int64_t pos0 = 0;                      // position of its first row in this batch
   int64_t n_tokens = 0;                  // its rows, consecutive in the batch, in order
+  // Rows at positions >= this are computed in llama.cpp's one-token order,
+  // the rest in its multi-token order (the engine's rule, worker/token_order.h;
+  // the CPU forward only).
+  int64_t one_token_from = cpu::kNoOneTokenRows;
 };
 
 // One logit row's draw, for sampling on the device (no penalties, no min-p).
@@ -78,13 +82,11 @@ class ModelForward {
 // frequency divisors `freq_factors`, or null; host or device memory, as the
 // forward's kernels read them) and the attention of the shard's heads.
 cpu::RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
-cpu::AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard,
-                                    cpu::AttentionOrder order);
+cpu::AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
 
 // Where a forward runs: the CPU (device -1) or CUDA device `device`.
 struct ForwardPlacement {
   int device = -1;
-  cpu::AttentionOrder attention_order = cpu::AttentionOrder::kBatchInvariant;
   // Tensor parallelism: the instance's ranks (a CPU shard's collectives go
   // through `collective`), and on a GPU their device collective (NCCL) too.
   Collective* collective = nullptr;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "worker/token_order.h"
 
 namespace duet {
 
@@ -21,6 +22,7 @@ void Scheduler::add(SequenceId id, std::vector<int32_t> prompt, int64_t max_toke
   Sequence seq;
   seq.arrival = next_arrival_++;
   seq.n_prompt = static_cast<int64_t>(prompt.size());
+  seq.one_token_from = one_token_from(seq.n_prompt);
   seq.tokens = std::move(prompt);
   seq.max_tokens = max_tokens;
   sequences_.emplace(id, std::move(seq));
@@ -37,6 +39,7 @@ void Scheduler::add_running(SequenceId id, std::vector<int32_t> prompt, int32_t 
   Sequence seq;
   seq.arrival = next_arrival_++;
   seq.n_prompt = static_cast<int64_t>(prompt.size());
+  seq.one_token_from = one_token_from(seq.n_prompt);
   seq.n_computed = seq.n_prompt;
   seq.tokens = std::move(prompt);
   seq.tokens.push_back(first_token);
@@ -57,7 +60,7 @@ void Scheduler::finish(SequenceId id) {
   if (sequences_.contains(id)) release(id);
 }
 
-void Scheduler::preempt(SequenceId id) {
+void Scheduler::preempt(SequenceId id, bool report) {
   kv_.free_sequence(id);
   std::erase(running_, id);
   Sequence& seq = sequences_.at(id);
@@ -67,7 +70,7 @@ void Scheduler::preempt(SequenceId id) {
     return sequences_.at(other).arrival > seq.arrival;
   });
   waiting_.insert(it, id);
-  preempted_since_plan_.push_back(id);
+  if (report) preempted_since_plan_.push_back(id);
 }
 
 StepPlan Scheduler::schedule() {
@@ -103,7 +106,8 @@ StepPlan Scheduler::schedule() {
     plan.chunks.push_back({id,
                            seq.n_computed,
                            {seq.tokens.data() + seq.n_computed, static_cast<size_t>(want)},
-                           seq.n_computed + want == static_cast<int64_t>(seq.tokens.size())});
+                           seq.n_computed + want == static_cast<int64_t>(seq.tokens.size()),
+                           seq.one_token_from});
     scheduled.push_back(id);
     budget -= want;
     ++i;
@@ -114,7 +118,7 @@ StepPlan Scheduler::schedule() {
          static_cast<int64_t>(running_.size()) < config_.max_running) {
     const SequenceId id = waiting_.front();
     Sequence& seq = sequences_.at(id);
-    const std::optional<int64_t> cached = kv_.begin_sequence(id, seq.tokens);
+    const std::optional<int64_t> cached = kv_.begin_sequence(id, seq.tokens, seq.one_token_from);
     if (!cached) break;  // the KV cache cannot hold it yet
     seq.n_computed = *cached;
     const int64_t want = std::min(static_cast<int64_t>(seq.tokens.size()) - seq.n_computed, budget);
@@ -127,7 +131,8 @@ StepPlan Scheduler::schedule() {
     plan.chunks.push_back({id,
                            seq.n_computed,
                            {seq.tokens.data() + seq.n_computed, static_cast<size_t>(want)},
-                           seq.n_computed + want == static_cast<int64_t>(seq.tokens.size())});
+                           seq.n_computed + want == static_cast<int64_t>(seq.tokens.size()),
+                           seq.one_token_from});
     budget -= want;
   }
   for (const ScheduledChunk& chunk : plan.chunks)
@@ -149,7 +154,11 @@ void Scheduler::complete(const StepPlan& plan, std::span<const int32_t> sampled)
     seq.n_computed += static_cast<int64_t>(chunk.tokens.size());
     if (!chunk.samples) continue;
     seq.tokens.push_back(sampled[next_sample - 1]);
-    if (static_cast<int64_t>(seq.tokens.size()) - seq.n_prompt >= seq.max_tokens) release(chunk.id);
+    if (static_cast<int64_t>(seq.tokens.size()) - seq.n_prompt >= seq.max_tokens) {
+      release(chunk.id);
+    } else if (config_.recompute) {
+      preempt(chunk.id, /*report=*/false);
+    }
   }
   DUET_ASSERT(next_sample == sampled.size(), "complete(): {} sampled tokens for {} sampling chunks",
               sampled.size(), next_sample);

@@ -31,6 +31,11 @@ namespace duet {
 struct SchedulerConfig {
   int64_t max_step_tokens = 512;  // token budget of one forward step
   int64_t max_running = 64;       // sequences holding KV at once
+  // Keep no KV between steps: after each token a sequence gives its blocks
+  // back and its next step recomputes its whole context (what `duet generate
+  // --no-kv-cache` shows the cache saves; the KV cache manager must not
+  // cache prefixes then). Tokens are the same as with reuse.
+  bool recompute = false;
 };
 
 struct ScheduledChunk {
@@ -38,6 +43,9 @@ struct ScheduledChunk {
   int64_t pos0 = 0;                 // position of the first token computed
   std::span<const int32_t> tokens;  // the tokens to compute, valid until the next schedule()
   bool samples = false;             // the chunk ends at the sequence's last token: sample one
+  // The sequence's first position computed in the one-token order
+  // (worker/token_order.h): a chunk's rows keep their tokens' roles.
+  int64_t one_token_from = 0;
 };
 
 struct StepPlan {
@@ -89,11 +97,14 @@ class Scheduler final {
     int64_t arrival = 0;          // FCFS order
     std::vector<int32_t> tokens;  // prompt, then generated tokens
     int64_t n_prompt = 0;
+    int64_t one_token_from = 0;  // of n_prompt (worker/token_order.h)
     int64_t max_tokens = 0;
     int64_t n_computed = 0;  // tokens whose KV is written
   };
 
-  void preempt(SequenceId id);
+  // Frees a running sequence's KV and queues it again at its arrival rank;
+  // `report`: listed in the next plan's preempted (not for recompute mode).
+  void preempt(SequenceId id, bool report = true);
   void release(SequenceId id);
 
   KvCacheManager& kv_;

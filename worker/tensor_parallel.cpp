@@ -147,6 +147,7 @@ void TpLeader::step(const ForwardBatch& batch, std::span<const TpExport> exports
   for (const ForwardSequence& s : batch.sequences) {
     w.put(s.pos0);
     w.put(s.n_tokens);
+    w.put(s.one_token_from);
     w.put_array(s.block_table);
   }
   w.put_array(batch.logit_rows);
@@ -242,8 +243,7 @@ class Follower {
         transport_(transport),
         cache_(model.kv_layout(n_kv_blocks)),
         forward_(make_forward(model, kernels, pool,
-                              {placement.device, cpu::AttentionOrder::kBatchInvariant, &collective,
-                               placement.device_collective})) {
+                              {placement.device, &collective, placement.device_collective})) {
     cache_.set_device_copy(forward_->device_kv(cache_.layout()));
     if (transport_ == nullptr) return;
     KvTransport::Handlers handlers;
@@ -322,6 +322,7 @@ class Follower {
     for (size_t i = 0; i < n_sequences; ++i) {
       sequences_[i].pos0 = r.get<int64_t>();
       sequences_[i].n_tokens = r.get<int64_t>();
+      sequences_[i].one_token_from = r.get<int64_t>();
       block_tables_[i] = r.get_array<int32_t>();
       sequences_[i].block_table = block_tables_[i];
     }

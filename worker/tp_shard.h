@@ -6,13 +6,15 @@
 //   KV heads and the query heads that share them, so its attention needs no
 //   other rank. KV heads that do not divide evenly go one extra to the first
 //   ranks (3 KV heads on 2 ranks: 2 + 1). Q/K/V are column-parallel (a rank
-//   computes its heads' rows), O is row-parallel (a rank multiplies its
-//   heads' columns) and the partial products are summed over the ranks
-//   (see TP-invariant sums below).
-// - The feed-forward is split by hidden units: gate/up column-parallel,
-//   down row-parallel (summed likewise), on boundaries of down's
-//   quantization blocks (32 elements, 256 for K-quants) so that every rank's
-//   columns are whole blocks.
+//   computes its heads' rows).
+// - The feed-forward is split by hidden units: gate/up column-parallel, in
+//   runs of 16 (the SIMD width of SwiGLU, so a rank's slice goes through the
+//   same vector code as the whole row does).
+// - O and down are split by output rows: every rank gathers the whole input
+//   (every rank's heads, every rank's hidden units), multiplies it by its
+//   rows [embd_begin, embd_end) of the weight, and the ranks gather the
+//   outputs. Every output element is then one whole dot product, exactly as
+//   on one rank, so tensor parallelism changes no bit (see TP-invariance below).
 // - Embeddings and the output head are vocabulary-parallel: a rank holds the
 //   rows of its vocabulary slice, looks up the tokens that fall in it (the
 //   others are zero) and an all-reduce completes the embeddings; it computes
@@ -21,17 +23,19 @@
 //   of its per-token FLOPs (the 49k x 576 tied table) on every rank.
 // Norm weights are replicated (a few KB).
 //
-// TP-invariant sums: a row-parallel product is a sum over column groups
-// (O: one group per KV head; down: n_ff_groups equal groups, as many as
-// every TP size up to n_kv_heads divides when the blocks allow). Each group's
-// partial is computed whole on one rank, and every rank adds all groups'
-// partials in group order, so the sum has the same bits for any TP size, TP=1
-// included (worker/llama_forward.h).
+// TP-invariance: no element is a sum of partials from several ranks (a plain
+// all-reduce of row-parallel partials rounds differently from one rank's
+// product, and 8-bit activation quantization carries that through every
+// layer). Each is computed whole on one rank, with the same activations,
+// quantized from the same whole rows, as TP=1 computes it, so the logits are
+// the same bits for any TP size, TP=1 included, and TP=1 is llama.cpp's one
+// product per weight (worker/llama_forward.h).
 //
 // Values, no MPI.
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -51,9 +55,7 @@ struct TpShard {
   int64_t head_begin = 0, head_end = 0;        // query heads owned: the same GQA groups
   int64_t ff_begin = 0, ff_end = 0;            // feed-forward hidden units owned
   int64_t vocab_begin = 0, vocab_end = 0;      // embedding and output rows owned
-  // Column groups of O and down (see above): the model's count, this rank's.
-  int64_t n_o_groups = 1, o_group_begin = 0, o_group_end = 1;
-  int64_t n_ff_groups = 1, ff_group_begin = 0, ff_group_end = 1;
+  int64_t embd_begin = 0, embd_end = 0;        // output rows of O and down owned
   // Vocabulary rows per rank in the logits gather: ceil(n_vocab / size); the
   // last rank's slice may be shorter, padded to this.
   int64_t vocab_stride = 0;
@@ -62,17 +64,21 @@ struct TpShard {
   int64_t n_heads() const { return head_end - head_begin; }
   int64_t n_ff() const { return ff_end - ff_begin; }
   int64_t n_vocab() const { return vocab_end - vocab_begin; }
+  int64_t n_embd() const { return embd_end - embd_begin; }
   bool whole() const { return size == 1; }
 };
 
-// Rank `rank` of `size` (0 of 1: the whole model). `o_block` and
-// `down_block`: the block sizes (in elements) of the row-parallel weights'
-// types and of the activations they take, attn_output and ffn_down (the
-// largest over layers). Throws duet::Error (kUnsupported) when the model
-// cannot be split so: more ranks than KV heads, or a rank's columns of a
-// row-parallel weight that would not be whole column groups of whole blocks.
-TpShard make_tp_shard(const ModelConfig& config, int rank, int size, int64_t o_block,
-                      int64_t down_block);
+// Rank `rank` of `size` (0 of 1: the whole model). Throws duet::Error
+// (kUnsupported) when the model cannot be split so: more ranks than KV heads.
+TpShard make_tp_shard(const ModelConfig& config, int rank, int size);
+
+// The parts of a (rows, sum of parts) matrix that the ranks of an instance
+// hold, column slices of the lengths `parts` (rank order), gathered as
+// `size` equal slots of slot = max(parts) * rows floats each (rank r's slice
+// row-major in slot r): `all` (rows, sum of parts) row-major. What a
+// tensor-parallel forward does after every all-gather of a split dimension.
+void assemble_slices(const float* gathered, int64_t slot, std::span<const int64_t> parts,
+                     int64_t rows, float* all);
 
 // The KV heads rank `index` of a `size`-rank instance owns: [begin, end).
 inline std::pair<int64_t, int64_t> kv_heads_of(int64_t n_kv_heads, int index, int size) {

@@ -70,9 +70,9 @@ void store_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
 
 }  // namespace
 
-int attention_groups(int64_t n_q, int64_t head_dim, AttentionOrder order) {
+int attention_groups(bool one_token, int64_t head_dim) {
   if (head_dim % kLanes != 0) return static_cast<int>(kGroups);  // the GEMM order needs whole lanes
-  return order == AttentionOrder::kLlamaCpp && n_q == 1 ? static_cast<int>(kGroups) : 1;
+  return one_token ? static_cast<int>(kGroups) : 1;
 }
 
 void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
@@ -95,7 +95,7 @@ void kv_cache_store_batch(const KernelTable& kernels, const KvLayout& layout, Kv
 void attention(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
                int64_t layer, std::span<const int32_t> block_table, const AttentionShape& shape,
                const float* q, int64_t n_q, int64_t pos0, float* out, ThreadPool& pool) {
-  const AttentionSequence seq{block_table, pos0, n_q, 0};
+  const AttentionSequence seq{block_table, pos0, n_q, 0, n_q == 1 ? pos0 : kNoOneTokenRows};
   attention_batch(kernels, layout, cache, layer, {&seq, 1}, shape, q, out, pool);
 }
 
@@ -144,9 +144,10 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
     const int64_t t = seq.row + local / tasks_per_row;          // row in q and out
     const int64_t h0 = local % tasks_per_row * heads_per_task;  // the run's first query head
     const int64_t kv_head = h0 / group;
-    const int64_t n_keys = seq.pos0 + local / tasks_per_row + 1;  // causal
+    const int64_t position = seq.pos0 + local / tasks_per_row;
+    const int64_t n_keys = position + 1;  // causal
     // 4 accumulator groups: llama.cpp's ggml_vec_dot_f16; 1: its tinyBLAS GEMM.
-    const int groups = attention_groups(seq.n_q, head_dim, shape.order);
+    const int groups = attention_groups(position >= seq.one_token_from, head_dim);
     float* scores = scratch.data() + thread * scratch_per_thread;  // (heads, n_scores)
     auto* q16 = reinterpret_cast<KvElement*>(scores + heads_per_task * n_scores);
     const KvElement** k_segments = segments.data() + 2 * thread * n_segments;

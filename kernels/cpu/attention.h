@@ -4,11 +4,14 @@
 // the bit where we could: Q is rounded to F16 before Q.K; scores are scaled,
 // exponentiated with ggml's polynomial and normalized in F32 with a double
 // sum; the probabilities are rounded to F16 before they weight V; every dot
-// product reduces in the fixed lane orders of kernel_table.h. Which order is
-// an AttentionOrder (below); either way a sequence's results never depend on
-// the other sequences of a batch. Block sizes must be multiples of 16.
+// product reduces in the fixed lane orders of kernel_table.h. llama.cpp has
+// two such orders, and which one a query row takes is the row's own (see
+// AttentionSequence::one_token_from), never the batch's: a row's result never
+// depends on the other rows or sequences of a batch, nor on how its own
+// sequence is split into steps. Block sizes must be multiples of 16.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <span>
 
@@ -18,23 +21,14 @@
 
 namespace duet::cpu {
 
-enum class AttentionOrder {
-  // As llama.cpp: a step holding a single query token of the sequence reduces
-  // in ggml_vec_dot_f16's order, a step holding several in its GEMM order.
-  // Bit-exact with llama.cpp for one sequence run alone, token by token.
-  kLlamaCpp,
-  // Always the GEMM order (what llama.cpp does for any batch of two or more
-  // tokens): a token's result is the same whether it is computed alone, in a
-  // prefill chunk of any size, or recomputed after preemption.
-  kBatchInvariant,
-};
+// A position no row reaches: every row in the multi-token order.
+inline constexpr int64_t kNoOneTokenRows = INT64_MAX;
 
 struct AttentionShape {
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;  // query head h reads KV head h / (n_heads / n_kv_heads)
   int64_t head_dim = 0;
   float scale = 1.0f;  // usually 1 / sqrt(head_dim)
-  AttentionOrder order = AttentionOrder::kLlamaCpp;
 };
 
 // Writes K and V rows of n_tokens tokens at positions [pos0, pos0 + n_tokens)
@@ -43,16 +37,11 @@ void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
                     std::span<const int32_t> block_table, int64_t pos0, int64_t n_tokens,
                     const float* k, const float* v);
 
-// The accumulator groups for a step with n_q query tokens of one sequence.
-int attention_groups(int64_t n_q, int64_t head_dim,
-                     AttentionOrder order = AttentionOrder::kLlamaCpp);
-
-// q: (n_q, n_heads * head_dim) for the query tokens at positions
-// [pos0, pos0 + n_q); the cache must already hold positions [0, pos0 + n_q).
-// out: (n_q, n_heads * head_dim). Query token t attends to positions <= pos0 + t.
-void attention(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
-               int64_t layer, std::span<const int32_t> block_table, const AttentionShape& shape,
-               const float* q, int64_t n_q, int64_t pos0, float* out, ThreadPool& pool);
+// The accumulator groups of a query row: 4 in llama.cpp's one-token order
+// (ggml_vec_dot_f16, what it runs for a micro-batch of one token), 1 in its
+// multi-token order (its GEMM, for micro-batches of two or more), which needs
+// whole 16-lane runs of head_dim (else 4 whatever the order).
+int attention_groups(bool one_token, int64_t head_dim);
 
 // One sequence's query rows in a batched attention call.
 struct AttentionSequence {
@@ -60,7 +49,19 @@ struct AttentionSequence {
   int64_t pos0 = 0;  // position of its first query row
   int64_t n_q = 0;   // its query rows
   int64_t row = 0;   // index of its first row in q and out
+  // Rows at positions >= this reduce in the one-token order, the others in
+  // the multi-token order (the engine's rule: worker/token_order.h).
+  int64_t one_token_from = kNoOneTokenRows;
 };
+
+// q: (n_q, n_heads * head_dim) for the query tokens at positions
+// [pos0, pos0 + n_q); the cache must already hold positions [0, pos0 + n_q).
+// out: (n_q, n_heads * head_dim). Query token t attends to positions <= pos0 + t.
+// The rows reduce as llama.cpp's one micro-batch of n_q tokens would: in the
+// one-token order when n_q is 1, else in the multi-token order.
+void attention(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
+               int64_t layer, std::span<const int32_t> block_table, const AttentionShape& shape,
+               const float* q, int64_t n_q, int64_t pos0, float* out, ThreadPool& pool);
 
 // kv_cache_store of every sequence's rows (its n_q rows from `row` on in k and
 // v) in one parallel pass over the sequences, converting with the kernel

@@ -173,44 +173,4 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
   });
 }
 
-void matmul_groups(const KernelTable& kernels, std::span<const WeightMatrix> groups,
-                   const PackedActivations& x, float* y, int64_t ldy, int64_t group_stride,
-                   ThreadPool& pool) {
-  DUET_ASSERT(!groups.empty());
-  const WeightMatrix& first = groups.front();
-  const DotTileFn dot = dot_tile_fn(kernels, first.type);
-  const DType x_type = activation_type(first.type);
-  size_t x_row_bytes = 0;
-  const uint8_t* x_rows = x.rows(first.type, &x_row_bytes);
-  std::vector<size_t> x_offsets(groups.size());  // bytes into each activation row
-  int64_t k = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    DUET_ASSERT(groups[g].type == first.type && groups[g].n_out == first.n_out,
-                "matmul: column groups of one weight");
-    x_offsets[g] = dtype_row_bytes(x_type, k);
-    k += groups[g].k;
-  }
-  DUET_ASSERT(k == x.k(), "matmul: column groups have {} elements, activations {}", k, x.k());
-  DUET_ASSERT(ldy >= first.n_out);
-  const auto n_groups = static_cast<int64_t>(groups.size());
-  const int64_t n_x = x.n_rows();
-  const int64_t n_x_tasks = (n_x + kActivationRowsPerTask - 1) / kActivationRowsPerTask;
-  const int64_t rows_per_task =
-      weight_rows_per_task(first.n_out, n_x_tasks * n_groups, pool.size());
-  const int64_t n_w_tasks = (first.n_out + rows_per_task - 1) / rows_per_task;
-  const int64_t per_group = n_w_tasks * n_x_tasks;
-  pool.parallel_for(per_group * n_groups, [&](int64_t task, int) {
-    const auto g = static_cast<size_t>(task / per_group);
-    const WeightMatrix& w = groups[g];
-    const int64_t tile = task % per_group;
-    const int64_t j0 = (tile % n_w_tasks) * rows_per_task;
-    const int64_t i0 = (tile / n_w_tasks) * kActivationRowsPerTask;
-    const int64_t n_j = std::min(rows_per_task, w.n_out - j0);
-    const int64_t n_i = std::min(kActivationRowsPerTask, n_x - i0);
-    dot(w.data + static_cast<size_t>(j0) * w.row_bytes, w.row_bytes, n_j,
-        x_rows + static_cast<size_t>(i0) * x_row_bytes + x_offsets[g], x_row_bytes, n_i, w.k,
-        y + static_cast<int64_t>(g) * group_stride + i0 * ldy + j0, ldy);
-  });
-}
-
 }  // namespace duet::cpu

@@ -71,14 +71,4 @@ class PackedActivations {
 void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActivations& x, float* y,
             int64_t ldy, ThreadPool& pool);
 
-// A product by column groups: `groups` are consecutive column ranges of one
-// weight (each stored on its own, all with the same n_out, their k adding
-// up to x.k(), on block boundaries of the activations' type). Writes each
-// group's partial product, laid out as matmul's y, at y + g * group_stride.
-// One parallel pass for all groups. Tensor parallelism adds such partials in
-// one fixed order, whatever the number of ranks they were computed on.
-void matmul_groups(const KernelTable& kernels, std::span<const WeightMatrix> groups,
-                   const PackedActivations& x, float* y, int64_t ldy, int64_t group_stride,
-                   ThreadPool& pool);
-
 }  // namespace duet::cpu

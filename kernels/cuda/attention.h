@@ -70,9 +70,9 @@ void kv_cache_store_batch(const KvLayout& layout, KvElement* cache, int64_t laye
                           CudaBackend& backend);
 
 // Twin of cpu::attention_batch: out (n_rows, n_heads * head_dim); row r's
-// query attends to positions [0, its position] of its sequence. shape.order
-// is ignored (one order on the GPU). head_dim 64, 128 or 256; the cache must
-// be 16-byte aligned. Block tables are not bounds-checked on the device: the
+// query attends to positions [0, its position] of its sequence. One
+// reduction order on the GPU (a sequence's one_token_from is not read). head_dim 64, 128 or 256;
+// the cache must be 16-byte aligned. Block tables are not bounds-checked on the device: the
 // caller's tables must cover every row's position (as the CPU asserts).
 void attention_batch(const KvLayout& layout, const KvElement* cache, int64_t layer,
                      const AttentionBatch& batch, const cpu::AttentionShape& shape, const float* q,

@@ -26,6 +26,19 @@ void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, flo
 void assemble_slices(const float* slices, int64_t n_slices, int64_t n_rows, int64_t stride,
                      int64_t n_cols, float* out, CudaBackend& backend);
 
+// Column parts of unequal widths, as a tensor-parallel all-gather leaves
+// them: part p, (n_rows, width_p) row-major, starts at slices + p * slot;
+// `begin` holds each part's first column and, last, the total (n_parts + 1
+// entries, at most kMaxParts parts). out (n_rows, total). The twin of
+// duet::assemble_slices (worker/tp_shard.h).
+inline constexpr int kMaxParts = 8;
+struct ColumnParts {
+  int n_parts = 0;
+  int64_t begin[kMaxParts + 1] = {};
+};
+void assemble_parts(const float* slices, int64_t slot, const ColumnParts& parts, int64_t n_rows,
+                    float* out, CudaBackend& backend);
+
 // Twin of cpu::rms_norm (the sum of squares in F64, in another order); out may alias x.
 void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
               float eps, CudaBackend& backend);

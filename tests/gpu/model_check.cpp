@@ -58,8 +58,7 @@ struct CpuRun {
 CpuRun cpu_greedy(const LlamaModel& model, KvCache& cache, std::span<const int32_t> table,
                   const std::vector<int32_t>& prompt, int64_t steps, cpu::ThreadPool& pool) {
   const int64_t n_vocab = model.config().n_vocab;
-  LlamaForward forward(model, cpu::kernel_table(cpu::best_isa()), pool,
-                       cpu::AttentionOrder::kBatchInvariant);
+  LlamaForward forward(model, cpu::kernel_table(cpu::best_isa()), pool);
   CpuRun run{prompt, {}};
   const auto n_prompt = static_cast<int64_t>(prompt.size());
   std::vector<int64_t> rows(static_cast<size_t>(n_prompt));

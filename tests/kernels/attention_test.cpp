@@ -243,11 +243,11 @@ TEST(KvCacheStore, RejectsPositionsBeyondTheBlockTable) {
                std::exception);
 }
 
-TEST(Attention, GroupsFollowTheStepShape) {
-  EXPECT_EQ(attention_groups(1, 64), 4);
-  EXPECT_EQ(attention_groups(2, 64), 1);
-  EXPECT_EQ(attention_groups(100, 32), 1);
-  EXPECT_EQ(attention_groups(5, 40), 4);  // the GEMM order needs head_dim % 16 == 0
+TEST(Attention, GroupsFollowTheRowsOrder) {
+  EXPECT_EQ(attention_groups(true, 64), 4);
+  EXPECT_EQ(attention_groups(false, 64), 1);
+  EXPECT_EQ(attention_groups(false, 32), 1);
+  EXPECT_EQ(attention_groups(false, 40), 4);  // the GEMM order needs head_dim % 16 == 0
 }
 
 TEST(Attention, MatchesReferenceOnEveryIsa) {

@@ -10,8 +10,8 @@ single-process `duet serve`. One layout per run, named by DUET_TP_LAYOUT:
 
 Checks:
 - greedy and seeded-sampling completions equal the single process's, token
-  for token: the forward pass adds the row-parallel products' column groups
-  in one order for any TP size, so TP changes no bit of the logits
+  for token: no logit is ever a sum over ranks (O and down gather their
+  whole inputs and split their output rows), so TP changes no bit of the logits
   (mpi_tp_forward_test checks the logits themselves);
 - seeded sampling and a 24-request burst give what the same requests give
   one at a time (every rank runs the same batch: batching does not change a

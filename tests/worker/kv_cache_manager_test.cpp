@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -18,6 +19,9 @@
 
 namespace duet {
 namespace {
+
+// Prompts alone: every position in the multi-token order.
+constexpr int64_t kPromptOnly = INT64_MAX;
 
 constexpr int64_t kBs = KvLayout::kDefaultBlockSize;
 
@@ -44,7 +48,7 @@ std::vector<int32_t> table_of(const KvCacheManager& kv, SequenceId id) {
 
 // Runs a whole prompt through: begin, then commit the tokens not cached.
 int64_t prefill(KvCacheManager& kv, SequenceId id, const std::vector<int32_t>& prompt) {
-  const std::optional<int64_t> n_cached = kv.begin_sequence(id, prompt);
+  const std::optional<int64_t> n_cached = kv.begin_sequence(id, prompt, kPromptOnly);
   EXPECT_TRUE(n_cached.has_value());
   const int64_t n = n_cached.value_or(0);
   kv.commit_tokens(id, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(n)));
@@ -56,7 +60,7 @@ TEST(KvCacheManagerTest, NewSequenceGetsBlocksForItsPrompt) {
   KvCacheManager kv(pool);
   EXPECT_EQ(kv.block_size(), 16);
   const SequenceId a{1};
-  EXPECT_EQ(kv.begin_sequence(a, iota_tokens(20, 0)), 0);
+  EXPECT_EQ(kv.begin_sequence(a, iota_tokens(20, 0), kPromptOnly), 0);
   EXPECT_TRUE(kv.has_sequence(a));
   EXPECT_EQ(kv.n_blocks(a), 2);
   EXPECT_EQ(kv.n_tokens(a), 0);
@@ -74,7 +78,7 @@ TEST(KvCacheManagerTest, ReserveGrowsTheTableAllOrNothing) {
   BlockPool pool(4);
   KvCacheManager kv(pool);
   const SequenceId a{1};
-  ASSERT_EQ(kv.begin_sequence(a, iota_tokens(16, 0)), 0);
+  ASSERT_EQ(kv.begin_sequence(a, iota_tokens(16, 0), kPromptOnly), 0);
   EXPECT_EQ(kv.n_blocks(a), 1);
   EXPECT_TRUE(kv.reserve(a, 16));  // already held
   EXPECT_EQ(kv.n_blocks(a), 1);
@@ -102,7 +106,7 @@ TEST(KvCacheManagerTest, RefusedReserveEvictsNothing) {
   kv.free_sequence(SequenceId{1});
   EXPECT_EQ(pool.n_cached(), 2);
   const SequenceId b{2};
-  ASSERT_EQ(kv.begin_sequence(b, iota_tokens(5, 1000)), 0);
+  ASSERT_EQ(kv.begin_sequence(b, iota_tokens(5, 1000), kPromptOnly), 0);
   EXPECT_FALSE(kv.reserve(b, 5 * 16));  // needs 4 more, 3 available
   EXPECT_EQ(pool.n_cached(), 2);
   EXPECT_EQ(pool.n_evictions(), 0);
@@ -110,7 +114,7 @@ TEST(KvCacheManagerTest, RefusedReserveEvictsNothing) {
   EXPECT_EQ(pool.n_cached(), 0);
   EXPECT_EQ(pool.n_evictions(), 2);
   kv.free_sequence(b);
-  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, prompt), 0);  // the prefix is gone
+  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, prompt, kPromptOnly), 0);  // the prefix is gone
   EXPECT_TRUE(pool.check_invariants());
 }
 
@@ -128,7 +132,7 @@ TEST(KvCacheManagerTest, PrefixHitIsTheLongestRunOfFullBlocks) {
 
   // Two blocks: the same 32 tokens, then others.
   const SequenceId two{2};
-  EXPECT_EQ(kv.begin_sequence(two, concat(head(base, 32), iota_tokens(9, 500))), 32);
+  EXPECT_EQ(kv.begin_sequence(two, concat(head(base, 32), iota_tokens(9, 500)), kPromptOnly), 32);
   EXPECT_EQ(kv.n_tokens(two), 32);
   const std::vector<int32_t> two_table = table_of(kv, two);
   ASSERT_EQ(two_table.size(), 3u);
@@ -139,7 +143,7 @@ TEST(KvCacheManagerTest, PrefixHitIsTheLongestRunOfFullBlocks) {
   auto one_prompt = base;
   one_prompt[20] = 999;
   const SequenceId one{3};
-  EXPECT_EQ(kv.begin_sequence(one, one_prompt), 16);
+  EXPECT_EQ(kv.begin_sequence(one, one_prompt, kPromptOnly), 16);
   EXPECT_EQ(kv.block_table(one)[0], base_table[0]);
   EXPECT_EQ(pool.ref_count(BlockId{base_table[0]}), 2);  // shared by two and one
   EXPECT_EQ(pool.ref_count(BlockId{base_table[1]}), 1);
@@ -147,10 +151,10 @@ TEST(KvCacheManagerTest, PrefixHitIsTheLongestRunOfFullBlocks) {
   // None: the very first token differs.
   auto none_prompt = base;
   none_prompt[0] = 999;
-  EXPECT_EQ(kv.begin_sequence(SequenceId{4}, none_prompt), 0);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{4}, none_prompt, kPromptOnly), 0);
 
   // Shorter than one block: nothing to share.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{5}, head(base, 10)), 0);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{5}, head(base, 10), kPromptOnly), 0);
 
   EXPECT_EQ(kv.n_prompt_tokens(), 40 + 41 + 40 + 40 + 10);
   EXPECT_EQ(kv.n_prefix_hit_tokens(), 32 + 16);
@@ -168,15 +172,15 @@ TEST(KvCacheManagerTest, PromptOfWholeBlocksStillComputesItsLastToken) {
   // The same 48 tokens: 2 blocks shared, the third recomputed (its last token
   // is needed for logits), in a block of its own.
   const SequenceId a{2};
-  EXPECT_EQ(kv.begin_sequence(a, base), 32);
+  EXPECT_EQ(kv.begin_sequence(a, base, kPromptOnly), 32);
   EXPECT_EQ(kv.n_blocks(a), 3);
   EXPECT_EQ(kv.n_tokens(a), 32);
   // The first 16 tokens alone: nothing shared.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, head(base, 16)), 0);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, head(base, 16), kPromptOnly), 0);
   // One token past the three blocks: all three shared.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{4}, concat(base, {7})), 48);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{4}, concat(base, {7}), kPromptOnly), 48);
   // A one-token prompt never hits.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{5}, head(base, 1)), 0);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{5}, head(base, 1), kPromptOnly), 0);
 
   // Committing the recomputed block registers nothing new (its twin is
   // already cached) and frees it plainly.
@@ -196,11 +200,11 @@ TEST(KvCacheManagerTest, HashesChainOverTheWholePrefix) {
   kv.free_sequence(SequenceId{1});
 
   // Block y after z is not block y after x.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, concat(concat(z, y), {1})), 0);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, concat(concat(z, y), {1}), kPromptOnly), 0);
   // Nor is y as the first block.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, concat(y, {1})), 0);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, concat(y, {1}), kPromptOnly), 0);
   // x then y again hits both.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{4}, concat(concat(x, y), {1})), 32);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{4}, concat(concat(x, y), {1}), kPromptOnly), 32);
 
   const uint64_t hx = hash_block_tokens(kRootBlockHash, x);
   EXPECT_NE(hash_block_tokens(hx, y), hash_block_tokens(hash_block_tokens(kRootBlockHash, z), y));
@@ -260,7 +264,7 @@ TEST(KvCacheManagerTest, DecodeRegistersBlocksAsTheyFill) {
     }
   }
   // A new request that continues the conversation shares both full blocks.
-  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, concat(all, {1, 2, 3})), 32);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, concat(all, {1, 2, 3}), kPromptOnly), 32);
   EXPECT_TRUE(pool.check_invariants());
 }
 
@@ -276,7 +280,8 @@ TEST(KvCacheManagerTest, RefusedBeginChangesNothing) {
   // Hits 2 cached blocks, but needs 3 more for the rest of its 72 tokens:
   // with the two hits taken off the available 3, only 1 is left.
   const SequenceId b{2};
-  EXPECT_FALSE(kv.begin_sequence(b, concat(head(base, 32), iota_tokens(40, 500))).has_value());
+  EXPECT_FALSE(
+      kv.begin_sequence(b, concat(head(base, 32), iota_tokens(40, 500)), kPromptOnly).has_value());
   EXPECT_FALSE(kv.has_sequence(b));
   EXPECT_EQ(pool.n_cached(), 2);
   EXPECT_EQ(pool.n_free(), 1);
@@ -286,11 +291,11 @@ TEST(KvCacheManagerTest, RefusedBeginChangesNothing) {
   EXPECT_TRUE(pool.check_invariants());
 
   // Too long for the pool even with nothing cached.
-  EXPECT_FALSE(kv.begin_sequence(b, iota_tokens(49, 900)).has_value());
+  EXPECT_FALSE(kv.begin_sequence(b, iota_tokens(49, 900), kPromptOnly).has_value());
   EXPECT_EQ(pool.n_cached(), 2);
 
   // The same prefix and 1 more token fits: 2 shared, 1 new.
-  EXPECT_EQ(kv.begin_sequence(b, head(base, 33)), 32);
+  EXPECT_EQ(kv.begin_sequence(b, head(base, 33), kPromptOnly), 32);
   EXPECT_EQ(kv.n_free_blocks(), 0);
   EXPECT_TRUE(pool.check_invariants());
 }
@@ -302,8 +307,8 @@ TEST(KvCacheManagerTest, OtherBlockSizes) {
   const auto prompt = iota_tokens(10, 0);
   prefill(kv, SequenceId{1}, prompt);
   EXPECT_EQ(kv.n_blocks(SequenceId{1}), 3);
-  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, prompt), 8);
-  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, head(prompt, 8)), 4);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, prompt, kPromptOnly), 8);
+  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, head(prompt, 8), kPromptOnly), 4);
   EXPECT_THROW(KvCacheManager(pool, 0), Error);
 }
 
@@ -311,9 +316,9 @@ TEST(KvCacheManagerTest, CallerBugsAssert) {
   BlockPool pool(4);
   KvCacheManager kv(pool);
   const SequenceId a{1};
-  EXPECT_THROW(kv.begin_sequence(a, std::vector<int32_t>{}), Error);
-  ASSERT_EQ(kv.begin_sequence(a, iota_tokens(3, 0)), 0);
-  EXPECT_THROW(kv.begin_sequence(a, iota_tokens(3, 0)), Error);  // already live
+  EXPECT_THROW(kv.begin_sequence(a, std::vector<int32_t>{}, kPromptOnly), Error);
+  ASSERT_EQ(kv.begin_sequence(a, iota_tokens(3, 0), kPromptOnly), 0);
+  EXPECT_THROW(kv.begin_sequence(a, iota_tokens(3, 0), kPromptOnly), Error);  // already live
   EXPECT_THROW(kv.commit_tokens(a, iota_tokens(17, 0)), Error);  // past the reservation
   EXPECT_EQ(kv.n_tokens(a), 0);
   EXPECT_THROW(kv.reserve(SequenceId{9}, 1), Error);
@@ -419,7 +424,7 @@ TEST(KvCacheManagerTest, RandomWorkloadStress) {
       const SequenceId id{next_id++};
       const int64_t free_before = kv.n_free_blocks();
       const int64_t cached_before = pool.n_cached();
-      const std::optional<int64_t> n_cached = kv.begin_sequence(id, prompt);
+      const std::optional<int64_t> n_cached = kv.begin_sequence(id, prompt, kPromptOnly);
       if (!n_cached) {
         ++n_refused;
         ASSERT_FALSE(kv.has_sequence(id));
@@ -498,6 +503,32 @@ TEST(KvCacheManagerTest, RandomWorkloadStress) {
   fmt::print("hit {} of {} prompt tokens, {} evictions, {} refused, {} preempted\n",
              kv.n_prefix_hit_tokens(), kv.n_prompt_tokens(), pool.n_evictions(), n_refused,
              n_preempted);
+}
+
+// A block's KV depends on how its tokens were computed: generated tokens
+// (one-token order) never stand in for the same tokens in a longer prompt
+// (multi-token order), but a sequence recomputed after preemption, with the
+// same roles, finds all of its own blocks.
+TEST(KvCacheManagerTest, BlocksHoldingGeneratedTokensMatchOnlyTheSameRoles) {
+  BlockPool pool(16);
+  KvCacheManager kv(pool);
+  const std::vector<int32_t> prompt = iota_tokens(20, 100);
+  const std::vector<int32_t> all = concat(prompt, iota_tokens(13, 500));  // 20 + 13 generated
+  const SequenceId a{1};
+  ASSERT_EQ(kv.begin_sequence(a, prompt, 20), 0);
+  ASSERT_TRUE(kv.reserve(a, 33));
+  kv.commit_tokens(a, all);  // blocks 0 (prompt) and 1 (4 prompt + 12 generated) are full
+  kv.free_sequence(a);
+
+  // The 33 tokens as a prompt: block 0 is the same computation, block 1 is not.
+  EXPECT_EQ(kv.begin_sequence(SequenceId{2}, all, 33), kBs);
+  kv.free_sequence(SequenceId{2});
+  // The same sequence recomputed (its prompt still 20 tokens): both blocks.
+  EXPECT_EQ(kv.begin_sequence(SequenceId{3}, all, 20), 2 * kBs);
+  kv.free_sequence(SequenceId{3});
+  EXPECT_EQ(hash_block_tokens(7, head(all, 16)), hash_block_tokens(7, head(all, 16), 0));
+  EXPECT_NE(hash_block_tokens(7, head(all, 16)), hash_block_tokens(7, head(all, 16), 1));
+  EXPECT_TRUE(pool.check_invariants());
 }
 
 }  // namespace

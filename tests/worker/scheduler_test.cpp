@@ -11,6 +11,7 @@
 #include <random>
 
 #include "worker/block_pool.h"
+#include "worker/token_order.h"
 
 namespace duet {
 namespace {
@@ -137,6 +138,55 @@ TEST(Scheduler, ReusesCachedPrefixBlocks) {
   EXPECT_EQ(plan.chunks[0].pos0, 2 * kBlock) << "two full blocks came from the cache";
   EXPECT_EQ(kv.n_prefix_hit_tokens(), 2 * kBlock);
   scheduler.complete(plan, constant_samples(plan));
+}
+
+// Every chunk names where its sequence's one-token rows start (the prompt
+// length, or its last token when llama-server's micro-batches of 512 leave
+// that alone), whatever the step budget cuts, and after a preemption too.
+TEST(Scheduler, ChunksCarryTheirTokensRoles) {
+  EXPECT_EQ(one_token_from(1), 0);
+  EXPECT_EQ(one_token_from(2), 2);
+  EXPECT_EQ(one_token_from(512), 512);
+  EXPECT_EQ(one_token_from(513), 512);
+  EXPECT_EQ(one_token_from(1025), 1024);
+  EXPECT_EQ(n_one_token(0, 16, 20), 0);
+  EXPECT_EQ(n_one_token(16, 16, 20), 12);
+  EXPECT_EQ(n_one_token(32, 16, 20), 16);
+
+  BlockPool pool(64);
+  KvCacheManager kv(pool, kBlock);
+  Scheduler scheduler(kv, {.max_step_tokens = 100, .max_running = 4});
+  scheduler.add({1}, prompt_of(513, 10), 3);
+  scheduler.add({2}, prompt_of(40, 2000), 3);
+  for (int step = 0; step < 20 && !scheduler.idle(); ++step) {
+    const StepPlan plan = scheduler.schedule();
+    for (const ScheduledChunk& c : plan.chunks) {
+      EXPECT_EQ(c.one_token_from, c.id == SequenceId{1} ? 512 : 40);
+    }
+    scheduler.complete(plan, constant_samples(plan));
+  }
+  EXPECT_TRUE(scheduler.idle());
+}
+
+// --no-kv-cache: after every token the sequence gives its blocks back and
+// recomputes its whole context, with no prefix reused and no preemption reported.
+TEST(Scheduler, RecomputeModeComputesTheWholeContextEveryStep) {
+  BlockPool pool(16);
+  KvCacheManager kv(pool, kBlock, /*prefix_caching=*/false);
+  Scheduler scheduler(kv, {.max_step_tokens = 512, .max_running = 1, .recompute = true});
+  scheduler.add({1}, prompt_of(20, 10), 4);
+  for (int64_t step = 0; step < 4; ++step) {
+    const StepPlan plan = scheduler.schedule();
+    ASSERT_EQ(plan.chunks.size(), 1u);
+    EXPECT_EQ(plan.chunks[0].pos0, 0);
+    EXPECT_EQ(static_cast<int64_t>(plan.chunks[0].tokens.size()), 20 + step);
+    EXPECT_TRUE(plan.chunks[0].samples);
+    EXPECT_TRUE(plan.preempted.empty());
+    scheduler.complete(plan, constant_samples(plan));
+  }
+  EXPECT_TRUE(scheduler.idle());
+  EXPECT_EQ(kv.n_prefix_hit_tokens(), 0);
+  EXPECT_EQ(pool.n_available(), pool.n_blocks());
 }
 
 TEST(Scheduler, NoBlockLeaksAfterRandomFinishCancelAndPreemption) {

@@ -88,8 +88,8 @@ TEST(TpShardTest, PackedRowsOfSomeHeadsLandInAnotherShardsCache) {
 TEST(TpShardTest, DefaultModelShardsOwnTheirPartAndAddUpToTheWhole) {
   DUET_SKIP_WITHOUT_DEFAULT_MODEL(path);
   const auto whole = LlamaModel::load(path);
-  // It reads the mapping but for O's and down's column groups, copied front to back.
-  EXPECT_EQ(whole->owned_weight_bytes(), whole->split_tensor_bytes());
+  // Whole, it reads the mapping and copies nothing.
+  EXPECT_EQ(whole->owned_weight_bytes(), 0u);
   const ModelConfig& c = whole->config();
   for (int size = 2; size <= 3; ++size) {
     size_t owned = 0;
@@ -104,16 +104,14 @@ TEST(TpShardTest, DefaultModelShardsOwnTheirPartAndAddUpToTheWhole) {
       EXPECT_EQ(w.wq.n_out, s.n_heads() * c.head_dim);
       EXPECT_EQ(w.wk.n_out, s.n_kv_heads() * c.head_dim);
       EXPECT_EQ(w.w_up.n_out, s.n_ff());
-      // Row-parallel weights as their column groups: one per KV head for O,
-      // 6 in all for down (every TP size up to 3 divides 6).
-      int64_t o_columns = 0, down_columns = 0;
-      for (const cpu::WeightMatrix& g : w.wo_groups) o_columns += g.k;
-      for (const cpu::WeightMatrix& g : w.down_groups) down_columns += g.k;
-      EXPECT_EQ(static_cast<int64_t>(w.wo_groups.size()), s.n_kv_heads());
-      EXPECT_EQ(o_columns, s.n_heads() * c.head_dim);
-      EXPECT_EQ(w.wo_groups.front().n_out, c.n_embd);
-      EXPECT_EQ(static_cast<int64_t>(w.down_groups.size()), 6 / size);
-      EXPECT_EQ(down_columns, s.n_ff());
+      // O and down: the rank's output rows of the whole input.
+      const auto [e0, e1] = split_evenly(c.n_embd, rank, size);
+      EXPECT_EQ(s.embd_begin, e0);
+      EXPECT_EQ(s.embd_end, e1);
+      EXPECT_EQ(w.wo.k, c.n_heads * c.head_dim);
+      EXPECT_EQ(w.wo.n_out, e1 - e0);
+      EXPECT_EQ(w.w_down.k, c.n_ff);
+      EXPECT_EQ(w.w_down.n_out, e1 - e0);
       EXPECT_EQ(model->token_embd().n_out, s.n_vocab());
       EXPECT_EQ(model->kv_layout(4).n_kv_heads, s.n_kv_heads());
       // Within 10% of an even share (3 KV heads on 2 ranks: 2 + 1).
@@ -141,41 +139,7 @@ TEST(TpShardTest, MoreRanksThanKvHeadsIsRefused) {
   }
 }
 
-TEST(TpShardTest, RowParallelColumnsInsideAQuantBlockAreRefused) {
-  // 4 KV heads of 32 dims: a head group's 32 columns of attn_output are whole
-  // 32-element blocks, but not whole 256-element K-quant blocks.
-  ModelConfig c;
-  c.n_vocab = 100;
-  c.n_embd = 128;
-  c.n_heads = 4;
-  c.n_kv_heads = 4;
-  c.head_dim = 32;
-  c.n_ff = 512;
-  const TpShard fine = make_tp_shard(c, 1, 2, 32, 256);
-  EXPECT_EQ(fine.n_o_groups, 4);
-  EXPECT_EQ(fine.o_group_begin, 2);
-  try {
-    make_tp_shard(c, 1, 2, 256, 256);
-    FAIL() << "a split inside a 256-element block";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("splits attn_output at column 64"), std::string::npos)
-        << e.what();
-  }
-  // Blocks spanning head groups: whole, the model sums O in one group; split, refused.
-  c.head_dim = 16;
-  c.n_embd = 64;
-  EXPECT_EQ(make_tp_shard(c, 0, 1, 32, 256).n_o_groups, 1);
-  EXPECT_THROW(make_tp_shard(c, 0, 2, 32, 256), Error);
-  // The feed-forward's 2 blocks of 256 form 2 column groups: one for each of
-  // 2 ranks, none for a third.
-  const TpShard ff = make_tp_shard(c, 1, 2, 1, 256);
-  EXPECT_EQ(ff.n_ff_groups, 2);
-  EXPECT_EQ(ff.ff_begin, 256);
-  EXPECT_THROW(make_tp_shard(c, 2, 3, 1, 256), Error);
-}
-
-TEST(TpShardTest, FeedForwardGroupsSplitEvenlyForEveryTpSize) {
+TEST(TpShardTest, HiddenUnitsSplitInRunsOfSixteen) {
   ModelConfig c;  // the default model's shape
   c.n_vocab = 49152;
   c.n_embd = 576;
@@ -183,14 +147,33 @@ TEST(TpShardTest, FeedForwardGroupsSplitEvenlyForEveryTpSize) {
   c.n_kv_heads = 3;
   c.head_dim = 64;
   c.n_ff = 1536;
-  for (int64_t block : {32, 256}) {
-    EXPECT_EQ(make_tp_shard(c, 0, 1, 32, block).n_ff_groups, 6);
-    for (int size = 1; size <= 3; ++size) {
-      for (int rank = 0; rank < size; ++rank) {
-        EXPECT_EQ(make_tp_shard(c, rank, size, 32, block).n_ff(), 1536 / size);
-      }
+  for (int size = 1; size <= 3; ++size) {
+    int64_t next = 0;
+    for (int rank = 0; rank < size; ++rank) {
+      const TpShard s = make_tp_shard(c, rank, size);
+      EXPECT_EQ(s.ff_begin, next);
+      EXPECT_EQ(s.n_ff(), 1536 / size);
+      EXPECT_EQ(s.ff_begin % 16, 0);
+      next = s.ff_end;
     }
+    EXPECT_EQ(next, c.n_ff);
   }
+  // A width that is not whole runs: the last rank takes the tail.
+  c.n_ff = 1000;  // 62 runs of 16, and 8
+  EXPECT_EQ(make_tp_shard(c, 0, 2).n_ff(), 496);
+  EXPECT_EQ(make_tp_shard(c, 1, 2).ff_begin, 496);
+  EXPECT_EQ(make_tp_shard(c, 1, 2).ff_end, 1000);
+}
+
+TEST(TpShardTest, AssembleSlicesLaysRankPartsSideBySide) {
+  // Two rows; parts of widths 3, 1 and 2 (slot 3 x 2 = 6 floats each, padded).
+  const std::vector<int64_t> parts = {3, 1, 2};
+  const std::vector<float> gathered = {1, 2,  3,  4,  5,  6,   // rank 0: rows {1,2,3}, {4,5,6}
+                                       7, 8,  -1, -1, -1, -1,  // rank 1: {7}, {8}, padding
+                                       9, 10, 11, 12, -1, -1};
+  std::vector<float> all(12);
+  assemble_slices(gathered.data(), 6, parts, 2, all.data());
+  EXPECT_EQ(all, (std::vector<float>{1, 2, 3, 7, 9, 10, 4, 5, 6, 8, 11, 12}));
 }
 
 // The GPU checks' own models (tests/fixtures/tiny_gpu, head_dim 64): each
@@ -208,8 +191,7 @@ TEST(TpShardTest, TheGpuFixturesRunAndSplitInTwo) {
     const ModelConfig& c = whole->config();
     EXPECT_EQ(c.head_dim, 64);
     cpu::ThreadPool pool(1);
-    LlamaForward forward(*whole, cpu::kernel_table(cpu::best_isa()), pool,
-                         cpu::AttentionOrder::kBatchInvariant);
+    LlamaForward forward(*whole, cpu::kernel_table(cpu::best_isa()), pool);
     KvCache cache(whole->kv_layout(4));
     const std::vector<int32_t> tokens = {3, 40, 77, 120, 200, 298, 5, 64};
     const std::vector<int32_t> table = {0, 1, 2, 3};
