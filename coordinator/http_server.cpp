@@ -197,8 +197,7 @@ class HttpServer::Impl::Connection {
   struct Generation {
     RequestId id;
     bool stream = false;
-    openai::ResponseWriter writer;
-    std::string text;  // whole responses: the text so far
+    openai::ResponseWriter writer;  // streams the events, or collects the whole response
   };
 
   // Counts an operation as pending until its handler runs; the handler is
@@ -341,7 +340,7 @@ void HttpServer::Impl::Connection::respond_error(const openai::ApiError& error, 
 
 void HttpServer::Impl::Connection::begin_generation(RequestId id, bool stream,
                                                     openai::ResponseWriter writer) {
-  generation_.emplace(Generation{id, stream, std::move(writer), {}});
+  generation_.emplace(Generation{id, stream, std::move(writer)});
   watch();
   if (!stream) return;
   chunked_ = version_ >= 11;
@@ -381,11 +380,10 @@ void HttpServer::Impl::Connection::on_update(const RequestUpdate& update) {
                                   : keep_alive_    ? AfterWrite::kNextRequest
                                                    : AfterWrite::kClose);
   }
-  generation.text += update.text;
+  generation.writer.collect(update);
   if (!update.finished) return;
   std::optional<openai::ApiError> failure = openai::failure(update);
-  std::string body =
-      failure ? std::string() : generation.writer.full_response(generation.text, update);
+  std::string body = failure ? std::string() : generation.writer.full_response(update);
   generation_.reset();
   if (failure) return respond_error(*failure);
   respond(http::status::ok, std::move(body), "application/json");

@@ -277,6 +277,7 @@ CompletionRequest read_request(Endpoint endpoint, const json& body, uint64_t def
   request.serve.stop = read_stop(body);
   request.serve.sampling = read_sampling(body, default_seed);
   request.serve.ignore_eos = read_bool(body, "ignore_eos").value_or(false);
+  request.serve.include_token_ids = read_bool(body, "return_token_ids").value_or(false);
 
   request.stream = read_bool(body, "stream").value_or(false);
   if (const json* options = field(body, "stream_options")) {
@@ -426,25 +427,28 @@ ResponseWriter::ResponseWriter(const CompletionRequest& request, std::string id,
                                std::string model)
     : endpoint_(request.endpoint),
       include_usage_(request.stream && request.include_usage),
+      return_token_ids_(request.serve.include_token_ids),
       id_(std::move(id)),
       created_(created),
       model_(std::move(model)) {}
 
 std::string ResponseWriter::stream_start() {
   if (endpoint_ != Endpoint::kChatCompletions) return {};
-  return chunk_event("", nullptr, true);
+  return chunk_event("", {}, nullptr, true);
 }
 
 std::string ResponseWriter::stream_update(const RequestUpdate& update) {
+  // A token that shows no text yet still makes a chunk when its id was asked for.
+  const bool has_output = !update.text.empty() || !update.tokens.empty();
   if (!update.finished) {
-    return update.text.empty() ? std::string() : chunk_event(update.text, nullptr, false);
+    return has_output ? chunk_event(update.text, update.tokens, nullptr, false) : std::string();
   }
   if (std::optional<ApiError> error = failure(update)) {
     std::string events =
-        update.text.empty() ? std::string() : chunk_event(update.text, nullptr, false);
+        has_output ? chunk_event(update.text, update.tokens, nullptr, false) : std::string();
     return events + stream_error(*error);
   }
-  std::string events = chunk_event(update.text, &update, false);
+  std::string events = chunk_event(update.text, update.tokens, &update, false);
   if (include_usage_) {
     json usage_chunk = {{"id", id_},
                         {"object", endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk"
@@ -464,8 +468,8 @@ std::string ResponseWriter::stream_error(const ApiError& error) {
   return event(error_json(error)) + std::string(kDone);
 }
 
-std::string ResponseWriter::chunk_event(std::string_view text, const RequestUpdate* final_update,
-                                        bool role) {
+std::string ResponseWriter::chunk_event(std::string_view text, std::span<const int32_t> tokens,
+                                        const RequestUpdate* final_update, bool role) {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
   json choice = {{"index", 0}};
   if (chat) {
@@ -479,6 +483,7 @@ std::string ResponseWriter::chunk_event(std::string_view text, const RequestUpda
   choice["logprobs"] = nullptr;
   choice["finish_reason"] =
       final_update != nullptr ? json(finish_reason(final_update->finish)) : json(nullptr);
+  if (return_token_ids_) choice["token_ids"] = std::vector<int32_t>(tokens.begin(), tokens.end());
   json chunk = {{"id", id_},
                 {"object", chat ? "chat.completion.chunk" : "text_completion"},
                 {"created", created_},
@@ -489,17 +494,22 @@ std::string ResponseWriter::chunk_event(std::string_view text, const RequestUpda
   return event(chunk);
 }
 
-std::string ResponseWriter::full_response(std::string_view text,
-                                          const RequestUpdate& final_update) const {
+void ResponseWriter::collect(const RequestUpdate& update) {
+  text_ += update.text;
+  if (return_token_ids_) tokens_.insert(tokens_.end(), update.tokens.begin(), update.tokens.end());
+}
+
+std::string ResponseWriter::full_response(const RequestUpdate& final_update) const {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
   json choice = {{"index", 0}};
   if (chat) {
-    choice["message"] = {{"role", "assistant"}, {"content", text}};
+    choice["message"] = {{"role", "assistant"}, {"content", text_}};
   } else {
-    choice["text"] = text;
+    choice["text"] = text_;
   }
   choice["logprobs"] = nullptr;
   choice["finish_reason"] = finish_reason(final_update.finish);
+  if (return_token_ids_) choice["token_ids"] = tokens_;
   const json body = {{"id", id_},
                      {"object", chat ? "chat.completion" : "text_completion"},
                      {"created", created_},

@@ -15,12 +15,15 @@
 // OpenAI's), `top_p`, `seed` (random when absent), `stream`,
 // `stream_options.include_usage`, and the extras `top_k` (-1 or 0: off),
 // `min_p`, `frequency_penalty`, `presence_penalty`, `repetition_penalty`,
-// `ignore_eos`. Unknown fields are ignored; known features Duet lacks
+// `ignore_eos`, and vLLM's `return_token_ids` (each choice, whole or streamed
+// chunk, then carries its generated ids as `token_ids`, an end-of-generation
+// token included). Unknown fields are ignored; known features Duet lacks
 // (`logprobs`, `echo`, `best_of` > 1, `suffix`, tools) are refused.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -81,8 +84,9 @@ std::string_view finish_reason(ServeFinish finish);
 
 // The responses of one admitted request: one complete body, or (streaming) the
 // server-sent events `data: {json}\n\n` of each update and `data: [DONE]\n\n`
-// after the last. Holds the per-request constants (id, creation time, model)
-// and whether the first chat chunk went out. One per request; not thread-safe.
+// after the last. Holds the per-request constants (id, creation time, model),
+// whether the first chat chunk went out, and (whole responses) the text and
+// token ids so far. One per request; not thread-safe.
 class ResponseWriter {
  public:
   // `id` is the response id ("cmpl-..." or "chatcmpl-..."), `created` Unix seconds.
@@ -100,21 +104,28 @@ class ResponseWriter {
   // event {"error": {...}}, then [DONE].
   static std::string stream_error(const ApiError& error);
 
-  // Non-streaming: the body of the response with the whole generated `text`,
-  // from the final update (kStop or kLength).
-  std::string full_response(std::string_view text, const RequestUpdate& final_update) const;
+  // Non-streaming: adds an update's text and token ids to the response, the
+  // final update's included.
+  void collect(const RequestUpdate& update);
+  // Non-streaming: the body of the response with everything collected, from
+  // the final update (kStop or kLength).
+  std::string full_response(const RequestUpdate& final_update) const;
 
  private:
   // One chunk as an event; `final_update` (or nullptr) adds finish_reason and
-  // the timings, `role` the chat delta's role.
-  std::string chunk_event(std::string_view text, const RequestUpdate* final_update, bool role);
+  // the timings, `role` the chat delta's role; `tokens` go out when asked for.
+  std::string chunk_event(std::string_view text, std::span<const int32_t> tokens,
+                          const RequestUpdate* final_update, bool role);
 
   const Endpoint endpoint_;
   const bool include_usage_;
+  const bool return_token_ids_;
   const std::string id_;
   const int64_t created_;
   const std::string model_;
   bool sent_role_ = false;
+  std::string text_;             // collected (whole responses)
+  std::vector<int32_t> tokens_;  // collected when return_token_ids_ (whole responses)
 };
 
 // llama-server's POST /tokenize {"content", "add_special" (default false)}

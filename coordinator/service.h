@@ -54,7 +54,8 @@ struct ServeRequest {
   SamplingParams sampling;
   std::vector<std::string> stop;
   bool ignore_eos = false;
-  bool include_token_ids = false;  // updates carry token ids too (RPC clients that ask)
+  // Updates carry token ids too (RPC's includeTokenIds, HTTP's return_token_ids).
+  bool include_token_ids = false;
 };
 
 enum class ServeFinish {

@@ -11,10 +11,12 @@
 //   >= 0; chat: >= 1 messages of role system, user or assistant), non-empty stop strings,
 //   sampling that validate_sampling_params accepts, the default seed when the body names none,
 //   and max_tokens unset when the body names none and otherwise >= 0 (0 and the upper limit are
-//   Service::start's to refuse, as the header says);
+//   Service::start's to refuse, as the header says), and token ids asked for exactly when the body
+//   says `"return_token_ids": true`;
 // - a ResponseWriter for it turns synthetic updates (the prompt's text as the generated text,
 //   split in two, and a final update of every finish) into server-sent events and a full body
-//   that are valid JSON, carry the text unchanged and end as the header says.
+//   that are valid JSON, carry the text unchanged and end as the header says, and carry the
+//   updates' token ids, in order, as the choices' `token_ids` when (and only when) asked.
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -154,12 +156,21 @@ void check_stream(const CompletionRequest& request, std::string_view text, Serve
   first.text = std::string(utf8_prefix(text, text.size() / 2));
   RequestUpdate last = final_update;
   last.text = std::string(text.substr(first.text.size()));
+  // The service fills ids only for a request that asked for them.
+  const bool ids = request.serve.include_token_ids;
+  const std::vector<int32_t> all_ids =
+      ids ? std::vector<int32_t>{11, 12, 13} : std::vector<int32_t>{};
+  if (ids) {
+    first.tokens = {11, 12};
+    last.tokens = {13};
+  }
 
   const std::string stream =
       writer.stream_start() + writer.stream_update(first) + writer.stream_update(last);
   const std::vector<std::string_view> events = split_events(stream);
   DUET_FUZZ_CHECK(!events.empty() && events.back() == "[DONE]", "the stream does not end [DONE]");
   std::string streamed;
+  std::vector<int32_t> streamed_ids;
   int n_finish = 0;
   int n_usage = 0;
   int n_error = 0;
@@ -192,6 +203,12 @@ void check_stream(const CompletionRequest& request, std::string_view text, Serve
     if (include_usage)
       DUET_FUZZ_CHECK(member(event, "usage").is_null(), "usage on a content chunk");
     const json& choice = choices[0];
+    DUET_FUZZ_CHECK(choice.contains("token_ids") == ids, "a chunk's token_ids %s",
+                    ids ? "missing" : "not asked for");
+    if (ids) {
+      DUET_FUZZ_CHECK(member(choice, "token_ids").is_array(), "token_ids is not a list");
+      for (const json& id : member(choice, "token_ids")) streamed_ids.push_back(id.get<int32_t>());
+    }
     if (chat) {
       const json& delta = member(choice, "delta");
       DUET_FUZZ_CHECK(delta.is_object(), "chat chunk without delta");
@@ -206,12 +223,17 @@ void check_stream(const CompletionRequest& request, std::string_view text, Serve
     }
   }
   DUET_FUZZ_CHECK(streamed == text, "the streamed text differs from the generated text");
+  DUET_FUZZ_CHECK(streamed_ids == all_ids, "the streamed token ids differ from the generated ones");
   DUET_FUZZ_CHECK(n_error == (failed ? 1 : 0), "%d error events", n_error);
   DUET_FUZZ_CHECK(n_finish == (failed ? 0 : 1), "%d chunks with a finish_reason", n_finish);
   DUET_FUZZ_CHECK(n_usage == (!failed && include_usage ? 1 : 0), "%d usage chunks", n_usage);
 
   if (failed) return;
-  const json full = parse_output(writer.full_response(text, final_update), "full_response");
+  openai::ResponseWriter whole(request, chat ? "chatcmpl-fuzz" : "cmpl-fuzz", kCreated,
+                               request.model);
+  whole.collect(first);
+  whole.collect(last);
+  const json full = parse_output(whole.full_response(final_update), "full_response");
   DUET_FUZZ_CHECK(member(full, "model") == request.model, "full model");
   const json& choices = member(full, "choices");
   DUET_FUZZ_CHECK(choices.is_array() && choices.size() == 1, "full choices");
@@ -221,6 +243,9 @@ void check_stream(const CompletionRequest& request, std::string_view text, Serve
                   "the full response's text differs from the generated text");
   DUET_FUZZ_CHECK(member(choice, "finish_reason") == openai::finish_reason(finish),
                   "full finish_reason");
+  DUET_FUZZ_CHECK(
+      ids ? member(choice, "token_ids") == json(all_ids) : !choice.contains("token_ids"),
+      "the full response's token_ids");
   DUET_FUZZ_CHECK(
       member(member(full, "usage"), "prompt_tokens") == final_update.timings.prompt_tokens,
       "full usage");
@@ -279,7 +304,10 @@ void check_request(Endpoint endpoint, const CompletionRequest& request, const js
     DUET_FUZZ_CHECK(*serve.max_tokens >= 0, "max_tokens %lld",
                     static_cast<long long>(*serve.max_tokens));
   }
-  DUET_FUZZ_CHECK(!serve.include_token_ids, "include_token_ids from HTTP");
+  const json* return_token_ids = field(body, "return_token_ids");
+  DUET_FUZZ_CHECK(
+      serve.include_token_ids == (return_token_ids != nullptr && return_token_ids->get<bool>()),
+      "include_token_ids");
   const json* stream = field(body, "stream");
   DUET_FUZZ_CHECK(request.stream == (stream != nullptr && stream->get<bool>()), "stream");
   if (field(body, "stream_options") == nullptr) {

@@ -174,6 +174,49 @@ class HttpOpenAiTest(unittest.TestCase):
         self.assertEqual(response.usage.completion_tokens, 8)
         self.assertEqual(response.choices[0].finish_reason, "length")
 
+    # --- token ids -------------------------------------------------------------------------
+
+    def detokenize(self, ids):
+        status, _, body = http_request(self.server.http_url + "/detokenize", "POST",
+                                       {"tokens": ids})
+        self.assertEqual(status, 200, body)
+        return json.loads(body)["content"]
+
+    def test_return_token_ids(self):
+        # Greedy, this chat answer ends with the end-of-turn token within 24 tokens.
+        chat = [{"role": "user", "content": "What is 2+2? Answer in one word."}]
+        for kind in ("completion", "chat"):
+            with self.subTest(kind=kind):
+                api = self.client.completions if kind == "completion" else \
+                    self.client.chat.completions
+                prompt = {"prompt": PROMPT} if kind == "completion" else {"messages": chat}
+                args = dict(model=self.model, max_tokens=24, temperature=0, **prompt)
+                whole = api.create(**args, extra_body={"return_token_ids": True})
+                choice = whole.choices[0]
+                text = choice.text if kind == "completion" else choice.message.content
+                ids = choice.model_extra["token_ids"]
+                self.assertEqual(len(ids), whole.usage.completion_tokens)
+                if kind == "chat":  # the end-of-generation token is an id but no text
+                    self.assertEqual(choice.finish_reason, "stop")
+                    self.assertEqual(self.detokenize(ids[-1:]), "<|im_end|>")
+                    ids_shown = ids[:-1]
+                else:
+                    self.assertEqual(choice.finish_reason, "length")
+                    ids_shown = ids
+                self.assertEqual(self.detokenize(ids_shown), text)
+
+                chunks = list(api.create(**args, stream=True,
+                                         extra_body={"return_token_ids": True}))
+                self.assertTrue(all(isinstance(c.choices[0].model_extra["token_ids"], list)
+                                    for c in chunks))
+                self.assertEqual([i for c in chunks for i in c.choices[0].model_extra["token_ids"]],
+                                 ids)
+
+                plain = api.create(**args)  # not asked: no token_ids
+                self.assertNotIn("token_ids", plain.choices[0].model_extra)
+                chunks = list(api.create(**args, stream=True))
+                self.assertFalse(any("token_ids" in c.choices[0].model_extra for c in chunks))
+
     # --- curl ------------------------------------------------------------------------------
 
     def curl(self, path, body, *extra):
