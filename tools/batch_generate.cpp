@@ -82,6 +82,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   config.n_kv_blocks = n_blocks;
   config.scheduler.max_running = args.max_running;
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
+  config.scheduler.recompute = !options.use_kv_cache;
   config.end_of_generation = tokenizer.end_of_generation_ids();
   config.device = parse_device(args.device);
   Engine engine(*model, cpu::kernel_table(isa), pool, config);
@@ -115,6 +116,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
     const nlohmann::json line = {{"index", i},
                                  {"text", tokenizer.decode(text_ids)},
                                  {"completion_tokens", outputs[i].tokens.size()},
+                                 {"token_ids", outputs[i].tokens},
                                  {"finish", finish_name(outputs[i].finish)}};
     std::printf("%s\n",
                 line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());

@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/chat_template.h"
@@ -47,7 +48,8 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
                   "Batch mode: KV cache size, bytes (512MiB, 2GiB) or a fraction of free memory");
   cmd->add_option("--max-running", args.max_running, "Batch mode: sequences decoded at once")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  cmd->add_option("--step-tokens", args.step_tokens, "Batch mode: token budget of one step")
+  cmd->add_option("--step-tokens", args.step_tokens,
+                  "Token budget of one engine step (longer prompts are computed in chunks)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_flag("--chat", args.chat, "Wrap the prompt as a user turn in the model's chat template");
   cmd->add_option("-n,--n-tokens", args.n_tokens, "Tokens to generate at most")
@@ -80,6 +82,8 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
       ->check(device_validator());
   cmd->add_flag("--no-kv-cache", args.no_kv_cache,
                 "Recompute the whole context at every step (to measure what the cache saves)");
+  cmd->add_flag("--token-ids", args.token_ids,
+                "Also print the generated token ids on stderr, as 'token_ids: [...]' (JSON)");
 }
 
 int run_generate(const GenerateArgs& args) {
@@ -95,6 +99,7 @@ int run_generate(const GenerateArgs& args) {
   options.sampling.frequency_penalty = args.frequency_penalty;
   options.sampling.presence_penalty = args.presence_penalty;
   options.use_kv_cache = !args.no_kv_cache;
+  options.step_tokens = args.step_tokens;
   validate_sampling_params(options.sampling);  // before the slow model load
   require_device(parse_device(args.device));
   DUET_REQUIRE(!args.prompt.empty() || !args.prompts_file.empty(),
@@ -156,6 +161,9 @@ int run_generate(const GenerateArgs& args) {
     print(stop_matcher.flush());
   }
   print("\n");
+  if (args.token_ids) {
+    std::fprintf(stderr, "token_ids: %s\n", nlohmann::json(result.tokens).dump().c_str());
+  }
 
   const int64_t n_decoded = std::max<int64_t>(0, static_cast<int64_t>(result.tokens.size()) - 1);
   std::fprintf(stderr,

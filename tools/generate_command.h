@@ -31,12 +31,13 @@ struct GenerateArgs {
   int threads = 0;                // 0: all hardware threads
   std::string device = "cpu";     // cpu, cuda or cuda:N
   bool no_kv_cache = false;
+  bool token_ids = false;  // print the generated ids on stderr (JSON lines carry them always)
   // Batch mode: every line of this file is a prompt, run through the batching engine.
   std::string prompts_file;
   std::string kv_cache_mem =
       "0.2";  // bytes ("512MiB", "2GiB", "1000000") or a fraction of free memory
   int64_t max_running = 64;
-  int64_t step_tokens = 512;
+  int64_t step_tokens = 512;  // the engine's token budget per step (both modes)
 };
 
 // Batch mode (tools/batch_generate.cpp); `options` are already validated.

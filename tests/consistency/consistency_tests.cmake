@@ -1,0 +1,12 @@
+# Every door against the single-prompt path (included from tests/CMakeLists.txt):
+# test_doors.py compares the token ids of `duet generate --prompt` with those of
+# `--prompts-file`, `duet serve` over HTTP and Cap'n Proto, a disaggregated
+# cluster and a TP=2 instance under mpirun, for tests/consistency/prompts.json,
+# greedy and seeded-sampled. Skipped (exit 77) without the default model.
+add_test(NAME consistency_doors_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_doors.py)
+set_tests_properties(consistency_doors_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS "consistency;mpi"
+  SKIP_RETURN_CODE 77
+  TIMEOUT 300)
