@@ -2,7 +2,8 @@
 // CPU twin on the same inputs: embedding rows of every weight type, RMSNorm,
 // RoPE (both styles, with and without frequency divisors), SwiGLU and adds;
 // and the two tensor-parallel layouts: a vocabulary slice's embedding rows
-// (zeros for the other ranks' tokens) and the gathered logits reassembled.
+// (zeros for the other ranks' tokens), the gathered logits reassembled, and
+// unequal column parts (O's and down's gathered inputs and outputs) laid side by side.
 #include <algorithm>
 #include <random>
 
@@ -104,6 +105,29 @@ void check_assemble_slices(cuda::CudaBackend& backend) {
                0.0);
 }
 
+// A tensor-parallel all-gather of unequal column parts (the default model's
+// query dims on 2 ranks: 384 + 192; here 3 parts of 5, 3 and 1 columns of 4
+// rows, each in a slot of the widest's size): laid side by side, row by row.
+void check_assemble_parts(cuda::CudaBackend& backend) {
+  const int64_t n_rows = 4, widths[] = {5, 3, 1}, slot = 5 * n_rows, n_cols = 9;
+  const std::vector<float> slices = random_floats(static_cast<size_t>(3 * slot), 13);
+  std::vector<float> want(static_cast<size_t>(n_rows * n_cols));
+  cuda::ColumnParts parts;
+  parts.n_parts = 3;
+  for (int p = 0; p < 3; ++p) {
+    parts.begin[p + 1] = parts.begin[p] + widths[p];
+    for (int64_t i = 0; i < n_rows; ++i) {
+      std::copy_n(slices.data() + p * slot + i * widths[p], widths[p],
+                  want.data() + i * n_cols + parts.begin[p]);
+    }
+  }
+  const cuda::DeviceBuffer d_slices = to_device(slices, backend);
+  cuda::DeviceBuffer out(want.size() * sizeof(float));
+  cuda::assemble_parts(d_slices.as<float>(), slot, parts, n_rows, out.as<float>(), backend);
+  expect_close("3 parts of 5, 3 and 1 columns into (4, 9)",
+               to_host<float>(out, want.size(), backend), want, 0.0);
+}
+
 void check_rms_norm(cuda::CudaBackend& backend) {
   const int64_t n_rows = 37, dim = 4096;
   const std::vector<float> x = random_floats(static_cast<size_t>(n_rows * dim), 2, 3.0f);
@@ -185,6 +209,7 @@ int main() {
   gpu_check::run_case("embedding rows of a vocabulary slice",
                       [&] { check_embedding_slice(backend); });
   gpu_check::run_case("logit slices assembled", [&] { check_assemble_slices(backend); });
+  gpu_check::run_case("column parts assembled", [&] { check_assemble_parts(backend); });
   gpu_check::run_case("rms_norm", [&] { check_rms_norm(backend); });
   gpu_check::run_case("rope", [&] { check_rope(backend); });
   gpu_check::run_case("silu_mul, add_in_place, add_bias", [&] { check_silu_mul_and_add(backend); });
