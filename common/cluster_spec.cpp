@@ -285,7 +285,18 @@ ClusterSpec parse_cluster_file(const std::string& path) {
   return parse_cluster_json(text.str(), path);
 }
 
-ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags) {
+namespace {
+
+// How many instances of `tp` ranks fill `n_ranks` exactly; nullopt if none or
+// not whole.
+std::optional<int> instances_filling(int n_ranks, int tp) {
+  if (n_ranks < tp || n_ranks % tp != 0) return std::nullopt;
+  return n_ranks / tp;
+}
+
+}  // namespace
+
+ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags, int world_size) {
   DUET_ASSERT(flags.any());
   if (flags.file) {
     DUET_REQUIRE(!flags.prefill && !flags.decode && !flags.tp && !flags.prefill_tp &&
@@ -299,8 +310,35 @@ ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags) {
       flags.mode ? parse_cluster_mode(*flags.mode) : ClusterMode::kDisaggregated;
   const int tp = flags.tp.value_or(1);
   DUET_REQUIRE(tp >= 1, "{}--tp must be at least 1, got {}", kPrefix, tp);
-  return parse_cluster_flags(flags.prefill.value_or(0), flags.decode.value_or(0),
-                             flags.prefill_tp.value_or(tp), flags.decode_tp.value_or(tp), mode);
+  const int prefill_tp = flags.prefill_tp.value_or(tp), decode_tp = flags.decode_tp.value_or(tp);
+  DUET_REQUIRE(prefill_tp >= 1 && decode_tp >= 1, "{}--{}-tp must be at least 1, got {}", kPrefix,
+               prefill_tp < 1 ? "prefill" : "decode", std::min(prefill_tp, decode_tp));
+  const int n_ranks = world_size - 1;  // every rank but the coordinator's
+  int prefill = flags.prefill.value_or(0), decode = flags.decode.value_or(0);
+  if (mode == ClusterMode::kColocated && !flags.prefill && !flags.decode) {
+    const std::optional<int> n = instances_filling(n_ranks, decode_tp);
+    DUET_REQUIRE(n.has_value(),
+                 "{}-np {} leaves {} instance rank(s), not a whole number of colocated instances "
+                 "of tp {}: run -np {} or give --decode D",
+                 kPrefix, world_size, n_ranks, decode_tp,
+                 1 + std::max(1, n_ranks / decode_tp) * decode_tp);
+    decode = *n;
+  } else if (mode == ClusterMode::kDisaggregated && (!flags.prefill || !flags.decode)) {
+    // One count given (or none: one prefill instance): the other fills the rest.
+    if (!flags.prefill && !flags.decode) prefill = 1;
+    const bool fill_decode = !flags.decode;
+    const int rest = n_ranks - (fill_decode ? prefill * prefill_tp : decode * decode_tp);
+    const std::optional<int> n = instances_filling(rest, fill_decode ? decode_tp : prefill_tp);
+    DUET_REQUIRE(n.has_value(),
+                 "{}-np {} leaves {} instance rank(s); {} prefill instance(s) of tp {} and "
+                 "decode instances of tp {} do not fill them: give --prefill P --decode D with "
+                 "P x {} + D x {} = {}",
+                 kPrefix, world_size, n_ranks,
+                 fill_decode ? std::to_string(prefill) : std::string("some"), prefill_tp, decode_tp,
+                 prefill_tp, decode_tp, n_ranks);
+    (fill_decode ? decode : prefill) = *n;
+  }
+  return parse_cluster_flags(prefill, decode, prefill_tp, decode_tp, mode);
 }
 
 }  // namespace duet

@@ -124,7 +124,12 @@ ClusterSpec parse_cluster_json(std::string_view text, std::string_view origin = 
 ClusterSpec parse_cluster_file(const std::string& path);
 
 // --cluster FILE or the flags (exclusive: both is an error); not validated.
-// Requires flags.any().
-ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags);
+// Requires flags.any(). Instance counts not given fill the `world_size` - 1
+// instance ranks: colocated, (world_size - 1) / tp instances; disaggregated,
+// one prefill instance (or --prefill P) and as many decode instances as the
+// rest holds (or --decode D, and as many prefill instances as the rest
+// holds). Where the ranks do not divide so, the error names the flags (or
+// the -np) that would make it run.
+ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags, int world_size);
 
 }  // namespace duet

@@ -10,8 +10,10 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 prompt=${1:-"Write one sentence about the sea."}
 threads=${DUET_THREADS:-1}
-"$root/launch/setup.sh"
-"$root/launch/build.sh"
+# Set-up and build progress go to stderr: stdout carries the answer alone,
+# so that answer=$(launch/run.sh "...") captures just the text.
+"$root/launch/setup.sh" >&2
+"$root/launch/build.sh" >&2
 
 model=${DUET_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.gguf
 bin=${DUET_BUILD_DIR:-$root/build}/tools

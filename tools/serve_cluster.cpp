@@ -60,7 +60,7 @@ constexpr auto kCloseTimeout = std::chrono::milliseconds(30'000);
 // Throws on every rank alike for a layout the model cannot take.
 ClusterSpec serving_spec(const ClusterFlags& flags, int world_size, const std::string& model) {
   ClusterSpec spec = flags.any()
-                         ? cluster_spec_from_flags(flags)
+                         ? cluster_spec_from_flags(flags, world_size)
                          : parse_cluster_flags(0, world_size - 1, 1, ClusterMode::kColocated);
   spec.validate(world_size);
   const ModelConfig config = ModelConfig::from_gguf(GgufFile::open(model));

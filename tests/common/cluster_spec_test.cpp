@@ -59,7 +59,7 @@ TEST(ClusterSpec, PrefillAndDecodeInstancesTakeTheirOwnTpSizes) {
   flags.decode = 1;
   flags.tp = 2;
   flags.decode_tp = 3;
-  const ClusterSpec spec = cluster_spec_from_flags(flags);
+  const ClusterSpec spec = cluster_spec_from_flags(flags, 6);
   ASSERT_EQ(spec.instances.size(), 2u);
   EXPECT_EQ(spec.instances[0].tp, 2);  // --tp
   EXPECT_EQ(spec.instances[0].ranks, ranks({1, 2}));
@@ -68,7 +68,7 @@ TEST(ClusterSpec, PrefillAndDecodeInstancesTakeTheirOwnTpSizes) {
   EXPECT_NO_THROW(spec.validate(6));
 
   flags.prefill_tp = 0;
-  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags); }),
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags, 6); }),
             "cluster spec: --prefill-tp must be at least 1, got 0");
 }
 
@@ -228,20 +228,20 @@ TEST(ClusterSpec, FileAndFlagsAreExclusive) {
   }
   ClusterFlags flags;
   flags.file = path;
-  const ClusterSpec spec = cluster_spec_from_flags(flags);
+  const ClusterSpec spec = cluster_spec_from_flags(flags, 6);
   EXPECT_EQ(spec.mode, ClusterMode::kColocated);
   EXPECT_EQ(spec.instances[0].tp, 2);
   EXPECT_NO_THROW(spec.validate(3));
 
   flags.decode = 1;
-  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags); }),
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags, 6); }),
             "cluster spec: --cluster FILE and --prefill/--decode/--tp/--prefill-tp/--decode-tp/"
             "--mode are exclusive: the file names the whole layout");
   std::remove(path.c_str());
 
   ClusterFlags missing;
   missing.file = path;
-  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(missing); }),
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(missing, 6); }),
             "cannot open cluster file " + path);
 
   ClusterFlags plain;
@@ -249,11 +249,57 @@ TEST(ClusterSpec, FileAndFlagsAreExclusive) {
   plain.prefill = 1;
   plain.decode = 1;
   EXPECT_TRUE(plain.any());
-  const ClusterSpec from_flags = cluster_spec_from_flags(plain);
+  const ClusterSpec from_flags = cluster_spec_from_flags(plain, 6);
   EXPECT_EQ(from_flags.mode, ClusterMode::kDisaggregated);
   EXPECT_EQ(from_flags.required_world_size(), 3);
   plain.mode = "colocated";
-  EXPECT_EQ(cluster_spec_from_flags(plain).instances[1].role, InstanceRole::kBoth);
+  EXPECT_EQ(cluster_spec_from_flags(plain, 6).instances[1].role, InstanceRole::kBoth);
+}
+
+// Counts not given fill the world: `mpirun -np 4 duet serve --mode colocated
+// --tp 3` needs no arithmetic, and where the ranks do not divide, the error
+// says what would run.
+TEST(ClusterSpec, CountsNotGivenFillTheWorld) {
+  ClusterFlags colocated;
+  colocated.mode = "colocated";
+  colocated.tp = 3;
+  ClusterSpec spec = cluster_spec_from_flags(colocated, 4);
+  ASSERT_EQ(spec.instances.size(), 1u);
+  EXPECT_EQ(spec.instances[0].ranks, ranks({1, 2, 3}));
+  EXPECT_NO_THROW(spec.validate(4));
+  EXPECT_EQ(cluster_spec_from_flags(colocated, 7).instances.size(), 2u);
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(colocated, 6); }),
+            "cluster spec: -np 6 leaves 5 instance rank(s), not a whole number of colocated "
+            "instances of tp 3: run -np 4 or give --decode D");
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(colocated, 2); }),
+            "cluster spec: -np 2 leaves 1 instance rank(s), not a whole number of colocated "
+            "instances of tp 3: run -np 4 or give --decode D");
+
+  // Disaggregated: one prefill instance, the rest decode (or the given count's
+  // kind, the other filling).
+  ClusterFlags disaggregated;
+  disaggregated.tp = 1;
+  spec = cluster_spec_from_flags(disaggregated, 5);
+  EXPECT_EQ(spec.count(InstanceRole::kPrefill), 1);
+  EXPECT_EQ(spec.count(InstanceRole::kDecode), 3);
+  EXPECT_NO_THROW(spec.validate(5));
+  disaggregated.decode_tp = 2;
+  spec = cluster_spec_from_flags(disaggregated, 6);
+  EXPECT_EQ(spec.count(InstanceRole::kDecode), 2);
+  EXPECT_EQ(spec.instances[2].ranks, ranks({4, 5}));
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(disaggregated, 5); }),
+            "cluster spec: -np 5 leaves 4 instance rank(s); 1 prefill instance(s) of tp 1 and "
+            "decode instances of tp 2 do not fill them: give --prefill P --decode D with P x 1 "
+            "+ D x 2 = 4");
+  ClusterFlags decode_only;
+  decode_only.decode = 1;
+  spec = cluster_spec_from_flags(decode_only, 5);
+  EXPECT_EQ(spec.count(InstanceRole::kPrefill), 3);
+  EXPECT_EQ(spec.count(InstanceRole::kDecode), 1);
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(decode_only, 2); }),
+            "cluster spec: -np 2 leaves 1 instance rank(s); some prefill instance(s) of tp 1 "
+            "and decode instances of tp 1 do not fill them: give --prefill P --decode D with P "
+            "x 1 + D x 1 = 1");
 }
 
 TEST(ClusterSpec, DescribeListsEveryInstance) {

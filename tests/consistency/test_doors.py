@@ -10,7 +10,7 @@ match it id for id, end-of-generation token included:
   http      `duet serve`, one process, over HTTP with "return_token_ids";
   capnp     the same server over Cap'n Proto with includeTokenIds;
   cluster   `mpirun -np 3 duet serve --prefill 1 --decode 1`, over HTTP;
-  tp2       `mpirun -np 3 duet serve --mode colocated --decode 1 --tp 2`, over HTTP.
+  tp2       `mpirun -np 3 duet serve --mode colocated --tp 2`, over HTTP.
 
 And the reference's greedy ids equal llama.cpp's `llama-server` (one slot,
 `-np 1 -fa off --no-repack`, default batch sizes, no prompt cache), recorded
@@ -297,8 +297,7 @@ class DoorsTest(unittest.TestCase):
                       + "\n".join(mismatches))
 
     def test_4_tensor_parallel_instance(self):
-        with MpirunServe(3, ["--mode", "colocated", "--decode", "1", "--tp", "2",
-                             *ENGINE]) as cluster:
+        with MpirunServe(3, ["--mode", "colocated", "--tp", "2", *ENGINE]) as cluster:
             self.check("tp2", "mpirun: one colocated TP=2 instance, HTTP",
                        lambda: http_ids(cluster))
 

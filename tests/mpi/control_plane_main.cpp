@@ -376,7 +376,7 @@ int run(const ClusterFlags& flags, const Options& options) {
   MpiRuntime mpi;
   const Rank self = mpi.rank();
   try {
-    const ClusterSpec spec = cluster_spec_from_flags(flags);
+    const ClusterSpec spec = cluster_spec_from_flags(flags, mpi.world_size());
     spec.validate(mpi.world_size());
     ControlChannel channel(mpi);
     HandshakeOptions handshake;

@@ -6,7 +6,8 @@ two instances (ranks 1 and 2), against the single-process `duet serve`.
 - 16+ concurrent requests all complete and spread over both instances;
 - a client that disconnects mid-stream frees every KV block on every rank;
 - SIGTERM to the coordinator ends every rank with exit 0 within seconds;
-- a spec that does not match -np, and a tp over the model's KV heads, fail fast with the same error
+- a spec that does not match -np, ranks that make no whole instance, and a tp
+  over the model's KV heads, fail fast with the same error
   on every rank.
 
 The disaggregated cluster has its own test (test_serve_disaggregated.py).
@@ -155,6 +156,11 @@ class ClusterSpecErrorTest(unittest.TestCase):
         self.expect_same_error(3, ["--mode", "colocated", "--prefill", "1", "--decode", "2"],
                                "cluster spec: the spec needs 4 processes (1 coordinator + 3 "
                                "instance ranks) but mpirun started 3 (mpirun -np 4)")
+
+    def test_ranks_that_make_no_whole_instance_name_what_would(self):
+        self.expect_same_error(3, ["--mode", "colocated", "--tp", "3"],
+                               "cluster spec: -np 3 leaves 2 instance rank(s), not a whole number "
+                               "of colocated instances of tp 3: run -np 4 or give --decode D")
 
     def test_more_tp_ranks_than_kv_heads_is_refused(self):
         # The default model has 3 KV heads; attention is split by KV heads.

@@ -40,7 +40,8 @@ from test_serve_disaggregated import words  # noqa: E402
 
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
 LAYOUTS = {
-    "colocated": (3, ["--mode", "colocated", "--decode", "1", "--tp", "2"]),
+    # No instance count: -np 3 with --tp 2 makes one instance (common/cluster_spec.h).
+    "colocated": (3, ["--mode", "colocated", "--tp", "2"]),
     "1to3": (5, ["--prefill", "1", "--decode", "1", "--decode-tp", "3", "--kv-checksums"]),
     "3to1": (5, ["--prefill", "1", "--decode", "1", "--prefill-tp", "3", "--kv-checksums"]),
 }
