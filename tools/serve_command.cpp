@@ -1,11 +1,15 @@
 #include "tools/serve_command.h"
 
+#include <fmt/format.h>
 #include <pthread.h>
 #include <spdlog/spdlog.h>
 
+#include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <thread>
 
@@ -37,8 +41,12 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   cmd->add_option("--http-port", args.http_port, "HTTP port (0: any free port)")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
-  cmd->add_option("--api-key", args.api_key,
-                  "Require this key: HTTP bearer token, Cap'n Proto login (default: none)");
+  CLI::Option* key = cmd->add_option(
+      "--api-key", args.api_key,
+      "Require this key: HTTP bearer token, Cap'n Proto login (default: DUET_API_KEY, or none)");
+  cmd->add_option("--api-key-file", args.api_key_file,
+                  "Require the key on this file's first line (not shown by ps, as --api-key is)")
+      ->excludes(key);
   cmd->add_option("-t,--threads", args.threads, "Compute threads (default: all cores)")
       ->check(CLI::Range(0, 1024));
   cmd->add_option("--device", args.device,
@@ -168,6 +176,25 @@ EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
   return config;
 }
 
+std::string resolve_api_key(const ServeArgs& args) {
+  if (!args.api_key.empty()) return args.api_key;
+  if (!args.api_key_file.empty()) {
+    std::ifstream in(args.api_key_file);
+    if (!in) {
+      throw Error(ErrorKind::kNotFound,
+                  fmt::format("--api-key-file: cannot read {}", args.api_key_file));
+    }
+    std::string key;
+    std::getline(in, key);
+    while (!key.empty() && std::isspace(static_cast<unsigned char>(key.back()))) key.pop_back();
+    DUET_REQUIRE(!key.empty(), "--api-key-file: {} holds no key on its first line",
+                 args.api_key_file);
+    return key;
+  }
+  const char* from_environment = std::getenv("DUET_API_KEY");
+  return from_environment != nullptr ? from_environment : "";
+}
+
 ServiceLimits service_limits(const ServeArgs& args) {
   ServiceLimits limits;
   limits.max_waiting = args.max_waiting;
@@ -202,10 +229,12 @@ void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigs
 
 }  // namespace serve
 
-int run_serve(const ServeArgs& args) {
+int run_serve(const ServeArgs& given) {
   // Signals are taken by sigwait, so every thread started from here on
   // inherits the blocked mask and none is interrupted.
   const sigset_t signals = serve::block_stop_signals();
+  ServeArgs args = given;
+  args.api_key = serve::resolve_api_key(given);
   if (launched_by_mpirun() || args.cluster.any()) return run_cluster_serve(args, signals);
 
   const int n_threads = serve::compute_threads(args);

@@ -29,6 +29,7 @@ struct ServeArgs {
   int rpc_port = 7433;         // 0: any free port (printed)
   int http_port = 8000;        // 0: any free port (printed)
   std::string api_key;         // empty: none; else both fronts require it
+  std::string api_key_file;    // the key's file (first line), instead of --api-key
   int threads = 0;             // 0: all hardware threads
   std::string device = "cpu";  // every instance's engine: cpu, cuda or cuda:N
   std::string kv_cache_mem = "1GiB";
@@ -69,6 +70,11 @@ std::optional<ChatTemplateKind> chat_template(const GgufFile& file);
 EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
                            std::vector<int32_t> end_of_generation, int device);
 ServiceLimits service_limits(const ServeArgs& args);
+// The API key of a run: --api-key, else the first line of --api-key-file
+// (kNotFound if unreadable, kInvalidArgument if empty), else the environment's
+// DUET_API_KEY, else none (empty). A key in a file or the environment is not
+// on the command line, where `ps` shows it to every user.
+std::string resolve_api_key(const ServeArgs& args);
 // Starts both fronts over `service`, prints their `... listening on` lines,
 // waits for a signal in `signals`, then refuses new requests, cancels running
 // ones and stops the fronts.

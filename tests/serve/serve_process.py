@@ -40,8 +40,10 @@ def serve_environment():
 class ServeProcess:
     """One `duet serve --model MODEL --http-port 0 --rpc-port 0 --threads 1 ARGS...`."""
 
-    def __init__(self, args=(), startup_timeout=120.0):
+    def __init__(self, args=(), startup_timeout=120.0, env=None):
+        """`env`: variables added to this process's environment for the server."""
         binary, model = serve_environment()
+        self.env = {**os.environ, **env} if env else None
         self.command = [binary, "serve", "--model", model, "--http-port", "0",
                         "--rpc-port", "0", "--threads", "1", *args]
         self.startup_timeout = startup_timeout
@@ -81,7 +83,8 @@ class ServeProcess:
 
     def start(self):
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, errors="replace")
+                                        stderr=subprocess.PIPE, text=True, errors="replace",
+                                        env=self.env)
         # Both pipes are drained by threads, so a chatty server never blocks on them.
         self._readers = [threading.Thread(target=self._read_stdout, daemon=True),
                          threading.Thread(target=self._read_stderr, daemon=True)]

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +231,31 @@ class ApiKeyTest(unittest.TestCase):
         response = client.chat.completions.create(model=client.models.list().data[0].id,
                                                   messages=CHAT["messages"], max_tokens=2)
         self.assertEqual(response.usage.completion_tokens, 2)
+
+
+class ApiKeyOffTheCommandLineTest(unittest.TestCase):
+    """--api-key-file and DUET_API_KEY: the key works and `ps` does not show it."""
+    KEY = "sk-duet-off-the-command-line"
+
+    def expect_key_required(self, server):
+        status, _, _ = http_request(server.http_url + "/v1/models")
+        self.assertEqual(status, 401)
+        status, _, raw = http_request(server.http_url + "/v1/models",
+                                      headers={"Authorization": f"Bearer {self.KEY}"})
+        self.assertEqual(status, 200, raw)
+        with open(f"/proc/{server.process.pid}/cmdline", "rb") as f:
+            self.assertNotIn(self.KEY.encode(), f.read())
+
+    def test_key_file(self):
+        with tempfile.NamedTemporaryFile("w", suffix=".key") as key_file:
+            key_file.write(self.KEY + "\n")
+            key_file.flush()
+            with ServeProcess(["--api-key-file", key_file.name]) as server:
+                self.expect_key_required(server)
+
+    def test_environment(self):
+        with ServeProcess(env={"DUET_API_KEY": self.KEY}) as server:
+            self.expect_key_required(server)
 
 
 class OverloadTest(unittest.TestCase):

@@ -61,6 +61,22 @@ TEST(Cli, UnknownOptionIsOneLineAndExitTwo) {
   EXPECT_TRUE(run.out.empty());
 }
 
+// An API key file that cannot be read, or holds no key, stops serve before
+// it loads the model or listens: one line, exit 2.
+TEST(Cli, UnusableApiKeyFileIsOneLineAndExitTwo) {
+  const ProcessResult missing =
+      run_duet("serve -m " + tiny_model() + " --api-key-file /nonexistent/key --http-port 0");
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_EQ(count_lines(missing.err), 1) << missing.err;
+  EXPECT_NE(missing.err.find("--api-key-file: cannot read /nonexistent/key"), std::string::npos)
+      << missing.err;
+  EXPECT_TRUE(missing.out.empty());
+  const ProcessResult empty =
+      run_duet("serve -m " + tiny_model() + " --api-key-file /dev/null --http-port 0");
+  EXPECT_EQ(empty.exit_code, 2);
+  EXPECT_NE(empty.err.find("holds no key on its first line"), std::string::npos) << empty.err;
+}
+
 TEST(Cli, MissingModelIsOneLineAndExitTwo) {
   const ProcessResult run = run_duet("generate -m /nonexistent/model.gguf -p hi");
   EXPECT_EQ(run.exit_code, 2);
