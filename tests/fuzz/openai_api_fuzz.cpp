@@ -40,7 +40,7 @@ namespace {
 using openai::ApiError;
 using openai::CompletionRequest;
 using openai::Endpoint;
-// The same flavour as openai_api.cpp's, so that duplicate keys resolve the same way (the last).
+// The same flavour as openai_request.cpp's, so that duplicate keys resolve the same way (the last).
 using json = nlohmann::ordered_json;
 
 constexpr uint64_t kDefaultSeed = 0x5eed5eed5eed5eedull;
