@@ -57,7 +57,7 @@ class HttpServer final {
   void stop();
 
  private:
-  class Impl;  // the Asio and Beast machinery (http_server.cpp)
+  class Impl;  // the Asio and Beast machinery (http_server_impl.h)
   std::unique_ptr<Impl> impl_;
 };
 
