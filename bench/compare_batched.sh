@@ -11,7 +11,7 @@ rounds=${ROUNDS:-3}
 threads=${THREADS:-2}
 plot=${OUT:-$root/docs/batched_decode.png}
 batches=1,2,4,8,16,32,64
-duet_bench=${DUET_BUILD_DIR:-$root/build}/tools/duet-engine-bench
+duet_bench=${DUET_BUILD_DIR:-$root/build}/bench/duet-engine-bench
 TARGETS="llama-batched-bench" "$root/bench/build_llama_cpp.sh" >/dev/null
 llama_bb=$root/.cache/llama.cpp-build/bin/llama-batched-bench
 [ -x "$duet_bench" ] || { echo "build Duet first (launch/build.sh)" >&2; exit 1; }

@@ -11,7 +11,7 @@ model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 rounds=${ROUNDS:-3}
 reps=${REPS:-5}
 threads=${THREADS:-1,2}
-duet_bench=${DUET_BUILD_DIR:-$root/build}/tools/duet-engine-bench
+duet_bench=${DUET_BUILD_DIR:-$root/build}/bench/duet-engine-bench
 llama_bench=$("$root/bench/build_llama_cpp.sh" | tail -n 1)
 [ -x "$duet_bench" ] || { echo "build Duet first (launch/build.sh)" >&2; exit 1; }
 

@@ -35,17 +35,17 @@
 #include <utility>
 #include <vector>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/weights.h"
-#include "worker/cuda_forward.h"
-#include "worker/kv_cache.h"
-#include "worker/llama_model.h"
-#include "worker/model_forward.h"
+#include "worker/kv/kv_cache.h"
+#include "worker/model/cuda_forward.h"
+#include "worker/model/llama_model.h"
+#include "worker/model/model_forward.h"
 
 namespace duet {
 namespace {
@@ -557,7 +557,7 @@ void measure_model(const std::string& path, double copy_gbps, const Plan& plan, 
   const std::unique_ptr<LlamaModel> model = LlamaModel::load(path);
   CudaForward forward(*model, 0);
   // The device KV cache takes this host cache's layout (the host copy is the
-  // KV transport's staging area, unused here).
+  // KV transfer's staging area, unused here).
   KvCache cache(make_kv_layout(model->config(), kMaxBatch * kBlocksPerSequence, kBlockSize));
   ModelRig rig{*model, forward, cache, {}};
   for (int64_t s = 0; s < kMaxBatch; ++s) {

@@ -1,9 +1,9 @@
-# duet-kv-transfer-bench: raw MPI point-to-point against MpiKvTransport at the
+# duet-kv-transfer-bench: raw MPI point-to-point against MpiKvTransfer at the
 # KV message size, and (with --model) the TTFT a transfer adds; included from
 # bench/CMakeLists.txt. Its smoke run (label `mpi`, no model) passes only when
 # every transferred KV equals what was sent.
 add_executable(duet-kv-transfer-bench ${CMAKE_CURRENT_LIST_DIR}/kv_transfer_bench.cpp)
-target_link_libraries(duet-kv-transfer-bench PRIVATE duet_kv_mpi CLI11::CLI11 spdlog::spdlog
+target_link_libraries(duet-kv-transfer-bench PRIVATE duet_transfer_mpi duet_worker CLI11::CLI11 spdlog::spdlog
   nlohmann_json::nlohmann_json duet_warnings)
 
 add_test(NAME kv_transfer_bench_smoke

@@ -2,9 +2,9 @@
 // to a decode instance costs, under `mpirun -np 3` (rank 0 idle, rank 1 the
 // prefill side, rank 2 the decode side, as `duet serve` places them):
 //   1. raw MPI: rank 1 MPI_Isends the messages of one transfer back to back
-//      (all posted, then waited: the transport's window), rank 2 MPI_Recvs
+//      (all posted, then waited: the transfer's window), rank 2 MPI_Recvs
 //      them into one buffer, on a communicator of their own;
-//   2. the same KV through MpiKvTransport between two KvCaches with different
+//   2. the same KV through MpiKvTransfer between two KvCaches with different
 //      (shuffled) block tables: start_import on rank 2; on the order, rank 1
 //      send_rows each layer of each chunk, then send_handoff; rank 2's rows
 //      are checked against rank 1's (kv_rows_checksum);
@@ -14,7 +14,7 @@
 //
 // Clocks: every timestamp is MPI_Wtime. Rank 1's are moved onto rank 2's clock by an offset
 // measured with ping-pongs (the midpoint of the fastest round trip), reported with its uncertainty
-// and MPI_WTIME_IS_GLOBAL. Raw and transport times both run from the sender's first send call to
+// and MPI_WTIME_IS_GLOBAL. Raw and transfer times both run from the sender's first send call to
 // the receiver holding the last byte (its last MPI_Recv returned; on_complete ran, which follows
 // every row's arrival in the blocks). A rank that waits while the other computes polls with sleeps
 // instead of spinning in MPI, leaving the other the core. Rank 2 prints Markdown tables (and --json
@@ -46,9 +46,9 @@
 #include "common/mpi/mpi_runtime.h"
 #include "kernels/cpu/isa.h"
 #include "worker/engine.h"
-#include "worker/kv_rows.h"
-#include "worker/llama_model.h"
-#include "worker/mpi_kv_transport.h"
+#include "worker/kv/kv_rows.h"
+#include "worker/model/llama_model.h"
+#include "worker/transfer/mpi_kv_transfer.h"
 
 namespace duet {
 namespace {
@@ -62,7 +62,7 @@ constexpr int kReceiver = 2;  // the decode side
 constexpr int kPairSender = 0;
 constexpr int kPairReceiver = 1;
 constexpr int kTag = 1;
-// The transport's per-message header (worker/mpi_kv_transport.h).
+// The transfer's per-message header (worker/transfer/mpi_kv_transfer.h).
 constexpr size_t kWireHeaderBytes = 48;
 // An order, or a transfer with its prefill, that takes this long has failed.
 constexpr auto kTransferTimeout = 600s;
@@ -92,7 +92,7 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Hands events from the transport's handlers (the communication thread) to
+// Hands events from the transfer's handlers (the communication thread) to
 // the main thread, which blocks on it without using a core.
 template <typename T>
 class Mailbox {
@@ -105,7 +105,7 @@ class Mailbox {
   T take() {
     std::unique_lock lock(mutex_);
     if (!ready_.wait_for(lock, kTransferTimeout, [&] { return !items_.empty(); }))
-      throw Error(ErrorKind::kInternal, "no word from the transport in time");
+      throw Error(ErrorKind::kInternal, "no word from the transfer in time");
     T value = std::move(items_.front());
     items_.pop_front();
     return value;
@@ -252,7 +252,7 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
   const int size = static_cast<int>(shape.message_bytes());
   std::vector<double> stamps;  // the sender's first sends, the receiver's last receives
   if (pair_rank == kPairSender) {
-    // One buffer per message, as the transport owns one per queued message.
+    // One buffer per message, as the transfer owns one per queued message.
     std::vector<std::vector<std::byte>> buffers(
         static_cast<size_t>(n), std::vector<std::byte>(static_cast<size_t>(size), std::byte{90}));
     std::vector<MPI_Request> requests(static_cast<size_t>(n));
@@ -287,7 +287,7 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
   return seconds;
 }
 
-// ---------------------------------------------------------------- 2. MpiKvTransport
+// ---------------------------------------------------------------- 2. MpiKvTransfer
 
 // Rank 1 to rank 2 after each transfer.
 struct TransferReport {
@@ -296,7 +296,7 @@ struct TransferReport {
   uint64_t checksum = 0;    // of the rows sent
 };
 
-void send_transfers(MpiKvTransport& transport, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
+void send_transfers(MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
                     const Shape& shape, int reps, uint64_t seed) {
   KvCache cache(shape.layout);
   std::mt19937_64 rng(seed);
@@ -313,11 +313,11 @@ void send_transfers(MpiKvTransport& transport, Mailbox<PrefillOrder>& orders, MP
     // Chunk after chunk, each layer after layer: the order a chunked prefill stores them.
     for (int64_t pos0 = 0; pos0 < shape.n_tokens; pos0 += shape.chunk) {
       for (int64_t layer = 0; layer < shape.layout.n_layers; ++layer)
-        transport.send_rows(kReceiver, id, layer, pos0, shape.chunk, cache, table, 0,
-                            all_kv_heads_of(cache));
+        transfer.send_rows(kReceiver, id, layer, pos0, shape.chunk, cache, table, 0,
+                           all_kv_heads_of(cache));
     }
     report.last_send = MPI_Wtime();
-    transport.send_handoff(
+    transfer.send_handoff(
         kReceiver, KvHandoff{id, 0, 0, 0, shape.n_tokens * shape.layout.n_layers, std::nullopt});
     report.checksum = kv_rows_checksum(shape.layout, cache.data(), table, 0, shape.n_tokens);
     send_value(pair, kPairReceiver, report);
@@ -333,7 +333,7 @@ struct TransferTimes {
   bool kv_equal = true;
 };
 
-// The transport's own copies, without MPI or threads: every message of a
+// The transfer's own copies, without MPI or threads: every message of a
 // transfer packed out of one cache and unpacked into another through one
 // buffer.
 void time_copies(const Shape& shape, int reps, uint64_t seed, TransferTimes& times) {
@@ -361,9 +361,9 @@ void time_copies(const Shape& shape, int reps, uint64_t seed, TransferTimes& tim
   times.unpack = median(unpack);
 }
 
-TransferTimes receive_transfers(MpiKvTransport& transport, Mailbox<Arrival>& arrivals,
-                                MPI_Comm pair, const Shape& shape, int reps, uint64_t seed,
-                                const ClockSync& sync, uint64_t& next_id) {
+TransferTimes receive_transfers(MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
+                                const Shape& shape, int reps, uint64_t seed, const ClockSync& sync,
+                                uint64_t& next_id) {
   KvCache cache(shape.layout);
   std::mt19937_64 rng(seed * 31 + 7);  // other block tables than the sender's
   PrefillOrder order;
@@ -376,9 +376,9 @@ TransferTimes receive_transfers(MpiKvTransport& transport, Mailbox<Arrival>& arr
     order.request.id = RequestId{next_id++};
     barrier_quietly(pair);
     const double start = MPI_Wtime();
-    transport.start_import(kSender, order,
-                           whole_import_plan(kSender, order, cache, table,
-                                             KvTransport::Clock::now() + kTransferTimeout));
+    transfer.start_import(kSender, order,
+                          whole_import_plan(kSender, order, cache, table,
+                                            KvTransfer::Clock::now() + kTransferTimeout));
     const Arrival arrival = arrivals.take();
     DUET_REQUIRE(arrival.handoff, "KV transfer failed: {}", arrival.error);
     const auto report = receive_value<TransferReport>(pair, kPairSender);
@@ -459,9 +459,8 @@ EngineConfig engine_config(const Shape& shape) {
 // machine), then the disaggregated one. Separate engines for the local and
 // the disaggregated runs, and a fresh random prompt per rep, keep the prefix
 // cache out of every measurement.
-void serve_prefills(const LlamaModel& model, MpiKvTransport& transport,
-                    Mailbox<PrefillOrder>& orders, MPI_Comm pair, const Shape& shape,
-                    const Args& args) {
+void serve_prefills(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders,
+                    MPI_Comm pair, const Shape& shape, const Args& args) {
   cpu::ThreadPool pool(args.threads);
   const cpu::KernelTable& kernels = cpu::kernel_table(cpu::best_isa());
   Engine local(model, kernels, pool, engine_config(shape));
@@ -483,14 +482,14 @@ void serve_prefills(const LlamaModel& model, MpiKvTransport& transport,
     sink.layer = [&](SequenceId, int64_t layer, int64_t pos0, int64_t n,
                      std::span<const int32_t> table, const KvCache& cache) {
       if (layer == shape.layout.n_layers - 1) report.last_layer_at = MPI_Wtime();
-      transport.send_rows(kReceiver, id, layer, pos0, n, cache, table, 0, all_kv_heads_of(cache));
+      transfer.send_rows(kReceiver, id, layer, pos0, n, cache, table, 0, all_kv_heads_of(cache));
       rows_sent += n;
     };
     sink.done = [&](SequenceId, int32_t first_token, int64_t cached_tokens) {
       report.done_at = MPI_Wtime();
       const auto prefill_ns = static_cast<int64_t>((report.done_at - report.order_at) * 1e9);
-      transport.send_handoff(kReceiver, KvHandoff{id, first_token, cached_tokens, prefill_ns,
-                                                  rows_sent, std::nullopt});
+      transfer.send_handoff(kReceiver, KvHandoff{id, first_token, cached_tokens, prefill_ns,
+                                                 rows_sent, std::nullopt});
       done = true;
     };
     const RequestOptions options{.max_tokens = order.request.max_tokens,
@@ -510,9 +509,9 @@ struct TtftTimes {
   bool tokens_equal = true;
 };
 
-TtftTimes run_decodes(const LlamaModel& model, MpiKvTransport& transport,
-                      Mailbox<Arrival>& arrivals, MPI_Comm pair, const Shape& shape,
-                      const Args& args, const ClockSync& sync, uint64_t& next_id) {
+TtftTimes run_decodes(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals,
+                      MPI_Comm pair, const Shape& shape, const Args& args, const ClockSync& sync,
+                      uint64_t& next_id) {
   cpu::ThreadPool pool(args.threads);
   const cpu::KernelTable& kernels = cpu::kernel_table(cpu::best_isa());
   Engine local(model, kernels, pool, engine_config(shape));
@@ -532,9 +531,9 @@ TtftTimes run_decodes(const LlamaModel& model, MpiKvTransport& transport,
       const InstanceRequest request{
           .id = id, .prompt = prompt, .max_tokens = 1, .sampling = {}, .ignore_eos = true};
       const PrefillOrder order{request, cached_tokens, {}};
-      transport.start_import(kSender, order,
-                             whole_import_plan(kSender, order, decode.cache(), table,
-                                               KvTransport::Clock::now() + kTransferTimeout));
+      transfer.start_import(kSender, order,
+                            whole_import_plan(kSender, order, decode.cache(), table,
+                                              KvTransfer::Clock::now() + kTransferTimeout));
     };
     int32_t token = -1;
     double token_at = 0.0;
@@ -611,8 +610,8 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
                shape.total_wire() / s / 1e9, shape.total_payload() / s / 1e9, 100.0 * raw_s / s);
   };
   row("raw MPI: Isend window -> last Recv", raw_s);
-  row("MpiKvTransport: first send_rows -> on_complete", send_s);
-  row("MpiKvTransport: start_import -> on_complete (with the order's trip)", start_s);
+  row("MpiKvTransfer: first send_rows -> on_complete", send_s);
+  row("MpiKvTransfer: start_import -> on_complete (with the order's trip)", start_s);
   fmt::print(
       "\nstages: rank 1's send_rows loop (pack + queue) {:.3f} ms; without MPI, "
       "pack_kv_rows {:.3f} ms, unpack_kv_rows {:.3f} ms (every message)\n",
@@ -632,14 +631,14 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
                    {"wtime_is_global", sync.wtime_global}};
   json["raw"] = timing_json(raw);
   json["raw"]["gbps_wire"] = shape.total_wire() / raw_s / 1e9;
-  json["transport"] = {{"from_first_send", timing_json(transfer.from_send)},
-                       {"from_start_import", timing_json(transfer.from_start)},
-                       {"send_rows_loop", timing_json(transfer.send_loop)},
-                       {"pack_alone_ms", transfer.pack * 1e3},
-                       {"unpack_alone_ms", transfer.unpack * 1e3},
-                       {"gbps_wire", shape.total_wire() / send_s / 1e9},
-                       {"percent_of_raw", 100.0 * raw_s / send_s},
-                       {"kv_equal", transfer.kv_equal}};
+  json["transfer"] = {{"from_first_send", timing_json(transfer.from_send)},
+                      {"from_start_import", timing_json(transfer.from_start)},
+                      {"send_rows_loop", timing_json(transfer.send_loop)},
+                      {"pack_alone_ms", transfer.pack * 1e3},
+                      {"unpack_alone_ms", transfer.unpack * 1e3},
+                      {"gbps_wire", shape.total_wire() / send_s / 1e9},
+                      {"percent_of_raw", 100.0 * raw_s / send_s},
+                      {"kv_equal", transfer.kv_equal}};
   json["options"] = {{"checksums", args.checksums},
                      {"transfer_poll_us", args.transfer_poll_us},
                      {"max_idle_sleep_us", args.max_idle_sleep_us}};
@@ -678,54 +677,54 @@ void report_ttft(const Shape& shape, const Args& args, const TtftTimes& t, Json&
 
 // ---------------------------------------------------------------- the ranks
 
-int run_sender(const Args& args, MpiKvTransport& transport, MPI_Comm pair) {
+int run_sender(const Args& args, MpiKvTransfer& transfer, MPI_Comm pair) {
   const auto model = args.model.empty() ? nullptr : LlamaModel::load(args.model);
   const Shape shape = make_shape(args, model.get());
   Mailbox<PrefillOrder> orders;
-  KvTransport::Handlers handlers;
+  KvTransfer::Handlers handlers;
   handlers.on_order = [&](int, PrefillOrder order) { orders.post(std::move(order)); };
   handlers.on_cancel = [](int, RequestId id) {
     spdlog::warn("rank 2 withdrew request {}", id.value);
   };
-  transport.set_handlers(std::move(handlers));
+  transfer.set_handlers(std::move(handlers));
 
   sync_clocks(pair, kPairSender);
   bench_raw(pair, kPairSender, shape, args.reps, {});
-  send_transfers(transport, orders, pair, shape, args.reps, args.seed);
-  if (model) serve_prefills(*model, transport, orders, pair, shape, args);
-  transport.set_handlers({});
+  send_transfers(transfer, orders, pair, shape, args.reps, args.seed);
+  if (model) serve_prefills(*model, transfer, orders, pair, shape, args);
+  transfer.set_handlers({});
   return 0;
 }
 
-int run_receiver(const Args& args, MpiKvTransport& transport, MPI_Comm pair) {
+int run_receiver(const Args& args, MpiKvTransfer& transfer, MPI_Comm pair) {
   const auto model = args.model.empty() ? nullptr : LlamaModel::load(args.model);
   const Shape shape = make_shape(args, model.get());
   Mailbox<Arrival> arrivals;
-  KvTransport::Handlers handlers;
+  KvTransfer::Handlers handlers;
   handlers.on_complete = [&](RequestId, const KvHandoff& handoff) {
     arrivals.post(Arrival{MPI_Wtime(), handoff, {}});
   };
   handlers.on_failed = [&](RequestId, const ServeError& error) {
     arrivals.post(Arrival{MPI_Wtime(), std::nullopt, error.message});
   };
-  transport.set_handlers(std::move(handlers));
+  transfer.set_handlers(std::move(handlers));
 
   uint64_t next_id = 1;
   const ClockSync sync = sync_clocks(pair, kPairReceiver);
   const std::vector<double> raw = bench_raw(pair, kPairReceiver, shape, args.reps, sync);
-  const TransferTimes transfer =
-      receive_transfers(transport, arrivals, pair, shape, args.reps, args.seed, sync, next_id);
+  const TransferTimes times =
+      receive_transfers(transfer, arrivals, pair, shape, args.reps, args.seed, sync, next_id);
   Json json;
-  report_transfer(shape, args, sync, raw, transfer, json);
-  bool ok = transfer.kv_equal;
+  report_transfer(shape, args, sync, raw, times, json);
+  bool ok = times.kv_equal;
   if (model) {
     const TtftTimes ttft =
-        run_decodes(*model, transport, arrivals, pair, shape, args, sync, next_id);
+        run_decodes(*model, transfer, arrivals, pair, shape, args, sync, next_id);
     report_ttft(shape, args, ttft, json);
     json["model"] = args.model;
     ok = ok && ttft.tokens_equal;
   }
-  transport.set_handlers({});
+  transfer.set_handlers({});
   if (!args.json.empty()) {
     std::ofstream out(args.json);
     out << json.dump(2) << '\n';
@@ -735,7 +734,7 @@ int run_receiver(const Args& args, MpiKvTransport& transport, MPI_Comm pair) {
 }
 
 // Every rank constructs the same collective objects in the same order (as
-// `duet serve` does): the control channel, the KV transport, then the pair
+// `duet serve` does): the control channel, the KV transfer, then the pair
 // communicator of ranks 1 and 2. Other ranks wait, idle, in close().
 int run(const Args& args) {
   MpiRuntime mpi;
@@ -746,8 +745,8 @@ int run(const Args& args) {
   options.max_idle_sleep = std::chrono::microseconds(args.max_idle_sleep_us);
   options.min_idle_sleep = std::min(options.min_idle_sleep, options.max_idle_sleep);
   ControlChannel channel(mpi, options);
-  std::optional<MpiKvTransport> transport(std::in_place, channel,
-                                          MpiKvTransportOptions{args.checksums});
+  std::optional<MpiKvTransfer> transfer(std::in_place, channel,
+                                        MpiKvTransferOptions{args.checksums});
   const int rank = mpi.rank().value;
   const bool in_pair = rank == kSender || rank == kReceiver;
   MPI_Comm pair = MPI_COMM_NULL;
@@ -755,8 +754,8 @@ int run(const Args& args) {
   int code = 0;
   if (in_pair) {
     try {
-      code = rank == kSender ? run_sender(args, *transport, pair)
-                             : run_receiver(args, *transport, pair);
+      code =
+          rank == kSender ? run_sender(args, *transfer, pair) : run_receiver(args, *transfer, pair);
     } catch (const std::exception& e) {
       // The other rank may wait for this one in MPI: end the whole job.
       std::fprintf(stderr, "duet-kv-transfer-bench: rank %d: %s\n", rank, e.what());
@@ -764,7 +763,7 @@ int run(const Args& args) {
       MPI_Abort(MPI_COMM_WORLD, 2);
     }
   }
-  transport.reset();  // before the channel closes
+  transfer.reset();  // before the channel closes
   if (!channel.close(in_pair ? std::chrono::milliseconds(30'000) : kIdleRankWait) && code == 0)
     code = 1;
   if (pair != MPI_COMM_NULL) MPI_Comm_free(&pair);
@@ -776,7 +775,7 @@ int run(const Args& args) {
 
 int main(int argc, char** argv) {
   duet::Args args;
-  CLI::App app{"KV transfer between two ranks: raw MPI, MpiKvTransport, and the TTFT it adds"};
+  CLI::App app{"KV transfer between two ranks: raw MPI, MpiKvTransfer, and the TTFT it adds"};
   app.add_option("--model", args.model, "GGUF model: its KV layout, and the TTFT part");
   app.add_option("--n-layers", args.n_layers, "KV layout without --model: layers");
   app.add_option("--kv-heads", args.n_kv_heads, "KV layout without --model: KV heads");
@@ -786,7 +785,7 @@ int main(int argc, char** argv) {
   app.add_option("--reps", args.reps, "measured repetitions")->check(CLI::PositiveNumber);
   app.add_option("--threads", args.threads, "compute threads")->check(CLI::Range(1, 1024));
   app.add_option("--seed", args.seed, "random KV, block tables and prompts");
-  app.add_flag("--checksums", args.checksums, "the transport checksums every rows message");
+  app.add_flag("--checksums", args.checksums, "the transfer checksums every rows message");
   app.add_option("--transfer-poll-us", args.transfer_poll_us)->check(CLI::NonNegativeNumber);
   app.add_option("--max-idle-sleep-us", args.max_idle_sleep_us)->check(CLI::PositiveNumber);
   app.add_option("--json", args.json, "also write the results here (rank 2)");

@@ -10,10 +10,10 @@
 # Why: under a plain `mpirun -np 3` the ranks share a host name and Open MPI
 # moves the KV through shared memory, which no two hosts of a cluster do.
 # Here every message goes through the kernel's TCP stack and a veth, as
-# between hosts, so raw MPI and MpiKvTransport (and with --model the TTFT a
+# between hosts, so raw MPI and MpiKvTransfer (and with --model the TTFT a
 # transfer adds) are compared over a network path. A veth is not a NIC: no
 # wire, no link speed; what it measures is the cost of TCP and of the
-# transport on top of it. After the bench, the bytes host c's veth received
+# transfer on top of it. After the bench, the bytes host c's veth received
 # show that the KV crossed it.
 #
 # Usage (as root, from anywhere; relative paths are the caller's):

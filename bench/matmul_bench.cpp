@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"

@@ -27,7 +27,7 @@
 #include <utility>  // before Asio (GCC 12)
 
 #include "common/duet.capnp.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/tokenizer_gguf.h"
 #include "coordinator/http_server.h"
 #include "coordinator/rpc_server.h"
 #include "coordinator/service.h"

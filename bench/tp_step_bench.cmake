@@ -4,7 +4,7 @@
 # Its smoke run (label `mpi`, TP=2, a few tiny steps) is skipped (exit 77)
 # without the default model.
 add_executable(duet-tp-step-bench ${CMAKE_CURRENT_LIST_DIR}/tp_step_bench.cpp)
-target_link_libraries(duet-tp-step-bench PRIVATE duet_worker duet_collective_mpi CLI11::CLI11
+target_link_libraries(duet-tp-step-bench PRIVATE duet_worker duet_parallel_mpi CLI11::CLI11
   nlohmann_json::nlohmann_json duet_warnings)
 
 set(DUET_TP_BENCH_MODEL ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf)

@@ -5,9 +5,9 @@
 //      tokens, each sequence starting elsewhere in it), one sequence per run;
 //   2. runs --warmup untimed decode steps, then S timed ones: one token per
 //      sequence per step (the argmax of its previous logits), one
-//      LlamaForward::run each, logits for every row.
+//      CpuForward::run each, logits for every row.
 // The leader prints the median and p90 step latency, tokens/s (B / median),
-// the share of the step spent in collectives (LlamaForward::collective_time's
+// the share of the step spent in collectives (CpuForward::collective_time's
 // delta over the step's wall time, median over steps; the leader's, then every
 // rank's: it includes waiting for a slower rank), and the bytes the
 // collectives gather into each rank per step: per layer O's and down's whole
@@ -38,10 +38,10 @@
 #include "common/error.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
-#include "worker/llama_forward.h"
-#include "worker/mpi_collective.h"
+#include "worker/model/cpu_forward.h"
+#include "worker/parallel/mpi_collective.h"
 
 namespace duet {
 namespace {
@@ -94,7 +94,7 @@ Result run_bench(const Args& args, const LlamaModel& model, Collective* collecti
   }
 
   cpu::ThreadPool pool(args.threads);
-  LlamaForward forward(model, cpu::kernel_table(cpu::isa_from_environment()), pool, collective);
+  CpuForward forward(model, cpu::kernel_table(cpu::isa_from_environment()), pool, collective);
   const std::vector<int32_t> text = tokenizer_from_gguf(model.file()).encode(kText, false, false);
   DUET_ASSERT(!text.empty());
 
@@ -120,11 +120,11 @@ Result run_bench(const Args& args, const LlamaModel& model, Collective* collecti
     for (int64_t s = 0; s < b; ++s)
       seqs[static_cast<size_t>(s)] = {tables[static_cast<size_t>(s)], args.context + step, 1,
                                       args.context};  // generated: the one-token order
-    const LlamaForward::CollectiveTime before = forward.collective_time();
+    const CpuForward::CollectiveTime before = forward.collective_time();
     const auto start = Clock::now();
     forward.run(next, seqs, cache, rows, logits.data());
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    const LlamaForward::CollectiveTime after = forward.collective_time();
+    const CpuForward::CollectiveTime after = forward.collective_time();
     if (step >= args.warmup) {
       result.step_ms.push_back(seconds * 1e3);
       result.collective.push_back((after.seconds - before.seconds) / seconds);

@@ -63,7 +63,7 @@ struct InstanceRequest {
   int64_t max_tokens = 128;
   SamplingParams sampling;
   bool ignore_eos = false;  // generate exactly max_tokens tokens (benchmarks)
-  // Disaggregated serving: the transport address (MPI rank) of the prefill
+  // Disaggregated serving: the transfer address (MPI rank) of the prefill
   // instance that computes the prompt's KV for the decode instance that gets
   // this request; -1 when the instance computes the prompt itself.
   int32_t prefill_peer = -1;
@@ -116,7 +116,7 @@ struct InstanceInfo {
 
 // ---------------------------------------------------------------- between instances
 // Disaggregated serving: what a decode instance and a prefill instance say
-// to each other (beside the KV rows themselves; worker/kv_transport.h).
+// to each other (beside the KV rows themselves; worker/transfer/kv_transfer.h).
 
 // Decode -> prefill: compute this prompt and ship its KV rows of positions
 // >= send_from (the decode side holds the rest in its prefix cache).
@@ -124,7 +124,7 @@ struct PrefillOrder {
   InstanceRequest request;
   int64_t send_from = 0;
   // The decode instance's ranks, leader first: each gets the KV heads its
-  // shard holds (worker/tp_shard.h kv_peers) straight from the prefill rank
+  // shard holds (worker/model/tp_shard.h kv_peers) straight from the prefill rank
   // holding them. Empty: the order's sender alone (tp 1).
   std::vector<int32_t> decode_ranks;
 };

@@ -45,7 +45,7 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/unicode.h"
+#include "common/text/unicode.h"
 #include "coordinator/http_server.h"
 #include "coordinator/openai_api.h"
 

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "common/error.h"
-#include "common/unicode.h"
+#include "common/text/unicode.h"
 #include "coordinator/openai_api.h"
 
 namespace duet::openai {

@@ -26,8 +26,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/cluster_spec.h"
-#include "common/control_messages.h"
+#include "common/cluster/cluster_spec.h"
+#include "common/cluster/control_messages.h"
 #include "common/mpi/control_channel.h"
 #include "common/serving.h"
 

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "common/error.h"
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 
 namespace duet {
 

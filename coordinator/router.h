@@ -32,7 +32,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common/cluster_spec.h"
+#include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
 
 namespace duet {
@@ -88,7 +88,7 @@ std::unique_ptr<RoutingPolicy> make_routing_policy(ClusterMode mode);
 struct RoutedInstance {
   InstanceClient* client = nullptr;
   InstanceRole role = InstanceRole::kBoth;
-  int32_t peer = -1;  // its transport address (leader's MPI rank), for prefill instances
+  int32_t peer = -1;  // its transfer address (leader's MPI rank), for prefill instances
 };
 
 class RoutedInstances final : public InstanceClient {

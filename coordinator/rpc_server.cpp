@@ -13,7 +13,7 @@
 
 #include "common/duet.capnp.h"
 #include "common/error.h"
-#include "common/unicode.h"
+#include "common/text/unicode.h"
 #include "coordinator/rpc_convert.h"
 #include "coordinator/rpc_streams.h"
 

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "common/error.h"
-#include "common/unicode.h"
+#include "common/text/unicode.h"
 
 namespace duet {
 

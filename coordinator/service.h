@@ -27,10 +27,10 @@
 #include <variant>
 #include <vector>
 
-#include "common/chat_template.h"
 #include "common/serving.h"
-#include "common/stop_matcher.h"
-#include "common/tokenizer.h"
+#include "common/text/chat_template.h"
+#include "common/text/stop_matcher.h"
+#include "common/text/tokenizer.h"
 #include "coordinator/metrics.h"
 
 namespace duet {

@@ -11,9 +11,9 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "common/chat_template.h"
 #include "common/error.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "tools/generate_command.h"
 #include "tools/memory_size.h"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "common/error.h"
-#include "worker/model_forward.h"
+#include "worker/model/model_forward.h"
 
 namespace duet::tools {
 

@@ -8,11 +8,11 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "common/chat_template.h"
 #include "common/error.h"
 #include "common/sampling.h"
-#include "common/stop_matcher.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/chat_template.h"
+#include "common/text/stop_matcher.h"
+#include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "tools/device_option.h"
 #include "worker/generator.h"

@@ -27,7 +27,7 @@ struct GenerateArgs {
   int32_t repeat_last_n = 64;
   float frequency_penalty = 0.0f;
   float presence_penalty = 0.0f;
-  std::vector<std::string> stop;  // stop strings, not printed (see common/stop_matcher.h)
+  std::vector<std::string> stop;  // stop strings, not printed (see common/text/stop_matcher.h)
   int threads = 0;                // 0: all hardware threads
   std::string device = "cpu";     // cpu, cuda or cuda:N
   bool no_kv_cache = false;

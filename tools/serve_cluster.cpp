@@ -29,21 +29,21 @@
 #include <optional>
 
 #include "common/error.h"
-#include "common/kv_link.h"
 #include "common/mpi/control_channel.h"
 #include "common/mpi/control_handshake.h"
 #include "common/mpi/mpi_runtime.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/tokenizer_gguf.h"
 #include "coordinator/remote_instance.h"
 #include "coordinator/router.h"
 #include "kernels/cpu/isa.h"
 #include "tools/serve_command.h"
-#include "worker/device_kv_setup.h"
 #include "worker/instance_server.h"
-#include "worker/model_forward.h"
-#include "worker/mpi_collective.h"
-#include "worker/mpi_kv_transport.h"
+#include "worker/model/model_forward.h"
+#include "worker/parallel/mpi_collective.h"
 #include "worker/tensor_parallel.h"
+#include "worker/transfer/kv_link.h"
+#include "worker/transfer/kv_link_setup.h"
+#include "worker/transfer/mpi_kv_transfer.h"
 
 namespace duet::tools {
 namespace {
@@ -75,7 +75,7 @@ ClusterSpec serving_spec(const ClusterFlags& flags, int world_size, const std::s
   return spec;
 }
 
-// The ranks of every instance by its leader, for the KV transport.
+// The ranks of every instance by its leader, for the KV transfer.
 std::map<int, std::vector<int32_t>> ranks_by_leader(const ClusterSpec& spec) {
   std::map<int, std::vector<int32_t>> ranks;
   for (const InstanceSpec& instance : spec.instances) {
@@ -138,10 +138,10 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   return 0;
 }
 
-void log_transport(const InstanceSpec& self, Rank rank, const MpiKvTransport& transport) {
-  const MpiKvTransport::Counters c = transport.counters();
+void log_transfer(const InstanceSpec& self, Rank rank, const MpiKvTransfer& transfer) {
+  const MpiKvTransfer::Counters c = transfer.counters();
   spdlog::info(
-      "instance {} (rank {}): kv transport: {} messages ({} bytes) sent, {} ({} bytes) "
+      "instance {} (rank {}): kv transfer: {} messages ({} bytes) sent, {} ({} bytes) "
       "received, {} rows messages dropped, {} imports completed, {} failed",
       self.id, rank.value, c.messages_sent, c.bytes_sent, c.messages_received, c.bytes_received,
       c.rows_dropped, c.imports_completed, c.imports_failed);
@@ -236,7 +236,7 @@ void lead_instance(ControlChannel& channel, Collective& collective,
                channel.rank().value, reason, stats.steps, stats.generated_tokens);
 }
 
-int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collective& collective,
+int serve_instance(ControlChannel& channel, MpiKvTransfer& transfer, Collective& collective,
                    const ClusterSpec& spec, std::span<const RankPlacement> placements,
                    const ServeArgs& args, int device) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
@@ -252,7 +252,7 @@ int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collectiv
     cpu::ThreadPool pool(serve::compute_threads(args));
     PeerLinks peers;
     if (self.role != InstanceRole::kBoth) {
-      peers.transport = &transport;
+      peers.transfer = &transfer;
       peers.transfer_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(args.kv_transfer_timeout_s * 1000.0));
       for (Rank rank : self.ranks) peers.own_ranks.push_back(rank.value);
@@ -265,9 +265,9 @@ int serve_instance(ControlChannel& channel, MpiKvTransport& transport, Collectiv
       spdlog::info("instance {} (rank {}): tensor-parallel follower {} of {}", self.id,
                    channel.rank().value, collective.rank(), self.tp);
       run_tp_follower(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, collective,
-                      config.n_kv_blocks, peers.transport, {device, shard.device_collective.get()});
+                      config.n_kv_blocks, peers.transfer, {device, shard.device_collective.get()});
     }
-    if (peers.transport != nullptr) log_transport(self, channel.rank(), transport);
+    if (peers.transfer != nullptr) log_transfer(self, channel.rank(), transfer);
   }  // the engine has stopped: nothing sends any more
   return channel.close(kCloseTimeout) ? 0 : 1;
 }
@@ -282,14 +282,14 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
   try {
     const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size(), args.model);
     ControlChannel channel(mpi);
-    // Where every rank runs, and the device channels of its GPU pairs (both
-    // collective over the world, as the transport's communicator is).
+    // Where every rank runs, and the device links of its GPU pairs (both
+    // collective over the world, as the transfer's communicator is).
     const RankPlacement placement = own_placement(mpi, spec, args.device);
     const std::vector<RankPlacement> placements = gather_placements(mpi, placement);
-    std::optional<MpiKvTransport> transport;  // every rank: its communicator is collective
-    transport.emplace(
-        channel, MpiKvTransportOptions{args.kv_checksums},
-        make_device_kv_channel(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
+    std::optional<MpiKvTransfer> transfer;  // every rank: its communicator is collective
+    transfer.emplace(
+        channel, MpiKvTransferOptions{args.kv_checksums},
+        make_device_kv_links(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
     // Every rank too (MPI_Comm_split); the coordinator's is empty.
     const InstanceSpec* own = spec.instance_of(mpi.rank());
     MpiCollective collective(
@@ -302,13 +302,13 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
         instance_handshake(channel, spec);
       }
     } catch (const Error&) {
-      transport.reset();
+      transfer.reset();
       channel.close(10s);  // so that the verdict reaches every rank
       throw;
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(channel, *transport, collective, spec, placements, args,
+                         : serve_instance(channel, *transfer, collective, spec, placements, args,
                                           placement.device);
     spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
     return code;

@@ -13,11 +13,11 @@
 #include <optional>
 #include <thread>
 
-#include "common/chat_template.h"
 #include "common/error.h"
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 #include "common/mpi/mpi_runtime.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer_gguf.h"
 #include "coordinator/http_server.h"
 #include "coordinator/rpc_server.h"
 #include "coordinator/service.h"
@@ -81,7 +81,7 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::Range(size_t{1024}, size_t{1} << 30))
       ->capture_default_str();
 
-  // The cluster (under mpirun; see common/cluster_spec.h for the layout).
+  // The cluster (under mpirun; see common/cluster/cluster_spec.h for the layout).
   const char* group = "Cluster (mpirun -np N duet serve ...)";
   cmd->add_option("--mode", args.cluster.mode,
                   "disaggregated (default: prefill and decode instances) or colocated "

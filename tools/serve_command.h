@@ -13,12 +13,12 @@
 #include <optional>
 #include <string>
 
-#include "common/chat_template.h"
-#include "common/cluster_spec.h"
-#include "common/gguf.h"
+#include "common/cluster/cluster_spec.h"
+#include "common/model/gguf.h"
+#include "common/text/chat_template.h"
 #include "coordinator/service.h"
 #include "worker/engine.h"
-#include "worker/llama_model.h"
+#include "worker/model/llama_model.h"
 
 namespace duet::tools {
 

@@ -12,15 +12,15 @@
 //
 // Disaggregated serving splits a request over two engines. The prefill
 // engine runs submit_export: it computes the prompt, hands each layer's new
-// KV rows to an ExportSink as soon as the layer is stored (the transport
+// KV rows to an ExportSink as soon as the layer is stored (the transfer
 // copies them out while the layers above run), samples the first token and
 // ends the sequence. The decode engine runs submit_import: it reserves the
 // prompt's blocks (first come first served, when they are free), says so
-// through ImportHooks::reserved (the transport then asks the prefill side and
+// through ImportHooks::reserved (the transfer then asks the prefill side and
 // writes the rows into those blocks), and on complete_import(first token)
 // the sequence joins the running batch exactly where a single engine would
 // be after its prefill step. Blocks that a transfer may still write are only
-// freed by release_import, after the transport said it stopped writing.
+// freed by release_import, after the transfer said it stopped writing.
 #pragma once
 
 #include <cstdint>
@@ -33,12 +33,12 @@
 #include "common/sampling.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
-#include "worker/block_pool.h"
 #include "worker/generator.h"
-#include "worker/kv_cache.h"
-#include "worker/kv_cache_manager.h"
-#include "worker/kv_rows.h"
-#include "worker/model_forward.h"
+#include "worker/kv/block_pool.h"
+#include "worker/kv/kv_cache.h"
+#include "worker/kv/kv_cache_manager.h"
+#include "worker/kv/kv_rows.h"
+#include "worker/model/model_forward.h"
 #include "worker/scheduler.h"
 
 namespace duet {
@@ -131,7 +131,7 @@ class Engine final {
   // (outlives the engine); the followers must run every batch too (see
   // set_before_forward). config.device >= 0 runs the forward pass on that
   // GPU (throws kUnsupported where there is none); its KV cache then lives
-  // in device memory and cache() is the transports' staging copy.
+  // in device memory and cache() is the transfers' staging copy.
   Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
          EngineConfig config, Collective* collective = nullptr,
          DeviceCollective* device_collective = nullptr);
@@ -167,7 +167,7 @@ class Engine final {
   // without a sink event (its owner reports why). Unknown ids are ignored.
   void release_import(SequenceId id);
   // The KV memory (on a GPU engine, the host staging copy, synchronized for
-  // exported and imported rows). A transport writes imported rows into it
+  // exported and imported rows). A transfer writes imported rows into it
   // from its own thread, only into the blocks of a reserved import, and only
   // until the import completes or is released.
   KvCache& cache() { return cache_; }
@@ -185,7 +185,7 @@ class Engine final {
   // ids are ignored.
   void cancel(SequenceId id);
 
-  // The checksum (worker/kv_rows.h kv_rows_checksum) of a live sequence's KV
+  // The checksum (worker/kv/kv_rows.h kv_rows_checksum) of a live sequence's KV
   // rows [0, n): to compare a transferred cache with a computed one.
   uint64_t kv_checksum(SequenceId id, int64_t n);
 

@@ -14,8 +14,8 @@
 #include "common/sampling.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
-#include "worker/llama_model.h"
-#include "worker/model_forward.h"
+#include "worker/model/llama_model.h"
+#include "worker/model/model_forward.h"
 
 namespace duet {
 
@@ -23,7 +23,7 @@ class Engine;
 
 // A plain value. Stop strings are not here: the generator works on token ids,
 // and the caller that detokenizes (a CLI, a server) matches them and returns
-// false from on_token (see common/stop_matcher.h).
+// false from on_token (see common/text/stop_matcher.h).
 struct GenerateOptions {
   int64_t max_tokens = 128;
   SamplingParams sampling;  // temperature, seed, top-k/p, min-p, penalties

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common/cluster_spec.h"
+#include "common/cluster/cluster_spec.h"
 #include "common/mpi/control_channel.h"
 #include "worker/local_instance.h"
 

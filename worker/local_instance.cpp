@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "common/error.h"
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 
 namespace duet {
 namespace {
@@ -38,8 +38,8 @@ LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& ke
   publish_stats();
   if (tp_ != nullptr)
     engine_.set_before_forward([this](const ForwardBatch& batch) { mirror_step(batch); });
-  if (peers_.transport != nullptr) {
-    KvTransport::Handlers handlers;
+  if (peers_.transfer != nullptr) {
+    KvTransfer::Handlers handlers;
     handlers.on_order = [this](int peer, PrefillOrder order) {
       post(Order{peer, std::move(order)});
     };
@@ -51,13 +51,13 @@ LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& ke
       post(ImportFailed{id, error});
     };
     handlers.on_released = [this](RequestId id) { post(Released{id}); };
-    peers_.transport->set_handlers(std::move(handlers));
+    peers_.transfer->set_handlers(std::move(handlers));
   }
   thread_ = std::thread([this] { run(); });
 }
 
 LocalInstance::~LocalInstance() {
-  if (peers_.transport != nullptr) peers_.transport->set_handlers({});
+  if (peers_.transfer != nullptr) peers_.transfer->set_handlers({});
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
@@ -65,7 +65,7 @@ LocalInstance::~LocalInstance() {
   wake_.notify_one();
   thread_.join();
   // Rows still on their way must not land in the engine's cache once it is gone.
-  if (peers_.transport != nullptr) peers_.transport->forget_imports(engine_.cache());
+  if (peers_.transfer != nullptr) peers_.transfer->forget_imports(engine_.cache());
 }
 
 void LocalInstance::set_event_handler(EventHandler handler) {
@@ -102,11 +102,11 @@ void LocalInstance::apply(Command& command) {
     auto it = sequences_.find(*id);
     if (it == sequences_.end()) return;
     const SequenceId sid = it->second;
-    // An import in transfer keeps its blocks until the transport lets go.
+    // An import in transfer keeps its blocks until the transfer lets go.
     if (engine_.import_reserved(sid)) {
       spdlog::info(
           "instance: request {} cancelled before its KV arrived; its blocks wait for "
-          "the transport",
+          "the transfer",
           id->value);
       releasing_.emplace(*id, sid);
     }
@@ -181,8 +181,8 @@ void LocalInstance::apply_submit(InstanceRequest& request) {
   try {
     SequenceId sid;
     if (request.prefill_peer >= 0) {
-      DUET_REQUIRE(peers_.transport != nullptr,
-                   "request {} names prefill rank {}, but this instance has no KV transport",
+      DUET_REQUIRE(peers_.transfer != nullptr,
+                   "request {} names prefill rank {}, but this instance has no KV transfer",
                    rid.value, request.prefill_peer);
       ImportHooks hooks;
       hooks.reserved = [this, request](SequenceId, int64_t cached,
@@ -200,17 +200,17 @@ void LocalInstance::apply_submit(InstanceRequest& request) {
           import.prefill_ranks = it->second;
         // The followers know where their rows go before the order leaves.
         if (tp_ != nullptr) tp_->expect_import(import);
-        peers_.transport->start_import(request.prefill_peer, order,
-                                       tp_import_plan(import, model_, engine_.cache()));
+        peers_.transfer->start_import(request.prefill_peer, order,
+                                      tp_import_plan(import, model_, engine_.cache()));
       };
-      hooks.abort = [this, rid](SequenceId) { peers_.transport->abort_import(rid); };
+      hooks.abort = [this, rid](SequenceId) { peers_.transfer->abort_import(rid); };
       // Rows from GPUs with a device link land in the device pool directly.
       std::vector<int32_t> sources = {request.prefill_peer};
       if (auto it = peers_.instance_ranks.find(request.prefill_peer);
           it != peers_.instance_ranks.end())
         sources = it->second;
       hooks.device_rows = std::all_of(sources.begin(), sources.end(), [this](int32_t rank) {
-        return peers_.transport->device_link(rank);
+        return peers_.transfer->device_link(rank);
       });
       std::vector<int32_t> prompt = request.prompt;
       sid = engine_.submit_import(std::move(prompt), options, on_token, std::move(hooks));
@@ -263,14 +263,14 @@ void LocalInstance::apply_order(Order& order) {
   sink.layer = [this, rid](SequenceId, int64_t layer, int64_t pos0, int64_t n,
                            std::span<const int32_t> block_table, const KvCache& cache) {
     Export& exported = exports_.at(rid);
-    tp_send_rows(*peers_.transport, model_, rid, layer, pos0, n, exported.decode_ranks, cache,
+    tp_send_rows(*peers_.transfer, model_, rid, layer, pos0, n, exported.decode_ranks, cache,
                  block_table);
     exported.rows_sent += n;
   };
   sink.done = [this, peer, rid](SequenceId, int32_t first_token, int64_t cached_tokens) {
     auto it = exports_.find(rid);
     const auto prefill = std::chrono::steady_clock::now() - it->second.admitted_at;
-    peers_.transport->send_handoff(
+    peers_.transfer->send_handoff(
         peer, KvHandoff{rid, first_token, cached_tokens,
                         std::chrono::duration_cast<std::chrono::nanoseconds>(prefill).count(),
                         it->second.rows_sent, std::nullopt});
@@ -278,7 +278,7 @@ void LocalInstance::apply_order(Order& order) {
   };
   // Rows for GPUs with a device link leave from the device pool directly.
   sink.device_rows = std::all_of(decode_ranks.begin(), decode_ranks.end(), [this](int32_t rank) {
-    return peers_.transport->device_link(rank);
+    return peers_.transfer->device_link(rank);
   });
   auto on_admitted = [this, rid](SequenceId, int64_t) {
     exports_.at(rid).admitted_at = std::chrono::steady_clock::now();
@@ -289,7 +289,7 @@ void LocalInstance::apply_order(Order& order) {
     exports_.emplace(
         rid, Export{sid, peer, std::move(decode_ranks), std::chrono::steady_clock::now(), 0});
   } catch (const std::exception& e) {
-    peers_.transport->send_handoff(
+    peers_.transfer->send_handoff(
         peer, KvHandoff{rid, -1, 0, 0, 0,
                         ServeError{ServeErrorKind::kInvalidArgument,
                                    std::string("prefill refused the prompt: ") + e.what()}});
@@ -344,7 +344,7 @@ void LocalInstance::run() {
       std::vector<InstanceEvent> failed = std::move(events_);
       events_.clear();
       for (const auto& [rid, exported] : exports_) {
-        peers_.transport->send_handoff(
+        peers_.transfer->send_handoff(
             exported.peer,
             KvHandoff{rid, -1, 0, 0, 0, ServeError{ServeErrorKind::kInternal, e_what}});
         live.push_back(exported.sequence);

@@ -9,12 +9,12 @@
 // condition variable (no CPU while idle).
 //
 // In a disaggregated cluster the instance also speaks to its peers through a
-// KvTransport (worker/kv_transport.h). A decode instance imports the prompt
+// KvTransfer (worker/transfer/kv_transfer.h). A decode instance imports the prompt
 // of every request that names a prefill peer (it reserves the blocks, the
-// transport fetches the rows) and reports all of the request's events,
+// transfer fetches the rows) and reports all of the request's events,
 // admission included, so the coordinator follows one instance per request.
 // A prefill instance takes PrefillOrders from its decode peers and exports
-// the prompts' KV; it reports no events of its own. The transport's handlers
+// the prompts' KV; it reports no events of its own. The transfer's handlers
 // only queue commands: every engine call stays on the engine thread.
 //
 // With tensor parallelism this is the leader's side: a TpLeader mirrors
@@ -35,14 +35,14 @@
 
 #include "common/serving.h"
 #include "worker/engine.h"
-#include "worker/kv_transport.h"
 #include "worker/tensor_parallel.h"
+#include "worker/transfer/kv_transfer.h"
 
 namespace duet {
 
 // How an instance takes part in disaggregated serving.
 struct PeerLinks {
-  KvTransport* transport = nullptr;  // outlives the instance; none: no peers
+  KvTransfer* transfer = nullptr;  // outlives the instance; none: no peers
   // The longest a decode instance waits for a prompt's KV, from the moment
   // its blocks are reserved (the prefill side's queue included).
   std::chrono::milliseconds transfer_timeout{120'000};
@@ -56,7 +56,7 @@ struct PeerLinks {
 class LocalInstance final : public InstanceClient {
  public:
   // `model`, `kernels` and `pool` outlive the instance. The thread starts at
-  // once; events go nowhere until set_event_handler. With a transport in
+  // once; events go nowhere until set_event_handler. With a transfer in
   // `peers`, installs its handlers (removed by the destructor).
   // `tp`: this instance's followers when the model is a shard (outlives the instance).
   LocalInstance(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
@@ -82,7 +82,7 @@ class LocalInstance final : public InstanceClient {
   InstanceStats stats() const override;
 
  private:
-  // From the transport (the peers' side of a transfer).
+  // From the transfer (the peers' side of a transfer).
   struct Order {
     int peer = 0;
     PrefillOrder order;
@@ -101,7 +101,7 @@ class LocalInstance final : public InstanceClient {
   struct Released {
     RequestId id;
   };
-  // submit, cancel, then the transport's.
+  // submit, cancel, then the transfer's.
   using Command =
       std::variant<InstanceRequest, RequestId, Order, Withdrawn, Imported, ImportFailed, Released>;
   // A prompt this (prefill) instance computes for a decode peer.

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
-#include "worker/token_order.h"
+#include "common/model/token_order.h"
 
 namespace duet {
 

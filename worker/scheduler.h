@@ -24,7 +24,7 @@
 #include <span>
 #include <vector>
 
-#include "worker/kv_cache_manager.h"
+#include "worker/kv/kv_cache_manager.h"
 
 namespace duet {
 
@@ -44,7 +44,7 @@ struct ScheduledChunk {
   std::span<const int32_t> tokens;  // the tokens to compute, valid until the next schedule()
   bool samples = false;             // the chunk ends at the sequence's last token: sample one
   // The sequence's first position computed in the one-token order
-  // (worker/token_order.h): a chunk's rows keep their tokens' roles.
+  // (common/model/token_order.h): a chunk's rows keep their tokens' roles.
   int64_t one_token_from = 0;
 };
 
@@ -97,7 +97,7 @@ class Scheduler final {
     int64_t arrival = 0;          // FCFS order
     std::vector<int32_t> tokens;  // prompt, then generated tokens
     int64_t n_prompt = 0;
-    int64_t one_token_from = 0;  // of n_prompt (worker/token_order.h)
+    int64_t one_token_from = 0;  // of n_prompt (common/model/token_order.h)
     int64_t max_tokens = 0;
     int64_t n_computed = 0;  // tokens whose KV is written
   };

@@ -11,8 +11,8 @@
 #include <type_traits>
 
 #include "common/error.h"
-#include "worker/model_forward.h"
-#include "worker/tp_shard.h"
+#include "worker/model/model_forward.h"
+#include "worker/model/tp_shard.h"
 
 namespace duet {
 namespace {
@@ -90,10 +90,10 @@ TpImport get_import(Reader& r) {
 
 }  // namespace
 
-KvTransport::ImportPlan tp_import_plan(const TpImport& import, const LlamaModel& model,
-                                       KvCache& cache) {
+KvTransfer::ImportPlan tp_import_plan(const TpImport& import, const LlamaModel& model,
+                                      KvCache& cache) {
   const TpShard& shard = model.shard();
-  KvTransport::ImportPlan plan;
+  KvTransfer::ImportPlan plan;
   plan.id = import.id;
   plan.send_from = import.send_from;
   plan.n_prompt = import.n_prompt;
@@ -106,11 +106,11 @@ KvTransport::ImportPlan tp_import_plan(const TpImport& import, const LlamaModel&
   plan.head_offset = shard.kv_head_begin;
   plan.cache = &cache;
   plan.block_table = import.block_table;
-  plan.deadline = KvTransport::Clock::now() + import.timeout;
+  plan.deadline = KvTransfer::Clock::now() + import.timeout;
   return plan;
 }
 
-void tp_send_rows(KvTransport& transport, const LlamaModel& model, RequestId id, int64_t layer,
+void tp_send_rows(KvTransfer& transfer, const LlamaModel& model, RequestId id, int64_t layer,
                   int64_t pos0, int64_t n, std::span<const int32_t> decode_ranks,
                   const KvCache& cache, std::span<const int32_t> block_table) {
   const TpShard& shard = model.shard();
@@ -118,8 +118,8 @@ void tp_send_rows(KvTransport& transport, const LlamaModel& model, RequestId id,
   for (const KvPeer& peer :
        kv_peers(model.config().n_kv_heads, shard.rank, shard.size, decode_size)) {
     const int rank = decode_ranks[static_cast<size_t>(peer.index)];
-    transport.send_rows(rank, id, layer, pos0, n, cache, block_table, shard.kv_head_begin,
-                        KvSource{rank, peer.head_begin, peer.head_end});
+    transfer.send_rows(rank, id, layer, pos0, n, cache, block_table, shard.kv_head_begin,
+                       KvSource{rank, peer.head_begin, peer.head_end});
   }
 }
 
@@ -197,7 +197,7 @@ void TpLeader::stop() {
 
 namespace {
 
-// A follower's imports as its transport reports them (the transport's thread).
+// A follower's imports as its transfer reports them (the transfer's thread).
 class ImportOutcomes {
  public:
   enum class State { kComplete, kFailed, kReleased };
@@ -230,23 +230,23 @@ class ImportOutcomes {
 };
 
 // How long past its own deadline a follower waits for an import's outcome:
-// the transport reports a late import as failed by itself.
+// the transfer reports a late import as failed by itself.
 constexpr auto kOutcomeGrace = std::chrono::seconds(10);
 
 class Follower {
  public:
   Follower(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-           Collective& collective, int64_t n_kv_blocks, KvTransport* transport,
+           Collective& collective, int64_t n_kv_blocks, KvTransfer* transfer,
            const TpFollowerPlacement& placement)
       : model_(model),
         collective_(collective),
-        transport_(transport),
+        transfer_(transfer),
         cache_(model.kv_layout(n_kv_blocks)),
         forward_(make_forward(model, kernels, pool,
                               {placement.device, &collective, placement.device_collective})) {
     cache_.set_device_copy(forward_->device_kv(cache_.layout()));
-    if (transport_ == nullptr) return;
-    KvTransport::Handlers handlers;
+    if (transfer_ == nullptr) return;
+    KvTransfer::Handlers handlers;
     handlers.on_order = [](int peer, const PrefillOrder& order) {
       spdlog::error("tp follower: an order for request {} from rank {}; orders go to leaders",
                     order.request.id.value, peer);
@@ -261,13 +261,13 @@ class Follower {
     handlers.on_released = [this](RequestId id) {
       outcomes_.set(id, ImportOutcomes::State::kReleased);
     };
-    transport_->set_handlers(std::move(handlers));
+    transfer_->set_handlers(std::move(handlers));
   }
 
   ~Follower() {
-    if (transport_ == nullptr) return;
-    transport_->set_handlers({});
-    transport_->forget_imports(cache_);
+    if (transfer_ == nullptr) return;
+    transfer_->set_handlers({});
+    transfer_->forget_imports(cache_);
   }
 
   void run() {
@@ -305,7 +305,7 @@ class Follower {
   // Whether every rank of `ranks` moves rows device to device with this one.
   bool device_links(std::span<const int32_t> ranks) const {
     return std::all_of(ranks.begin(), ranks.end(),
-                       [this](int32_t rank) { return transport_->device_link(rank); });
+                       [this](int32_t rank) { return transfer_->device_link(rank); });
   }
 
   void answer(bool ok) {
@@ -341,14 +341,13 @@ class Follower {
     ModelForward::LayerStored ship;
     if (!exports_.empty()) {
       ship = [this](int64_t layer) {
-        if (transport_ == nullptr) return;
+        if (transfer_ == nullptr) return;
         for (const TpExport& e : exports_) {
           const std::span<const int32_t> table = sequences_[e.sequence].block_table;
           // Rows for ranks without a device link leave from the host copy.
           if (!device_links(e.decode_ranks))
             forward_->kv_to_host(layer, table, e.pos0, e.n, cache_);
-          tp_send_rows(*transport_, model_, e.id, layer, e.pos0, e.n, e.decode_ranks, cache_,
-                       table);
+          tp_send_rows(*transfer_, model_, e.id, layer, e.pos0, e.n, e.decode_ranks, cache_, table);
         }
       };
     }
@@ -362,11 +361,11 @@ class Follower {
   }
 
   void expect(const TpImport& import) {
-    DUET_ASSERT(transport_ != nullptr, "an import on an instance without a transport");
+    DUET_ASSERT(transfer_ != nullptr, "an import on an instance without a transfer");
     imports_[import.id] =
         Import{std::chrono::steady_clock::now() + import.timeout, import.block_table,
                import.send_from, import.n_prompt, device_links(import.prefill_ranks)};
-    transport_->expect_import(tp_import_plan(import, model_, cache_));
+    transfer_->expect_import(tp_import_plan(import, model_, cache_));
     answer(true);
   }
 
@@ -376,7 +375,7 @@ class Follower {
     const auto state = outcomes_.take(id, it->second.deadline + kOutcomeGrace);
     const Import import = std::move(it->second);
     imports_.erase(it);
-    if (!state) spdlog::error("tp follower: request {}: the transport never settled", id.value);
+    if (!state) spdlog::error("tp follower: request {}: the transfer never settled", id.value);
     if (state != ImportOutcomes::State::kComplete) return false;
     // Rows that came through the host staging copy go to the device (GPU only).
     if (!import.device_rows) {
@@ -389,15 +388,15 @@ class Follower {
   void release(RequestId id) {
     auto it = imports_.find(id);
     if (it == imports_.end()) return;  // confirmed already
-    if (!outcomes_.has(id)) transport_->abort_import(id);
-    // Completed, failed or released: the transport writes nothing any more.
+    if (!outcomes_.has(id)) transfer_->abort_import(id);
+    // Completed, failed or released: the transfer writes nothing any more.
     outcomes_.take(id, it->second.deadline + kOutcomeGrace);
     imports_.erase(it);
   }
 
   const LlamaModel& model_;
   Collective& collective_;
-  KvTransport* transport_;
+  KvTransfer* transfer_;
   KvCache cache_;
   std::unique_ptr<ModelForward> forward_;
   ImportOutcomes outcomes_;
@@ -415,8 +414,8 @@ class Follower {
 
 void run_tp_follower(const LlamaModel& model, const cpu::KernelTable& kernels,
                      cpu::ThreadPool& pool, Collective& collective, int64_t n_kv_blocks,
-                     KvTransport* transport, const TpFollowerPlacement& placement) {
-  Follower follower(model, kernels, pool, collective, n_kv_blocks, transport, placement);
+                     KvTransfer* transfer, const TpFollowerPlacement& placement) {
+  Follower follower(model, kernels, pool, collective, n_kv_blocks, transfer, placement);
   follower.run();
 }
 

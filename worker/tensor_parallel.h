@@ -19,7 +19,7 @@
 //            follower stops writing its blocks and answers;
 //   stop     the leader's engine has stopped.
 // Only the leader samples, talks to the coordinator and to other instances'
-// leaders; the KV itself moves rank to rank (worker/kv_transport.h).
+// leaders; the KV itself moves rank to rank (worker/transfer/kv_transfer.h).
 //
 // Thread affinity: TpLeader on the leader's engine thread; run_tp_follower on
 // the follower's main thread, until stop.
@@ -33,11 +33,11 @@
 #include "common/serving.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
-#include "worker/collective.h"
-#include "worker/device_collective.h"
 #include "worker/engine.h"
-#include "worker/kv_transport.h"
-#include "worker/llama_model.h"
+#include "worker/model/llama_model.h"
+#include "worker/parallel/collective.h"
+#include "worker/parallel/device_collective.h"
+#include "worker/transfer/kv_transfer.h"
 
 namespace duet {
 
@@ -61,12 +61,12 @@ struct TpImport {
 };
 
 // The transfer plan of rank `index` of a `size`-rank decode instance.
-KvTransport::ImportPlan tp_import_plan(const TpImport& import, const LlamaModel& model,
-                                       KvCache& cache);
+KvTransfer::ImportPlan tp_import_plan(const TpImport& import, const LlamaModel& model,
+                                      KvCache& cache);
 
 // Ships rows [pos0, pos0 + n) of `layer` of this rank's KV heads to every
 // rank of the decode instance that holds some of them.
-void tp_send_rows(KvTransport& transport, const LlamaModel& model, RequestId id, int64_t layer,
+void tp_send_rows(KvTransfer& transfer, const LlamaModel& model, RequestId id, int64_t layer,
                   int64_t pos0, int64_t n, std::span<const int32_t> decode_ranks,
                   const KvCache& cache, std::span<const int32_t> block_table);
 
@@ -110,11 +110,11 @@ struct TpFollowerPlacement {
 
 // A follower's whole life in the instance: builds its cache (n_kv_blocks,
 // as the leader's) and forward pass, then obeys the leader until stop.
-// `transport` (null when the instance has no peers) is this rank's, its
+// `transfer` (null when the instance has no peers) is this rank's, its
 // handlers taken over for the follower's imports. On a GPU the host cache
 // is the staging copy of the device's, as the leader's engine keeps it.
 void run_tp_follower(const LlamaModel& model, const cpu::KernelTable& kernels,
                      cpu::ThreadPool& pool, Collective& collective, int64_t n_kv_blocks,
-                     KvTransport* transport, const TpFollowerPlacement& placement = {});
+                     KvTransfer* transfer, const TpFollowerPlacement& placement = {});
 
 }  // namespace duet

@@ -1,10 +1,10 @@
-// The control plane's transport: typed messages (common/control_messages.h)
+// The control plane's transport: typed messages (common/cluster/control_messages.h)
 // between the ranks of the MPI job, driven by one communication thread.
 //
 // Contract
 // - Every rank of MPI_COMM_WORLD constructs one ControlChannel (the
 //   constructor duplicates the world communicator, a collective call), so
-//   control traffic never mixes with a KV transport's or a collective's.
+//   control traffic never mixes with a KV transfer's or a collective's.
 // - send(rank, message) from any thread: the message is encoded on the
 //   caller's thread, queued, and the communication thread is woken at once.
 //   Messages from one rank to another arrive in the order they were sent.
@@ -39,13 +39,13 @@
 #include <thread>
 #include <vector>
 
-#include "common/cluster_spec.h"
-#include "common/control_messages.h"
+#include "common/cluster/cluster_spec.h"
+#include "common/cluster/control_messages.h"
 #include "common/mpi/mpi_runtime.h"
 
 namespace duet {
 
-// Another user of the communication thread (the KV transport): one thread per
+// Another user of the communication thread (the KV transfer): one thread per
 // process drives every non-blocking MPI operation, each user on its own
 // communicator.
 class CommEndpoint {

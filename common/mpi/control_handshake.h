@@ -12,8 +12,8 @@
 #include <chrono>
 #include <cstdint>
 
-#include "common/cluster_spec.h"
-#include "common/control_messages.h"
+#include "common/cluster/cluster_spec.h"
+#include "common/cluster/control_messages.h"
 #include "common/mpi/control_channel.h"
 
 namespace duet {

@@ -6,7 +6,7 @@
 // outside mpirun, because Open MPI's singleton init forks a daemon.
 //
 // Thread level: MPI_THREAD_MULTIPLE, checked. The control channel's
-// communication thread, a KV transport and TP collectives may all call MPI
+// communication thread, a KV transfer and TP collectives may all call MPI
 // from their own threads, each on its own communicator.
 //
 // Every MPI call of Duet goes through DUET_MPI_CHECK: MPI_COMM_WORLD (and so
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "common/cluster_spec.h"
+#include "common/cluster/cluster_spec.h"
 
 namespace duet {
 

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <span>
 
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 
@@ -50,7 +50,7 @@ struct AttentionSequence {
   int64_t n_q = 0;   // its query rows
   int64_t row = 0;   // index of its first row in q and out
   // Rows at positions >= this reduce in the one-token order, the others in
-  // the multi-token order (the engine's rule: worker/token_order.h).
+  // the multi-token order (the engine's rule: common/model/token_order.h).
   int64_t one_token_from = kNoOneTokenRows;
 };
 

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "common/fp16.h"
-#include "common/quant_blocks.h"
+#include "common/model/fp16.h"
+#include "common/model/quant_blocks.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/lane_math.h"
 #include "kernels/cpu/quantize.h"

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/fp16.h"
+#include "common/model/fp16.h"
 
 namespace duet::cpu {
 

@@ -16,7 +16,7 @@
 #include <span>
 #include <vector>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 

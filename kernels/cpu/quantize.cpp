@@ -5,8 +5,8 @@
 
 #include "common/error.h"
 #include "common/format.h"
-#include "common/fp16.h"
-#include "common/quant_blocks.h"
+#include "common/model/fp16.h"
+#include "common/model/quant_blocks.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 
 namespace duet::cpu {

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 
 namespace duet::cpu {
 

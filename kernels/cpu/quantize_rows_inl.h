@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/fp16.h"
-#include "common/quant_blocks.h"
+#include "common/model/fp16.h"
+#include "common/model/quant_blocks.h"
 
 namespace duet::cpu {
 namespace {

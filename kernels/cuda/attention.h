@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <span>
 
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/backend.h"
 

@@ -1,6 +1,6 @@
 #include <cuda_fp16.h>
 
-#include "common/quant_blocks.h"
+#include "common/model/quant_blocks.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/ops.h"
 

@@ -1,5 +1,5 @@
 // Packing KV rows out of (and into) the paged cache on the GPU (twins of
-// worker/kv_rows.cpp).
+// worker/kv/kv_rows.cpp).
 //
 // kv_rows_kernel: a copy of W-element vectors (W = 8, 4, 2 or 1 F16 values,
 // the widest that divides head_dim and keeps both pointers aligned; every row

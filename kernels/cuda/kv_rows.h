@@ -1,7 +1,7 @@
-// GPU twins of worker/kv_rows.h's pack_kv_rows / unpack_kv_rows: a
+// GPU twins of worker/kv/kv_rows.h's pack_kv_rows / unpack_kv_rows: a
 // sequence's KV rows out of (and into) the paged cache on the device, in the
 // packed layout KV travels in between instances. Plain C++ (no CUDA headers),
-// so the KV transport can call them without knowing CUDA.
+// so the KV transfer can call them without knowing CUDA.
 //
 // The rows of positions [pos0, pos0 + n) of one layer, packed, are
 //   K then V -> KV head (head_first + [0, head_count)) -> position -> head_dim
@@ -27,7 +27,7 @@
 
 #include <cstdint>
 
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 
 namespace duet::cuda {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "common/quant_blocks.h"
+#include "common/model/quant_blocks.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/matmul.h"
 

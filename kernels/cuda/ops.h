@@ -22,7 +22,7 @@ void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, flo
 // blocks of (n_rows, stride), slice s the columns [s * stride, s * stride +
 // stride) of every row (an all-gather's result, the last slice padded); out
 // (n_rows, n_cols) takes each row's n_cols columns from them. The twin of
-// the loop closing LlamaForward's head.
+// the loop closing CpuForward's head.
 void assemble_slices(const float* slices, int64_t n_slices, int64_t n_rows, int64_t stride,
                      int64_t n_cols, float* out, CudaBackend& backend);
 
@@ -30,7 +30,7 @@ void assemble_slices(const float* slices, int64_t n_slices, int64_t n_rows, int6
 // them: part p, (n_rows, width_p) row-major, starts at slices + p * slot;
 // `begin` holds each part's first column and, last, the total (n_parts + 1
 // entries, at most kMaxParts parts). out (n_rows, total). The twin of
-// duet::assemble_slices (worker/tp_shard.h).
+// duet::assemble_slices (worker/model/tp_shard.h).
 inline constexpr int kMaxParts = 8;
 struct ColumnParts {
   int n_parts = 0;

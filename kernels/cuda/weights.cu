@@ -1,8 +1,8 @@
 #include <cstring>
 #include <vector>
 
-#include "common/fp16.h"
-#include "common/quant_blocks.h"
+#include "common/model/fp16.h"
+#include "common/model/quant_blocks.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/weights.h"

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/backend.h"
 

@@ -4,7 +4,7 @@ over HTTP, open and closed loop, a trace made by `duet-bench make-trace`.
 Checks that every request succeeds and receives exactly the requested number
 of tokens, and that each request's client-side TTFT and E2E agree with the
 server's own timings (the client's are never shorter, and longer only by
-transport and scheduling: at most 50 ms + 20%). Refused requests stay in the
+transfer and scheduling: at most 50 ms + 20%). Refused requests stay in the
 statistics, counted by kind.
 
 Run by ctest (tests/bench/duet_bench_tests.cmake) with DUET_BINARY, DUET_BENCH

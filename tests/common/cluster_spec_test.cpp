@@ -1,6 +1,6 @@
 // The cluster spec: layouts from flags and from JSON, and every refusal of
 // validate() with its message. No MPI.
-#include "common/cluster_spec.h"
+#include "common/cluster/cluster_spec.h"
 
 #include <gtest/gtest.h>
 

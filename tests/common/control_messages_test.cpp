@@ -1,7 +1,7 @@
 // The control messages round-trip common/serving.h's types exactly through
 // their Cap'n Proto form, and bytes that are not a control message are a clear
 // error. No MPI.
-#include "common/control_messages.h"
+#include "common/cluster/control_messages.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // GGUF reader: round trips through an in-test writer, every truncation, seeded byte mutations,
 // one test per kind of corruption, and the real model files when they are present.
-#include "common/gguf.h"
+#include "common/model/gguf.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
-// The choice of KV link per pair of ranks (common/kv_link.h): every case of
+// The choice of KV link per pair of ranks (worker/transfer/kv_link.h): every case of
 // where two ranks run, the NCCL pairs of whole clusters, and the placement
 // record every rank all-gathers at start.
-#include "common/kv_link.h"
+#include "worker/transfer/kv_link.h"
 
 #include <gtest/gtest.h>
 

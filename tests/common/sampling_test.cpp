@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/stop_matcher.h"
+#include "common/text/stop_matcher.h"
 
 namespace duet {
 namespace {

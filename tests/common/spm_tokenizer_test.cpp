@@ -2,7 +2,7 @@
 // merging, byte fallback, the leading space, special tokens and decoding on a
 // hand-built vocabulary, then stories260K's real one against llama.cpp's ids
 // in tests/golden/tokenizer_stories260k.json.
-#include "common/spm_tokenizer.h"
+#include "common/text/spm_tokenizer.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/gguf.h"
-#include "common/tokenizer.h"
-#include "common/tokenizer_gguf.h"
-#include "common/unicode.h"
+#include "common/model/gguf.h"
+#include "common/text/tokenizer.h"
+#include "common/text/tokenizer_gguf.h"
+#include "common/text/unicode.h"
 #include "tests/golden_file.h"
 #include "tests/test_paths.h"
 

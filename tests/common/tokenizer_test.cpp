@@ -2,7 +2,7 @@
 // (merge order, special tokens, decoding, streaming, errors), and the default
 // model's real vocabulary, read from its GGUF file, checked against llama.cpp's
 // ids in tests/golden/tokenizer_smollm2.json.
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 
 #include <gtest/gtest.h>
 
@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/gguf.h"
-#include "common/tokenizer_gguf.h"
-#include "common/unicode.h"
+#include "common/model/gguf.h"
+#include "common/text/tokenizer_gguf.h"
+#include "common/text/unicode.h"
 #include "tests/golden_file.h"
 #include "tests/test_paths.h"
 
@@ -503,7 +503,7 @@ const Tokenizer* default_model_tokenizer() {
   const Tokenizer* var = default_model_tokenizer(); \
   if (!var) GTEST_SKIP() << "default model not found: run launch/setup.sh to fetch it"
 
-// Strict UTF-8 validity, written out independently of common/unicode: no
+// Strict UTF-8 validity, written out independently of common/text/unicode: no
 // overlong forms, no surrogates, nothing above U+10FFFF, no truncated tail.
 bool is_valid_utf8(std::string_view s) {
   size_t i = 0;

@@ -77,7 +77,7 @@ _DUET_LISTENING = re.compile(r"^http listening on (\S+):(\d+)$")
 
 def render_chatml_user_turn(text):
     """One user turn in ChatML with the assistant's turn opened, exactly as
-    Duet's apply_chat_template (common/chat_template.cpp) renders it for
+    Duet's apply_chat_template (common/text/chat_template.cpp) renders it for
     `duet generate --chat`: no default system prompt."""
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -265,7 +265,7 @@ def duet_prompt_ids(host, port, prompts):
     (parse_special off for them) would reveal. add_special=true adds BOS only
     where the model asks for it, as `duet generate` does. For chat prompts the
     count is checked against what Duet's own chat route reports, so a drift of
-    render_chatml_user_turn from common/chat_template.cpp is caught.
+    render_chatml_user_turn from common/text/chat_template.cpp is caught.
     """
     ids = {}
     for p in prompts:

@@ -12,7 +12,7 @@
 #include <mutex>
 #include <thread>
 
-#include "common/tokenizer_gguf.h"
+#include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
 #include "worker/local_instance.h"

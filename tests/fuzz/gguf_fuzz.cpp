@@ -1,4 +1,4 @@
-// libFuzzer target for the GGUF reader (common/gguf.h).
+// libFuzzer target for the GGUF reader (common/model/gguf.h).
 //
 // Each input is a whole file: GgufFile::from_bytes either throws duet::Error (kCorruptFile or
 // kUnsupported, naming the file) or returns a file whose every metadata value and tensor info is
@@ -17,9 +17,9 @@
 #include <string_view>
 #include <vector>
 
-#include "common/dtype.h"
 #include "common/error.h"
-#include "common/gguf.h"
+#include "common/model/dtype.h"
+#include "common/model/gguf.h"
 #include "tests/fuzz/fuzz_check.h"
 
 namespace duet::fuzz {

@@ -120,7 +120,7 @@ void check_error(const ApiError& error, bool utf8, bool is_json) {
                   error.code.c_str());
   DUET_FUZZ_CHECK(!error.type.empty() && !error.code.empty(), "an error without type or code: %s",
                   error.message.c_str());
-  // The UTF-8 check of common/unicode.cpp against the reference one.
+  // The UTF-8 check of common/text/unicode.cpp against the reference one.
   DUET_FUZZ_CHECK((error.code == "invalid_utf8") == !utf8,
                   "code %s for a body whose UTF-8 is %s: %s", error.code.c_str(),
                   utf8 ? "valid" : "invalid", error.message.c_str());

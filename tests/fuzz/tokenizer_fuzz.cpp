@@ -1,4 +1,4 @@
-// libFuzzer target for the tokenizer (common/tokenizer.h) with the default model's vocabulary.
+// libFuzzer target for the tokenizer (common/text/tokenizer.h) with the default model's vocabulary.
 //
 // The tokenizer is built once, from models/SmolLM2-135M-Instruct.Q4_1.gguf (or $DUET_FUZZ_MODEL);
 // without the model the fuzzer exits 77 (ctest's "skipped"). Each input is used twice:
@@ -12,7 +12,7 @@
 //   lookups must throw duet::Error(kInvalidArgument) for an id out of range and work otherwise,
 //   and IncrementalDecoder must reject such an id without losing what it holds.
 // The UTF-8 helpers here are written from the Unicode standard and the header comments, not from
-// common/unicode.cpp, so that they are an independent reference.
+// common/text/unicode.cpp, so that they are an independent reference.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/gguf.h"
-#include "common/tokenizer.h"
-#include "common/tokenizer_gguf.h"
+#include "common/model/gguf.h"
+#include "common/text/tokenizer.h"
+#include "common/text/tokenizer_gguf.h"
 #include "tests/fuzz/fuzz_check.h"
 
 namespace duet::fuzz {

@@ -1,6 +1,6 @@
 // A reference UTF-8 validity check for the fuzz targets, written from the Unicode Standard's
-// Table 3-7 ("Well-Formed UTF-8 Byte Sequences") and independent of common/unicode.cpp, so that a
-// fuzzer can check the code under test against it.
+// Table 3-7 ("Well-Formed UTF-8 Byte Sequences") and independent of common/text/unicode.cpp, so
+// that a fuzzer can check the code under test against it.
 #pragma once
 
 #include <cstddef>

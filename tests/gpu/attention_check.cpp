@@ -13,7 +13,7 @@
 #include <random>
 #include <vector>
 
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"

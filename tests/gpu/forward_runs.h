@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include "worker/model_forward.h"
+#include "worker/model/model_forward.h"
 
 namespace duet::gpu_check {
 

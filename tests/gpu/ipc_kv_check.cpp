@@ -1,5 +1,5 @@
 // A prefill process and a decode process on one GPU, moving a prompt's KV
-// through the real CudaIpcKvChannel (worker/cuda_ipc_kv_channel.h), as two
+// through the real CudaIpcKvLinks (worker/transfer/cuda_ipc_kv_links.h), as two
 // ranks of one host do under mpirun. The check forks both itself (no
 // mpirun); the IPC handles, the rows headers and the acks travel over a
 // socketpair, as they would over MPI.
@@ -36,10 +36,10 @@
 #include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
-#include "worker/cuda_forward.h"
-#include "worker/cuda_ipc_kv_channel.h"
-#include "worker/kv_cache.h"
-#include "worker/llama_model.h"
+#include "worker/kv/kv_cache.h"
+#include "worker/model/cuda_forward.h"
+#include "worker/model/llama_model.h"
+#include "worker/transfer/cuda_ipc_kv_links.h"
 
 namespace duet {
 namespace {
@@ -113,11 +113,11 @@ KvLayout burst_layout() {
 // ---------------------------------------------------------------- the prefill process
 
 int run_prefill(int fd) {
-  CudaIpcKvChannel::Options options;
+  CudaIpcKvLinks::Options options;
   options.send_staging_bytes = size_t{64} << 20;  // the burst waits for acks
-  CudaIpcKvChannel channel(0, true, false, options);
-  channel.add_receiver(kDecodeRank);
-  const std::vector<std::byte> exported = channel.exported();
+  CudaIpcKvLinks links(0, true, false, options);
+  links.add_receiver(kDecodeRank);
+  const std::vector<std::byte> exported = links.exported();
   write_all(fd, exported.data(), exported.size());
 
   // Acks come back while this thread sends: another thread frees the staging.
@@ -127,7 +127,7 @@ int run_prefill(int fd) {
       for (;;) {
         const Message m = read_message(fd);
         if (m.kind != Message::kAck) return;  // kBurstDone: the decode side is finished
-        channel.released(kDecodeRank, m.ticket);
+        links.released(kDecodeRank, m.ticket);
         ++acks;
       }
     } catch (const std::exception& e) {
@@ -158,7 +158,7 @@ int run_prefill(int fd) {
   const int64_t last = n - 1;
   forward.run(prompt, {&whole, 1}, staging, {&last, 1}, nullptr, [&](int64_t layer) {
     const auto ticket =
-        channel.send(kDecodeRank, layout, kv, layer, table, 0, n, all_kv_heads(layout));
+        links.send(kDecodeRank, layout, kv, layer, table, 0, n, all_kv_heads(layout));
     DUET_REQUIRE(ticket.has_value(), "layer {}: the send staging stayed full", layer);
     Message m{Message::kRows, layer, 0, n, *ticket, 0};
     write_all(fd, &m, sizeof m);
@@ -178,7 +178,7 @@ int run_prefill(int fd) {
   const int64_t positions = big.n_blocks * big.block_size;
   for (int i = 0; i < kBurst; ++i) {
     const auto ticket =
-        channel.send(kDecodeRank, big, burst_kv, 0, burst_table, 0, positions, all_kv_heads(big));
+        links.send(kDecodeRank, big, burst_kv, 0, burst_table, 0, positions, all_kv_heads(big));
     DUET_REQUIRE(ticket.has_value(), "burst payload {}: the send staging stayed full", i);
     Message m{Message::kBurstRows, 0, 0, positions, *ticket, 0};
     write_all(fd, &m, sizeof m);
@@ -190,13 +190,13 @@ int run_prefill(int fd) {
 // ---------------------------------------------------------------- the decode process
 
 // Takes the payload of `m` and returns when it is in place; acks it.
-void take(CudaIpcKvChannel& channel, int fd, const Message& m, const KvLayout& layout,
+void take(CudaIpcKvLinks& links, int fd, const Message& m, const KvLayout& layout,
           const DeviceKv& kv, std::span<const int32_t> table) {
-  const uint64_t receipt = channel.receive(kPrefillRank, m.ticket, layout, &kv, table, m.layer,
-                                           m.pos0, m.n, all_kv_heads(layout));
+  const uint64_t receipt = links.receive(kPrefillRank, m.ticket, layout, &kv, table, m.layer,
+                                         m.pos0, m.n, all_kv_heads(layout));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   for (;;) {
-    for (const auto& done : channel.poll()) {
+    for (const auto& done : links.poll()) {
       DUET_REQUIRE(done.receipt == receipt && done.ok, "receipt {} ended badly", done.receipt);
       Message ack{Message::kAck, 0, 0, 0, *done.ack, 0};
       write_all(fd, &ack, sizeof ack);
@@ -207,12 +207,12 @@ void take(CudaIpcKvChannel& channel, int fd, const Message& m, const KvLayout& l
 }
 
 int run_decode(int fd, int result_fd) {
-  std::vector<std::byte> exported(CudaIpcKvChannel::kExportBytes);
+  std::vector<std::byte> exported(CudaIpcKvLinks::kExportBytes);
   read_all(fd, exported.data(), exported.size());
-  CudaIpcKvChannel::Options options;
+  CudaIpcKvLinks::Options options;
   options.receive_staging_bytes = size_t{64} << 20;
-  CudaIpcKvChannel channel(0, false, true, options);
-  channel.add_sender(kPrefillRank, exported);
+  CudaIpcKvLinks links(0, false, true, options);
+  links.add_sender(kPrefillRank, exported);
 
   auto model = LlamaModel::load(model_path());
   CudaForward forward(*model, 0);
@@ -229,7 +229,7 @@ int run_decode(int fd, int result_fd) {
       break;
     }
     DUET_REQUIRE(m.kind == Message::kRows, "unexpected message {}", static_cast<int>(m.kind));
-    take(channel, fd, m, layout, kv, table);
+    take(links, fd, m, layout, kv, table);
     ++layers;
   }
   DUET_REQUIRE(layers == model->config().n_layers, "{} layers arrived of {}", layers,
@@ -247,7 +247,7 @@ int run_decode(int fd, int result_fd) {
   for (int i = 0; i < kBurst; ++i) {
     const Message m = read_message(fd);
     const auto start = std::chrono::steady_clock::now();
-    take(channel, fd, m, big, burst_kv, burst_table);
+    take(links, fd, m, big, burst_kv, burst_table);
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     bytes += m.ticket.bytes;
   }

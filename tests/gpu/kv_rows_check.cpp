@@ -1,5 +1,5 @@
 // cuda::pack_kv_rows / cuda::unpack_kv_rows against their CPU twins
-// (worker/kv_rows.h), bit for bit: the packed rows must be the CPU's (and
+// (worker/kv/kv_rows.h), bit for bit: the packed rows must be the CPU's (and
 // nothing past them written), and an unpack must leave the whole device cache
 // equal to the CPU's after the same unpack (every other layer, block, head and
 // slot untouched). Random F16 bits in the cache; head_dim 256, 128, 64 and tiny
@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/kv_layout.h"
+#include "common/model/kv_layout.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/kv_rows.h"
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
-#include "worker/kv_rows.h"
+#include "worker/kv/kv_rows.h"
 
 namespace duet {
 namespace {

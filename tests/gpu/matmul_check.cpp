@@ -11,7 +11,7 @@
 #include <random>
 #include <string>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"

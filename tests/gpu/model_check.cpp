@@ -24,15 +24,15 @@
 #include <numeric>
 
 #include "common/error.h"
-#include "common/fp16.h"
+#include "common/model/fp16.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 #include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
-#include "worker/cuda_forward.h"
-#include "worker/llama_forward.h"
+#include "worker/model/cpu_forward.h"
+#include "worker/model/cuda_forward.h"
 
 namespace duet {
 namespace {
@@ -58,7 +58,7 @@ struct CpuRun {
 CpuRun cpu_greedy(const LlamaModel& model, KvCache& cache, std::span<const int32_t> table,
                   const std::vector<int32_t>& prompt, int64_t steps, cpu::ThreadPool& pool) {
   const int64_t n_vocab = model.config().n_vocab;
-  LlamaForward forward(model, cpu::kernel_table(cpu::best_isa()), pool);
+  CpuForward forward(model, cpu::kernel_table(cpu::best_isa()), pool);
   CpuRun run{prompt, {}};
   const auto n_prompt = static_cast<int64_t>(prompt.size());
   std::vector<int64_t> rows(static_cast<size_t>(n_prompt));

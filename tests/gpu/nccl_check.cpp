@@ -1,4 +1,4 @@
-// NcclCollective (worker/nccl_collective.h) on the GPUs there are. On device
+// NcclCollective (worker/parallel/nccl_collective.h) on the GPUs there are. On device
 // 0, a one-rank communicator: all_reduce_sum and broadcast leave their data
 // as it was, all_gather copies; the same three captured into a CUDA graph and
 // replayed with new inputs; the caller's errors; abort(). With two or more
@@ -25,7 +25,7 @@
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/check.h"
 #include "tests/gpu/gpu_check.h"
-#include "worker/nccl_collective.h"
+#include "worker/parallel/nccl_collective.h"
 
 namespace duet {
 namespace {

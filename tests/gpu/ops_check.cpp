@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <random>
 
-#include "common/dtype.h"
+#include "common/model/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/ops.h"

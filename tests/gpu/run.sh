@@ -3,7 +3,7 @@
 # other package needed, no network): a 10-second probe of the GPU, a
 # CUDA-only build (-DDUET_CUDA_ONLY=ON: the core, the kernels, the model and
 # these checks), the op-consistency checks (every CUDA op against its CPU
-# twin), the end-to-end model check (GPU against CPU), the KV channels, tensor
+# twin), the end-to-end model check (GPU against CPU), the KV links, tensor
 # parallelism over NCCL (two GPUs or more), and the GPU benchmark.
 # Logs and a JSON summary (summary.json) go into the folder given.
 #

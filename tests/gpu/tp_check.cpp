@@ -25,8 +25,8 @@
 #include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
-#include "worker/cuda_forward.h"
-#include "worker/nccl_collective.h"
+#include "worker/model/cuda_forward.h"
+#include "worker/parallel/nccl_collective.h"
 
 namespace duet {
 namespace {

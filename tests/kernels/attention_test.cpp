@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "common/fp16.h"
-#include "common/kv_layout.h"
+#include "common/model/fp16.h"
+#include "common/model/kv_layout.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/lane_math.h"

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "common/dtype.h"
-#include "common/fp16.h"
-#include "common/quant_blocks.h"
+#include "common/model/dtype.h"
+#include "common/model/fp16.h"
+#include "common/model/quant_blocks.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 

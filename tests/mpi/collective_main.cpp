@@ -13,7 +13,7 @@
 
 #include "common/error.h"
 #include "common/mpi/mpi_runtime.h"
-#include "worker/mpi_collective.h"
+#include "worker/parallel/mpi_collective.h"
 
 namespace duet {
 namespace {

@@ -25,8 +25,8 @@
 #include <thread>
 #include <vector>
 
-#include "common/cluster_spec.h"
-#include "common/control_messages.h"
+#include "common/cluster/cluster_spec.h"
+#include "common/cluster/control_messages.h"
 #include "common/error.h"
 #include "common/mpi/control_channel.h"
 #include "common/mpi/control_handshake.h"

@@ -6,7 +6,7 @@
 # ranks (a coordinator and two leaders) with --oversubscribe. The idle-CPU
 # measurement idles 10 s and also carries the label `slow`; it still runs in CI.
 duet_add_test(cluster_spec_test SOURCES common/cluster_spec_test.cpp LIBS duet_control)
-duet_add_test(kv_link_test SOURCES common/kv_link_test.cpp LIBS duet_control)
+duet_add_test(kv_link_test SOURCES common/kv_link_test.cpp LIBS duet_kv_link)
 duet_add_test(control_messages_test SOURCES common/control_messages_test.cpp LIBS duet_control)
 duet_add_test(mpi_runtime_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/mpi_runtime_test.cpp LIBS duet_mpi)
 
@@ -115,6 +115,6 @@ include(${CMAKE_CURRENT_LIST_DIR}/tp_tests.cmake)
 # MpiCollective (tensor-parallel collectives): two instances (TP 2 and TP 3)
 # at once on 6 ranks; sums, bit-identical results on every rank, rank order.
 add_executable(collective_test ${CMAKE_CURRENT_LIST_DIR}/collective_main.cpp)
-target_link_libraries(collective_test PRIVATE duet_collective_mpi duet_warnings)
+target_link_libraries(collective_test PRIVATE duet_parallel_mpi duet_warnings)
 add_test(NAME mpi_collective_test COMMAND ${DUET_MPIRUN} -np 6 $<TARGET_FILE:collective_test>)
 set_tests_properties(mpi_collective_test PROPERTIES LABELS mpi TIMEOUT 120)

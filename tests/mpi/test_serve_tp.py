@@ -40,7 +40,7 @@ from test_serve_disaggregated import words  # noqa: E402
 
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
 LAYOUTS = {
-    # No instance count: -np 3 with --tp 2 makes one instance (common/cluster_spec.h).
+    # No instance count: -np 3 with --tp 2 makes one instance (common/cluster/cluster_spec.h).
     "colocated": (3, ["--mode", "colocated", "--tp", "2"]),
     "1to3": (5, ["--prefill", "1", "--decode", "1", "--decode-tp", "3", "--kv-checksums"]),
     "3to1": (5, ["--prefill", "1", "--decode", "1", "--prefill-tp", "3", "--kv-checksums"]),
@@ -149,9 +149,9 @@ class TensorParallelClusterTest(unittest.TestCase):
         if LAYOUT == "colocated":
             return
         sent = {int(r): int(b) for r, b in re.findall(
-            r"rank (\d)\): kv transport: \d+ messages \((\d+) bytes\) sent", log)}
+            r"rank (\d)\): kv transfer: \d+ messages \((\d+) bytes\) sent", log)}
         received = {int(r): int(b) for r, b in re.findall(
-            r"rank (\d)\): kv transport: .* sent, \d+ \((\d+) bytes\) received", log)}
+            r"rank (\d)\): kv transfer: .* sent, \d+ \((\d+) bytes\) received", log)}
         prefill, decode = ([1], [2, 3, 4]) if LAYOUT == "1to3" else ([1, 2, 3], [4])
         for rank in prefill:  # sends rows (the leader also its handoffs)
             self.assertGreater(sent.get(rank, 0), 1_000_000, (rank, sent))

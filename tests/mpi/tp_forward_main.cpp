@@ -46,15 +46,15 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/chat_template.h"
 #include "common/error.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
-#include "worker/llama_forward.h"
-#include "worker/mpi_collective.h"
+#include "worker/model/cpu_forward.h"
+#include "worker/parallel/mpi_collective.h"
 
 namespace duet {
 namespace {
@@ -67,7 +67,7 @@ constexpr int64_t kChunks[] = {23, 16, 9};
 constexpr int kGreedySteps = 48;
 // |TP=T - TP=1| over all 49152 logits of every row: none. The forward pass
 // gathers O's and down's whole inputs and splits their output rows
-// (worker/tp_shard.h): every element is one whole product, as on TP=1, so
+// (worker/model/tp_shard.h): every element is one whole product, as on TP=1, so
 // TP=2 and TP=3 give TP=1's logits bit for bit. Before that (each rank's partial sum, then an
 // all-reduce) the rounding-level change grew through 30 layers wherever the
 // next matmul re-quantizes its input to 8 bits: TP=2 median 0.12, max 1.31,
@@ -181,7 +181,7 @@ class Runner {
         forward_(model, cpu::kernel_table(cpu::isa_from_environment()), pool_, collective) {}
 
   int64_t n_vocab() const { return model_.config().n_vocab; }
-  LlamaForward::CollectiveTime collective_time() const { return forward_.collective_time(); }
+  CpuForward::CollectiveTime collective_time() const { return forward_.collective_time(); }
 
   // Logits (tokens.size(), n_vocab) of every position, fed in steps of
   // `chunks` sizes, then one token per step.
@@ -250,7 +250,7 @@ class Runner {
 
   const LlamaModel& model_;
   cpu::ThreadPool pool_;
-  LlamaForward forward_;
+  CpuForward forward_;
   std::unique_ptr<KvCache> cache_;
   std::vector<int32_t> table_;
 };
@@ -548,7 +548,7 @@ int run_test(const std::filesystem::path& model_path) {
                                                       path[0].margins[i]};
       }
     }
-    const LlamaForward::CollectiveTime collective_time = runner.collective_time();
+    const CpuForward::CollectiveTime collective_time = runner.collective_time();
     summary.collective_calls = collective_time.calls;
     summary.collective_seconds = collective_time.seconds;
     summary.seconds =

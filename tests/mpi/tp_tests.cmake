@@ -5,7 +5,7 @@
 # weight bytes (tests/mpi/tp_forward_main.cpp). Skipped (exit 77) without the
 # model.
 add_executable(tp_forward_test ${CMAKE_CURRENT_LIST_DIR}/tp_forward_main.cpp)
-target_link_libraries(tp_forward_test PRIVATE duet_worker duet_collective_mpi duet_warnings)
+target_link_libraries(tp_forward_test PRIVATE duet_worker duet_parallel_mpi duet_warnings)
 target_compile_definitions(tp_forward_test PRIVATE DUET_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 add_test(NAME mpi_tp_forward_test COMMAND ${DUET_MPIRUN} -np 6 $<TARGET_FILE:tp_forward_test>)
 set_tests_properties(mpi_tp_forward_test PROPERTIES LABELS mpi TIMEOUT 300 SKIP_RETURN_CODE 77)

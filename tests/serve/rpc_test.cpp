@@ -14,7 +14,7 @@
 
 #include "common/duet.capnp.h"
 #include "common/error.h"
-#include "common/tokenizer_gguf.h"
+#include "common/text/tokenizer_gguf.h"
 #include "coordinator/rpc_server.h"
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"

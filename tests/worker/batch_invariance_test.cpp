@@ -15,7 +15,7 @@
 
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
-#include "worker/llama_forward.h"
+#include "worker/model/cpu_forward.h"
 
 namespace duet {
 namespace {
@@ -67,7 +67,7 @@ class BatchInvariance : public ::testing::TestWithParam<std::string> {
   }
 
   // Logits of every position of `tokens`, run in steps of the given sizes.
-  std::vector<float> run_in_steps(LlamaForward& forward, const std::vector<int32_t>& tokens,
+  std::vector<float> run_in_steps(CpuForward& forward, const std::vector<int32_t>& tokens,
                                   const std::vector<int64_t>& steps) {
     auto cache = make_cache();
     const std::vector<int32_t> table = take_blocks(static_cast<int64_t>(tokens.size()));
@@ -99,7 +99,7 @@ bool bitwise_equal(const float* x, const float* y, size_t n) {
 
 TEST_P(BatchInvariance, AnySplitIntoStepsGivesTheSameLogits) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
+  CpuForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
   const std::vector<float> one_prefill =
       run_in_steps(forward, a_, {static_cast<int64_t>(a_.size())});
   for (const std::vector<int64_t>& steps :
@@ -112,7 +112,7 @@ TEST_P(BatchInvariance, AnySplitIntoStepsGivesTheSameLogits) {
 
 TEST_P(BatchInvariance, OtherSequencesInTheBatchChangeNothing) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
+  CpuForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
   const std::vector<float> alone = run_in_steps(forward, a_, {1});
 
   // a_ decodes token by token while c_ prefills in chunks of 9 beside it.
@@ -143,7 +143,7 @@ TEST_P(BatchInvariance, OtherSequencesInTheBatchChangeNothing) {
 
 TEST_P(BatchInvariance, SharedPrefixBlocksGiveTheSameLogits) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
+  CpuForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
   const std::vector<float> full = run_in_steps(forward, b_, {static_cast<int64_t>(b_.size())});
 
   // a_ fills two blocks; b_ then reuses them and computes only its own tail.
@@ -174,7 +174,7 @@ TEST_P(BatchInvariance, SharedPrefixBlocksGiveTheSameLogits) {
 // (so the tests above would see a row computed in the wrong one).
 TEST_P(BatchInvariance, TheOneTokenOrderIsAnotherOrder) {
   cpu::ThreadPool pool(2);
-  LlamaForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
+  CpuForward forward(*model_, cpu::kernel_table(cpu::best_isa()), pool);
   const std::vector<float> roles = run_in_steps(forward, a_, {static_cast<int64_t>(a_.size())});
   auto cache = make_cache();
   const std::vector<int32_t> table = take_blocks(static_cast<int64_t>(a_.size()));

@@ -1,6 +1,6 @@
 // BlockPool bookkeeping: the free list, reference counts, the prefix cache's
 // hash map and its LRU eviction order. No KV memory, no model.
-#include "worker/block_pool.h"
+#include "worker/kv/block_pool.h"
 
 #include <gtest/gtest.h>
 

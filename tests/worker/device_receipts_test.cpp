@@ -1,12 +1,12 @@
-// The state machine of device payloads in flight (worker/device_receipts.h)
-// and, over a loopback wire, the protocol a device channel runs with it: the
-// sender takes staging (worker/staging_ring.h) for each payload and sends a
+// The state machine of device payloads in flight (worker/transfer/device_receipts.h)
+// and, over a loopback wire, the protocol a device links runs with it: the
+// sender takes staging (worker/transfer/staging_ring.h) for each payload and sends a
 // header; the receiver starts a receipt per header, receipts land in order,
 // each landed payload's staging goes back to the sender; imports complete,
 // fail or are cancelled at any point. Checked: no rows count after an
 // import ended, no end is reported while a receipt of it is in flight,
 // every staging region comes back, and the ring never hands out live bytes.
-#include "worker/device_receipts.h"
+#include "worker/transfer/device_receipts.h"
 
 #include <gtest/gtest.h>
 
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "worker/staging_ring.h"
+#include "worker/transfer/staging_ring.h"
 
 namespace duet {
 namespace {
@@ -97,7 +97,7 @@ struct Header {
 struct Import {
   int64_t expected = 0;
   int64_t received = 0;
-  bool closing = false;  // the transport ended it (its end may still be held)
+  bool closing = false;  // the transfer ended it (its end may still be held)
   bool ended = false;    // its end was reported
 };
 
@@ -113,7 +113,7 @@ TEST(DeviceReceiptsProtocol, LoopbackTrafficEndsCleanly) {
     size_t offset = 0;
     int delay = 0;
   };
-  std::deque<Landing> in_flight;  // the channel's receipts, landing in order
+  std::deque<Landing> in_flight;  // the links's receipts, landing in order
   DeviceReceipts<End> book;
   std::map<RequestId, Import> imports;
   std::map<RequestId, int64_t> to_send;  // rows the sender has yet to send

@@ -1,5 +1,5 @@
 // Disaggregation inside one process: a prefill engine exports a prompt's KV
-// layer by layer, the rows travel through pack/unpack (what a transport
+// layer by layer, the rows travel through pack/unpack (what a transfer
 // does), and a decode engine imports them. The decode engine's tokens must be
 // the single engine's, its KV bit-identical, every block accounted for.
 #include <gtest/gtest.h>
@@ -11,12 +11,12 @@
 #include "kernels/cpu/isa.h"
 #include "tests/worker/model_test.h"
 #include "worker/engine.h"
-#include "worker/kv_rows.h"
+#include "worker/kv/kv_rows.h"
 
 namespace duet {
 namespace {
 
-// The rows of one export chunk of one layer, as a transport would carry them.
+// The rows of one export chunk of one layer, as a transfer would carry them.
 struct Message {
   int64_t layer = 0;
   int64_t pos0 = 0;

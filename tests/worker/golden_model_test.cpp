@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "common/tokenizer_gguf.h"
+#include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "tests/golden_file.h"
 #include "tests/test_paths.h"

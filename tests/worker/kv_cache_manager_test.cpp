@@ -2,7 +2,7 @@
 // all-or-nothing reservation, and prefix caching by chained block hashes.
 // No KV memory, no model: the stress test keeps a shadow of what each
 // physical block's slots would hold to check that shared blocks are right.
-#include "worker/kv_cache_manager.h"
+#include "worker/kv/kv_cache_manager.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

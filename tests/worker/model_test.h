@@ -13,7 +13,7 @@
 
 #include "kernels/cpu/thread_pool.h"
 #include "tests/test_paths.h"
-#include "worker/llama_model.h"
+#include "worker/model/llama_model.h"
 
 namespace duet::testing {
 

@@ -10,8 +10,8 @@
 #include <numeric>
 #include <random>
 
-#include "worker/block_pool.h"
-#include "worker/token_order.h"
+#include "common/model/token_order.h"
+#include "worker/kv/block_pool.h"
 
 namespace duet {
 namespace {

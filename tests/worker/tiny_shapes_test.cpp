@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/gguf.h"
-#include "common/model_config.h"
+#include "common/model/gguf.h"
+#include "common/model/model_config.h"
 #include "kernels/cpu/isa.h"
 #include "tests/golden_file.h"
 #include "tests/test_paths.h"

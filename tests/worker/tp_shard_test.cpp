@@ -1,7 +1,7 @@
 // Tensor-parallel sharding without MPI: how heads, hidden units and the
 // vocabulary are split, how KV is re-sharded between TP sizes, which bytes a
 // shard copies out of the file, and what cannot be split.
-#include "worker/tp_shard.h"
+#include "worker/model/tp_shard.h"
 
 #include <gtest/gtest.h>
 
@@ -13,9 +13,9 @@
 #include "common/error.h"
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
-#include "worker/kv_rows.h"
-#include "worker/llama_forward.h"
-#include "worker/llama_model.h"
+#include "worker/kv/kv_rows.h"
+#include "worker/model/cpu_forward.h"
+#include "worker/model/llama_model.h"
 
 namespace duet {
 namespace {
@@ -191,7 +191,7 @@ TEST(TpShardTest, TheGpuFixturesRunAndSplitInTwo) {
     const ModelConfig& c = whole->config();
     EXPECT_EQ(c.head_dim, 64);
     cpu::ThreadPool pool(1);
-    LlamaForward forward(*whole, cpu::kernel_table(cpu::best_isa()), pool);
+    CpuForward forward(*whole, cpu::kernel_table(cpu::best_isa()), pool);
     KvCache cache(whole->kv_layout(4));
     const std::vector<int32_t> tokens = {3, 40, 77, 120, 200, 298, 5, 64};
     const std::vector<int32_t> table = {0, 1, 2, 3};

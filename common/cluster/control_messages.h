@@ -1,0 +1,99 @@
+// The control plane's messages in plain C++, and their wire form.
+//
+// The coordinator and the instance leaders exchange these over MPI
+// (common/mpi/control_channel.h). On the wire each is one Cap'n Proto
+// `Message` (common/cluster/control.capnp); this header keeps Cap'n Proto out of
+// everything else. The conversions round-trip common/serving.h's types
+// exactly (every field, floats bit for bit).
+//
+// Pure values and pure functions: any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "common/cluster/cluster_spec.h"
+#include "common/serving.h"
+
+namespace duet {
+
+// Equals `protocolVersion` in control.capnp (checked at compile time).
+inline constexpr uint32_t kControlProtocolVersion = 4;
+
+// Leader -> coordinator, first message (see control.capnp).
+struct Hello {
+  uint32_t protocol_version = kControlProtocolVersion;
+  Rank rank;
+  int32_t instance_id = 0;
+  InstanceRole role = InstanceRole::kBoth;
+};
+
+// Coordinator -> every instance rank: the verdict on the whole cluster.
+struct HelloReply {
+  bool accepted = false;
+  uint32_t protocol_version = kControlProtocolVersion;
+  std::string reason;  // when refused
+};
+
+// Coordinator -> leader.
+struct SubmitRequest {
+  InstanceRequest request;
+};
+
+// Coordinator -> leader.
+struct Cancel {
+  RequestId id;
+};
+
+// Leader -> coordinator: one engine step's events for all the instance's
+// sequences.
+struct StepEvents {
+  int32_t instance_id = 0;
+  int64_t step = 0;
+  std::vector<InstanceEvent> events;
+};
+
+// Leader -> coordinator.
+struct StatsReport {
+  int32_t instance_id = 0;
+  InstanceStats stats;
+};
+
+// Coordinator -> leader.
+struct Shutdown {
+  std::string reason;
+};
+
+// Leader -> coordinator, once after the handshake: the instance has loaded its
+// model and takes requests, or (`error` not empty) it could not start.
+struct InstanceReady {
+  int32_t instance_id = 0;
+  InstanceInfo info;
+  InstanceStats stats;
+  std::string error;
+};
+
+// PrefillOrder and KvHandoff (common/serving.h) travel between instances, on
+// the KV transfer's communicator.
+using ControlMessage = std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents,
+                                    StatsReport, Shutdown, InstanceReady, PrefillOrder, KvHandoff>;
+
+// "hello", "hello_reply", "submit", "cancel", "step_events", "stats", "shutdown",
+// "instance_ready", "prefill_order", "kv_handoff".
+std::string_view control_message_name(const ControlMessage& message);
+
+// The message's Cap'n Proto flat-array form; its size is a multiple of 8.
+std::vector<std::byte> encode_control_message(const ControlMessage& message);
+
+// The inverse. Throws duet::Error (kCorruptFile) on bytes that are not a
+// control message: a size that is not a multiple of 8, a malformed Cap'n Proto
+// message, or a message kind or enum value this version does not know.
+// `bytes` need not be aligned (it is copied when it is not).
+ControlMessage decode_control_message(std::span<const std::byte> bytes);
+
+}  // namespace duet

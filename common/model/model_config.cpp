@@ -1,0 +1,143 @@
+#include "common/model/model_config.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "common/format.h"
+#include "common/model/gguf.h"
+
+namespace duet {
+namespace {
+
+[[noreturn]] void fail(const GgufFile& file, ErrorKind kind, const std::string& what) {
+  throw Error(kind, duet::format("{}: {}", file.name(), what));
+}
+
+int64_t require_count(const GgufFile& file, const std::string& key) {
+  const std::optional<uint64_t> value = file.get_u64(key);
+  if (!value) fail(file, ErrorKind::kCorruptFile, duet::format("missing metadata key {}", key));
+  if (*value == 0 || *value > (1ull << 31)) {
+    fail(file, ErrorKind::kCorruptFile, duet::format("{} = {} is out of range", key, *value));
+  }
+  return static_cast<int64_t>(*value);
+}
+
+// RoPE frequency scaling as llama.cpp derives it (llama_model::load_hparams and the context
+// parameters): the type defaults to "linear"; the factor comes from rope.scaling.factor (or the
+// older rope.scale_linear), 0 or absent meaning none; type "none" never scales. YaRN and LongRoPE
+// change more than the frequencies and are refused; Llama 3.1's "llama3" scaling needs no key,
+// its converter bakes it into the rope_freqs tensor.
+float read_rope_freq_scale(const GgufFile& file, const std::string& p) {
+  const std::string type = file.get_string(p + "rope.scaling.type").value_or("linear");
+  if (type != "linear" && type != "none") {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{}rope.scaling.type = '{}': only 'linear' RoPE scaling is supported "
+                      "(YaRN and LongRoPE are not)",
+                      p, type));
+  }
+  std::optional<float> factor = file.get_f32(p + "rope.scaling.factor");
+  if (!factor) factor = file.get_f32(p + "rope.scale_linear");
+  if (const std::optional<float> attn_factor = file.get_f32(p + "rope.scaling.attn_factor");
+      attn_factor && *attn_factor != 1.0f) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{}rope.scaling.attn_factor = {} is not supported", p, *attn_factor));
+  }
+  if (!factor || *factor == 0.0f || type == "none") return 1.0f;
+  if (!(*factor > 0.0f) || !std::isfinite(*factor)) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("{}rope.scaling.factor = {} must be positive", p, *factor));
+  }
+  return 1.0f / *factor;
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
+  ModelConfig c;
+  const std::optional<std::string> arch = file.get_string("general.architecture");
+  if (!arch) fail(file, ErrorKind::kCorruptFile, "missing general.architecture");
+  c.architecture = *arch;
+  if (std::find(kSupportedArchitectures.begin(), kSupportedArchitectures.end(), c.architecture) ==
+      kSupportedArchitectures.end()) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("architecture '{}' is not supported (supported: {})", c.architecture,
+                      duet::join(kSupportedArchitectures, ", ")));
+  }
+  c.name = file.get_string("general.name").value_or(c.architecture);
+  const std::string p = c.architecture + ".";
+
+  c.n_layers = require_count(file, p + "block_count");
+  c.n_embd = require_count(file, p + "embedding_length");
+  c.n_ff = require_count(file, p + "feed_forward_length");
+  c.n_heads = require_count(file, p + "attention.head_count");
+  c.n_kv_heads = file.get_u64(p + "attention.head_count_kv")
+                     ? require_count(file, p + "attention.head_count_kv")
+                     : c.n_heads;
+  c.n_ctx_train =
+      file.get_u64(p + "context_length") ? require_count(file, p + "context_length") : 2048;
+  if (c.n_embd % c.n_heads != 0) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("embedding_length {} is not a multiple of head_count {}", c.n_embd,
+                      c.n_heads));
+  }
+  c.head_dim = c.n_embd / c.n_heads;
+  if (file.get_u64(p + "attention.key_length")) {
+    const int64_t key_length = require_count(file, p + "attention.key_length");
+    const int64_t value_length = file.get_u64(p + "attention.value_length")
+                                     ? require_count(file, p + "attention.value_length")
+                                     : key_length;
+    if (key_length != c.head_dim || value_length != c.head_dim) {
+      fail(file, ErrorKind::kUnsupported,
+           duet::format("head size {}/{} different from embedding_length / head_count = {}",
+                        key_length, value_length, c.head_dim));
+    }
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("head_count {} is not a multiple of head_count_kv {}", c.n_heads,
+                      c.n_kv_heads));
+  }
+  c.n_rot = file.get_u64(p + "rope.dimension_count")
+                ? require_count(file, p + "rope.dimension_count")
+                : c.head_dim;
+  if (c.n_rot > c.head_dim || c.n_rot % 2 != 0 || c.n_rot > 1024) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("rope.dimension_count {} does not fit head size {}", c.n_rot, c.head_dim));
+  }
+  // The RoPE style follows the architecture, not a key: `llama` GGUFs hold Q/K permuted for
+  // adjacent-pair rotation, `qwen2` ones as trained (NeoX halves).
+  c.rope_neox = c.architecture == "qwen2";
+  c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
+  c.rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon").value_or(1e-5f);
+  if (!(c.rope_freq_base > 0.0f) || !(c.rms_eps > 0.0f)) {
+    fail(file, ErrorKind::kCorruptFile,
+         "rope.freq_base and layer_norm_rms_epsilon must be positive");
+  }
+  c.rope_freq_scale = read_rope_freq_scale(file, p);
+  if (const GgufValue* window = file.find(p + "attention.sliding_window")) {
+    const std::optional<uint64_t> size = window->integer_as<uint64_t>();
+    fail(file, ErrorKind::kUnsupported,
+         duet::format(
+             "{}attention.sliding_window = {}: sliding-window attention (as in Mistral) is not "
+             "supported; Duet attends to the whole context",
+             p, size ? std::to_string(*size) : std::string(gguf_type_name(window->type()))));
+  }
+  if (const uint64_t n_experts = file.get_u64(p + "expert_count").value_or(0); n_experts > 0) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{}expert_count = {}: mixture-of-experts models are not supported", p,
+                      n_experts));
+  }
+
+  const GgufTensorInfo& embd = file.tensor("token_embd.weight");
+  if (embd.ne.size() != 2 || embd.ne[0] != c.n_embd) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("token_embd.weight has shape {} but embedding_length is {}",
+                      duet::join(embd.ne, "x"), c.n_embd));
+  }
+  c.n_vocab = embd.ne[1];
+  c.tied_embeddings = file.find_tensor("output.weight") == nullptr;
+  return c;
+}
+
+}  // namespace duet

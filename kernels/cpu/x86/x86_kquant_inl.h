@@ -1,0 +1,326 @@
+// BF16 and K-quant (Q4_K, Q6_K) dot products for the x86 paths, in the orders
+// kernel_table.h fixes. Included into the AVX2 and the AVX-512 translation
+// units (internal linkage), each compiling it with its own instruction set:
+//  - BF16 keeps its 16 float lanes in two 256-bit registers under AVX2 and in
+//    one 512-bit register under AVX-512; every lane sees the same FMAs.
+//  - K-quants compute the exact int32 lanes of a block per 32-element chunk
+//    with maddubs + madd under AVX2, and two chunks per 512-bit register with
+//    maddubs + vpdpwssd under AVX-512 (the halves folded at the block's end).
+//    Integer sums are exact, so both give the same lanes; the float steps
+//    (one FMA per block into 8 lanes, the Q4_K min term, the final sums) are
+//    the same 256/128-bit operations in both.
+// Tiles: each weight block is unpacked once and used for every activation row
+// of the tile, each row with its own accumulators, so a pair's operations do
+// not depend on the tile's row count (batch invariance).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "common/model/fp16.h"
+#include "common/model/quant_blocks.h"
+#include "kernels/cpu/x86/x86_kernels_inl.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define DUET_X86_512 1
+#else
+#define DUET_X86_512 0
+#endif
+
+namespace duet::cpu {
+namespace {
+
+// ---------------------------------------------------------------------------
+// BF16 x BF16: 16 float lanes per 32-element chunk (vdpbf16ps's order).
+
+// The odd (high half) and even (low half) BF16 elements of 32-bit words as
+// floats: word l holds elements 2l (low 16 bits) and 2l + 1 (high 16 bits).
+#if DUET_X86_512
+struct Bf16Lanes {
+  __m512 v;
+  static Bf16Lanes zero() { return {_mm512_setzero_ps()}; }
+  struct Chunk {
+    __m512 odd, even;
+  };
+  static Chunk load(const uint16_t* p) {
+    const __m512i words = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(
+                _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))),
+            _mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
+  }
+  void add(const Chunk& w, const Chunk& x) {
+    v = _mm512_fmadd_ps(w.odd, x.odd, v);
+    v = _mm512_fmadd_ps(w.even, x.even, v);
+  }
+  float sum() const { return tree_sum16(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+};
+#else
+struct Bf16Lanes {
+  __m256 lo, hi;  // lanes 0-7 and 8-15
+  static Bf16Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  struct Chunk {
+    __m256 odd_lo, even_lo, odd_hi, even_hi;
+  };
+  static Chunk load(const uint16_t* p) {
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    return {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(hi, mask)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  }
+  void add(const Chunk& w, const Chunk& x) {
+    lo = _mm256_fmadd_ps(w.odd_lo, x.odd_lo, lo);
+    lo = _mm256_fmadd_ps(w.even_lo, x.even_lo, lo);
+    hi = _mm256_fmadd_ps(w.odd_hi, x.odd_hi, hi);
+    hi = _mm256_fmadd_ps(w.even_hi, x.even_hi, hi);
+  }
+  float sum() const { return tree_sum16(lo, hi); }
+};
+#endif
+
+template <int NX>
+struct Bf16Tile {
+  static void run(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                  int64_t k, float* y, int64_t ldy) {
+    const int64_t k32 = k - k % 32;
+    for (int64_t j = 0; j < n_w; ++j) {
+      const auto* wr = reinterpret_cast<const uint16_t*>(w + j * w_stride);
+      Bf16Lanes acc[NX];
+      for (int r = 0; r < NX; ++r) acc[r] = Bf16Lanes::zero();
+      for (int64_t e = 0; e < k32; e += 32) {
+        const Bf16Lanes::Chunk wc = Bf16Lanes::load(wr + e);
+        for (int r = 0; r < NX; ++r) {
+          acc[r].add(wc, Bf16Lanes::load(reinterpret_cast<const uint16_t*>(x + r * x_stride) + e));
+        }
+      }
+      for (int r = 0; r < NX; ++r) {
+        const auto* xr = reinterpret_cast<const uint16_t*>(x + r * x_stride);
+        float sum = acc[r].sum();
+        for (int64_t e = k32; e < k; ++e)
+          sum = std::fma(bf16_to_fp32(wr[e]), bf16_to_fp32(xr[e]), sum);
+        y[r * ldy + j] = sum;
+      }
+    }
+  }
+};
+
+void dot_bf16_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Bf16Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+// ---------------------------------------------------------------------------
+// K-quants: the integer core. A block's 256 elements are 8 chunks of 32; an
+// IntVec holds kChunksPerVec chunks of unsigned weights (or their int16
+// scales), and int_dot_add adds scale * (4-element dot) into int32 lanes.
+
+#if DUET_X86_512
+using IntVec = __m512i;
+constexpr int kChunksPerVec = 2;
+inline IntVec int_zero() { return _mm512_setzero_si512(); }
+inline IntVec load_x(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline IntVec join_chunks(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+inline IntVec int_dot_add(IntVec acc, IntVec scale16, IntVec u, IntVec s) {
+  return _mm512_dpwssd_epi32(acc, scale16, _mm512_maddubs_epi16(u, s));
+}
+inline __m256i fold(IntVec v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// Activation rows per tile (accumulators fit the 32 vector registers).
+constexpr int kKQuantRowTile = 8;
+#else
+using IntVec = __m256i;
+constexpr int kChunksPerVec = 1;
+inline IntVec int_zero() { return _mm256_setzero_si256(); }
+inline IntVec load_x(const int8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline IntVec int_dot_add(IntVec acc, IntVec scale16, IntVec u, IntVec s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(u, s)));
+}
+inline __m256i fold(IntVec v) { return v; }
+constexpr int kKQuantRowTile = kRowTile;
+#endif
+constexpr int kVecsPerBlock = 8 / kChunksPerVec;
+
+// Chunks c (weights or int16 scales of 32 elements each), kChunksPerVec per vector.
+inline void pack_chunks(const __m256i* chunks, IntVec* out) {
+  for (int v = 0; v < kVecsPerBlock; ++v) {
+#if DUET_X86_512
+    out[v] = join_chunks(chunks[2 * v], chunks[2 * v + 1]);
+#else
+    out[v] = chunks[v];
+#endif
+  }
+}
+
+inline __m256i sum_chunks(const IntVec* w, const IntVec* scale, const BlockQ8_K& x) {
+  IntVec sumi = int_zero();
+  for (int v = 0; v < kVecsPerBlock; ++v) {
+    sumi = int_dot_add(sumi, scale[v], w[v], load_x(x.qs + 32 * kChunksPerVec * v));
+  }
+  return fold(sumi);
+}
+
+// Q4_K: chunk c is sub-block c; lane l sums sc[c] * (elements 4l .. 4l + 3).
+struct Q4KFormat {
+  using WeightBlock = BlockQ4_K;
+  struct Unpacked {
+    IntVec q[kVecsPerBlock];
+    IntVec scale[kVecsPerBlock];
+    __m128i mins;  // 8 int16
+    float d, dmin;
+  };
+  struct Acc {
+    __m256 v;
+    __m128 m;
+  };
+  static Acc zero() { return {_mm256_setzero_ps(), _mm_setzero_ps()}; }
+
+  static void unpack(const WeightBlock& b, Unpacked* u) {
+    // ggml's unpacking of the 6-bit scales (bytes 0-7) and mins (bytes 8-15).
+    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t utmp[4];
+    std::memcpy(utmp, b.scales, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    uint8_t sc_m[16];
+    std::memcpy(sc_m, utmp, 16);
+    u->mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc_m + 8)));
+    __m256i q[8], scale[8];
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int g = 0; g < 4; ++g) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * g));
+      q[2 * g] = _mm256_and_si256(bits, m4);
+      q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+    }
+    for (int c = 0; c < 8; ++c) scale[c] = _mm256_set1_epi16(sc_m[c]);
+    pack_chunks(q, u->q);
+    pack_chunks(scale, u->scale);
+    u->d = half_to_float(b.d);
+    u->dmin = half_to_float(b.dmin);
+  }
+
+  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
+    const __m256i lanes = sum_chunks(w.q, w.scale, x);
+    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
+    const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums));
+    const __m128i sums32 =
+        _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+    const __m128i prod = _mm_madd_epi16(w.mins, sums32);
+    acc->m = _mm_fmadd_ps(_mm_set1_ps(-x.d * w.dmin), _mm_cvtepi32_ps(prod), acc->m);
+  }
+
+  static float finish(const Acc& acc) {
+    __m128 m = _mm_add_ps(acc.m, _mm_movehl_ps(acc.m, acc.m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return hsum_ps(acc.v) + _mm_cvtss_f32(m);
+  }
+};
+
+// Q6_K: chunk c covers sub-blocks 2c (lanes 0-3) and 2c + 1 (lanes 4-7); the
+// weights stay unsigned (0..63) and the -32 offset comes off through bsums.
+struct Q6KFormat {
+  using WeightBlock = BlockQ6_K;
+  struct Unpacked {
+    IntVec q[kVecsPerBlock];
+    IntVec scale[kVecsPerBlock];
+    __m256i scales16;  // the 16 sub-block scales as int16
+    float d;
+  };
+  struct Acc {
+    __m256 v;
+  };
+  static Acc zero() { return {_mm256_setzero_ps()}; }
+
+  static void unpack(const WeightBlock& b, Unpacked* u) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256i q[8], scale[8];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+      const __m256i ql2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(12)), 2);
+      const __m256i h2 = _mm256_and_si256(qh, _mm256_set1_epi8(48));
+      const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(-64)), 2);
+      q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(ql1, m15), h0);
+      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql2, m15), h1);
+      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15), h2);
+      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql2, 4), m15), h3);
+    }
+    for (int c = 0; c < 8; ++c) {
+      scale[c] =
+          _mm256_set_m128i(_mm_set1_epi16(b.scales[2 * c + 1]), _mm_set1_epi16(b.scales[2 * c]));
+    }
+    pack_chunks(q, u->q);
+    pack_chunks(scale, u->scale);
+    u->scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    u->d = half_to_float(b.d);
+  }
+
+  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
+    const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums));
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, w.scales16), 5);
+    const __m256i lanes = _mm256_sub_epi32(sum_chunks(w.q, w.scale, x), offset);
+    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
+  }
+
+  static float finish(const Acc& acc) { return hsum_ps(acc.v); }
+};
+
+template <typename Format>
+struct KQuantTile {
+  template <int NX>
+  struct Tile {
+    static void run(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x,
+                    size_t x_stride, int64_t k, float* y, int64_t ldy) {
+      using WB = typename Format::WeightBlock;
+      const int64_t nb = k / kSuperBlock;
+      for (int64_t j = 0; j < n_w; ++j) {
+        const auto* wb = reinterpret_cast<const WB*>(w + j * w_stride);
+        typename Format::Acc acc[NX];
+        for (int r = 0; r < NX; ++r) acc[r] = Format::zero();
+        typename Format::Unpacked u;
+        for (int64_t b = 0; b < nb; ++b) {
+          Format::unpack(wb[b], &u);
+          for (int r = 0; r < NX; ++r) {
+            Format::accumulate(u, reinterpret_cast<const BlockQ8_K*>(x + r * x_stride)[b], &acc[r]);
+          }
+        }
+        for (int r = 0; r < NX; ++r) y[r * ldy + j] = Format::finish(acc[r]);
+      }
+    }
+  };
+};
+
+template <int NX>
+using Q4KTile = KQuantTile<Q4KFormat>::Tile<NX>;
+template <int NX>
+using Q6KTile = KQuantTile<Q6KFormat>::Tile<NX>;
+
+void dot_q4_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Q4KTile, kKQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+void dot_q6_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Q6KTile, kKQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+}  // namespace
+}  // namespace duet::cpu
+
+#undef DUET_X86_512

@@ -1,0 +1,65 @@
+// A sequence's KV rows out of (and into) the paged cache, in a layout that
+// does not depend on any block table: how KV travels between instances.
+//
+// The rows of positions [pos0, pos0 + n) of one layer, packed, are
+//   K then V -> KV head -> position -> head_dim          (F16 elements)
+// so each (K/V, head) run of one block's slots is one memcpy on both sides,
+// and the sender's and receiver's block tables may differ.
+//
+// Pure functions over caller-owned memory: any thread, as long as nobody
+// writes the blocks being read (or reads the blocks being written).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "common/model/kv_layout.h"
+
+namespace duet {
+
+// Some of a cache's KV heads: [first, first + count) of its own (local)
+// heads. With tensor parallelism a cache holds a shard's heads only and KV
+// moves between shards of different sizes head range by head range.
+struct KvHeads {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+inline KvHeads all_kv_heads(const KvLayout& layout) { return {0, layout.n_kv_heads}; }
+
+// Elements of the packed rows of n positions of one layer (of `heads`).
+inline int64_t packed_kv_elems(const KvLayout& layout, int64_t n) {
+  return 2 * layout.n_kv_heads * n * layout.head_dim;
+}
+inline int64_t packed_kv_elems(const KvLayout& layout, int64_t n, KvHeads heads) {
+  return 2 * heads.count * n * layout.head_dim;
+}
+
+// Copies the rows of positions [pos0, pos0 + n) of `layer` from `cache`
+// (blocks by `block_table`, which covers those positions) into `out`
+// (packed_kv_elems(layout, n, heads) elements): every head, or `heads`.
+void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
+                  std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvElement* out);
+void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
+                  std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
+                  KvElement* out);
+
+// The inverse: writes packed rows into the blocks of `block_table`.
+void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
+                    std::span<const int32_t> block_table, int64_t pos0, int64_t n,
+                    const KvElement* in);
+void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
+                    std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
+                    const KvElement* in);
+
+// A 64-bit checksum of bytes (FNV-1a over 8-byte words, then a final mix):
+// equal KV gives equal sums on every host; a flipped bit almost never does.
+uint64_t kv_checksum(std::span<const KvElement> elements, uint64_t seed = 0);
+
+// The checksum of positions [pos0, pos0 + n) of every layer, layer after
+// layer, each packed as above: the same number for the same KV whatever
+// blocks hold it.
+uint64_t kv_rows_checksum(const KvLayout& layout, const KvElement* cache,
+                          std::span<const int32_t> block_table, int64_t pos0, int64_t n);
+
+}  // namespace duet

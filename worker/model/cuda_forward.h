@@ -1,0 +1,145 @@
+// The Llama forward pass on an NVIDIA GPU: the twin of CpuForward, op for
+// op through kernels/cuda/ (named intermediate tensors as there), with the
+// weights, the KV cache and every activation in device memory. Built only
+// with the CUDA backend (DUET_HAVE_CUDA); plain C++ over kernels/cuda/'s
+// plain headers.
+//
+// Decode steps (one row per sequence, every row sampled, nothing exported)
+// are captured as a CUDA graph per batch size on their second occurrence and
+// replayed from then on; the step's inputs (tokens, positions, block tables)
+// are uploaded to fixed device buffers before the launch.
+//
+// Numerics: activations in F32, products with F32 accumulation (F16 inputs on
+// the cuBLAS path), the KV cache in F16. Not batch-invariant: a row's result
+// may change in the last bits with the batch it runs in (the GEMV and the
+// cuBLAS paths round differently).
+//
+// Tensor parallelism: given a shard of the model (worker/model/tp_shard.h) and the
+// instance's DeviceCollective (NCCL, one GPU per rank), every rank runs the
+// same batch through its own heads and hidden units, as CpuForward does on
+// the CPU, with the collectives on the compute stream (inside the decode
+// graphs too): the vocabulary-parallel embeddings are summed with
+// all_reduce_sum (one rank holds each row: exact); O and down gather their
+// whole input, multiply it by the rank's output rows and gather the outputs;
+// the logit slices are gathered too, and every gather is reassembled row by
+// row on every rank. No element is a sum over ranks, as on the CPU; the GPU's
+// own kernels are not batch-invariant (their order depends on the batch's
+// shape), so GPU tokens may differ from the CPU's, and from one batch shape
+// to another, where two logits are within rounding. NCCL requires every rank to capture its
+// collectives in graphs at the same steps: whether a step is captured or
+// replayed depends only on the batch (the same on every rank), never on a
+// rank's own shapes.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/backend.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/weights.h"
+#include "worker/model/model_forward.h"
+#include "worker/parallel/device_collective.h"
+
+namespace duet {
+
+class CudaForward final : public ModelForward {
+ public:
+  // Uploads the model's weights (a shard's: its own) to CUDA device
+  // `device`. Throws kUnsupported without such a GPU, or for heads of other
+  // than 64, 128 or 256 dimensions (what the attention kernel runs). The
+  // device KV cache takes the layout of the host cache the calls pass
+  // (allocated on first use, grown when a larger one comes; a new layout
+  // starts empty). `collective`: the instance's ranks on their GPUs when the
+  // model is a shard (its rank and size; outlives this object), else null.
+  CudaForward(const LlamaModel& model, int device, DeviceCollective* collective = nullptr);
+  ~CudaForward() override;
+
+  void run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
+           KvCache& cache, std::span<const int64_t> logit_rows, float* logits,
+           const LayerStored& layer_stored = {}) override;
+  bool samples_on_device() const override { return true; }
+  void sample(std::span<const DeviceSampling> rows, std::span<int32_t> tokens) override;
+  void kv_to_host(int64_t layer, std::span<const int32_t> block_table, int64_t pos0, int64_t n,
+                  KvCache& cache) override;
+  void kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,
+                    const KvCache& cache) override;
+  DeviceKv device_kv(const KvLayout& layout) override;
+
+  cuda::CudaBackend& backend() { return *backend_; }
+  // Device bytes of the weights and of the KV cache.
+  size_t weight_bytes() const { return weight_bytes_; }
+  size_t kv_bytes() const { return kv_.bytes(); }
+  // Decode graphs: how many batch sizes are captured, and replays so far.
+  int64_t n_graphs() const { return static_cast<int64_t>(graphs_.size()); }
+  int64_t graph_launches() const { return graph_launches_; }
+  // Off: every step runs its kernels one by one (for the benchmark's comparison).
+  void set_use_graphs(bool use) { use_graphs_ = use; }
+
+ private:
+  struct Layer {
+    cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv;
+    cuda::DeviceWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  // The layers and the head for the rows staged by run(); logits of
+  // `logit_rows` (rows 0..n_out-1 in order when logit_rows_are_all).
+  void compute(int64_t n, int64_t n_out, std::span<const int64_t> logit_rows,
+               bool logit_rows_are_all, const LayerStored& layer_stored);
+  void reserve(int64_t n_rows, int64_t n_out);
+  // Lays the device cache out as the host cache `layout` (see the constructor).
+  void use_layout(const KvLayout& layout);
+  // Copies whole blocks of rows [pos0, pos0 + n) between the device cache and
+  // the host one, in runs of consecutive block ids.
+  void copy_blocks(int64_t layer, std::span<const int32_t> block_table, int64_t pos0, int64_t n,
+                   KvElement* host, bool to_host);
+  // The sum over the instance's ranks, in place (nothing for a whole model).
+  void all_reduce(float* data, int64_t n);
+  // all (n, sum of parts) = every rank's `mine` (n, its part), side by side.
+  void gather_columns(const float* mine, const cuda::ColumnParts& parts, int64_t n, float* all);
+  // out (n, n_embd) = O or down of the input split over the ranks by `parts`
+  // (this rank's columns in `mine`; see the header comment).
+  void split_product(const cuda::DeviceWeight& w, const float* mine, const cuda::ColumnParts& parts,
+                     int64_t n, float* out);
+
+  const LlamaModel& model_;
+  DeviceCollective* const collective_;  // null for a whole model
+  std::unique_ptr<cuda::CudaBackend> backend_;
+  KvLayout layout_;
+  cuda::DeviceBuffer kv_;
+  cuda::DeviceWeight token_embd_, output_;
+  cuda::DeviceBuffer output_norm_, rope_freqs_;
+  std::vector<Layer> layers_;
+  size_t weight_bytes_ = 0;
+
+  // Activations, (rows, width) each, sized for capacity_ rows.
+  int64_t capacity_ = 0, out_capacity_ = 0;
+  cuda::DeviceBuffer x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_,
+      logits_;
+  // Tensor parallelism: this rank's logit slice (out_capacity_, vocab_stride)
+  // and every rank's, in rank order; the split dimensions' parts (query dims,
+  // hidden units, output rows of O and down) and their widest; the gathered
+  // input of O or down, this rank's rows of its output, an all-gather's result.
+  cuda::DeviceBuffer logits_slice_, logits_gathered_;
+  cuda::ColumnParts q_parts_, ff_parts_, embd_parts_;
+  int64_t widest_part_ = 0;
+  cuda::DeviceBuffer whole_in_, out_rows_, gathered_;
+  // Step inputs: tokens (n), positions (n), logit rows (n_out), staged in
+  // pinned memory and uploaded in one copy.
+  cuda::PinnedBuffer inputs_host_;
+  cuda::DeviceBuffer inputs_;
+  cuda::AttentionBatch batch_;
+  cuda::PinnedBuffer sampling_host_;
+  cuda::DeviceBuffer sampling_, sampled_;
+  int64_t last_n_out_ = 0;
+
+  // Decode graphs by batch size, and the buffers they were captured with.
+  bool use_graphs_ = true;
+  std::map<int64_t, cuda::Graph> graphs_;
+  std::map<int64_t, int> seen_;  // decode steps run per batch size (capture on the second)
+  const void* graph_batch_storage_ = nullptr;
+  int64_t graph_scratch_generation_ = 0;
+  int64_t graph_launches_ = 0;
+};
+
+}  // namespace duet

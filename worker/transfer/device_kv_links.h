@@ -1,0 +1,99 @@
+// How the rows payloads of a KV transfer move between two GPUs, device to
+// device, without touching host memory. The protocol (orders, rows headers,
+// handoffs, cancels, deadlines) stays with the KvTransfer that owns the
+// links (worker/transfer/mpi_kv_transfer.h): it sends each rows header over MPI as
+// always, and the payload goes through the links instead of a second MPI
+// message. Two implementations: NcclKvLinks (worker/transfer/nccl_kv_links.h;
+// GPUs of different hosts) and CudaIpcKvLinks (worker/transfer/cuda_ipc_kv_links.h;
+// GPUs of one host, or one GPU shared by two ranks).
+//
+// A payload is the packed rows of worker/kv/kv_rows.h, made on the sender's GPU
+// in staging memory the links own: the sender's blocks may be reused as
+// soon as send() returns (the packing is queued on the compute stream, ahead
+// of whatever overwrites them). The receiver unpacks each payload into the
+// import's reserved blocks on the links' own stream; a receipt completes
+// when its rows are in place (a CUDA event has fired), and only then does the
+// transfer count them, so attention never reads a layer still in flight.
+// An import ends (completes, fails or is released) only when none of its
+// receipts is pending any more: after on_released or on_failed nothing
+// writes its blocks.
+//
+// Threads: send() on the engine thread; everything else on the transfer's
+// communication thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/model/kv_layout.h"
+#include "worker/kv/kv_cache.h"
+#include "worker/kv/kv_rows.h"
+
+namespace duet {
+
+// Where a payload sits in its sender's staging, as the rows header carries it.
+struct DeviceRowsTicket {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+class DeviceKvLinks {
+ public:
+  virtual ~DeviceKvLinks() = default;
+
+  // Whether rows to or from world rank `peer` go through these links.
+  virtual bool carries(int peer) const = 0;
+
+  // Sender, engine thread. Packs rows [pos0, pos0 + n) of `layer` (the local
+  // KV heads `heads`) from `kv` under `block_table` and starts moving them to
+  // `peer`. Waits while the staging is full, up to the links' patience;
+  // nullopt when it stayed full or the link to `peer` is broken (the rows
+  // are not sent and the receiver's deadline fails the import).
+  virtual std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
+                                               int64_t layer, std::span<const int32_t> block_table,
+                                               int64_t pos0, int64_t n, KvHeads heads) = 0;
+
+  // Receiver. Starts taking the payload `ticket` from `peer` into `kv` under
+  // `block_table` (null kv: nobody wants the rows; they are drained, and the
+  // layout and table are not read). Throws kInvalidArgument for a ticket
+  // that is not the rows' size. The receipt it returns completes in a later
+  // poll().
+  virtual uint64_t receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
+                           const DeviceKv* kv, std::span<const int32_t> block_table, int64_t layer,
+                           int64_t pos0, int64_t n, KvHeads heads) = 0;
+
+  // A completed receipt; `ack` when the sender must be told that its staging
+  // for the payload is free again (its transfer calls released()).
+  struct Done {
+    uint64_t receipt = 0;
+    int peer = 0;
+    bool ok = true;  // false: the link broke and the rows did not all arrive
+    std::optional<DeviceRowsTicket> ack;
+  };
+  // Posts what send() and receive() queued and collects what finished. The
+  // transfer calls it on every pass of its thread.
+  virtual std::vector<Done> poll() = 0;
+
+  // Sender: the receiver is done with `ticket` from this rank's staging.
+  virtual void released(int peer, const DeviceRowsTicket& ticket) = 0;
+
+  // Gives up on the receipts from `peer` (a payload that could not even be
+  // drained, or a shutdown with payloads still in flight): they complete,
+  // not ok, in the next poll(). Links that cannot cancel work
+  // in flight breaks the link to `peer` for good (NCCL aborts its
+  // communicator); one whose work always finishes may simply let it finish.
+  virtual void abandon(int peer) = 0;
+
+  // Whether anything is queued or in flight (the transfer polls fast then).
+  virtual bool busy() const = 0;
+
+  // What went wrong since the last call (a link given up, and why), for the
+  // owner's log: the links themselves log nothing.
+  virtual std::vector<std::string> take_notes() { return {}; }
+};
+
+}  // namespace duet

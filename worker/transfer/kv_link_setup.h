@@ -1,0 +1,38 @@
+// Start-up of a cluster's KV links: where every rank runs (one all-gather of
+// placements), and the device links of the GPU pairs (worker/transfer/kv_link.h):
+// CUDA IPC handles exchanged with one more all-gather, one NCCL
+// communicator per NCCL pair, made in the same order on every rank. Both
+// functions are collective over MPI_COMM_WORLD: every rank calls them, in
+// the same place, once.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/cluster/cluster_spec.h"
+#include "common/mpi/mpi_runtime.h"
+#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/kv_link.h"
+
+namespace duet {
+
+// This rank's placement: its host, and for an instance rank the device of
+// `device` ("cpu", "cuda:N", or "cuda": the GPU of the rank's index among the
+// job's ranks on its host, modulo the host's GPUs), with its UUID. Nothing
+// is checked here (an instance refuses a missing GPU when it loads).
+RankPlacement own_placement(const MpiRuntime& mpi, const ClusterSpec& spec,
+                            const std::string& device);
+
+// Every rank's placement, by rank.
+std::vector<RankPlacement> gather_placements(const MpiRuntime& mpi, const RankPlacement& own);
+
+// The device links for this rank's GPU pairs, or null when it has none (or
+// when any rank's GPU is unusable: its instance then refuses to start, and
+// no rank waits on it here). Logs every pair's link on the coordinator.
+std::unique_ptr<DeviceKvLinks> make_device_kv_links(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                    std::span<const RankPlacement> placements,
+                                                    SameHostGpus same_host);
+
+}  // namespace duet

@@ -1,0 +1,448 @@
+#include "worker/transfer/nccl_kv_links.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "common/error.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/kv_rows.h"
+
+namespace duet {
+namespace {
+
+static_assert(sizeof(ncclUniqueId) == NcclKvLinks::kUniqueIdBytes);
+
+// At most this many operations in one ncclGroupStart/ncclGroupEnd.
+constexpr size_t kMaxGroupOps = 256;
+
+void bind(int device) { DUET_CUDA_CHECK(cudaSetDevice(device)); }
+
+ncclComm_t as_comm(void* comm) { return static_cast<ncclComm_t>(comm); }
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Connections made when a communicator is created, not at its first
+// transfers (NCCL's default since 2.22): a pair's first large payload then
+// cannot wait on the host for a connection its busy peer has yet to make,
+// and connect() warms up everything. Read by NCCL when it first creates a
+// communicator in the process; a value the user set is kept.
+void connect_at_init() { ::setenv("NCCL_RUNTIME_CONNECT", "0", 0); }
+
+}  // namespace
+
+std::vector<std::byte> NcclKvLinks::unique_id() {
+  connect_at_init();
+  ncclUniqueId id;
+  DUET_NCCL_CHECK(ncclGetUniqueId(&id));
+  std::vector<std::byte> bytes(sizeof id);
+  std::memcpy(bytes.data(), &id, sizeof id);
+  return bytes;
+}
+
+void* NcclKvLinks::join(std::span<const std::byte> unique_id, int n_ranks, int rank, int device) {
+  ncclUniqueId id;
+  DUET_REQUIRE(unique_id.size() == sizeof id, "an NCCL unique id of {} bytes, not {}",
+               unique_id.size(), sizeof id);
+  DUET_REQUIRE(n_ranks >= 1 && rank >= 0 && rank < n_ranks, "NCCL rank {} of {}", rank, n_ranks);
+  std::memcpy(&id, unique_id.data(), sizeof id);
+  bind(device);
+  connect_at_init();
+  ncclComm_t comm = nullptr;
+  DUET_NCCL_CHECK(ncclCommInitRank(&comm, n_ranks, id, rank));
+  return comm;
+}
+
+NcclKvLinks::NcclKvLinks(int device, bool sends, bool receives, Options options)
+    : device_(device), options_(options) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    throw Error(ErrorKind::kUnsupported,
+                format("NCCL KV links: no CUDA device {} on this machine", device));
+  }
+  bind(device_);
+  if (sends) {
+    send_staging_ = std::make_unique<DeviceStaging>(options_.send_staging_bytes);
+    send_tables_ = std::make_unique<TableStaging>(options_.table_entries);
+  }
+  if (receives) {
+    receive_staging_ = std::make_unique<DeviceStaging>(options_.receive_staging_bytes);
+    receive_tables_ = std::make_unique<TableStaging>(options_.table_entries);
+  }
+}
+
+NcclKvLinks::~NcclKvLinks() {
+  cudaSetDevice(device_);
+  const bool in_flight = !receipts_.empty() || !sends_.empty();
+  for (auto& [peer, p] : peers_) {
+    if (p.broken) continue;  // aborted already
+    // Work still posted may never be matched (the peer is going away too).
+    if (in_flight) {
+      ncclCommAbort(as_comm(p.comm));
+    } else {
+      ncclCommDestroy(as_comm(p.comm));
+    }
+  }
+  for (auto& [peer, p] : peers_) p.stream.reset();  // synchronized: nothing runs on the staging
+}
+
+void NcclKvLinks::add_peer(int peer, void* comm, int peer_rank) {
+  DUET_ASSERT(comm != nullptr && !peers_.contains(peer), "rank {}'s NCCL link added twice", peer);
+  bind(device_);
+  Peer p;
+  p.comm = comm;
+  p.rank = peer_rank;
+  int n_ranks = 0;
+  DUET_NCCL_CHECK(ncclCommCount(as_comm(comm), &n_ranks));
+  p.to_self = n_ranks == 1;
+  p.stream = std::make_unique<DeviceStream>();
+  std::lock_guard lock(send_mutex_);
+  peers_.emplace(peer, std::move(p));
+}
+
+void NcclKvLinks::connect(int peer) {
+  bind(device_);
+  const Peer& p = peers_.at(peer);
+  cuda::DeviceBuffer bytes(2);
+  DUET_NCCL_CHECK(ncclGroupStart());
+  DUET_NCCL_CHECK(ncclSend(bytes.as<std::byte>(), 1, ncclUint8, p.rank, as_comm(p.comm),
+                           as_stream(p.stream->get())));
+  DUET_NCCL_CHECK(ncclRecv(bytes.as<std::byte>() + 1, 1, ncclUint8, p.rank, as_comm(p.comm),
+                           as_stream(p.stream->get())));
+  DUET_NCCL_CHECK(ncclGroupEnd());
+  p.stream->synchronize();
+}
+
+bool NcclKvLinks::carries(int peer) const {
+  std::lock_guard lock(send_mutex_);
+  return peers_.contains(peer);
+}
+
+// ---------------------------------------------------------------- the engine thread
+
+std::optional<DeviceRowsTicket> NcclKvLinks::send(int peer, const KvLayout& layout,
+                                                  const DeviceKv& kv, int64_t layer,
+                                                  std::span<const int32_t> block_table,
+                                                  int64_t pos0, int64_t n, KvHeads heads) {
+  DUET_ASSERT(send_staging_ != nullptr && kv.valid() && kv.device == device_,
+              "NCCL send from device {} through links of device {}", kv.device, device_);
+  const size_t bytes = payload_bytes(layout, n, heads);
+  if (bytes == 0 || bytes > send_staging_->capacity()) return std::nullopt;
+  size_t offset = 0;
+  {
+    std::unique_lock lock(send_mutex_);
+    const auto it = peers_.find(peer);
+    if (it == peers_.end() || it->second.broken) return std::nullopt;
+    std::optional<size_t> room;
+    const bool got = send_room_.wait_for(lock, options_.patience, [&] {
+      if (peers_.at(peer).broken) return true;
+      room = send_staging_->acquire(bytes);
+      return room.has_value();
+    });
+    if (!got || !room) {
+      if (room) send_staging_->release(*room);
+      return std::nullopt;
+    }
+    offset = *room;
+  }
+  // Packed (and waited for) before the send is posted.
+  try {
+    bind(device_);
+    pack_into_staging(*send_staging_, offset, *send_tables_, layout, kv, layer, block_table, pos0,
+                      n, heads);
+  } catch (...) {
+    std::lock_guard lock(send_mutex_);
+    send_staging_->release(offset);
+    throw;
+  }
+  auto queued = std::make_unique<Send>();
+  queued->peer = peer;
+  queued->offset = offset;
+  queued->bytes = bytes;
+  std::lock_guard lock(send_mutex_);
+  if (peers_.at(peer).broken) {  // broken while this thread packed
+    send_staging_->release(offset);
+    return std::nullopt;
+  }
+  sends_.push_back(std::move(queued));
+  return DeviceRowsTicket{offset, bytes};
+}
+
+// ---------------------------------------------------------------- the communication thread
+
+uint64_t NcclKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
+                              const DeviceKv* kv, std::span<const int32_t> block_table,
+                              int64_t layer, int64_t pos0, int64_t n, KvHeads heads) {
+  const auto p = peers_.find(peer);
+  DUET_ASSERT(p != peers_.end() && receive_staging_ != nullptr,
+              "rows from rank {}, which has no NCCL link here", peer);
+  DUET_ASSERT(kv == nullptr || kv->device == device_,
+              "rows for device {} through links of device {}", kv->device, device_);
+  DUET_REQUIRE(ticket.bytes > 0 && ticket.bytes <= receive_staging_->capacity() &&
+                   (kv == nullptr || ticket.bytes == payload_bytes(layout, n, heads)),
+               "rank {}'s NCCL payload of {} bytes is not its rows' size (or over the {}-byte "
+               "receive staging)",
+               peer, ticket.bytes, receive_staging_->capacity());
+  const uint64_t id = next_receipt_++;
+  if (p->second.broken) {  // its send was ended with the communicator
+    abandoned_.push_back(Done{id, peer, false, std::nullopt});
+    return id;
+  }
+  bind(device_);  // the receipt's event belongs to these links' device
+  auto receipt = std::make_unique<Receipt>();
+  receipt->id = id;
+  receipt->peer = peer;
+  receipt->bytes = ticket.bytes;
+  receipt->layout = layout;
+  receipt->layer = layer;
+  receipt->n = n;
+  receipt->heads = heads;
+  if (kv != nullptr) {
+    receipt->kv = *kv;
+    const CoveringBlocks covering = covering_blocks(block_table, layout.block_size, pos0, n);
+    receipt->block_table.assign(covering.table.begin(), covering.table.end());
+    receipt->pos0 = covering.pos0;
+  }
+  receipts_.push_back(std::move(receipt));
+  return id;
+}
+
+std::vector<DeviceKvLinks::Done> NcclKvLinks::poll() {
+  std::vector<Done> done = std::move(abandoned_);
+  abandoned_.clear();
+  {
+    std::lock_guard lock(send_mutex_);
+    if (sends_.empty() && receipts_.empty()) return done;
+  }
+  bind(device_);
+  try {
+    post(done);
+    collect(done);
+    check_links(done);
+  } catch (...) {
+    // What finished (or broke) so far is not lost: the next poll() hands it out.
+    abandoned_.insert(abandoned_.begin(), done.begin(), done.end());
+    throw;
+  }
+  return done;
+}
+
+void NcclKvLinks::post(std::vector<Done>& done) {
+  std::vector<Send*> sends;
+  {
+    std::lock_guard lock(send_mutex_);
+    for (auto& s : sends_) {
+      if (sends.size() == kMaxGroupOps / 2) break;
+      if (!s->posted && !peers_.at(s->peer).broken) sends.push_back(s.get());
+    }
+  }
+  // Receives in the order their headers came, each with its staging and (to
+  // unpack) its table slot reserved first: one that finds no room stops the
+  // rest, which wait for room in order.
+  std::vector<Receipt*> receipts;
+  for (auto& r : receipts_) {
+    if (r->posted) continue;
+    if (receipts.size() == kMaxGroupOps / 2) break;
+    const std::optional<size_t> offset = receive_staging_->acquire(r->bytes);
+    if (!offset) break;
+    if (r->kv.valid()) {
+      const std::optional<TableStaging::Slot> table =
+          receive_tables_->upload(r->block_table, peers_.at(r->peer).stream->get());
+      if (!table) {
+        receive_staging_->release(*offset);
+        break;
+      }
+      r->table_offset = table->offset;
+      r->has_table = true;
+    }
+    r->staging_offset = *offset;
+    receipts.push_back(r.get());
+  }
+  // A rank's sends to itself run on the stream its receives do: each must
+  // go in one group with its receive, or it would wait for it forever.
+  for (auto& [peer, p] : peers_) {
+    if (!p.to_self) continue;
+    const auto mine = [&](const auto* op) { return op->peer == peer; };
+    const auto n_sends = std::count_if(sends.begin(), sends.end(), mine);
+    const auto n_receipts = std::count_if(receipts.begin(), receipts.end(), mine);
+    for (auto extra = n_sends - std::min(n_sends, n_receipts); extra > 0; --extra) {
+      sends.erase(std::find_if(sends.rbegin(), sends.rend(), mine).base() - 1);
+    }
+    for (auto extra = n_receipts - std::min(n_sends, n_receipts); extra > 0; --extra) {
+      auto it = std::find_if(receipts.rbegin(), receipts.rend(), mine).base() - 1;
+      receive_staging_->release((*it)->staging_offset);
+      if ((*it)->has_table) receive_tables_->release((*it)->table_offset);
+      (*it)->has_table = false;
+      receipts.erase(it);
+    }
+  }
+  if (sends.empty() && receipts.empty()) return;
+  bool grouped = true;
+  ncclGroupStart();
+  for (Send* s : sends) {
+    const Peer& p = peers_.at(s->peer);
+    grouped = grouped && ncclSend(send_staging_->at(s->offset), s->bytes, ncclUint8, p.rank,
+                                  as_comm(p.comm), as_stream(p.stream->get())) == ncclSuccess;
+  }
+  for (Receipt* r : receipts) {
+    const Peer& p = peers_.at(r->peer);
+    grouped =
+        grouped && ncclRecv(receive_staging_->at(r->staging_offset), r->bytes, ncclUint8, p.rank,
+                            as_comm(p.comm), as_stream(p.stream->get())) == ncclSuccess;
+  }
+  const ncclResult_t ended = ncclGroupEnd();
+  // Posted (or refused) as one group: none of them may be posted again,
+  // whatever happens below, or the pair's order of operations would slip.
+  const auto now = std::chrono::steady_clock::now();
+  for (Send* s : sends) {
+    s->posted_at = now;
+    s->posted = true;
+  }
+  for (Receipt* r : receipts) {
+    r->posted_at = now;
+    r->posted = true;
+  }
+  bool queued = grouped && ended == ncclSuccess;
+  std::string why = ncclGetErrorString(ended);
+  if (queued) {
+    // Behind the transfers on each peer's stream (NCCL launched them at
+    // ncclGroupEnd): the unpacks, then the events that say they are done.
+    try {
+      for (Send* s : sends) s->done.record(peers_.at(s->peer).stream->get());
+      for (Receipt* r : receipts) {
+        void* stream = peers_.at(r->peer).stream->get();
+        if (r->kv.valid()) {
+          cuda::unpack_kv_rows(r->layout, r->kv.data, r->layer,
+                               receive_tables_->device_at(r->table_offset), r->pos0, r->n,
+                               r->heads.first, r->heads.count,
+                               receive_staging_->at(r->staging_offset), stream);
+        }
+        r->done.record(stream);
+      }
+    } catch (const std::exception& e) {
+      queued = false;
+      why = e.what();
+    }
+  }
+  if (!queued) {
+    // NCCL refused the group, or what follows it could not be queued: every
+    // link in it is given up (its operations end with the communicator).
+    notes_.push_back(format("a group of {} NCCL send(s) and {} receive(s) failed: {}", sends.size(),
+                            receipts.size(), why));
+    std::vector<int> peers;
+    for (Send* s : sends) peers.push_back(s->peer);
+    for (Receipt* r : receipts) peers.push_back(r->peer);
+    for (int peer : peers) break_link(peer, done);
+  }
+}
+
+void NcclKvLinks::collect(std::vector<Done>& done) {
+  {
+    std::lock_guard lock(send_mutex_);
+    bool freed = false;
+    std::erase_if(sends_, [&](const std::unique_ptr<Send>& s) {
+      if (!s->posted || !s->done.done()) return false;
+      send_staging_->release(s->offset);
+      freed = true;
+      return true;
+    });
+    if (freed) send_room_.notify_all();
+  }
+  // Each peer's receipts finish in order on its stream; peers independently.
+  // Which ones are asked first (a query may throw), then they go.
+  std::vector<bool> finished;
+  finished.reserve(receipts_.size());
+  for (const auto& r : receipts_) finished.push_back(r->posted && r->done.done());
+  size_t i = 0;
+  std::erase_if(receipts_, [&](const std::unique_ptr<Receipt>& r) {
+    if (!finished[i++]) return false;
+    receive_staging_->release(r->staging_offset);
+    if (r->has_table) receive_tables_->release(r->table_offset);
+    done.push_back(Done{r->id, r->peer, true, std::nullopt});
+    return true;
+  });
+}
+
+// A link is given up when NCCL reports an asynchronous error on it, or when
+// a send or receive posted on it has waited longer than the patience (its
+// peer stopped: nothing else can end a posted operation).
+void NcclKvLinks::check_links(std::vector<Done>& done) {
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<int> broken;
+  for (auto& [peer, p] : peers_) {
+    if (p.broken) continue;
+    ncclResult_t async = ncclSuccess;
+    const bool queried = ncclCommGetAsyncError(as_comm(p.comm), &async) == ncclSuccess;
+    bool stuck = !queried || (async != ncclSuccess && async != ncclInProgress);
+    for (const auto& r : receipts_) {
+      if (r->peer == peer && r->posted && now - r->posted_at > options_.patience) stuck = true;
+    }
+    {
+      std::lock_guard lock(send_mutex_);
+      for (const auto& s : sends_) {
+        if (s->peer == peer && s->posted && now - s->posted_at > options_.patience) stuck = true;
+      }
+    }
+    if (stuck) broken.push_back(peer);
+  }
+  for (int peer : broken) {
+    notes_.push_back(format("the NCCL link to rank {} is stuck or failed", peer));
+    break_link(peer, done);
+  }
+}
+
+void NcclKvLinks::abandon(int peer) {
+  if (!peers_.contains(peer)) return;
+  bind(device_);
+  break_link(peer, abandoned_);  // its receipts complete (not ok) in the next poll()
+}
+
+void NcclKvLinks::break_link(int peer, std::vector<Done>& done) {
+  Peer& p = peers_.at(peer);
+  if (p.broken) return;
+  ncclCommAbort(as_comm(p.comm));  // ends the operations posted on it, on the GPU too
+  {
+    std::lock_guard lock(send_mutex_);
+    p.broken = true;  // from here on nothing touches the freed communicator
+  }
+  p.comm = nullptr;
+  // Nothing of it runs on the staging any more (an error here is the abort's).
+  cudaStreamSynchronize(as_stream(p.stream->get()));
+  cudaGetLastError();
+  notes_.push_back(
+      format("the NCCL link to rank {} is given up: KV transfers with it fail until "
+             "the cluster restarts",
+             peer));
+  {
+    std::lock_guard lock(send_mutex_);
+    std::erase_if(sends_, [&](const std::unique_ptr<Send>& s) {
+      if (s->peer != peer) return false;
+      send_staging_->release(s->offset);
+      return true;
+    });
+  }
+  send_room_.notify_all();
+  std::erase_if(receipts_, [&](const std::unique_ptr<Receipt>& r) {
+    if (r->peer != peer) return false;
+    if (r->posted) receive_staging_->release(r->staging_offset);
+    if (r->has_table) receive_tables_->release(r->table_offset);
+    done.push_back(Done{r->id, r->peer, false, std::nullopt});
+    return true;
+  });
+}
+
+void NcclKvLinks::released(int, const DeviceRowsTicket&) {}
+
+std::vector<std::string> NcclKvLinks::take_notes() { return std::exchange(notes_, {}); }
+
+bool NcclKvLinks::busy() const {
+  if (!receipts_.empty() || !abandoned_.empty()) return true;
+  std::lock_guard lock(send_mutex_);
+  return !sends_.empty();
+}
+
+}  // namespace duet
