@@ -7,31 +7,51 @@
 
 namespace duet {
 
-Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
-               EngineConfig config, Collective* collective, DeviceCollective* device_collective)
-    : model_(model),
+namespace {
+
+KvLayout with_blocks(KvLayout layout, int64_t n_blocks) {
+  layout.n_blocks = n_blocks;
+  return layout;
+}
+
+}  // namespace
+
+EngineBackend model_backend(const LlamaModel& model, const cpu::KernelTable& kernels,
+                            cpu::ThreadPool& pool, const ForwardPlacement& placement) {
+  return {make_forward(model, kernels, pool, placement), model.kv_layout(1), KvMemory::kHost,
+          model.config().n_vocab, model.config().n_ctx_train};
+}
+
+Engine::Engine(EngineBackend backend, EngineConfig config)
+    : n_vocab_(backend.n_vocab),
+      n_ctx_(backend.n_ctx),
       pool_(config.n_kv_blocks),
-      kv_(pool_, KvLayout::kDefaultBlockSize, /*prefix_caching=*/!config.scheduler.recompute),
+      kv_(pool_, backend.kv_layout.block_size, /*prefix_caching=*/!config.scheduler.recompute),
       scheduler_(kv_, config.scheduler),
-      cache_(model.kv_layout(config.n_kv_blocks)),
-      forward_(make_forward(model, kernels, pool, {config.device, collective, device_collective})),
+      cache_(with_blocks(backend.kv_layout, config.n_kv_blocks), backend.kv_memory),
+      forward_(std::move(backend.forward)),
       max_running_(config.scheduler.max_running),
       end_of_generation_(std::move(config.end_of_generation)) {
+  DUET_ASSERT(forward_ != nullptr, "an engine without a forward pass");
   cache_.set_device_copy(forward_->device_kv(cache_.layout()));
 }
 
+Engine::Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
+               EngineConfig config, Collective* collective, DeviceCollective* device_collective)
+    : Engine(model_backend(model, kernels, pool, {config.device, collective, device_collective}),
+             std::move(config)) {}
+
 void Engine::validate(std::span<const int32_t> prompt, const RequestOptions& options) const {
-  const ModelConfig& c = model_.config();
   DUET_REQUIRE(!prompt.empty(), "the prompt is empty");
   DUET_REQUIRE(options.max_tokens >= 1, "max_tokens must be >= 1, got {}", options.max_tokens);
   for (int32_t id : prompt) {
-    DUET_REQUIRE(id >= 0 && id < c.n_vocab, "token id {} is outside the vocabulary (0..{})", id,
-                 c.n_vocab - 1);
+    DUET_REQUIRE(id >= 0 && id < n_vocab_, "token id {} is outside the vocabulary (0..{})", id,
+                 n_vocab_ - 1);
   }
   const int64_t total = static_cast<int64_t>(prompt.size()) + options.max_tokens;
-  DUET_REQUIRE(total <= c.n_ctx_train,
+  DUET_REQUIRE(total <= n_ctx_,
                "the prompt ({} tokens) plus max_tokens ({}) exceeds the model's context of {}",
-               prompt.size(), options.max_tokens, c.n_ctx_train);
+               prompt.size(), options.max_tokens, n_ctx_);
   const int64_t capacity = pool_.n_blocks() * kv_.block_size();
   DUET_REQUIRE(total <= capacity,
                "the prompt ({} tokens) plus max_tokens ({}) exceeds the KV cache's {} tokens",
@@ -159,6 +179,7 @@ void Engine::cancel(SequenceId id) {
 uint64_t Engine::kv_checksum(SequenceId id, int64_t n) {
   DUET_REQUIRE(kv_.has_sequence(id) && n <= kv_.n_reserved_tokens(id),
                "sequence {} holds no KV for {} positions", id.value, n);
+  DUET_REQUIRE(cache_.data() != nullptr, "this engine's KV cache holds no memory");
   forward_->kv_to_host(-1, kv_.block_table(id), 0, n, cache_);
   return kv_rows_checksum(cache_.layout(), cache_.data(), kv_.block_table(id), 0, n);
 }
@@ -237,7 +258,7 @@ bool Engine::step() {
     before_forward_({batch_tokens_, batch_sequences_, logit_rows_, export_rows_});
   // Rows sampled on the device leave their logits there.
   const bool on_device = samples_on_device(plan);
-  if (!on_device) logits_.resize(logit_rows_.size() * static_cast<size_t>(model_.config().n_vocab));
+  if (!on_device) logits_.resize(logit_rows_.size() * static_cast<size_t>(n_vocab_));
   forward_->run(
       batch_tokens_, batch_sequences_, cache_, logit_rows_, on_device ? nullptr : logits_.data(),
       export_rows_.empty() ? ModelForward::LayerStored{}
@@ -281,7 +302,7 @@ bool Engine::samples_on_device(const StepPlan& plan) const {
 void Engine::sample(const StepPlan& plan, bool on_device) {
   sampled_.clear();
   device_sampling_.clear();
-  const int64_t n_vocab = model_.config().n_vocab;
+  const int64_t n_vocab = n_vocab_;
   size_t row = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.samples) continue;

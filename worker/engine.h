@@ -125,13 +125,34 @@ struct EngineStats {
   int64_t prefix_hit_tokens = 0;
 };
 
+// What an engine computes with, apart from its own bookkeeping: a forward
+// pass, the shape of the KV it stores (and whether the cache holds memory),
+// and the limits requests are checked against. A loaded model gives one
+// (model_backend); a step-time model with no weights and no KV memory gives
+// another (worker/model/step_time_forward.h), so that a cluster simulator
+// runs this engine's scheduling, admission and import code unchanged.
+struct EngineBackend {
+  std::unique_ptr<ModelForward> forward;
+  KvLayout kv_layout;  // its n_blocks is the engine's (EngineConfig::n_kv_blocks)
+  KvMemory kv_memory = KvMemory::kHost;
+  int64_t n_vocab = 0;  // token ids are in [0, n_vocab); logit rows are this long
+  int64_t n_ctx = 0;    // a prompt plus max_tokens fits in this many positions
+};
+
+// `model` run by the forward make_forward picks for `placement` (throws as
+// make_forward does).
+EngineBackend model_backend(const LlamaModel& model, const cpu::KernelTable& kernels,
+                            cpu::ThreadPool& pool, const ForwardPlacement& placement);
+
 class Engine final {
  public:
-  // A sharded `model` (tensor parallelism) needs its instance's `collective`
-  // (outlives the engine); the followers must run every batch too (see
-  // set_before_forward). config.device >= 0 runs the forward pass on that
-  // GPU (throws kUnsupported where there is none); its KV cache then lives
-  // in device memory and cache() is the transfers' staging copy.
+  Engine(EngineBackend backend, EngineConfig config);
+  // A loaded model's engine. A sharded `model` (tensor parallelism) needs its
+  // instance's `collective` (outlives the engine); the followers must run
+  // every batch too (see set_before_forward). config.device >= 0 runs the
+  // forward pass on that GPU (throws kUnsupported where there is none); its
+  // KV cache then lives in device memory and cache() is the transfers'
+  // staging copy.
   Engine(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
          EngineConfig config, Collective* collective = nullptr,
          DeviceCollective* device_collective = nullptr);
@@ -167,7 +188,7 @@ class Engine final {
   // without a sink event (its owner reports why). Unknown ids are ignored.
   void release_import(SequenceId id);
   // The KV memory (on a GPU engine, the host staging copy, synchronized for
-  // exported and imported rows). A transfer writes imported rows into it
+  // exported and imported rows; none for KvMemory::kNone). A transfer writes imported rows into it
   // from its own thread, only into the blocks of a reserved import, and only
   // until the import completes or is released.
   KvCache& cache() { return cache_; }
@@ -240,7 +261,8 @@ class Engine final {
   // Emits a sampled token; finishes the sequence when it ends it.
   void emit(SequenceId id, int32_t token, int64_t position);
 
-  const LlamaModel& model_;
+  const int64_t n_vocab_;
+  const int64_t n_ctx_;
   BlockPool pool_;
   KvCacheManager kv_;
   Scheduler scheduler_;

@@ -15,7 +15,8 @@ KvLayout make_kv_layout(const ModelConfig& config, int64_t n_blocks, int64_t blo
   return layout;
 }
 
-KvCache::KvCache(const KvLayout& layout)
-    : layout_(layout), storage_(static_cast<size_t>(layout.total_elems())) {}
+KvCache::KvCache(const KvLayout& layout, KvMemory memory) : layout_(layout) {
+  if (memory == KvMemory::kHost) storage_.resize(static_cast<size_t>(layout.total_elems()));
+}
 
 }  // namespace duet

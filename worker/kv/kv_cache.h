@@ -28,15 +28,21 @@ struct DeviceKv {
   bool valid() const { return data != nullptr; }
 };
 
+// Whether a KvCache holds its memory: kNone for an engine that only
+// schedules (a step-time model's, worker/model/step_time_forward.h), whose
+// KV is never written or read.
+enum class KvMemory { kHost, kNone };
+
 class KvCache final {
  public:
-  explicit KvCache(const KvLayout& layout);
+  explicit KvCache(const KvLayout& layout, KvMemory memory = KvMemory::kHost);
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
 
   const KvLayout& layout() const { return layout_; }
-  KvElement* data() { return storage_.data(); }
-  const KvElement* data() const { return storage_.data(); }
+  // Null for KvMemory::kNone.
+  KvElement* data() { return storage_.empty() ? nullptr : storage_.data(); }
+  const KvElement* data() const { return storage_.empty() ? nullptr : storage_.data(); }
 
   // The device pool of a GPU engine (set once by the engine), else invalid.
   const DeviceKv& device_copy() const { return device_copy_; }
