@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-#include "kernels/cpu/ops.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/weights.h"
+#include "kernels/op_params.h"
 
 namespace duet::cuda {
 
@@ -45,7 +45,7 @@ void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, i
 
 // Twin of cpu::rope; params.freq_factors, when set, is a device pointer.
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
-          const cpu::RopeParams& params, CudaBackend& backend);
+          const RopeParams& params, CudaBackend& backend);
 
 // out[i] = silu(gate[i]) * up[i] (twin of KernelTable::silu_mul); out may alias gate.
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, CudaBackend& backend);

@@ -180,9 +180,9 @@ void CpuForward::run(std::span<const int32_t> tokens, std::span<const ForwardSeq
   const int64_t n_ff = shard.n_ff();
   const int64_t q_dim = n_heads * c.head_dim;
   const int64_t kv_dim = n_kv_heads * c.head_dim;
-  const cpu::RopeParams rope =
+  const RopeParams rope =
       rope_params(c, model_.rope_freqs().empty() ? nullptr : model_.rope_freqs().data());
-  const cpu::AttentionShape shape = attention_shape(c, shard);
+  const AttentionShape shape = attention_shape(c, shard);
 
   // Each sequence's rows of the batch, for the cache stores and the attention.
   attention_sequences_.clear();

@@ -85,7 +85,7 @@ class CpuForward final : public ModelForward {
   CollectiveTime collective_time_;
   cpu::PackedActivations packed_;
   std::vector<int32_t> positions_;
-  std::vector<cpu::AttentionSequence> attention_sequences_;
+  std::vector<AttentionSequence> attention_sequences_;
   std::vector<float> x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_;
   // This rank's slice of the logits (n_out, vocab_stride), then every
   // rank's in rank order; tensor parallelism only.

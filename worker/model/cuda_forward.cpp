@@ -190,7 +190,7 @@ void CudaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSe
   std::copy(tokens.begin(), tokens.end(), staged);
   bool all_rows_sampled = n_out == n;
   bool decode = true;
-  std::vector<cpu::AttentionSequence> attention;
+  std::vector<AttentionSequence> attention;
   attention.reserve(sequences.size());
   {
     int64_t row = 0;
@@ -261,10 +261,9 @@ void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> log
   const int64_t n_ff = shard.n_ff();
   const int64_t q_dim = n_heads * c.head_dim;
   const int64_t kv_dim = n_kv_heads * c.head_dim;
-  const cpu::RopeParams rope =
-      rope_params(c, rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_));
+  const RopeParams rope = rope_params(c, rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_));
   // One reduction order on the GPU: the sequences' one_token_from is not read.
-  const cpu::AttentionShape shape = attention_shape(c, shard);
+  const AttentionShape shape = attention_shape(c, shard);
   auto* kv = kv_.as<KvElement>();
   float* x = floats_mut(x_);
   float* norm = floats_mut(norm_);

@@ -30,9 +30,9 @@ int parse_device(std::string_view device) {
               format("--device must be cpu, cuda or cuda:N (N a GPU index), got '{}'", device));
 }
 
-cpu::RopeParams rope_params(const ModelConfig& c, const float* freq_factors) {
-  cpu::RopeParams rope;
-  rope.style = c.rope_neox ? cpu::RopeStyle::kHalves : cpu::RopeStyle::kAdjacentPairs;
+RopeParams rope_params(const ModelConfig& c, const float* freq_factors) {
+  RopeParams rope;
+  rope.style = c.rope_neox ? RopeStyle::kHalves : RopeStyle::kAdjacentPairs;
   rope.n_rot = c.n_rot;
   rope.freq_base = c.rope_freq_base;
   rope.freq_scale = c.rope_freq_scale;
@@ -40,8 +40,8 @@ cpu::RopeParams rope_params(const ModelConfig& c, const float* freq_factors) {
   return rope;
 }
 
-cpu::AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard) {
-  cpu::AttentionShape shape;
+AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard) {
+  AttentionShape shape;
   shape.n_heads = shard.n_heads();
   shape.n_kv_heads = shard.n_kv_heads();
   shape.head_dim = c.head_dim;

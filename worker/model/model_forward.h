@@ -33,7 +33,7 @@ struct ForwardSequence {
   // Rows at positions >= this are computed in llama.cpp's one-token order,
   // the rest in its multi-token order (the engine's rule, common/model/token_order.h;
   // the CPU forward only).
-  int64_t one_token_from = cpu::kNoOneTokenRows;
+  int64_t one_token_from = kNoOneTokenRows;
 };
 
 // One logit row's draw, for sampling on the device (no penalties, no min-p).
@@ -81,8 +81,8 @@ class ModelForward {
 // What every forward pass sets up alike from the model: its RoPE (the
 // frequency divisors `freq_factors`, or null; host or device memory, as the
 // forward's kernels read them) and the attention of the shard's heads.
-cpu::RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
-cpu::AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
+RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
+AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
 
 // Where a forward runs: the CPU (device -1) or CUDA device `device`.
 struct ForwardPlacement {
