@@ -22,7 +22,7 @@ void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, flo
 // blocks of (n_rows, stride), slice s the columns [s * stride, s * stride +
 // stride) of every row (an all-gather's result, the last slice padded); out
 // (n_rows, n_cols) takes each row's n_cols columns from them. The twin of
-// the loop closing CpuForward's head.
+// the CPU forward's assemble_logits op.
 void assemble_slices(const float* slices, int64_t n_slices, int64_t n_rows, int64_t stride,
                      int64_t n_cols, float* out, CudaBackend& backend);
 

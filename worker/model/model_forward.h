@@ -14,10 +14,9 @@
 #include <span>
 #include <string_view>
 
-#include "kernels/cpu/attention.h"
 #include "kernels/cpu/kernel_table.h"
-#include "kernels/cpu/ops.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/op_params.h"
 #include "worker/kv/kv_cache.h"
 #include "worker/model/llama_model.h"
 #include "worker/parallel/collective.h"
@@ -77,12 +76,6 @@ class ModelForward {
   virtual void kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                             const KvCache& cache);
 };
-
-// What every forward pass sets up alike from the model: its RoPE (the
-// frequency divisors `freq_factors`, or null; host or device memory, as the
-// forward's kernels read them) and the attention of the shard's heads.
-RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
-AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
 
 // Where a forward runs: the CPU (device -1) or CUDA device `device`.
 struct ForwardPlacement {
