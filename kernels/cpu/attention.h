@@ -6,30 +6,21 @@
 // sum; the probabilities are rounded to F16 before they weight V; every dot
 // product reduces in the fixed lane orders of kernel_table.h. llama.cpp has
 // two such orders, and which one a query row takes is the row's own (see
-// AttentionSequence::one_token_from), never the batch's: a row's result never
-// depends on the other rows or sequences of a batch, nor on how its own
-// sequence is split into steps. Block sizes must be multiples of 16.
+// AttentionSequence::one_token_from, kernels/op_params.h), never the
+// batch's: a row's result never depends on the other rows or sequences of a
+// batch, nor on how its own sequence is split into steps. Block sizes must
+// be multiples of 16.
 #pragma once
 
-#include <climits>
 #include <cstdint>
 #include <span>
 
 #include "common/model/kv_layout.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/op_params.h"
 
 namespace duet::cpu {
-
-// A position no row reaches: every row in the multi-token order.
-inline constexpr int64_t kNoOneTokenRows = INT64_MAX;
-
-struct AttentionShape {
-  int64_t n_heads = 0;
-  int64_t n_kv_heads = 0;  // query head h reads KV head h / (n_heads / n_kv_heads)
-  int64_t head_dim = 0;
-  float scale = 1.0f;  // usually 1 / sqrt(head_dim)
-};
 
 // Writes K and V rows of n_tokens tokens at positions [pos0, pos0 + n_tokens)
 // into the cache, converting to F16. k, v: (n_tokens, n_kv_heads * head_dim).
@@ -42,17 +33,6 @@ void kv_cache_store(const KvLayout& layout, KvElement* cache, int64_t layer,
 // multi-token order (its GEMM, for micro-batches of two or more), which needs
 // whole 16-lane runs of head_dim (else 4 whatever the order).
 int attention_groups(bool one_token, int64_t head_dim);
-
-// One sequence's query rows in a batched attention call.
-struct AttentionSequence {
-  std::span<const int32_t> block_table;
-  int64_t pos0 = 0;  // position of its first query row
-  int64_t n_q = 0;   // its query rows
-  int64_t row = 0;   // index of its first row in q and out
-  // Rows at positions >= this reduce in the one-token order, the others in
-  // the multi-token order (the engine's rule: common/model/token_order.h).
-  int64_t one_token_from = kNoOneTokenRows;
-};
 
 // q: (n_q, n_heads * head_dim) for the query tokens at positions
 // [pos0, pos0 + n_q); the cache must already hold positions [0, pos0 + n_q).

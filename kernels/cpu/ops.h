@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/op_params.h"
 
 namespace duet::cpu {
 
@@ -13,19 +14,6 @@ namespace duet::cpu {
 // double, as llama.cpp does. out may alias x.
 void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, int64_t dim,
               float eps);
-
-enum class RopeStyle {
-  kAdjacentPairs,  // (x[2i], x[2i+1]) rotate together: GGUF `llama` (converter permuted Q/K)
-  kHalves,         // (x[i], x[i + n_rot/2]) rotate together: NeoX, GGUF `qwen2`
-};
-
-struct RopeParams {
-  RopeStyle style = RopeStyle::kAdjacentPairs;
-  int64_t n_rot = 0;  // leading dims of each head that rotate
-  float freq_base = 10000.0f;
-  float freq_scale = 1.0f;              // linear position scaling (1 = none)
-  const float* freq_factors = nullptr;  // optional (n_rot / 2) divisors (Llama 3.1 rope_freqs)
-};
 
 // Rotates x (n_rows, n_heads * head_dim) in place; row r sits at positions[r].
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,

@@ -364,9 +364,9 @@ void launch_for_group(const AttentionBatch::View& batch, const CacheGeometry& g,
 
 }  // namespace
 
-void AttentionBatch::set(std::span<const cpu::AttentionSequence> sequences, CudaBackend& backend) {
+void AttentionBatch::set(std::span<const AttentionSequence> sequences, CudaBackend& backend) {
   int64_t n_rows = 0, n_table = 0, max_position = 0;
-  for (const cpu::AttentionSequence& s : sequences) {
+  for (const AttentionSequence& s : sequences) {
     DUET_REQUIRE(s.n_q >= 0 && s.pos0 >= 0 && s.pos0 + s.n_q <= INT32_MAX,
                  "bad rows: pos0 {}, n_q {}", s.pos0, s.n_q);
     n_rows += s.n_q;
@@ -408,7 +408,7 @@ void AttentionBatch::set(std::span<const cpu::AttentionSequence> sequences, Cuda
   std::fill(row_sequence, row_sequence + n_rows, -1);
   int64_t offset = 0;
   for (int64_t i = 0; i < n_sequences; ++i) {
-    const cpu::AttentionSequence& s = sequences[static_cast<size_t>(i)];
+    const AttentionSequence& s = sequences[static_cast<size_t>(i)];
     DUET_REQUIRE(s.row >= 0 && s.row + s.n_q <= n_rows,
                  "sequence {}'s rows [{}, {}) are outside the batch's {} rows", i, s.row,
                  s.row + s.n_q, n_rows);
@@ -454,7 +454,7 @@ void kv_cache_store_batch(const KvLayout& layout, KvElement* cache, int64_t laye
 }
 
 void attention_batch(const KvLayout& layout, const KvElement* cache, int64_t layer,
-                     const AttentionBatch& batch, const cpu::AttentionShape& shape, const float* q,
+                     const AttentionBatch& batch, const AttentionShape& shape, const float* q,
                      float* out, CudaBackend& backend) {
   DUET_REQUIRE(shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0,
                "{} query heads do not divide into {} KV heads", shape.n_heads, shape.n_kv_heads);

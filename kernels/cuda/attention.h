@@ -16,8 +16,8 @@
 #include <span>
 
 #include "common/model/kv_layout.h"
-#include "kernels/cpu/attention.h"
 #include "kernels/cuda/backend.h"
+#include "kernels/op_params.h"
 
 namespace duet::cuda {
 
@@ -33,7 +33,7 @@ namespace duet::cuda {
 // fixed size for the device, never moved after).
 class AttentionBatch {
  public:
-  void set(std::span<const cpu::AttentionSequence> sequences, CudaBackend& backend);
+  void set(std::span<const AttentionSequence> sequences, CudaBackend& backend);
 
   // Device arrays, for kernels.
   struct View {
@@ -75,7 +75,7 @@ void kv_cache_store_batch(const KvLayout& layout, KvElement* cache, int64_t laye
 // the cache must be 16-byte aligned. Block tables are not bounds-checked on the device: the
 // caller's tables must cover every row's position (as the CPU asserts).
 void attention_batch(const KvLayout& layout, const KvElement* cache, int64_t layer,
-                     const AttentionBatch& batch, const cpu::AttentionShape& shape, const float* q,
+                     const AttentionBatch& batch, const AttentionShape& shape, const float* q,
                      float* out, CudaBackend& backend);
 
 }  // namespace duet::cuda

@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-#include "kernels/cpu/ops.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/weights.h"
+#include "kernels/op_params.h"
 
 namespace duet::cuda {
 
@@ -22,7 +22,7 @@ void embed_rows(const DeviceWeight& table, const int32_t* tokens, int64_t n, flo
 // blocks of (n_rows, stride), slice s the columns [s * stride, s * stride +
 // stride) of every row (an all-gather's result, the last slice padded); out
 // (n_rows, n_cols) takes each row's n_cols columns from them. The twin of
-// the loop closing CpuForward's head.
+// the CPU forward's assemble_logits op.
 void assemble_slices(const float* slices, int64_t n_slices, int64_t n_rows, int64_t stride,
                      int64_t n_cols, float* out, CudaBackend& backend);
 
@@ -45,7 +45,7 @@ void rms_norm(const float* x, const float* weight, float* out, int64_t n_rows, i
 
 // Twin of cpu::rope; params.freq_factors, when set, is a device pointer.
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
-          const cpu::RopeParams& params, CudaBackend& backend);
+          const RopeParams& params, CudaBackend& backend);
 
 // out[i] = silu(gate[i]) * up[i] (twin of KernelTable::silu_mul); out may alias gate.
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, CudaBackend& backend);

@@ -10,8 +10,8 @@ namespace {
 // is built by repeated multiplication, as the CPU twin (and ggml) does, so
 // the angles round alike.
 __global__ void rope_kernel(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim,
-                            const int32_t* __restrict__ positions, cpu::RopeStyle style,
-                            int64_t n_rot, float theta_scale, float freq_scale,
+                            const int32_t* __restrict__ positions, RopeStyle style, int64_t n_rot,
+                            float theta_scale, float freq_scale,
                             const float* __restrict__ freq_factors) {
   const int64_t half = n_rot / 2;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -26,8 +26,8 @@ __global__ void rope_kernel(float* x, int64_t n_rows, int64_t n_heads, int64_t h
   float sin_angle, cos_angle;
   sincosf(angle, &sin_angle, &cos_angle);
   float* v = x + head * head_dim;
-  const int64_t a = style == cpu::RopeStyle::kAdjacentPairs ? 2 * i : i;
-  const int64_t b = style == cpu::RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + half;
+  const int64_t a = style == RopeStyle::kAdjacentPairs ? 2 * i : i;
+  const int64_t b = style == RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + half;
   const float x0 = v[a], x1 = v[b];
   v[a] = fmaf(x0, cos_angle, -(x1 * sin_angle));
   v[b] = fmaf(x0, sin_angle, x1 * cos_angle);
@@ -36,7 +36,7 @@ __global__ void rope_kernel(float* x, int64_t n_rows, int64_t n_heads, int64_t h
 }  // namespace
 
 void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
-          const cpu::RopeParams& params, CudaBackend& backend) {
+          const RopeParams& params, CudaBackend& backend) {
   DUET_ASSERT(params.n_rot <= head_dim && params.n_rot % 2 == 0, "n_rot {} head_dim {}",
               params.n_rot, head_dim);
   const int64_t n = n_rows * n_heads * (params.n_rot / 2);

@@ -71,7 +71,7 @@ std::vector<std::vector<int32_t>> block_tables(const std::vector<int64_t>& n_blo
 struct Fixture {
   Config config;
   KvLayout layout;
-  cpu::AttentionShape shape;
+  AttentionShape shape;
   const cpu::KernelTable& kernels = cpu::kernel_table(cpu::best_isa());
   cpu::ThreadPool pool{4};
   std::vector<KvElement> cache;  // the CPU's
@@ -90,7 +90,7 @@ struct Fixture {
   int64_t q_row() const { return config.n_heads * config.head_dim; }
 
   // Stores random K and V for `sequences` on both sides (through `batch`).
-  void store(const std::vector<cpu::AttentionSequence>& sequences, int64_t n_rows,
+  void store(const std::vector<AttentionSequence>& sequences, int64_t n_rows,
              cuda::AttentionBatch& batch, cuda::CudaBackend& backend, std::mt19937& rng) {
     const std::vector<float> k = random_floats(static_cast<size_t>(n_rows * kv_row()), 1.5f, rng);
     const std::vector<float> v = random_floats(static_cast<size_t>(n_rows * kv_row()), 1.0f, rng);
@@ -125,7 +125,7 @@ struct Fixture {
   }
 
   // cuda::attention_batch against cpu::attention_batch, each sequence's rows on their own.
-  void expect_same_attention(const std::vector<cpu::AttentionSequence>& sequences,
+  void expect_same_attention(const std::vector<AttentionSequence>& sequences,
                              const std::vector<Rows>& rows, int64_t n_rows,
                              const cuda::AttentionBatch& batch, cuda::CudaBackend& backend,
                              std::mt19937& rng, const cuda::Graph* graph = nullptr,
@@ -161,10 +161,10 @@ struct Fixture {
 };
 
 // The history (positions [0, pos0)) of every sequence as one batch of rows.
-std::vector<cpu::AttentionSequence> history(const std::vector<Rows>& rows,
-                                            const std::vector<std::vector<int32_t>>& tables,
-                                            int64_t* n_rows) {
-  std::vector<cpu::AttentionSequence> sequences;
+std::vector<AttentionSequence> history(const std::vector<Rows>& rows,
+                                       const std::vector<std::vector<int32_t>>& tables,
+                                       int64_t* n_rows) {
+  std::vector<AttentionSequence> sequences;
   *n_rows = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i].pos0 == 0) continue;
@@ -192,9 +192,9 @@ void mixed_batch(const Config& c, cuda::CudaBackend& backend) {
 
   cuda::AttentionBatch batch;  // set twice: the history, then the step
   int64_t n_history = 0;
-  const std::vector<cpu::AttentionSequence> past = history(rows, tables, &n_history);
+  const std::vector<AttentionSequence> past = history(rows, tables, &n_history);
   f.store(past, n_history, batch, backend, rng);
-  std::vector<cpu::AttentionSequence> step;
+  std::vector<AttentionSequence> step;
   for (size_t i = 0; i < rows.size(); ++i) {
     step.push_back({tables[i], rows[i].pos0, rows[i].n_q, rows[i].row});
   }
@@ -213,14 +213,14 @@ void graph_replay(const Config& c, cuda::CudaBackend& backend) {
   const int64_t n_rows = static_cast<int64_t>(rows.size());
   cuda::AttentionBatch batch;
   int64_t n_history = 0;
-  const std::vector<cpu::AttentionSequence> past = history(rows, tables, &n_history);
+  const std::vector<AttentionSequence> past = history(rows, tables, &n_history);
   f.store(past, n_history, batch, backend, rng);
 
   const size_t n = static_cast<size_t>(n_rows * f.q_row());
   cuda::DeviceBuffer q(n * sizeof(float)), out(n * sizeof(float));
   cuda::Graph graph;
   for (int iteration = 0; iteration < 3; ++iteration) {
-    std::vector<cpu::AttentionSequence> step;
+    std::vector<AttentionSequence> step;
     for (size_t i = 0; i < rows.size(); ++i)
       step.push_back({tables[i], rows[i].pos0, 1, rows[i].row});
     f.store(step, n_rows, batch, backend, rng);  // set() moves the positions on

@@ -150,9 +150,9 @@ void check_rope(cuda::CudaBackend& backend) {
   for (size_t i = 0; i < factors.size(); ++i) factors[i] = 1.0f + static_cast<float>(i % 7);
   const cuda::DeviceBuffer d_positions = to_device(positions, backend);
   const cuda::DeviceBuffer d_factors = to_device(factors, backend);
-  for (cpu::RopeStyle style : {cpu::RopeStyle::kAdjacentPairs, cpu::RopeStyle::kHalves}) {
+  for (RopeStyle style : {RopeStyle::kAdjacentPairs, RopeStyle::kHalves}) {
     for (bool with_factors : {false, true}) {
-      cpu::RopeParams params;
+      RopeParams params;
       params.style = style;
       params.n_rot = head_dim;
       params.freq_base = 500000.0f;
@@ -164,7 +164,7 @@ void check_rope(cuda::CudaBackend& backend) {
       cuda::rope(d_x.as<float>(), n_rows, n_heads, head_dim, d_positions.as<int32_t>(), params,
                  backend);
       const std::string what = std::string("rope ") +
-                               (style == cpu::RopeStyle::kHalves ? "halves" : "adjacent pairs") +
+                               (style == RopeStyle::kHalves ? "halves" : "adjacent pairs") +
                                (with_factors ? ", divisors" : "");
       // Angles up to 8000 radians: sin/cos of the same float angle differ
       // in the last bits between libm and CUDA.

@@ -1,38 +1,26 @@
-// The Llama forward pass over a batch of tokens from one or more sequences,
-// for every architecture LlamaModel loads: `llama` (adjacent-pair RoPE,
-// optional rope_freqs divisors) and `qwen2` (Q/K/V biases, NeoX RoPE).
-//
-// All rows of the batch go through each weight matrix together (one GEMM per
-// weight), attention runs per sequence over its blocks of the paged cache.
-// Intermediate tensors are named members, per layer overwritten:
-//   x (n, n_embd) residual stream, attn_norm/ffn_norm (n, n_embd),
-//   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
-//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff).
-// Shapes are the shard's (LlamaModel::shard): with tensor parallelism every
-// rank of the instance runs the same batch through its own heads and hidden
-// units; the vocabulary-parallel embeddings are summed over the ranks with an
-// all-reduce, the logits assembled with an all-gather; O and down take the
-// gathered whole input and give their rows of the output, gathered too
-// (worker/model/tp_shard.h). No element is ever a sum over ranks: x and the logits
-// are the same bits on every rank of an instance and for every TP size.
+// The Llama forward pass on the CPU: the forward plan (worker/model/forward_plan.h)
+// run with kernels/cpu/'s ops, the weights read from the model's mapping and
+// the KV in the engine's host cache.
 //
 // Reduction orders: every weight product is one pass of llama.cpp's order
 // (the same for any number of rows), and each row's attention reduces in the
 // order its sequence names for its position (ForwardSequence::one_token_from),
 // so a token's result depends on neither the batch nor the step it is in.
+// With tensor parallelism no element is a sum over ranks (the plan's
+// gathers), so x and the logits are the same bits on every rank of an
+// instance and for every TP size (worker/model/tp_shard.h).
 // Not thread-safe: one forward at a time per object (the compute thread's).
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <vector>
 
-#include "kernels/cpu/attention.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/thread_pool.h"
 #include "worker/kv/kv_cache.h"
+#include "worker/model/forward_plan.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/model_forward.h"
 #include "worker/parallel/collective.h"
@@ -61,39 +49,19 @@ class CpuForward final : public ModelForward {
            const LayerStored& layer_stored = {}) override;
 
  private:
-  void resize(int64_t n_rows, int64_t n_logit_rows);
-  void all_reduce(float* data, int64_t n);  // timed; nothing without a collective
-  // all (n, sum of parts) = every rank's `mine` (n, parts[rank]), side by
-  // side in rank order; timed.
-  void gather_columns(const float* mine, std::span<const int64_t> parts, int64_t n, float* all);
-  // out (n, n_embd) = in (n, k) . w^T for O or down, whose input is split
-  // over the ranks by `in_parts` (this rank's columns in `mine`): the whole
-  // input is gathered, this rank multiplies it by its output rows, and the
-  // output rows are gathered.
-  void split_product(const cpu::WeightMatrix& w, const float* mine,
-                     std::span<const int64_t> in_parts, int64_t n, float* out);
-  void embed(std::span<const int32_t> tokens);
-  void head(int64_t n_out, float* logits);
+  class Ops;  // the plan's ops on the CPU, for one run (cpu_forward.cpp)
+
+  // Grows the named tensors to a step of n_rows rows and n_out logit rows.
+  void reserve(int64_t n_rows, int64_t n_out);
 
   const LlamaModel& model_;
   const cpu::KernelTable& kernels_;
   cpu::ThreadPool& pool_;
   Collective* const collective_;
-  // Every rank's share, in rank order, of the split dimensions: query dims
-  // (n_heads * head_dim), hidden units, output rows of O and down.
-  std::vector<int64_t> q_parts_, ff_parts_, embd_parts_;
+  ForwardPlan plan_;
   CollectiveTime collective_time_;
   cpu::PackedActivations packed_;
-  std::vector<int32_t> positions_;
-  std::vector<cpu::AttentionSequence> attention_sequences_;
-  std::vector<float> x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_;
-  // This rank's slice of the logits (n_out, vocab_stride), then every
-  // rank's in rank order; tensor parallelism only.
-  std::vector<float> logits_slice_, logits_gathered_;
-  // Tensor parallelism: a gathered input (n, k) of O or down, this rank's
-  // rows of its output (n, shard n_embd), and an all-gather's send and
-  // receive slots.
-  std::vector<float> whole_in_, out_rows_, gather_send_, gather_recv_;
+  ForwardTensors<std::vector<float>> tensors_;
 };
 
 }  // namespace duet

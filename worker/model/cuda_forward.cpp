@@ -20,29 +20,104 @@ cuda::DeviceBuffer upload_vector(const std::vector<float>& values, cuda::CudaBac
 const float* floats(const cuda::DeviceBuffer& buffer) { return buffer.as<float>(); }
 float* floats_mut(const cuda::DeviceBuffer& buffer) { return buffer.as<float>(); }
 
-// Every rank's share of a dimension split over `size` ranks, as column parts.
-template <typename Width>
-cuda::ColumnParts column_parts(int size, Width width) {
-  DUET_REQUIRE(size <= cuda::kMaxParts, "the CUDA forward splits a model over at most {} GPUs",
-               cuda::kMaxParts);
+// A gather's column parts of the widths `widths`, as assemble_parts takes them.
+cuda::ColumnParts column_parts(std::span<const int64_t> widths) {
   cuda::ColumnParts parts;
-  parts.n_parts = size;
-  for (int rank = 0; rank < size; ++rank) parts.begin[rank + 1] = parts.begin[rank] + width(rank);
+  parts.n_parts = static_cast<int>(widths.size());
+  for (size_t p = 0; p < widths.size(); ++p) parts.begin[p + 1] = parts.begin[p] + widths[p];
   return parts;
-}
-
-int64_t widest(const cuda::ColumnParts& parts) {
-  int64_t w = 0;
-  for (int p = 0; p < parts.n_parts; ++p) w = std::max(w, parts.begin[p + 1] - parts.begin[p]);
-  return w;
 }
 
 }  // namespace
 
+// The plan's ops (worker/model/forward_plan.h) with kernels/cuda/: each
+// queues its kernels (or collectives) on the backend's stream and returns;
+// the step's tokens and positions are the staged inputs, the sequences the
+// uploaded batch_.
+class CudaForward::Ops {
+ public:
+  explicit Ops(CudaForward& forward) : f_(forward), b_(*forward.backend_) {}
+
+  const Layer& layer(int64_t il) const { return f_.layers_[static_cast<size_t>(il)]; }
+  const cuda::DeviceBuffer& output_norm() const { return f_.output_norm_; }
+  const cuda::DeviceWeight& output() const { return f_.output_; }
+  float* tensor(ForwardTensor t) const { return floats_mut(f_.tensors_[t]); }
+  const int32_t* tokens() const { return f_.inputs_.as<int32_t>(); }
+  const int32_t* positions() const { return tokens() + f_.capacity_; }
+  const float* rope_freqs() const {
+    return f_.rope_freqs_.bytes() == 0 ? nullptr : floats(f_.rope_freqs_);
+  }
+  float* logits() const { return floats_mut(f_.logits_); }
+
+  void embed(const int32_t* tokens, int64_t n, float* x) {
+    cuda::embed_rows(f_.token_embd_, tokens, n, x, b_, f_.model_.shard().vocab_begin);
+  }
+
+  void rms_norm(const float* x, const cuda::DeviceBuffer& weight, float* out, int64_t n_rows,
+                int64_t dim, float eps) {
+    cuda::rms_norm(x, floats(weight), out, n_rows, dim, eps, b_);
+  }
+
+  template <typename... Products>
+  void matmul(const float* x, int64_t n_rows, const Products&... products) {
+    (cuda::matmul(products.weight, x, n_rows, products.out, products.ldy, b_), ...);
+  }
+
+  void add_bias(float* x, const cuda::DeviceBuffer& bias, int64_t n_rows, int64_t dim) {
+    if (bias.bytes() != 0) cuda::add_bias(x, floats(bias), n_rows, dim, b_);
+  }
+
+  void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
+            const RopeParams& params) {
+    cuda::rope(x, n_rows, n_heads, head_dim, positions, params, b_);
+  }
+
+  void store_kv(int64_t layer, const float* k, const float* v) {
+    cuda::kv_cache_store_batch(f_.layout_, f_.kv_.as<KvElement>(), layer, f_.batch_, k, v, b_);
+  }
+
+  void synchronize() { b_.synchronize(); }
+
+  // One reduction order on the GPU: the sequences' one_token_from is not read.
+  void attention(int64_t layer, const AttentionShape& shape, const float* q, float* out) {
+    cuda::attention_batch(f_.layout_, f_.kv_.as<KvElement>(), layer, f_.batch_, shape, q, out, b_);
+  }
+
+  void add_in_place(float* x, const float* y, int64_t n) { cuda::add_in_place(x, y, n, b_); }
+
+  // One kernel over every row.
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width) {
+    cuda::silu_mul(gate, up, out, n_rows * width, b_);
+  }
+
+  void all_reduce(float* data, int64_t n) { f_.collective_->all_reduce_sum(data, n, b_.stream()); }
+
+  // `mine` is read for all n_per_rank floats, past this rank's own part too
+  // (the plan sizes the tensors so).
+  void all_gather(const float* mine, int64_t n_per_rank, float* all) {
+    f_.collective_->all_gather(mine, all, n_per_rank, b_.stream());
+  }
+
+  void assemble_columns(const float* gathered, int64_t slot, std::span<const int64_t> parts,
+                        int64_t n_rows, float* all) {
+    cuda::assemble_parts(gathered, slot, column_parts(parts), n_rows, all, b_);
+  }
+
+  void assemble_logits(const float* slices, int64_t n_slices, int64_t n_rows, int64_t stride,
+                       int64_t n_cols, float* out) {
+    cuda::assemble_slices(slices, n_slices, n_rows, stride, n_cols, out, b_);
+  }
+
+ private:
+  CudaForward& f_;
+  cuda::CudaBackend& b_;
+};
+
 CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* collective)
     : model_(model),
       collective_(model.shard().whole() ? nullptr : collective),
-      backend_(std::make_unique<cuda::CudaBackend>(device)) {
+      backend_(std::make_unique<cuda::CudaBackend>(device)),
+      plan_(model) {
   const TpShard& shard = model.shard();
   DUET_REQUIRE(shard.whole() || (collective != nullptr && collective->size() == shard.size &&
                                  collective->rank() == shard.rank),
@@ -55,20 +130,14 @@ CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* 
                        "heads have {} dimensions (run it with --device cpu)",
                        head_dim));
   }
+  DUET_REQUIRE(shard.size <= cuda::kMaxParts,
+               "the CUDA forward splits a model over at most {} GPUs", cuda::kMaxParts);
   cuda::CudaBackend& b = *backend_;
   auto weight = [&](const cpu::WeightMatrix& w) {
     cuda::DeviceWeight d = cuda::upload_weight(w, b);
     weight_bytes_ += d.bytes();
     return d;
   };
-  const ModelConfig& c = model.config();
-  q_parts_ = column_parts(
-      shard.size, [&](int r) { return make_tp_shard(c, r, shard.size).n_heads() * c.head_dim; });
-  ff_parts_ =
-      column_parts(shard.size, [&](int r) { return make_tp_shard(c, r, shard.size).n_ff(); });
-  embd_parts_ =
-      column_parts(shard.size, [&](int r) { return make_tp_shard(c, r, shard.size).n_embd(); });
-  widest_part_ = std::max({widest(q_parts_), widest(ff_parts_), widest(embd_parts_)});
   token_embd_ = weight(model.token_embd());
   output_ = weight(model.output());
   output_norm_ = upload_vector(model.output_norm(), b);
@@ -101,32 +170,13 @@ void CudaForward::reserve(int64_t n_rows, int64_t n_out) {
   capacity_ = std::max(capacity_, n_rows);
   out_capacity_ = std::max(out_capacity_, n_out);
   const ModelConfig& c = model_.config();
-  const TpShard& s = model_.shard();
-  const auto rows = [&](int64_t width) {
-    return cuda::DeviceBuffer(static_cast<size_t>(capacity_ * width) * sizeof(float));
-  };
-  const auto out_rows = [&](int64_t width) {
-    return cuda::DeviceBuffer(static_cast<size_t>(out_capacity_ * width) * sizeof(float));
-  };
-  x_ = rows(c.n_embd);
-  norm_ = rows(c.n_embd);
-  q_ = rows(s.n_heads() * c.head_dim);
-  k_ = rows(s.n_kv_heads() * c.head_dim);
-  v_ = rows(s.n_kv_heads() * c.head_dim);
-  // attn_ and gate_ are sent whole by an all-gather: as wide as the widest rank's part.
-  attn_ = rows(s.whole() ? s.n_heads() * c.head_dim : widest(q_parts_));
-  attn_out_ = rows(c.n_embd);
-  gate_ = rows(s.whole() ? s.n_ff() : widest(ff_parts_));
-  up_ = rows(s.n_ff());
-  ffn_out_ = rows(c.n_embd);
-  head_in_ = out_rows(c.n_embd);
-  logits_ = out_rows(c.n_vocab);
-  if (!s.whole()) {
-    logits_slice_ = out_rows(s.vocab_stride);
-    logits_gathered_ = out_rows(s.vocab_stride * s.size);
-    whole_in_ = rows(std::max(c.n_heads * c.head_dim, c.n_ff));
-    out_rows_ = rows(widest(embd_parts_));
-    gathered_ = rows(widest_part_ * s.size);
+  for (int i = 0; i < kForwardTensors; ++i) {
+    const auto t = static_cast<ForwardTensor>(i);
+    const auto floats = static_cast<size_t>(plan_.floats(t, capacity_, out_capacity_));
+    tensors_[t] = cuda::DeviceBuffer(floats * sizeof(float));  // none for 0 floats
+  }
+  logits_ = cuda::DeviceBuffer(static_cast<size_t>(out_capacity_ * c.n_vocab) * sizeof(float));
+  if (!model_.shard().whole()) {
     // Every rank of the instance must capture and replay its decode graphs
     // at the same steps (NCCL's rule for captured collectives). A move of
     // the scratch drops the graphs, and a rank's own shapes would move it at
@@ -167,51 +217,27 @@ void CudaForward::use_layout(const KvLayout& layout) {
 void CudaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSequence> sequences,
                       KvCache& cache, std::span<const int64_t> logit_rows, float* logits,
                       const LayerStored& layer_stored) {
-  const ModelConfig& c = model_.config();
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  const int64_t n_out = static_cast<int64_t>(logit_rows.size());
-  int64_t rows_in_sequences = 0;
-  for (const ForwardSequence& s : sequences) rows_in_sequences += s.n_tokens;
-  DUET_ASSERT(rows_in_sequences == n, "sequences cover {} rows of a {}-row batch",
-              rows_in_sequences, n);
+  const ForwardStep& step = plan_.stage(tokens, sequences, logit_rows);
+  const int64_t n = step.n_rows;
+  const int64_t n_out = step.n_out;
   if (n == 0) return;
-  for (int32_t id : tokens) {
-    DUET_REQUIRE(id >= 0 && id < c.n_vocab, "token id {} is outside the vocabulary (0..{})", id,
-                 c.n_vocab - 1);
-  }
   cuda::CudaBackend& b = *backend_;
   b.bind();
   b.synchronize();             // the pinned staging buffers are reused
   use_layout(cache.layout());  // the KV itself lives on the device
   reserve(n, n_out);
 
-  // Stage the step's inputs: tokens, positions, logit rows.
+  // Upload the step's inputs: tokens, positions, logit rows.
   auto* staged = inputs_host_.as<int32_t>();
   std::copy(tokens.begin(), tokens.end(), staged);
-  bool all_rows_sampled = n_out == n;
-  bool decode = true;
-  std::vector<cpu::AttentionSequence> attention;
-  attention.reserve(sequences.size());
-  {
-    int64_t row = 0;
-    for (const ForwardSequence& s : sequences) {
-      for (int64_t t = 0; t < s.n_tokens; ++t)
-        staged[capacity_ + row + t] = static_cast<int32_t>(s.pos0 + t);
-      attention.push_back({s.block_table, s.pos0, s.n_tokens, row});
-      decode = decode && s.n_tokens == 1;
-      row += s.n_tokens;
-    }
-  }
+  std::copy(step.positions.begin(), step.positions.end(), staged + capacity_);
   for (int64_t i = 0; i < n_out; ++i) {
-    const int64_t r = logit_rows[static_cast<size_t>(i)];
-    DUET_ASSERT(r >= 0 && r < n, "logit row {} outside the batch of {}", r, n);
-    staged[2 * capacity_ + i] = static_cast<int32_t>(r);
-    all_rows_sampled = all_rows_sampled && r == i;
+    staged[2 * capacity_ + i] = static_cast<int32_t>(logit_rows[static_cast<size_t>(i)]);
   }
   b.upload(inputs_.data(), staged, static_cast<size_t>(2 * capacity_ + n_out) * sizeof(int32_t));
-  batch_.set(attention, b);
+  batch_.set(step.sequences, b);
 
-  decode = decode && all_rows_sampled && !layer_stored;
+  const bool decode = step.one_row_per_sequence && step.logit_rows_are_all && !layer_stored;
   if (decode && use_graphs_) {
     // A graph replays the addresses it was captured with: the batch arrays'
     // and the scratch's (the GEMM path's, for batches over kGemvMaxRows).
@@ -225,7 +251,7 @@ void CudaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSe
     if (graph == graphs_.end() && seen_[n]++ >= 1) {
       b.begin_capture();
       try {
-        compute(n, n_out, logit_rows, true, {});
+        compute({});
       } catch (...) {
         b.end_capture();
         throw;
@@ -236,130 +262,22 @@ void CudaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSe
       b.launch(graph->second);
       ++graph_launches_;
     } else {
-      compute(n, n_out, logit_rows, true, {});
+      compute({});
     }
   } else {
-    compute(n, n_out, logit_rows, all_rows_sampled, layer_stored);
+    compute(layer_stored);
   }
   last_n_out_ = n_out;
   if (logits != nullptr && n_out > 0) {
-    b.download(logits, logits_.data(), static_cast<size_t>(n_out * c.n_vocab) * sizeof(float));
+    const int64_t n_vocab = model_.config().n_vocab;
+    b.download(logits, logits_.data(), static_cast<size_t>(n_out * n_vocab) * sizeof(float));
   }
   b.synchronize();
 }
 
-void CudaForward::compute(int64_t n, int64_t n_out, std::span<const int64_t> logit_rows,
-                          bool logit_rows_are_all, const LayerStored& layer_stored) {
-  const ModelConfig& c = model_.config();
-  const TpShard& shard = model_.shard();
-  cuda::CudaBackend& b = *backend_;
-  const int32_t* tokens = inputs_.as<int32_t>();
-  const int32_t* positions = tokens + capacity_;
-  // This rank's heads and hidden units (all of them when the model is whole).
-  const int64_t n_heads = shard.n_heads();
-  const int64_t n_kv_heads = shard.n_kv_heads();
-  const int64_t n_ff = shard.n_ff();
-  const int64_t q_dim = n_heads * c.head_dim;
-  const int64_t kv_dim = n_kv_heads * c.head_dim;
-  const cpu::RopeParams rope =
-      rope_params(c, rope_freqs_.bytes() == 0 ? nullptr : floats(rope_freqs_));
-  // One reduction order on the GPU: the sequences' one_token_from is not read.
-  const cpu::AttentionShape shape = attention_shape(c, shard);
-  auto* kv = kv_.as<KvElement>();
-  float* x = floats_mut(x_);
-  float* norm = floats_mut(norm_);
-  float* q = floats_mut(q_);
-  float* k = floats_mut(k_);
-  float* v = floats_mut(v_);
-  float* attn = floats_mut(attn_);
-  float* attn_out = floats_mut(attn_out_);
-  float* gate = floats_mut(gate_);
-  float* up = floats_mut(up_);
-  float* ffn_out = floats_mut(ffn_out_);
-
-  cuda::embed_rows(token_embd_, tokens, n, x, b, shard.vocab_begin);
-  all_reduce(x, n * c.n_embd);  // one rank holds each row, the others add zeros: exact
-  for (int64_t il = 0; il < c.n_layers; ++il) {
-    const Layer& w = layers_[static_cast<size_t>(il)];
-
-    // Attention block.
-    cuda::rms_norm(x, floats(w.attn_norm), norm, n, c.n_embd, c.rms_eps, b);
-    cuda::matmul(w.wq, norm, n, q, q_dim, b);
-    cuda::matmul(w.wk, norm, n, k, kv_dim, b);
-    cuda::matmul(w.wv, norm, n, v, kv_dim, b);
-    if (w.bq.bytes() != 0) cuda::add_bias(q, floats(w.bq), n, q_dim, b);
-    if (w.bk.bytes() != 0) cuda::add_bias(k, floats(w.bk), n, kv_dim, b);
-    if (w.bv.bytes() != 0) cuda::add_bias(v, floats(w.bv), n, kv_dim, b);
-    cuda::rope(q, n, n_heads, c.head_dim, positions, rope, b);
-    cuda::rope(k, n, n_kv_heads, c.head_dim, positions, rope, b);
-    cuda::kv_cache_store_batch(layout_, kv, il, batch_, k, v, b);
-    if (layer_stored) {
-      b.synchronize();
-      layer_stored(il);
-    }
-    cuda::attention_batch(layout_, kv, il, batch_, shape, q, attn, b);
-    split_product(w.wo, attn, q_parts_, n, attn_out);
-    cuda::add_in_place(x, attn_out, n * c.n_embd, b);
-
-    // Feed-forward block (SwiGLU).
-    cuda::rms_norm(x, floats(w.ffn_norm), norm, n, c.n_embd, c.rms_eps, b);
-    cuda::matmul(w.w_gate, norm, n, gate, n_ff, b);
-    cuda::matmul(w.w_up, norm, n, up, n_ff, b);
-    cuda::silu_mul(gate, up, gate, n * n_ff, b);
-    split_product(w.w_down, gate, ff_parts_, n, ffn_out);
-    cuda::add_in_place(x, ffn_out, n * c.n_embd, b);
-  }
-
-  // Output head, only for the rows whose logits are wanted.
-  if (n_out == 0) return;
-  float* head_in = floats_mut(head_in_);
-  if (logit_rows_are_all) {
-    cuda::rms_norm(x, floats(output_norm_), head_in, n, c.n_embd, c.rms_eps, b);
-  } else {
-    for (int64_t i = 0; i < n_out; ++i) {
-      const int64_t r = logit_rows[static_cast<size_t>(i)];
-      cuda::rms_norm(x + r * c.n_embd, floats(output_norm_), head_in + i * c.n_embd, 1, c.n_embd,
-                     c.rms_eps, b);
-    }
-  }
-  if (shard.whole()) {
-    cuda::matmul(output_, head_in, n_out, floats_mut(logits_), c.n_vocab, b);
-    return;
-  }
-  // Vocabulary-parallel: this rank's columns of the logits, gathered rank by
-  // rank, then laid out row by row on every rank.
-  const int64_t stride = shard.vocab_stride;
-  float* slice = floats_mut(logits_slice_);
-  float* gathered = floats_mut(logits_gathered_);
-  cuda::matmul(output_, head_in, n_out, slice, stride, b);
-  collective_->all_gather(slice, gathered, n_out * stride, b.stream());
-  cuda::assemble_slices(gathered, shard.size, n_out, stride, c.n_vocab, floats_mut(logits_), b);
-}
-
-void CudaForward::all_reduce(float* data, int64_t n) {
-  if (collective_ != nullptr) collective_->all_reduce_sum(data, n, backend_->stream());
-}
-
-void CudaForward::gather_columns(const float* mine, const cuda::ColumnParts& parts, int64_t n,
-                                 float* all) {
-  const int64_t slot = widest(parts) * n;  // a narrower part sends padding past its rows
-  float* gathered = floats_mut(gathered_);
-  collective_->all_gather(mine, gathered, slot, backend_->stream());
-  cuda::assemble_parts(gathered, slot, parts, n, all, *backend_);
-}
-
-void CudaForward::split_product(const cuda::DeviceWeight& w, const float* mine,
-                                const cuda::ColumnParts& parts, int64_t n, float* out) {
-  cuda::CudaBackend& b = *backend_;
-  if (collective_ == nullptr) {
-    cuda::matmul(w, mine, n, out, model_.config().n_embd, b);
-    return;
-  }
-  float* whole = floats_mut(whole_in_);
-  gather_columns(mine, parts, n, whole);
-  float* rows = floats_mut(out_rows_);
-  cuda::matmul(w, whole, n, rows, w.n_out, b);
-  gather_columns(rows, embd_parts_, n, out);
+void CudaForward::compute(const LayerStored& layer_stored) {
+  Ops ops(*this);
+  plan_.run(ops, layer_stored);
 }
 
 void CudaForward::sample(std::span<const DeviceSampling> rows, std::span<int32_t> tokens) {

@@ -1,8 +1,8 @@
-// The Llama forward pass on an NVIDIA GPU: the twin of CpuForward, op for
-// op through kernels/cuda/ (named intermediate tensors as there), with the
-// weights, the KV cache and every activation in device memory. Built only
-// with the CUDA backend (DUET_HAVE_CUDA); plain C++ over kernels/cuda/'s
-// plain headers.
+// The Llama forward pass on an NVIDIA GPU: the forward plan
+// (worker/model/forward_plan.h) run with kernels/cuda/'s ops, the twins of
+// CpuForward's, with the weights, the KV cache and every activation in
+// device memory. Built only with the CUDA backend (DUET_HAVE_CUDA); plain
+// C++ over kernels/cuda/'s plain headers.
 //
 // Decode steps (one row per sequence, every row sampled, nothing exported)
 // are captured as a CUDA graph per batch size on their second occurrence and
@@ -15,17 +15,12 @@
 // cuBLAS paths round differently).
 //
 // Tensor parallelism: given a shard of the model (worker/model/tp_shard.h) and the
-// instance's DeviceCollective (NCCL, one GPU per rank), every rank runs the
-// same batch through its own heads and hidden units, as CpuForward does on
-// the CPU, with the collectives on the compute stream (inside the decode
-// graphs too): the vocabulary-parallel embeddings are summed with
-// all_reduce_sum (one rank holds each row: exact); O and down gather their
-// whole input, multiply it by the rank's output rows and gather the outputs;
-// the logit slices are gathered too, and every gather is reassembled row by
-// row on every rank. No element is a sum over ranks, as on the CPU; the GPU's
-// own kernels are not batch-invariant (their order depends on the batch's
-// shape), so GPU tokens may differ from the CPU's, and from one batch shape
-// to another, where two logits are within rounding. NCCL requires every rank to capture its
+// instance's DeviceCollective (NCCL, one GPU per rank), the plan's
+// collectives run on the compute stream (inside the decode graphs too). No
+// element is a sum over ranks, as on the CPU; the GPU's own kernels are not
+// batch-invariant (their order depends on the batch's shape), so GPU tokens
+// may differ from the CPU's, and from one batch shape to another, where two
+// logits are within rounding. NCCL requires every rank to capture its
 // collectives in graphs at the same steps: whether a step is captured or
 // replayed depends only on the batch (the same on every rank), never on a
 // rank's own shapes.
@@ -37,8 +32,8 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/backend.h"
-#include "kernels/cuda/ops.h"
 #include "kernels/cuda/weights.h"
+#include "worker/model/forward_plan.h"
 #include "worker/model/model_forward.h"
 #include "worker/parallel/device_collective.h"
 
@@ -78,14 +73,16 @@ class CudaForward final : public ModelForward {
   void set_use_graphs(bool use) { use_graphs_ = use; }
 
  private:
+  // One layer's weights, named as LlamaLayerWeights names them (the plan
+  // reads both alike); an empty bias when the model has none.
   struct Layer {
     cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv;
     cuda::DeviceWeight wq, wk, wv, wo, w_gate, w_up, w_down;
   };
-  // The layers and the head for the rows staged by run(); logits of
-  // `logit_rows` (rows 0..n_out-1 in order when logit_rows_are_all).
-  void compute(int64_t n, int64_t n_out, std::span<const int64_t> logit_rows,
-               bool logit_rows_are_all, const LayerStored& layer_stored);
+  class Ops;  // the plan's ops on this GPU (cuda_forward.cpp)
+
+  // The plan on the staged step, its kernels queued on the stream.
+  void compute(const LayerStored& layer_stored);
   void reserve(int64_t n_rows, int64_t n_out);
   // Lays the device cache out as the host cache `layout` (see the constructor).
   void use_layout(const KvLayout& layout);
@@ -93,14 +90,6 @@ class CudaForward final : public ModelForward {
   // the host one, in runs of consecutive block ids.
   void copy_blocks(int64_t layer, std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                    KvElement* host, bool to_host);
-  // The sum over the instance's ranks, in place (nothing for a whole model).
-  void all_reduce(float* data, int64_t n);
-  // all (n, sum of parts) = every rank's `mine` (n, its part), side by side.
-  void gather_columns(const float* mine, const cuda::ColumnParts& parts, int64_t n, float* all);
-  // out (n, n_embd) = O or down of the input split over the ranks by `parts`
-  // (this rank's columns in `mine`; see the header comment).
-  void split_product(const cuda::DeviceWeight& w, const float* mine, const cuda::ColumnParts& parts,
-                     int64_t n, float* out);
 
   const LlamaModel& model_;
   DeviceCollective* const collective_;  // null for a whole model
@@ -112,18 +101,12 @@ class CudaForward final : public ModelForward {
   std::vector<Layer> layers_;
   size_t weight_bytes_ = 0;
 
-  // Activations, (rows, width) each, sized for capacity_ rows.
+  ForwardPlan plan_;
+  // The plan's named tensors sized for capacity_ rows and out_capacity_ logit
+  // rows (ForwardPlan::floats), and the logits (out_capacity_, n_vocab).
   int64_t capacity_ = 0, out_capacity_ = 0;
-  cuda::DeviceBuffer x_, norm_, q_, k_, v_, attn_, attn_out_, gate_, up_, ffn_out_, head_in_,
-      logits_;
-  // Tensor parallelism: this rank's logit slice (out_capacity_, vocab_stride)
-  // and every rank's, in rank order; the split dimensions' parts (query dims,
-  // hidden units, output rows of O and down) and their widest; the gathered
-  // input of O or down, this rank's rows of its output, an all-gather's result.
-  cuda::DeviceBuffer logits_slice_, logits_gathered_;
-  cuda::ColumnParts q_parts_, ff_parts_, embd_parts_;
-  int64_t widest_part_ = 0;
-  cuda::DeviceBuffer whole_in_, out_rows_, gathered_;
+  ForwardTensors<cuda::DeviceBuffer> tensors_;
+  cuda::DeviceBuffer logits_;
   // Step inputs: tokens (n), positions (n), logit rows (n_out), staged in
   // pinned memory and uploaded in one copy.
   cuda::PinnedBuffer inputs_host_;

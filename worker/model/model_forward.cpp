@@ -1,7 +1,6 @@
 #include "worker/model/model_forward.h"
 
 #include <algorithm>
-#include <cmath>
 #include <string>
 
 #include "common/error.h"
@@ -28,25 +27,6 @@ int parse_device(std::string_view device) {
   }
   throw Error(ErrorKind::kInvalidArgument,
               format("--device must be cpu, cuda or cuda:N (N a GPU index), got '{}'", device));
-}
-
-cpu::RopeParams rope_params(const ModelConfig& c, const float* freq_factors) {
-  cpu::RopeParams rope;
-  rope.style = c.rope_neox ? cpu::RopeStyle::kHalves : cpu::RopeStyle::kAdjacentPairs;
-  rope.n_rot = c.n_rot;
-  rope.freq_base = c.rope_freq_base;
-  rope.freq_scale = c.rope_freq_scale;
-  rope.freq_factors = freq_factors;
-  return rope;
-}
-
-cpu::AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard) {
-  cpu::AttentionShape shape;
-  shape.n_heads = shard.n_heads();
-  shape.n_kv_heads = shard.n_kv_heads();
-  shape.head_dim = c.head_dim;
-  shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  return shape;
 }
 
 void ModelForward::sample(std::span<const DeviceSampling>, std::span<int32_t>) {

@@ -14,10 +14,9 @@
 #include <span>
 #include <string_view>
 
-#include "kernels/cpu/attention.h"
 #include "kernels/cpu/kernel_table.h"
-#include "kernels/cpu/ops.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/op_params.h"
 #include "worker/kv/kv_cache.h"
 #include "worker/model/llama_model.h"
 #include "worker/parallel/collective.h"
@@ -33,7 +32,7 @@ struct ForwardSequence {
   // Rows at positions >= this are computed in llama.cpp's one-token order,
   // the rest in its multi-token order (the engine's rule, common/model/token_order.h;
   // the CPU forward only).
-  int64_t one_token_from = cpu::kNoOneTokenRows;
+  int64_t one_token_from = kNoOneTokenRows;
 };
 
 // One logit row's draw, for sampling on the device (no penalties, no min-p).
@@ -77,12 +76,6 @@ class ModelForward {
   virtual void kv_from_host(std::span<const int32_t> block_table, int64_t pos0, int64_t n,
                             const KvCache& cache);
 };
-
-// What every forward pass sets up alike from the model: its RoPE (the
-// frequency divisors `freq_factors`, or null; host or device memory, as the
-// forward's kernels read them) and the attention of the shard's heads.
-cpu::RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
-cpu::AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
 
 // Where a forward runs: the CPU (device -1) or CUDA device `device`.
 struct ForwardPlacement {

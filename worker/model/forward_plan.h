@@ -1,0 +1,294 @@
+// The Llama forward pass written once, for every device: the batch's
+// staging, the layer loop, the tensor-parallel gathers and the output head,
+// over a small set of twin ops that each device implements with its kernels
+// (CpuForward with kernels/cpu/, CudaForward with kernels/cuda/). Every
+// architecture LlamaModel loads runs through it: `llama` (adjacent-pair RoPE,
+// optional rope_freqs divisors) and `qwen2` (Q/K/V biases, NeoX RoPE).
+//
+// All rows of the batch go through each weight matrix together (one product
+// per weight); attention runs per sequence over its blocks of the paged
+// cache. Intermediate tensors are named (ForwardTensor), per layer
+// overwritten:
+//   x (n, n_embd) residual stream, norm (n, n_embd) attn_norm's then ffn_norm's,
+//   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
+//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff), head_in (n_out, n_embd).
+//
+// Tensor parallelism: shapes are the shard's (LlamaModel::shard), and every
+// rank of the instance runs the same batch through its own heads and hidden
+// units. The vocabulary-parallel embeddings are summed over the ranks with an
+// all-reduce (one rank holds each row, the others add zeros: exact); O and
+// down gather their whole input, multiply it by the rank's output rows and
+// gather the outputs; the logit slices are gathered too, and every gather is
+// reassembled row by row on every rank (worker/model/tp_shard.h). No element
+// is ever a sum over ranks.
+//
+// The ops (an `Ops` object, one per device; its pointers are into that
+// device's memory):
+//   layer(il)             the layer's weights: attn_norm, ffn_norm (norm
+//                         vectors), bq, bk, bv (bias vectors, empty when the
+//                         model has none), wq, wk, wv, wo, w_gate, w_up, w_down
+//   output_norm(), output()   the final norm and the head's weight
+//   tensor(t)             the named tensor t, sized by ForwardPlan::floats
+//   tokens(), positions() the staged step's (n_rows) each
+//   rope_freqs()          the RoPE divisors, or null
+//   logits()              (n_out, n_vocab), where run() leaves the logits
+//   embed(tokens, n, x)   x (n, n_embd): the rows of this rank's vocabulary
+//                         slice, zeros for the others
+//   rms_norm(x, weight, out, n_rows, dim, eps)
+//   matmul(x, n_rows, WeightProduct...)  every product of the one input x
+//   add_bias(x, bias, n_rows, dim)       nothing for an empty bias
+//   rope(x, n_rows, n_heads, head_dim, positions, params)
+//   store_kv(layer, k, v), attention(layer, shape, q, out)
+//                         over the staged step's sequences
+//   synchronize()         the host sees every op queued so far
+//   add_in_place(x, y, n), silu_mul(gate, up, out, n_rows, width)
+//   all_reduce(data, n), all_gather(mine, n_per_rank, all)
+//                         over the instance's ranks (tensor parallelism
+//                         only); a gather sends n_per_rank floats of `mine`,
+//                         past a narrower rank's own part (floats() sizes
+//                         the tensors so)
+//   assemble_columns(gathered, slot, parts, n_rows, all)   duet::assemble_slices
+//   assemble_logits(slices, n_slices, n_rows, stride, n_cols, out)
+//                         vocabulary slices (n_rows, stride) each, padded,
+//                         into out (n_rows, n_cols)
+//
+// Not thread-safe: one step at a time (the compute thread's).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/op_params.h"
+#include "worker/model/llama_model.h"
+#include "worker/model/model_forward.h"
+
+namespace duet {
+
+// What every device sets up alike from the model: its RoPE (the frequency
+// divisors `freq_factors`, or null; host or device memory, as the device's
+// kernels read them) and the attention of the shard's heads.
+RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
+AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
+
+// The intermediate tensors a device keeps for the plan, by name (shapes in
+// the header comment). The last five are tensor parallelism's: this rank's
+// logit slice (n_out, vocab_stride) and every rank's, in rank order; the
+// gathered whole input of O or down (n, k); this rank's rows of its output;
+// an all-gather's result (every rank's slot).
+enum class ForwardTensor {
+  kX,
+  kNorm,
+  kQ,
+  kK,
+  kV,
+  kAttn,
+  kAttnOut,
+  kGate,
+  kUp,
+  kFfnOut,
+  kHeadIn,
+  kLogitSlice,
+  kLogitSlices,
+  kWholeIn,
+  kOutRows,
+  kGathered,
+};
+inline constexpr int kForwardTensors = static_cast<int>(ForwardTensor::kGathered) + 1;
+
+// Storage of every named tensor, indexed by ForwardTensor.
+template <typename Buffer>
+struct ForwardTensors {
+  std::array<Buffer, kForwardTensors> buffers;
+
+  Buffer& operator[](ForwardTensor t) { return buffers[static_cast<size_t>(t)]; }
+};
+
+// out (n_rows, ldy): a product of the activations x (n_rows, weight's k)
+// with `weight` transposed, one of those a matmul op takes for one input.
+template <typename Weight>
+struct WeightProduct {
+  const Weight& weight;
+  float* out;
+  int64_t ldy;
+};
+template <typename Weight>
+WeightProduct(const Weight&, float*, int64_t) -> WeightProduct<Weight>;
+
+// A batch as stage() lays it out, on the host.
+struct ForwardStep {
+  std::span<const int32_t> tokens;      // (n_rows), each in the vocabulary
+  std::span<const int64_t> logit_rows;  // (n_out), each in [0, n_rows)
+  int64_t n_rows = 0;
+  int64_t n_out = 0;
+  std::vector<int32_t> positions;            // (n_rows)
+  std::vector<AttentionSequence> sequences;  // each sequence's rows of the batch
+  bool one_row_per_sequence = true;          // a decode step's shape
+  bool logit_rows_are_all = true;            // logit_rows is 0, 1, ..., n_rows - 1
+};
+
+class ForwardPlan {
+ public:
+  // `model` outlives the plan.
+  explicit ForwardPlan(const LlamaModel& model);
+
+  // Checks a batch and lays it out (kept until the next stage()): throws
+  // duet::Error (kInvalidArgument) for a token outside the vocabulary.
+  // `tokens` and `logit_rows` must stay valid until run() returns.
+  const ForwardStep& stage(std::span<const int32_t> tokens,
+                           std::span<const ForwardSequence> sequences,
+                           std::span<const int64_t> logit_rows);
+  const ForwardStep& step() const { return step_; }
+
+  // Floats of tensor `t` for a step of up to n_rows rows and n_out logit
+  // rows; 0 for tensor parallelism's when the model is whole.
+  int64_t floats(ForwardTensor t, int64_t n_rows, int64_t n_out) const;
+
+  // The staged step (n_rows > 0) on `ops`: stores K/V of every row and leaves
+  // the logits of the logit rows in ops.logits(). layer_stored, when set, is
+  // called with each layer once its K/V are stored and the host sees them.
+  template <typename Ops>
+  void run(Ops& ops, const ModelForward::LayerStored& layer_stored) const;
+
+ private:
+  template <typename Ops>
+  void head(Ops& ops, const float* x) const;
+  // out (n, n_embd) = O or down of the input `mine` (n, this rank's part of
+  // `parts`); the whole input and the output rows are gathered over the
+  // ranks when the model is a shard.
+  template <typename Ops, typename Weight>
+  void split_product(Ops& ops, const Weight& w, const float* mine, std::span<const int64_t> parts,
+                     float* out) const;
+  // all (n, sum of parts) = every rank's `mine` (n, its part), side by side.
+  template <typename Ops>
+  void gather_columns(Ops& ops, const float* mine, std::span<const int64_t> parts,
+                      float* all) const;
+
+  const LlamaModel& model_;
+  // Every rank's share, in rank order, of the split dimensions: query dims
+  // (n_heads * head_dim), hidden units, output rows of O and down.
+  std::vector<int64_t> q_parts_, ff_parts_, embd_parts_;
+  ForwardStep step_;
+};
+
+// The widest of `parts`: a gather's slot, per row.
+int64_t widest_part(std::span<const int64_t> parts);
+
+template <typename Ops>
+void ForwardPlan::run(Ops& ops, const ModelForward::LayerStored& layer_stored) const {
+  const ModelConfig& c = model_.config();
+  const TpShard& shard = model_.shard();
+  const int64_t n = step_.n_rows;
+  // This rank's heads and hidden units (all of them when the model is whole).
+  const int64_t n_heads = shard.n_heads();
+  const int64_t n_kv_heads = shard.n_kv_heads();
+  const int64_t n_ff = shard.n_ff();
+  const int64_t q_dim = n_heads * c.head_dim;
+  const int64_t kv_dim = n_kv_heads * c.head_dim;
+  const RopeParams rope = rope_params(c, ops.rope_freqs());
+  const AttentionShape shape = attention_shape(c, shard);
+  const int32_t* positions = ops.positions();
+  float* x = ops.tensor(ForwardTensor::kX);
+  float* norm = ops.tensor(ForwardTensor::kNorm);
+  float* q = ops.tensor(ForwardTensor::kQ);
+  float* k = ops.tensor(ForwardTensor::kK);
+  float* v = ops.tensor(ForwardTensor::kV);
+  float* attn = ops.tensor(ForwardTensor::kAttn);
+  float* attn_out = ops.tensor(ForwardTensor::kAttnOut);
+  float* gate = ops.tensor(ForwardTensor::kGate);
+  float* up = ops.tensor(ForwardTensor::kUp);
+  float* ffn_out = ops.tensor(ForwardTensor::kFfnOut);
+
+  ops.embed(ops.tokens(), n, x);
+  if (!shard.whole()) ops.all_reduce(x, n * c.n_embd);  // adds zeros to each row but one: exact
+  for (int64_t il = 0; il < c.n_layers; ++il) {
+    const auto& w = ops.layer(il);
+
+    // Attention block.
+    ops.rms_norm(x, w.attn_norm, norm, n, c.n_embd, c.rms_eps);
+    ops.matmul(norm, n, WeightProduct{w.wq, q, q_dim}, WeightProduct{w.wk, k, kv_dim},
+               WeightProduct{w.wv, v, kv_dim});
+    ops.add_bias(q, w.bq, n, q_dim);
+    ops.add_bias(k, w.bk, n, kv_dim);
+    ops.add_bias(v, w.bv, n, kv_dim);
+    ops.rope(q, n, n_heads, c.head_dim, positions, rope);
+    ops.rope(k, n, n_kv_heads, c.head_dim, positions, rope);
+    ops.store_kv(il, k, v);
+    if (layer_stored) {
+      ops.synchronize();
+      layer_stored(il);
+    }
+    ops.attention(il, shape, q, attn);
+    split_product(ops, w.wo, attn, q_parts_, attn_out);
+    ops.add_in_place(x, attn_out, n * c.n_embd);
+
+    // Feed-forward block (SwiGLU).
+    ops.rms_norm(x, w.ffn_norm, norm, n, c.n_embd, c.rms_eps);
+    ops.matmul(norm, n, WeightProduct{w.w_gate, gate, n_ff}, WeightProduct{w.w_up, up, n_ff});
+    ops.silu_mul(gate, up, gate, n, n_ff);
+    split_product(ops, w.w_down, gate, ff_parts_, ffn_out);
+    ops.add_in_place(x, ffn_out, n * c.n_embd);
+  }
+  head(ops, x);
+}
+
+template <typename Ops>
+void ForwardPlan::head(Ops& ops, const float* x) const {
+  const ModelConfig& c = model_.config();
+  const TpShard& shard = model_.shard();
+  const int64_t n_out = step_.n_out;
+  if (n_out == 0) return;
+  // Only the rows whose logits are wanted.
+  float* head_in = ops.tensor(ForwardTensor::kHeadIn);
+  if (step_.logit_rows_are_all) {
+    ops.rms_norm(x, ops.output_norm(), head_in, n_out, c.n_embd, c.rms_eps);
+  } else {
+    for (int64_t i = 0; i < n_out; ++i) {
+      const int64_t r = step_.logit_rows[static_cast<size_t>(i)];
+      ops.rms_norm(x + r * c.n_embd, ops.output_norm(), head_in + i * c.n_embd, 1, c.n_embd,
+                   c.rms_eps);
+    }
+  }
+  const auto& output = ops.output();
+  if (shard.whole()) {
+    ops.matmul(head_in, n_out, WeightProduct{output, ops.logits(), c.n_vocab});
+    return;
+  }
+  // Vocabulary-parallel: this rank's columns of the logits, gathered rank by
+  // rank, then laid out row by row on every rank.
+  const int64_t stride = shard.vocab_stride;
+  float* slice = ops.tensor(ForwardTensor::kLogitSlice);
+  float* slices = ops.tensor(ForwardTensor::kLogitSlices);
+  ops.matmul(head_in, n_out, WeightProduct{output, slice, stride});
+  ops.all_gather(slice, n_out * stride, slices);
+  ops.assemble_logits(slices, shard.size, n_out, stride, c.n_vocab, ops.logits());
+}
+
+template <typename Ops, typename Weight>
+void ForwardPlan::split_product(Ops& ops, const Weight& w, const float* mine,
+                                std::span<const int64_t> parts, float* out) const {
+  const int64_t n = step_.n_rows;
+  if (model_.shard().whole()) {
+    ops.matmul(mine, n, WeightProduct{w, out, model_.config().n_embd});
+    return;
+  }
+  // (n, k): every rank multiplies the same whole rows, as one rank would.
+  float* whole = ops.tensor(ForwardTensor::kWholeIn);
+  gather_columns(ops, mine, parts, whole);
+  float* rows = ops.tensor(ForwardTensor::kOutRows);
+  ops.matmul(whole, n, WeightProduct{w, rows, model_.shard().n_embd()});
+  gather_columns(ops, rows, embd_parts_, out);
+}
+
+template <typename Ops>
+void ForwardPlan::gather_columns(Ops& ops, const float* mine, std::span<const int64_t> parts,
+                                 float* all) const {
+  const int64_t slot =
+      widest_part(parts) * step_.n_rows;  // a narrower part sends padding past its rows
+  float* gathered = ops.tensor(ForwardTensor::kGathered);
+  ops.all_gather(mine, slot, gathered);
+  ops.assemble_columns(gathered, slot, parts, step_.n_rows, all);
+}
+
+}  // namespace duet
