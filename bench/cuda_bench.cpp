@@ -8,7 +8,8 @@
 //      at 1 and 8 rows, and prefill TFLOP/s on the GEMM path.
 //   3. The real model (--model): decode tokens/s at batch 1 and 64 with and
 //      without CUDA graphs, weight bytes per token and the weight-read GB/s it
-//      implies, and the prefill rate of one 512-token prompt.
+//      implies, and the prefill rate of one prompt (--prefill-tokens, default
+//      512) in model TFLOP/s against the GEMM roofline.
 //
 // Every GPU section is timed on the host with std::chrono around
 // CudaBackend::synchronize(), after warm-up runs; figures are medians of
@@ -16,6 +17,7 @@
 // table and writes the figures as JSON (--json).
 //
 //   duet-cuda-bench --model models/SmolLM2-135M-Instruct.Q4_1.gguf --json out.json [--quick]
+//                   [--prefill-tokens N]
 //
 // Exits 77 (skipped) on a machine without a CUDA device, 2 on a bad command line.
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -54,6 +57,7 @@ constexpr int kSkipped = 77;
 constexpr int kUsageError = 2;
 constexpr double kGiga = 1e9;
 constexpr double kTera = 1e12;
+constexpr int64_t kMaxPrefillTokens = 16384;  // the model's KV cache: 64 sequences of 256
 
 // ---------------------------------------------------------------------------
 // Command line
@@ -62,6 +66,7 @@ struct Options {
   std::string model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
   std::string json;  // empty: no JSON file
   bool quick = false;
+  int64_t prefill_tokens = 512;  // the model's prefill prompt
 };
 
 void print_usage(std::FILE* to) {
@@ -70,7 +75,8 @@ void print_usage(std::FILE* to) {
       "  --model PATH   GGUF model for the decode/prefill figures\n"
       "                 (default models/SmolLM2-135M-Instruct.Q4_1.gguf)\n"
       "  --json PATH    also write the figures as JSON to PATH\n"
-      "  --quick        fewer repetitions and a smaller synthetic prefill\n",
+      "  --quick        fewer repetitions and a smaller synthetic prefill\n"
+      "  --prefill-tokens N  the model's prefill prompt length (default 512, at most 16384)\n",
       to);
 }
 
@@ -90,6 +96,17 @@ int parse_options(int argc, char** argv, Options& options) {
       if (!value(options.model)) return kUsageError;
     } else if (arg == "--json") {
       if (!value(options.json)) return kUsageError;
+    } else if (arg == "--prefill-tokens") {
+      std::string text;
+      if (!value(text)) return kUsageError;
+      char* end = nullptr;
+      options.prefill_tokens = std::strtoll(text.c_str(), &end, 10);
+      if (*end != '\0' || options.prefill_tokens < 1 ||
+          options.prefill_tokens > kMaxPrefillTokens) {
+        std::fprintf(stderr, "duet-cuda-bench: --prefill-tokens takes 1 to 16384, not '%s'\n",
+                     text.c_str());
+        return kUsageError;
+      }
     } else if (arg == "--quick") {
       options.quick = true;
     } else if (arg == "--help" || arg == "-h") {
@@ -389,9 +406,14 @@ void measure_prefill(const SyntheticLayer& layer, int64_t n_x, double gemm_tflop
   json.close('}');
 }
 
+// The two rooflines the model's figures are set against.
+struct Rooflines {
+  double copy_gbps = 0;    // device copy, read + write
+  double gemm_tflops = 0;  // cuBLAS F16 GEMM
+};
+
 // Sections 1 and 2 on a backend of their own, freed before the model loads.
-// Returns the copy bandwidth (read + write).
-double measure_synthetic(const Plan& plan, JsonWriter& json) {
+Rooflines measure_synthetic(const Plan& plan, JsonWriter& json) {
   cuda::CudaBackend backend(0);
   std::printf("device: %s\n%s\n\n", backend.name().c_str(), cuda::library_versions().c_str());
   json.string("device", backend.name());
@@ -421,7 +443,7 @@ double measure_synthetic(const Plan& plan, JsonWriter& json) {
   measure_prefill(q4_0, plan.prefill_rows, gemm_tflops, activation_rows, backend, plan.prefill,
                   json);
   std::fflush(stdout);
-  return copy_gbps;
+  return {copy_gbps, gemm_tflops};
 }
 
 // ---------------------------------------------------------------------------
@@ -435,9 +457,8 @@ constexpr int64_t kPromptTokens = 128;
 constexpr int64_t kPrefillGroup = 16;  // sequences per prefill run
 constexpr int64_t kWarmupSteps = 2;    // the graph is captured on a batch size's second step
 constexpr int64_t kDecodeSteps = 64;
-constexpr int64_t kLongPrompt = 512;
+static_assert(kMaxPrefillTokens == kMaxBatch * kTokensPerSequence);
 static_assert(kPromptTokens + kWarmupSteps + kDecodeSteps <= kTokensPerSequence);
-static_assert(kLongPrompt <= kMaxBatch * kTokensPerSequence);
 
 struct ModelRig {
   const LlamaModel& model;
@@ -450,26 +471,45 @@ int32_t prompt_token(int64_t sequence, int64_t position, int64_t n_vocab) {
   return static_cast<int32_t>((sequence * 1009 + position * 7919 + 1) % n_vocab);
 }
 
-// One kLongPrompt-token prompt in one run (the last row's logits only), in
-// blocks 0.. (the decode prompts overwrite them later).
-void measure_model_prefill(ModelRig& rig, Reps reps, JsonWriter& json) {
-  std::vector<int32_t> table(static_cast<size_t>((kLongPrompt + kBlockSize - 1) / kBlockSize));
+// FLOPs of one n-token prompt in one run: every layer's 7 matmuls on every
+// token, causal attention (QK^T and PV over n(n+1)/2 query-key pairs) and the
+// output head on the last row.
+double prompt_flops(const ModelConfig& c, int64_t n) {
+  const auto d = static_cast<double>(c.n_embd);
+  const auto q_dim = static_cast<double>(c.n_heads * c.head_dim);
+  const auto kv_dim = static_cast<double>(c.n_kv_heads * c.head_dim);
+  const double matmuls = 2.0 * (d * (2 * q_dim + 2 * kv_dim) + 3 * d * static_cast<double>(c.n_ff));
+  const double pairs = static_cast<double>(n) * static_cast<double>(n + 1) / 2;
+  const double attention = 4.0 * q_dim * pairs;
+  return static_cast<double>(c.n_layers) * (matmuls * static_cast<double>(n) + attention) +
+         2.0 * d * static_cast<double>(c.n_vocab);
+}
+
+// One n_tokens prompt in one run (the last row's logits only), in blocks 0..
+// (the decode prompts overwrite them later).
+void measure_model_prefill(ModelRig& rig, Reps reps, int64_t n_tokens, double gemm_tflops,
+                           JsonWriter& json) {
+  std::vector<int32_t> table(static_cast<size_t>((n_tokens + kBlockSize - 1) / kBlockSize));
   std::iota(table.begin(), table.end(), 0);
   std::vector<int32_t> tokens;
-  for (int64_t p = 0; p < kLongPrompt; ++p)
+  for (int64_t p = 0; p < n_tokens; ++p)
     tokens.push_back(prompt_token(0, p, rig.model.config().n_vocab));
-  const ForwardSequence sequence{table, 0, kLongPrompt};
-  const int64_t last_row = kLongPrompt - 1;
+  const ForwardSequence sequence{table, 0, n_tokens};
+  const int64_t last_row = n_tokens - 1;
   const double seconds = time_median(rig.forward.backend(), reps, [&] {
     rig.forward.run(tokens, {&sequence, 1}, rig.cache, {&last_row, 1}, nullptr);
   });
-  const double tokens_per_s = static_cast<double>(kLongPrompt) / seconds;
-  std::printf("  prefill, one %ld-token prompt: %.2f ms, %.0f tokens/s\n",
-              static_cast<long>(kLongPrompt), seconds * 1e3, tokens_per_s);
+  const double tokens_per_s = static_cast<double>(n_tokens) / seconds;
+  const double tflops = prompt_flops(rig.model.config(), n_tokens) / seconds / kTera;
+  std::printf(
+      "  prefill, one %ld-token prompt: %.2f ms, %.0f tokens/s, %.1f TFLOP/s (%.3f of GEMM)\n",
+      static_cast<long>(n_tokens), seconds * 1e3, tokens_per_s, tflops, tflops / gemm_tflops);
   json.open("model_prefill", '{');
-  json.integer("prompt_tokens", kLongPrompt);
+  json.integer("prompt_tokens", n_tokens);
   json.number("ms", seconds * 1e3);
   json.number("tokens_per_s", tokens_per_s);
+  json.number("tflops", tflops);
+  json.number("ratio_to_gemm", tflops / gemm_tflops);
   json.close('}');
 }
 
@@ -553,7 +593,8 @@ void measure_decode(ModelRig& rig, int64_t batch, bool graphs, double copy_gbps,
   json.close('}');
 }
 
-void measure_model(const std::string& path, double copy_gbps, const Plan& plan, JsonWriter& json) {
+void measure_model(const std::string& path, Rooflines rooflines, const Plan& plan,
+                   int64_t prefill_tokens, JsonWriter& json) {
   const std::unique_ptr<LlamaModel> model = LlamaModel::load(path);
   CudaForward forward(*model, 0);
   // The device KV cache takes this host cache's layout (the host copy is the
@@ -574,7 +615,7 @@ void measure_model(const std::string& path, double copy_gbps, const Plan& plan, 
   json.integer("weight_bytes", static_cast<int64_t>(forward.weight_bytes()));
   json.close('}');
 
-  measure_model_prefill(rig, plan.model_prefill, json);
+  measure_model_prefill(rig, plan.model_prefill, prefill_tokens, rooflines.gemm_tflops, json);
   std::printf("  decode, %ld steps after %ld-token prompts, greedy sampling on the device:\n",
               static_cast<long>(kDecodeSteps), static_cast<long>(kPromptTokens));
   std::printf("  %5s %7s %10s %8s %8s %12s %10s %8s\n", "batch", "graphs", "tokens/s", "step ms",
@@ -583,7 +624,8 @@ void measure_model(const std::string& path, double copy_gbps, const Plan& plan, 
   static_assert(kMaxBatch == 64, "the JSON keys below");
   for (const auto& [batch, key] : {std::pair<int64_t, const char*>{1, "b1"}, {kMaxBatch, "b64"}}) {
     json.open(key, '{');
-    for (const bool graphs : {false, true}) measure_decode(rig, batch, graphs, copy_gbps, json);
+    for (const bool graphs : {false, true})
+      measure_decode(rig, batch, graphs, rooflines.copy_gbps, json);
     json.close('}');
   }
   json.close('}');
@@ -617,8 +659,8 @@ int run(const Options& options) {
   JsonWriter json;
   json.open({}, '{');
   json.boolean("quick", options.quick);
-  const double copy_gbps = measure_synthetic(plan, json);
-  measure_model(options.model, copy_gbps, plan, json);
+  const Rooflines rooflines = measure_synthetic(plan, json);
+  measure_model(options.model, rooflines, plan, options.prefill_tokens, json);
   json.close('}');
   std::printf("\ntotal %.1f s\n", seconds_between(start, Clock::now()));
   if (!options.json.empty()) {

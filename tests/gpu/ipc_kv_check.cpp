@@ -15,7 +15,8 @@
 //            produce the same tokens.
 //
 // Then a burst of 8 MiB payloads (a synthetic 8-KV-head, 128-dim layout)
-// measures the IPC transfer rate, against the device's own copy rate.
+// measures the IPC transfer rate, against the device's own copy of the same
+// payloads (one copy at a time, as the receiver takes them).
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -287,17 +288,19 @@ int wait_for(pid_t pid, int seconds) {
   return -1;
 }
 
-// The device's copy rate (bytes copied per second, one way) on a 1 GiB copy.
-double copy_rate(cuda::CudaBackend& backend) {
-  const size_t bytes = size_t{1} << 30;
+// The device's copy rate (bytes copied per second, one way) on `count`
+// device-to-device copies of `bytes` each, each waited for.
+double copy_rate(cuda::CudaBackend& backend, size_t bytes, int count) {
   cuda::DeviceBuffer from(bytes), to(bytes);
   backend.copy(to.data(), from.data(), bytes);
   backend.synchronize();
   const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < 5; ++i) backend.copy(to.data(), from.data(), bytes);
-  backend.synchronize();
+  for (int i = 0; i < count; ++i) {
+    backend.copy(to.data(), from.data(), bytes);
+    backend.synchronize();
+  }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return 5.0 * static_cast<double>(bytes) / s;
+  return static_cast<double>(count) * static_cast<double>(bytes) / s;
 }
 
 }  // namespace
@@ -372,14 +375,18 @@ int main() {
   });
   gpu_check::run_case("IPC transfer rate against the device's copy rate", [&] {
     cuda::CudaBackend backend(0);
-    const double copy = copy_rate(backend);
+    if (burst_bytes == 0 || !(burst_seconds > 0)) {
+      gpu_check::fail("the burst moved %llu bytes in %g s",
+                      static_cast<unsigned long long>(burst_bytes), burst_seconds);
+      return;
+    }
+    const size_t payload = burst_bytes / kBurst;
+    const double copy = copy_rate(backend, payload, kBurst);
     const double ipc = static_cast<double>(burst_bytes) / burst_seconds;
     std::printf(
-        "    device copy %.1f GB/s; IPC %d payloads of %.1f MiB: %.1f GB/s (%.2f of the "
-        "copy; timed on the receiver: its copy across and its unpack)\n",
-        copy / 1e9, kBurst, static_cast<double>(burst_bytes) / kBurst / (1 << 20), ipc / 1e9,
-        ipc / copy);
-    GPU_EXPECT(burst_bytes > 0 && burst_seconds > 0);
+        "    device copy of the same %d payloads of %.1f MiB %.1f GB/s; IPC %.1f GB/s (%.2f of "
+        "the copy; timed on the receiver: its copy across and its unpack)\n",
+        kBurst, static_cast<double>(payload) / (1 << 20), copy / 1e9, ipc / 1e9, ipc / copy);
   });
   return gpu_check::finish();
 }
