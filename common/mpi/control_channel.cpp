@@ -15,13 +15,20 @@ namespace {
 constexpr int kMessageTag = 1;  // one encoded ControlMessage
 constexpr int kCloseTag = 2;    // empty: the sender has closed; nothing follows it
 
-// How long a channel stopped without close() keeps pushing out what it queued.
+// How long a channel stopped without close() keeps pushing out what it queued
+// (and a closed one what its endpoints still have in flight).
 constexpr std::chrono::milliseconds kStopFlush{200};
+// Finished sends' buffers kept for buffer(): KV payloads, not headers.
+constexpr size_t kMaxSpares = 64;
+constexpr size_t kMinSpareBytes = 4096;
 
 }  // namespace
 
 ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options)
-    : options_(options), rank_(mpi.rank()), world_size_(mpi.world_size()) {
+    : options_(options),
+      rank_(mpi.rank()),
+      world_size_(mpi.world_size()),
+      queue_(options.bulk_window_bytes) {
   DUET_REQUIRE(
       options_.min_idle_sleep.count() > 0 && options_.min_idle_sleep <= options_.max_idle_sleep,
       "control channel: need 0 < min_idle_sleep <= max_idle_sleep");
@@ -46,7 +53,8 @@ void ControlChannel::send(Rank destination, const ControlMessage& message) {
   DUET_REQUIRE(destination.value >= 0 && destination.value < world_size_ && destination != rank_,
                "control channel: cannot send to rank {} (this is rank {} of {})", destination.value,
                rank_.value, world_size_);
-  Outgoing outgoing{destination, kMessageTag, encode_control_message(message)};
+  Outgoing outgoing{comm_, destination.value, kMessageTag, SendLane::kControl,
+                    encode_control_message(message)};
   DUET_REQUIRE(outgoing.bytes.size() <= static_cast<size_t>(INT_MAX),
                "control channel: a {}-byte {} message is over MPI's 2 GiB count limit",
                outgoing.bytes.size(), control_message_name(message));
@@ -54,9 +62,38 @@ void ControlChannel::send(Rank destination, const ControlMessage& message) {
     std::lock_guard lock(mutex_);
     DUET_REQUIRE(!closing_ && !stop_, "control channel: send after close ({} to rank {})",
                  control_message_name(message), destination.value);
-    outbox_.push_back(std::move(outgoing));
+    queue_.push(std::move(outgoing));
+    ++own_pending_;
+    woken_ = true;
   }
   wake_.notify_one();
+}
+
+void ControlChannel::post(const CommEndpoint& from, MPI_Comm comm, int destination, int tag,
+                          std::vector<std::byte> bytes, SendLane lane) {
+  DUET_REQUIRE(destination >= 0 && destination < world_size_,
+               "control channel: cannot post to rank {} of {}", destination, world_size_);
+  DUET_REQUIRE(bytes.size() <= static_cast<size_t>(INT_MAX),
+               "control channel: a {}-byte message is over MPI's 2 GiB count limit", bytes.size());
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push(Outgoing{comm, destination, tag, lane, std::move(bytes), &from});
+    woken_ = true;
+  }
+  wake_.notify_one();
+}
+
+std::vector<std::byte> ControlChannel::buffer(size_t size) {
+  std::vector<std::byte> bytes;
+  {
+    std::lock_guard lock(mutex_);
+    if (!spares_.empty()) {
+      bytes = std::move(spares_.back());
+      spares_.pop_back();
+    }
+  }
+  bytes.resize(size);
+  return bytes;
 }
 
 std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds timeout) {
@@ -97,15 +134,28 @@ bool ControlChannel::close(std::chrono::milliseconds timeout) {
 
 void ControlChannel::attach(CommEndpoint& endpoint) {
   {
-    std::lock_guard lock(endpoints_mutex_);
+    std::lock_guard pass(pass_mutex_);
     endpoints_.push_back(&endpoint);
   }
   wake();
 }
 
-void ControlChannel::detach(CommEndpoint& endpoint) {
-  std::lock_guard lock(endpoints_mutex_);
-  std::erase(endpoints_, &endpoint);
+size_t ControlChannel::detach(CommEndpoint& endpoint, std::chrono::milliseconds flush) {
+  {
+    std::lock_guard pass(pass_mutex_);
+    std::erase(endpoints_, &endpoint);
+  }
+  const auto from_endpoint = [&](const Outgoing& outgoing) { return outgoing.from == &endpoint; };
+  {
+    std::unique_lock lock(mutex_);
+    taken_.wait_for(lock, flush,
+                    [&] { return thread_done_ || queue_.count_if(from_endpoint) == 0; });
+  }
+  // With the pass lock held none of its messages is between the queue and
+  // MPI_Isend: what is still queued is dropped whole, never posted later.
+  std::lock_guard pass(pass_mutex_);
+  std::lock_guard lock(mutex_);
+  return queue_.erase_if(from_endpoint);
 }
 
 void ControlChannel::wake() {
@@ -125,18 +175,20 @@ ControlChannel::Counters ControlChannel::counters() const {
 
 void ControlChannel::run() {
   auto idle_sleep = options_.min_idle_sleep;
-  std::deque<Outgoing> fresh;  // taken from outbox_ under the lock, posted outside it
+  std::vector<Outgoing> fresh;  // taken from the queue under the lock, posted outside it
+  bool closed = false;
   try {
     while (true) {
-      bool closing = false;
+      std::unique_lock pass(pass_mutex_);
       bool stop = false;
       {
         std::lock_guard lock(mutex_);
-        fresh.swap(outbox_);
-        closing = closing_;
         stop = stop_;
         woken_ = false;
+        if (closing_ && !close_markers_queued_) queue_close_markers();
+        queue_.take(fresh);
       }
+      taken_.notify_all();
       if (stop) {
         // No agreement with the other ranks, but what was queued still
         // leaves (a refusal's last words): post it and let it go out briefly.
@@ -145,31 +197,20 @@ void ControlChannel::run() {
         break;
       }
       bool active = post_sends(fresh);
-      // The close markers follow every message queued before close() began
-      // (send() refuses new ones), so a peer that has our marker has all of
-      // our messages: MPI does not let messages from one rank overtake.
-      if (closing && !close_markers_sent_) {
-        for (int r = 0; r < world_size_; ++r) {
-          if (r != rank_.value) fresh.push_back(Outgoing{Rank{r}, kCloseTag, {}});
-        }
-        post_sends(fresh);
-        close_markers_sent_ = true;
-        active = true;
-      }
       active = test_sends() || active;
       active = receive_some() || active;
-      bool transferring = false;
-      {
-        std::lock_guard lock(endpoints_mutex_);
-        for (CommEndpoint* endpoint : endpoints_) {
-          active = endpoint->progress() || active;
-          transferring = transferring || endpoint->in_flight();
-        }
+      bool transferring = n_endpoint_sends_in_flight_ > 0;
+      for (CommEndpoint* endpoint : endpoints_) {
+        active = endpoint->progress() || active;
+        transferring = endpoint->in_flight() || transferring;
       }
+      const bool sends_in_flight = !in_flight_.empty();
+      pass.unlock();
 
-      if (close_markers_sent_ && in_flight_.empty() && n_closed_peers_ == world_size_ - 1) {
-        std::lock_guard lock(mutex_);
+      std::unique_lock lock(mutex_);
+      if (close_markers_queued_ && own_pending_ == 0 && n_closed_peers_ == world_size_ - 1) {
         closed_ = true;
+        closed = true;
         inbox_ready_.notify_all();
         break;
       }
@@ -177,16 +218,15 @@ void ControlChannel::run() {
         idle_sleep = options_.min_idle_sleep;
         continue;
       }
-      auto pause = in_flight_.empty() ? idle_sleep : std::min(idle_sleep, options_.in_flight_poll);
+      auto pause = sends_in_flight ? std::min(idle_sleep, options_.in_flight_poll) : idle_sleep;
       if (transferring) pause = std::min(pause, options_.transfer_poll);
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait_for(lock, pause, [&] {
-          return !outbox_.empty() || stop_ || woken_ || (closing_ && !close_markers_sent_);
-        });
-      }
+      wake_.wait_for(lock, pause,
+                     [&] { return stop_ || woken_ || (closing_ && !close_markers_queued_); });
       idle_sleep = std::min(idle_sleep * 2, options_.max_idle_sleep);
     }
+    // Closed: what the endpoints still have in flight gets a moment, as
+    // after a stop.
+    if (closed && !in_flight_.empty()) flush_for(kStopFlush);
   } catch (const std::exception& e) {
     // An MPI failure: nothing more can move on this channel. Wake everyone
     // waiting on it; close() then reports that the ranks did not agree.
@@ -197,21 +237,39 @@ void ControlChannel::run() {
     inbox_ready_.notify_all();
   }
   abandon_in_flight();
+  {
+    std::lock_guard lock(mutex_);
+    thread_done_ = true;
+  }
+  taken_.notify_all();
 }
 
-bool ControlChannel::post_sends(std::deque<Outgoing>& fresh) {
+// The close markers follow every message queued before close() began
+// (send() refuses new ones), so a peer that has our marker has all of our
+// messages: MPI does not let messages from one rank overtake.
+void ControlChannel::queue_close_markers() {
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_.value) continue;
+    queue_.push(Outgoing{comm_, r, kCloseTag, SendLane::kControl, {}});
+    ++own_pending_;
+  }
+  close_markers_queued_ = true;
+}
+
+bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
   const bool any = !fresh.empty();
+  int64_t n_messages = 0;
   for (Outgoing& outgoing : fresh) {
     in_flight_.push_back(std::move(outgoing));
     Outgoing& posted = in_flight_.back();
     // The buffer stays put: moving an Outgoing moves the vector's heap block,
     // never the bytes, and in_flight_ holds it until MPI_Test says done.
     DUET_MPI_CHECK(MPI_Isend(posted.bytes.data(), static_cast<int>(posted.bytes.size()), MPI_BYTE,
-                             posted.destination.value, posted.tag, comm_, &posted.request));
+                             posted.destination, posted.tag, posted.comm, &posted.request));
+    if (posted.from != nullptr) ++n_endpoint_sends_in_flight_;
+    if (posted.from == nullptr && posted.tag == kMessageTag) ++n_messages;
   }
-  if (any) {
-    int64_t n_messages = 0;
-    for (const Outgoing& outgoing : fresh) n_messages += outgoing.tag == kMessageTag ? 1 : 0;
+  if (n_messages > 0) {
     std::lock_guard lock(mutex_);
     counters_.sent += n_messages;
   }
@@ -229,13 +287,26 @@ void ControlChannel::flush_for(std::chrono::milliseconds limit) {
 }
 
 bool ControlChannel::test_sends() {
-  const size_t before = in_flight_.size();
+  std::vector<Outgoing> done;
   std::erase_if(in_flight_, [&](Outgoing& outgoing) {
-    int done = 0;
-    DUET_MPI_CHECK(MPI_Test(&outgoing.request, &done, MPI_STATUS_IGNORE));
-    return done != 0;
+    int finished = 0;
+    DUET_MPI_CHECK(MPI_Test(&outgoing.request, &finished, MPI_STATUS_IGNORE));
+    if (finished) done.push_back(std::move(outgoing));
+    return finished != 0;
   });
-  return in_flight_.size() != before;
+  if (done.empty()) return false;
+  std::lock_guard lock(mutex_);
+  for (Outgoing& outgoing : done) {
+    if (outgoing.lane == SendLane::kBulk) queue_.sent(outgoing.destination, outgoing.bytes.size());
+    if (outgoing.from == nullptr) {
+      --own_pending_;
+      continue;
+    }
+    --n_endpoint_sends_in_flight_;
+    if (spares_.size() < kMaxSpares && outgoing.bytes.capacity() >= kMinSpareBytes)
+      spares_.push_back(std::move(outgoing.bytes));
+  }
+  return true;
 }
 
 bool ControlChannel::receive_some() {

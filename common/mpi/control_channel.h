@@ -1,5 +1,6 @@
 // The control plane's transport: typed messages (common/cluster/control_messages.h)
-// between the ranks of the MPI job, driven by one communication thread.
+// between the ranks of the MPI job, driven by one communication thread, and
+// the process's one send path.
 //
 // Contract
 // - Every rank of MPI_COMM_WORLD constructs one ControlChannel (the
@@ -27,6 +28,15 @@
 // back to the minimum on any activity, and a local send() wakes it at once.
 // The cost: a message arriving from another rank after an idle spell waits up
 // to max_idle_sleep before it is received.
+//
+// The send path: the endpoints attached to the channel (the KV transfer, on
+// its own communicator) post their messages through it too, so that one
+// queue (common/mpi/send_queue.h) orders every send of the process: the
+// channel's messages and the endpoints' control-lane messages leave ahead of
+// queued KV payloads, whose bytes in flight are bounded per destination.
+// close() agrees on the channel's own messages only: an endpoint's sends
+// still in flight when the ranks have closed get the same brief moment as
+// after a stop, then are abandoned.
 #pragma once
 
 #include <chrono>
@@ -42,20 +52,22 @@
 #include "common/cluster/cluster_spec.h"
 #include "common/cluster/control_messages.h"
 #include "common/mpi/mpi_runtime.h"
+#include "common/mpi/send_queue.h"
 
 namespace duet {
 
 // Another user of the communication thread (the KV transfer): one thread per
 // process drives every non-blocking MPI operation, each user on its own
-// communicator.
+// communicator, and every send goes through the channel's post().
 class CommEndpoint {
  public:
   virtual ~CommEndpoint() = default;
-  // Moves the endpoint's operations on (posts, tests, receives); true when
+  // Moves the endpoint's operations on (receives, device work); true when
   // anything happened. Called on the communication thread on every pass.
   virtual bool progress() = 0;
   // Whether operations are in flight: the thread then polls every
-  // transfer_poll instead of backing off.
+  // transfer_poll instead of backing off (as it does while any endpoint's
+  // send is in flight).
   virtual bool in_flight() const = 0;
 };
 
@@ -69,6 +81,8 @@ struct ControlChannelOptions {
   std::chrono::microseconds transfer_poll{20};
   // Receives per pass before the thread looks at its send queue again.
   int max_receives_per_pass = 64;
+  // Bulk-lane bytes (KV payloads) in flight to one destination at most.
+  size_t bulk_window_bytes = size_t{64} << 20;
 };
 
 struct ReceivedMessage {
@@ -86,11 +100,26 @@ class ControlChannel final {
   ControlChannel& operator=(const ControlChannel&) = delete;
 
   // Any thread. The communication thread drives `endpoint` from its next pass
-  // until detach(), which returns once the thread is not inside it.
+  // until detach(). detach() returns once the thread is not inside it, after
+  // giving the endpoint's queued messages up to `flush` to be posted; it
+  // drops the rest and returns how many. The endpoint's posted sends stay
+  // with the channel until they complete (or the channel abandons them as
+  // its own when it stops), so the endpoint may free its communicator then.
   void attach(CommEndpoint& endpoint);
-  void detach(CommEndpoint& endpoint);
+  size_t detach(CommEndpoint& endpoint,
+                std::chrono::milliseconds flush = std::chrono::milliseconds(0));
   // Any thread: an attached endpoint has new work; the thread passes at once.
   void wake();
+
+  // Any thread, for an attached endpoint (`from`): the process's one send
+  // path. Queues `bytes` for world rank `destination` on the endpoint's
+  // communicator `comm` under `tag`, in `lane` (see SendQueue). Messages to
+  // one destination in one lane are posted in the order queued.
+  void post(const CommEndpoint& from, MPI_Comm comm, int destination, int tag,
+            std::vector<std::byte> bytes, SendLane lane);
+  // Any thread: a buffer of `size` bytes for post(), a finished send's when
+  // one is spare (no allocation on the KV path once it runs).
+  std::vector<std::byte> buffer(size_t size);
 
   Rank rank() const { return rank_; }
   int world_size() const { return world_size_; }
@@ -124,14 +153,18 @@ class ControlChannel final {
 
  private:
   struct Outgoing {
-    Rank destination;
+    MPI_Comm comm = MPI_COMM_NULL;
+    int destination = 0;
     int tag = 0;
-    std::vector<std::byte> bytes;  // owned until the send completes
+    SendLane lane = SendLane::kControl;
+    std::vector<std::byte> bytes;        // owned until the send completes
+    const CommEndpoint* from = nullptr;  // null: the channel's own message
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
-  void run();  // the communication thread
-  bool post_sends(std::deque<Outgoing>& fresh);
+  void run();                  // the communication thread
+  void queue_close_markers();  // under mutex_
+  bool post_sends(std::vector<Outgoing>& fresh);
   bool test_sends();
   bool receive_some();
   void flush_for(std::chrono::milliseconds limit);
@@ -144,24 +177,31 @@ class ControlChannel final {
 
   // Communication thread only.
   std::vector<Outgoing> in_flight_;
+  int64_t n_endpoint_sends_in_flight_ = 0;
   std::vector<bool> closed_by_;  // by rank: its close marker arrived
   int n_closed_peers_ = 0;
-  bool close_markers_sent_ = false;
 
-  mutable std::mutex mutex_;             // guards the members below
-  std::condition_variable wake_;         // the communication thread waits here
-  std::condition_variable inbox_ready_;  // receivers and close() wait here
-  std::deque<Outgoing> outbox_;          // queued by send(), not yet posted
+  // Held by the communication thread through each pass's MPI work (taking
+  // from the queue and posting, testing, receiving, driving the endpoints):
+  // whoever holds it knows that no message is between the queue and MPI.
+  std::mutex pass_mutex_;
+  std::vector<CommEndpoint*> endpoints_;  // guarded by pass_mutex_
+
+  mutable std::mutex mutex_;                    // guards the members below
+  std::condition_variable wake_;                // the communication thread waits here
+  std::condition_variable inbox_ready_;         // receivers and close() wait here
+  std::condition_variable taken_;               // detach() waits here for the queue to move
+  SendQueue<Outgoing> queue_;                   // queued by send() and post(), not yet posted
+  std::vector<std::vector<std::byte>> spares_;  // finished sends' buffers, for buffer()
+  int64_t own_pending_ = 0;                     // the channel's own messages queued or in flight
   std::deque<ReceivedMessage> inbox_;
-  bool woken_ = false;    // wake() since the thread last looked
-  bool closing_ = false;  // close() began: no more sends
-  bool closed_ = false;   // every rank closed; the thread has ended
-  bool stop_ = false;     // end the thread now, without the closing agreement
+  bool woken_ = false;                 // wake(), send() or post() since the thread last looked
+  bool closing_ = false;               // close() began: no more sends
+  bool close_markers_queued_ = false;  // behind every message send() queued
+  bool closed_ = false;                // every rank closed; the thread has ended
+  bool stop_ = false;                  // end the thread now, without the closing agreement
+  bool thread_done_ = false;           // nothing queued will be posted any more
   Counters counters_;
-
-  // Held by the communication thread while it drives the endpoints.
-  std::mutex endpoints_mutex_;
-  std::vector<CommEndpoint*> endpoints_;  // guarded by endpoints_mutex_
 
   std::thread thread_;  // last: starts after everything above exists
 };

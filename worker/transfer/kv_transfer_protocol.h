@@ -1,0 +1,248 @@
+// The decode side's and the prefill side's rules of the KV transfer
+// (worker/transfer/kv_transfer.h) without MPI: a state machine that the MPI
+// adapter (worker/transfer/mpi_kv_transfer.h) feeds with events and that
+// answers with actions. Tests drive it in milliseconds, with their own clock.
+//
+// Events in:
+// - the instance's commands: start or expect an import, abort one, forget
+//   every import of a cache;
+// - a message from rank r (worker/transfer/kv_transfer_wire.h): a rows or
+//   device rows header, a control message, a rows-done note;
+// - a rows payload from r landed (payload_place says where it goes first);
+// - a device receipt started, could not start, or finished;
+// - time advanced (expire). Every event that may look at the clock takes
+//   `now`: deadlines are the caller's time.
+// Actions out (KvTransferActions): headers and control messages to send,
+// device receipts to start, device staging to release, handlers to call.
+// The adapter carries out an event's actions before it feeds the next event.
+//
+// What it owns:
+// - the imports: where each one's rows go, which rows of which source came
+//   (a rows header twice, or one outside the plan, fails the import), the
+//   prefill leader's handoff, and each import's end (complete, failed,
+//   released), reported once;
+// - the rows payloads expected from each rank, in their headers' order: an
+//   import that ended before its payload landed has it drained, never
+//   written; a payload's size and checksum decide whether its import goes on;
+// - the device receipts in flight (DeviceReceipts): an import that ends with
+//   receipts in flight reports its end once the last one is done, so nothing
+//   writes its blocks after on_failed or on_released;
+// - the requests gone (aborted, failed, forgotten), remembered for a while
+//   so that their late rows are dropped without a warning.
+//
+// Every rule that decides an import's fate from what arrives, or fails to
+// arrive by when, lives here, so that rules about peers (leases, heartbeats,
+// a dead peer's imports failing) join them without touching MPI.
+//
+// Not thread-safe: the adapter's communication thread owns it, and the
+// adapter's lock guards it when another thread forgets imports.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/serving.h"
+#include "worker/kv/kv_rows.h"
+#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/device_receipts.h"
+#include "worker/transfer/kv_transfer.h"
+#include "worker/transfer/kv_transfer_wire.h"
+
+namespace duet {
+
+// A handler of KvTransfer::Handlers to call, with its arguments.
+struct KvTransferCall {
+  enum class Kind { kOrder, kCancel, kComplete, kFailed, kReleased };
+  Kind kind = Kind::kComplete;
+  RequestId id;
+  int peer = -1;       // kOrder, kCancel: the rank the message came from
+  PrefillOrder order;  // kOrder
+  KvHandoff handoff;   // kComplete
+  ServeError error;    // kFailed
+};
+
+struct KvTransferActions {
+  // A header or control message (kv_wire::kHeaderTag, the control lane).
+  struct Send {
+    int destination = 0;
+    std::vector<std::byte> bytes;
+  };
+  // Start the device links' receipt of a device rows payload from `source`:
+  // into `into`'s blocks, then tell the protocol device_receipt_started (or
+  // device_receipt_failed); or, `into` null, drain it (nobody wants it).
+  // `into` is valid until the next event; an event asks for one at most.
+  struct DeviceReceive {
+    int source = 0;
+    RequestId id;
+    DeviceRowsTicket ticket;
+    const KvTransfer::ImportPlan* into = nullptr;
+    int64_t layer = 0;
+    int64_t pos0 = 0;
+    int64_t n = 0;
+    KvHeads heads;  // of `into`'s cache
+  };
+  // The device links' staging `ticket` at `peer` is free again (sender side).
+  struct StagingReleased {
+    int peer = 0;
+    DeviceRowsTicket ticket;
+  };
+
+  std::vector<Send> sends;
+  std::vector<DeviceReceive> device_receives;
+  std::vector<StagingReleased> staging_released;
+  std::vector<KvTransferCall> calls;  // in order, outside the adapter's locks
+
+  bool empty() const {
+    return sends.empty() && device_receives.empty() && staging_released.empty() && calls.empty();
+  }
+};
+
+class KvTransferProtocol {
+ public:
+  using Clock = KvTransfer::Clock;
+  using ImportPlan = KvTransfer::ImportPlan;
+  using Actions = KvTransferActions;
+
+  // `device_links[r]`: rows to or from world rank r move through the device
+  // links (ranks past its end do not).
+  explicit KvTransferProtocol(std::vector<bool> device_links = {});
+
+  // ---------------------------------------------------------------- commands
+  // A decode leader's import (`order` for `leader`, sent at once) or, with
+  // no order, a decode follower's (`leader` -1: it completes on its rows
+  // alone). Registered before the order leaves, so its rows find it.
+  void start_import(int leader, std::optional<PrefillOrder> order, ImportPlan plan, Actions& out);
+  // The import is withdrawn: its prefill leader is told (Cancel), and
+  // on_released follows once nothing writes its blocks any more (at once,
+  // for an import already over).
+  void abort_import(RequestId id, Clock::time_point now, Actions& out);
+  // Ends every import into `cache` without a handler call; their prefill
+  // leaders are told. Device receipts in flight into `cache` may still land
+  // (the caller waits for device_receipts_done()).
+  void forget_imports(const KvCache& cache, Clock::time_point now, Actions& out);
+
+  // ---------------------------------------------------------------- messages
+  // A message on the header tag from `source`.
+  void on_message(int source, std::span<const std::byte> bytes, Clock::time_point now,
+                  Actions& out);
+
+  // Where the next rows payload from `source` goes: `into`'s blocks (and
+  // `bytes`, its size by its header), or nowhere (`into` null: its import
+  // is over or never was; drain it). Nullopt: no payload is expected from
+  // `source`.
+  struct PayloadPlace {
+    const ImportPlan* into = nullptr;  // valid until the next event
+    int64_t layer = 0;
+    int64_t pos0 = 0;
+    int64_t n = 0;
+    KvHeads heads;      // of `into`'s cache
+    int64_t bytes = 0;  // the packed rows' size
+  };
+  std::optional<PayloadPlace> payload_place(int source) const;
+  // The ranks payloads are expected from, in rank order.
+  std::vector<int> payload_sources() const;
+  // The payload payload_place(source) placed has been received: into the
+  // blocks (`whole`), or drained (not whole: not the size its header said,
+  // or nobody wanted it).
+  void payload_landed(int source, bool whole, Clock::time_point now, Actions& out);
+
+  // ---------------------------------------------------------------- device receipts
+  void device_receipt_started(const Actions::DeviceReceive& receive, uint64_t receipt,
+                              Clock::time_point now);
+  // The links refused the payload (their error `why`); it was drained.
+  void device_receipt_failed(const Actions::DeviceReceive& receive, const std::string& why,
+                             Clock::time_point now, Actions& out);
+  void device_receipt_done(const DeviceKvLinks::Done& done, Clock::time_point now, Actions& out);
+
+  // ---------------------------------------------------------------- time
+  // Fails the imports whose deadline has passed; forgets gone requests after
+  // a while.
+  void expire(Clock::time_point now, Actions& out);
+
+  // ---------------------------------------------------------------- state
+  // Whether the communication thread should poll fast: payloads are expected
+  // for a live import, rows came a moment ago (more follow as the prefill
+  // side computes), or an import has all its rows (its handoff comes within
+  // one layer's compute).
+  bool fast_poll(Clock::time_point now) const;
+  // Ended imports waiting for their device receipts.
+  bool holding() const { return receipts_.holding(); }
+  // No device receipt in flight, no end held for one.
+  bool device_receipts_done() const { return receipts_.empty(); }
+  bool importing(RequestId id) const { return imports_.contains(id); }
+  // Rows messages for no live import (aborted, failed, or never known).
+  int64_t rows_dropped() const { return rows_dropped_; }
+
+ private:
+  struct Source {
+    KvSource heads;
+    int64_t rows_announced = 0;  // positions x layers whose rows headers came
+    int64_t rows_received = 0;   // of them, in place (payloads land later)
+    std::map<std::pair<int64_t, int64_t>, int64_t> arrived;  // (layer, pos0) -> end, by header
+
+    // Records the header of rows [pos0, pos0 + n) of `layer`; false when
+    // some of them came already.
+    bool arrive(int64_t layer, int64_t pos0, int64_t n);
+  };
+  struct Import {
+    ImportPlan plan;
+    uint64_t serial = 0;  // tells apart two imports of one id, one after the other
+    std::vector<Source> sources;
+    int leader = -1;  // the prefill leader whose handoff ends it; -1: a follower's import
+    std::optional<KvHandoff> handoff;
+
+    int64_t rows_expected() const;  // per source
+    bool all_rows() const;
+    Source* source(int rank);
+  };
+  // A rows payload announced by its header and not yet landed.
+  struct ExpectedPayload {
+    RequestId id;
+    uint64_t serial = 0;  // 0: nobody's (drained)
+    int64_t layer = 0;
+    int64_t pos0 = 0;
+    int64_t n = 0;
+    KvHeads heads;
+    uint64_t checksum = 0;
+  };
+
+  void on_rows(int source, const kv_wire::Header& header, Clock::time_point now, Actions& out);
+  void on_control(int source, std::span<const std::byte> payload, Clock::time_point now,
+                  Actions& out);
+  void on_handoff(int source, const KvHandoff& handoff, Clock::time_point now, Actions& out);
+  // What the header's payload needs when nobody takes it: drained.
+  void drain(int source, const kv_wire::Header& header, Actions& out);
+  // Whether the header fits its import's plan (source, heads, positions).
+  bool fits(const Import& import, int source, const kv_wire::Header& header) const;
+  // The import a payload is for, while it lasts.
+  const Import* live(const ExpectedPayload& payload) const;
+  // Counts `n` rows of `source` in place; completes the import if they were its last.
+  void rows_in_place(RequestId id, int source, int64_t n, Clock::time_point now, Actions& out);
+  void complete_if_done(RequestId id, Actions& out);
+  // Ends import `id` with `call` now, or once its device receipts are done.
+  void end_import(RequestId id, KvTransferCall call, Actions& out);
+  void fail(RequestId id, ServeError error, Clock::time_point now, Actions& out);
+  // Removes a live import: its prefill leader is told, its late rows dropped.
+  void withdraw(std::map<RequestId, Import>::iterator it, Clock::time_point now, Actions& out);
+  bool device_link(int rank) const;
+
+  const std::vector<bool> device_links_;
+  std::map<RequestId, Import> imports_;
+  uint64_t next_serial_ = 1;
+  std::map<int, std::deque<ExpectedPayload>> payloads_;  // by source rank, in header order
+  std::map<RequestId, Clock::time_point> gone_;  // aborted or failed: their rows are dropped
+  Clock::time_point last_rows_at_{};
+  std::vector<KvElement> check_rows_;        // rows repacked to verify a checksum
+  DeviceReceipts<KvTransferCall> receipts_;  // device payloads in flight, ends held for them
+  int64_t rows_dropped_ = 0;
+};
+
+}  // namespace duet

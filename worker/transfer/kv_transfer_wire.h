@@ -1,0 +1,86 @@
+// The KV transfer's messages on the wire (the exchange itself is described in
+// worker/transfer/mpi_kv_transfer.h). On the transfer's communicator, on tag
+// kHeaderTag, every message starts with an 80-byte Header:
+//   rows:        the request, layer, first position and count of one layer
+//                of one chunk, the global KV heads it carries and (when
+//                checksums are on) the payload's checksum; the payload, the
+//                packed rows of worker/kv/kv_rows.h, follows on kPayloadTag;
+//   control:     a Cap'n Proto control message (PrefillOrder, Cancel,
+//                KvHandoff) after the header;
+//   device rows: as rows, but the payload moves through the device links and
+//                the header names its place in the sender's staging (a ticket);
+//   rows done:   receiver -> sender, a device payload's staging is free again.
+//
+// Pure values and functions: any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "common/cluster/control_messages.h"
+#include "common/model/kv_layout.h"
+#include "worker/kv/kv_rows.h"
+
+namespace duet::kv_wire {
+
+inline constexpr int kHeaderTag = 1;   // headers (and control messages)
+inline constexpr int kPayloadTag = 2;  // the rows after a rows header
+
+inline constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
+inline constexpr uint32_t kRows = 1;             // a payload follows on kPayloadTag
+inline constexpr uint32_t kControl = 2;          // a control message follows in this message
+inline constexpr uint32_t kDeviceRows = 3;       // the payload goes through the device links
+inline constexpr uint32_t kRowsDone = 4;  // receiver -> sender: a device payload's staging is free
+
+struct Header {
+  uint32_t magic = kMagic;
+  uint32_t kind = 0;
+  uint64_t request = 0;
+  int64_t layer = 0;
+  int64_t pos0 = 0;
+  int64_t n = 0;
+  uint64_t checksum = 0;   // of the rows payload; 0: not computed
+  int64_t head_begin = 0;  // the global KV heads [head_begin, head_end) in the payload
+  int64_t head_end = 0;
+  uint64_t ticket_offset = 0;  // device rows and rows done: the payload's DeviceRowsTicket
+  uint64_t ticket_bytes = 0;
+};
+static_assert(sizeof(Header) == 80);
+
+// The header alone, as one message.
+inline std::vector<std::byte> header_bytes(const Header& header) {
+  std::vector<std::byte> bytes(sizeof header);
+  std::memcpy(bytes.data(), &header, sizeof header);
+  return bytes;
+}
+
+// A control header followed by `message`.
+inline std::vector<std::byte> control_bytes(const ControlMessage& message) {
+  const std::vector<std::byte> encoded = encode_control_message(message);
+  Header header;
+  header.kind = kControl;
+  std::vector<std::byte> bytes(sizeof header + encoded.size());
+  std::memcpy(bytes.data(), &header, sizeof header);
+  std::memcpy(bytes.data() + sizeof header, encoded.data(), encoded.size());
+  return bytes;
+}
+
+// The header at the start of `bytes`; nullopt when the message is not the
+// transfer's (too short, or another magic).
+inline std::optional<Header> read_header(std::span<const std::byte> bytes) {
+  Header header;
+  if (bytes.size() < sizeof header) return std::nullopt;
+  std::memcpy(&header, bytes.data(), sizeof header);
+  if (header.magic != kMagic) return std::nullopt;
+  return header;
+}
+
+// The checksum a rows header carries for its payload (never 0, which means
+// "not computed").
+inline uint64_t rows_checksum(std::span<const KvElement> rows) { return kv_checksum(rows) | 1; }
+
+}  // namespace duet::kv_wire
