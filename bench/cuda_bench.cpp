@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "common/model/dtype.h"
+#include "common/stats.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cuda/backend.h"
@@ -182,13 +183,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_between(Clock::time_point t0, Clock::time_point t1) {
   return std::chrono::duration<double>(t1 - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t mid = v.size() / 2;
-  return v.size() % 2 == 1 ? v[mid] : 0.5 * (v[mid - 1] + v[mid]);
 }
 
 // Median seconds of `body` (which queues GPU work) over reps.timed runs after

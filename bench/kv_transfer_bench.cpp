@@ -44,6 +44,7 @@
 #include "common/error.h"
 #include "common/mpi/control_channel.h"
 #include "common/mpi/mpi_runtime.h"
+#include "common/stats.h"
 #include "kernels/cpu/isa.h"
 #include "worker/engine.h"
 #include "worker/kv/kv_rows.h"
@@ -84,13 +85,6 @@ struct Args {
   int64_t max_idle_sleep_us = ControlChannelOptions{}.max_idle_sleep.count();
   std::string json;
 };
-
-double median(std::vector<double> v) {
-  DUET_ASSERT(!v.empty());
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Hands events from the transfer's handlers (the communication thread) to
 // the main thread, which blocks on it without using a core.

@@ -49,6 +49,7 @@
 #include "common/hash.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
+#include "common/stats.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
@@ -113,11 +114,9 @@ struct Difference {
 // |a - b| over all elements.
 Difference abs_difference(std::span<const float> a, std::span<const float> b) {
   DUET_ASSERT(a.size() == b.size() && !a.empty());
-  std::vector<float> d(a.size());
+  std::vector<double> d(a.size());
   for (size_t i = 0; i < a.size(); ++i) d[i] = std::fabs(a[i] - b[i]);
-  const auto middle = d.begin() + static_cast<std::ptrdiff_t>(d.size() / 2);
-  std::nth_element(d.begin(), middle, d.end());
-  return {static_cast<double>(*std::max_element(d.begin(), d.end())), static_cast<double>(*middle)};
+  return {*std::max_element(d.begin(), d.end()), median(std::move(d))};
 }
 
 // The ids of the largest and second-largest logit of a row.
