@@ -1,7 +1,7 @@
 // `duet serve` under mpirun: the coordinator on rank 0, the instances on the
 // other ranks, `tp` ranks each: prefill and decode instances (disaggregated),
 // or instances that run both phases (colocated). Wiring only: the two sides
-// live in coordinator/cluster_coordinator.h and worker/cluster_instance.h.
+// live in coordinator/cluster/cluster_coordinator.h and worker/cluster_instance.h.
 //
 // Every rank: block the stop signals, initialize MPI, build and validate the
 // spec (an impossible or unsupported layout is the same error on every rank,
@@ -29,7 +29,7 @@
 #include "common/mpi/control_handshake.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/text/tokenizer_gguf.h"
-#include "coordinator/cluster_coordinator.h"
+#include "coordinator/cluster/cluster_coordinator.h"
 #include "tools/serve_command.h"
 #include "worker/cluster_instance.h"
 #include "worker/parallel/mpi_collective.h"

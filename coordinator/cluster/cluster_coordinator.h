@@ -19,7 +19,7 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/mpi/control_channel.h"
-#include "coordinator/remote_instance.h"
+#include "coordinator/cluster/remote_instance.h"
 #include "coordinator/router.h"
 
 namespace duet {

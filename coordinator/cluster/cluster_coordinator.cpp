@@ -1,4 +1,4 @@
-#include "coordinator/cluster_coordinator.h"
+#include "coordinator/cluster/cluster_coordinator.h"
 
 #include <spdlog/spdlog.h>
 
