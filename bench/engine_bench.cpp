@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/stats.h"
 #include "kernels/cpu/isa.h"
 #include "worker/engine.h"
 #include "worker/model/cpu_forward.h"
@@ -157,9 +158,7 @@ int main(int argc, char** argv) {
             prefill.push_back(pp);
             decode.push_back(tg);
           }
-          std::sort(prefill.begin(), prefill.end());
-          std::sort(decode.begin(), decode.end());
-          const double pp = prefill[prefill.size() / 2], tg = decode[decode.size() / 2];
+          const double pp = duet::median(prefill), tg = duet::median(decode);
           if (json) {
             results.push_back({{"threads", n_threads},
                                {"batch", b},

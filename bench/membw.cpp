@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/stats.h"
+
 namespace {
 
 // Sums 32-byte chunks so the loads cannot be elided; returns a value that depends on all.
@@ -78,8 +80,7 @@ int main(int argc, char** argv) {
       for (uint64_t s : sums) sink += s;
       rates.push_back(static_cast<double>(share) * n_threads / seconds / 1e9);
     }
-    std::sort(rates.begin(), rates.end());
-    std::printf("| %d | %.2f |\n", n_threads, rates[rates.size() / 2]);
+    std::printf("| %d | %.2f |\n", n_threads, duet::median(rates));
   }
   std::free(data);
   return sink == 42 ? 1 : 0;  // keep the sums observable

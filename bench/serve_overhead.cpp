@@ -27,6 +27,7 @@
 #include <utility>  // before Asio (GCC 12)
 
 #include "common/duet.capnp.h"
+#include "common/stats.h"
 #include "common/text/tokenizer_gguf.h"
 #include "coordinator/http_server.h"
 #include "coordinator/rpc_server.h"
@@ -44,12 +45,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // The bare engine on this thread.

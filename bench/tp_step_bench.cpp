@@ -38,6 +38,7 @@
 #include "common/error.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
+#include "common/stats.h"
 #include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
 #include "worker/model/cpu_forward.h"
@@ -71,12 +72,6 @@ struct Result {
   std::vector<double> collective;  // its share spent in collectives
   int64_t collective_calls = 0;    // per step
 };
-
-double percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  const auto i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
 
 Result run_bench(const Args& args, const LlamaModel& model, Collective* collective) {
   const ModelConfig& c = model.config();
@@ -145,10 +140,10 @@ void report(const Args& args, const LlamaModel& model, const Result& r,
   const ModelConfig& c = model.config();
   const TpShard& shard = model.shard();
   const int tp = shard.size;
-  const double median = percentile(r.step_ms, 0.5);
-  const double p90 = percentile(r.step_ms, 0.9);
-  const double share = percentile(r.collective, 0.5);
-  const double tokens_per_s = static_cast<double>(args.batch) / (median / 1e3);
+  const double step_median = median(r.step_ms);
+  const double p90 = *percentile(r.step_ms, 90);
+  const double share = median(r.collective);
+  const double tokens_per_s = static_cast<double>(args.batch) / (step_median / 1e3);
   // O and down per layer: their whole inputs and their outputs gathered, every
   // rank sending as many floats as the rank with the widest part.
   const int64_t row_bytes = args.batch * c.n_embd * 4;  // one (B, n_embd) row block
@@ -165,7 +160,7 @@ void report(const Args& args, const LlamaModel& model, const Result& r,
       "into each rank per step: O/down inputs and outputs %.2f MB, embeddings %.3f MB, logits %.2f "
       "MB; collective share by rank: %s\n",
       tp, args.threads, static_cast<long long>(args.batch), static_cast<long long>(args.context),
-      args.steps, median, p90, tokens_per_s, share * 100,
+      args.steps, step_median, p90, tokens_per_s, share * 100,
       static_cast<long long>(r.collective_calls), static_cast<double>(o_down_bytes) / 1e6,
       static_cast<double>(embedding_bytes) / 1e6, static_cast<double>(gather_bytes) / 1e6,
       fmt::format(
@@ -180,7 +175,7 @@ void report(const Args& args, const LlamaModel& model, const Result& r,
                                {"batch", args.batch},
                                {"context", args.context},
                                {"steps", args.steps},
-                               {"step_ms_median", median},
+                               {"step_ms_median", step_median},
                                {"step_ms_p90", p90},
                                {"tokens_per_s", tokens_per_s},
                                {"collective_share_median", share},
@@ -198,7 +193,7 @@ int run(const Args& args) {
   if (!launched_by_mpirun()) {
     const auto model = LlamaModel::load(args.model);
     const Result result = run_bench(args, *model, nullptr);
-    report(args, *model, result, {percentile(result.collective, 0.5)});
+    report(args, *model, result, {median(result.collective)});
     return 0;
   }
   MpiRuntime mpi;
@@ -209,7 +204,7 @@ int run(const Args& args) {
     const auto model =
         LlamaModel::load(args.model, TpPlacement{mpi.rank().value, mpi.world_size()});
     const Result result = run_bench(args, *model, mpi.world_size() == 1 ? nullptr : &collective);
-    const double share = percentile(result.collective, 0.5);
+    const double share = median(result.collective);
     std::vector<double> rank_shares(static_cast<size_t>(mpi.world_size()));
     DUET_MPI_CHECK(
         MPI_Gather(&share, 1, MPI_DOUBLE, rank_shares.data(), 1, MPI_DOUBLE, 0, MPI_COMM_WORLD));

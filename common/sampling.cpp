@@ -4,16 +4,10 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/hash.h"
 
 namespace duet {
 namespace {
-
-// SplitMix64's finalizer: a bijective mix with good avalanche.
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // Top-p buckets the tokens by distance below the top logit, this many buckets
 // per unit of logit; the last bucket takes everything further down.

@@ -12,9 +12,6 @@ namespace duet {
 
 namespace {
 
-constexpr int64_t kPrefixBlockTokens = 16;  // the prefix cache's block size
-constexpr size_t kRecentBlocksPerInstance = 16384;
-
 // The most free KV blocks, then the fewest sequences, then the lowest index,
 // among the instances of `role`.
 std::optional<size_t> roomiest(std::span<const InstanceLoad> loads, InstanceRole role) {
@@ -34,18 +31,9 @@ std::optional<size_t> roomiest(std::span<const InstanceLoad> loads, InstanceRole
   return best;
 }
 
-// Chained block hashes of a prompt's leading whole blocks (FNV-1a over the
-// previous hash and the block's ids): equal hashes, equal prefixes.
-std::vector<uint64_t> block_chain(std::span<const int32_t> prompt) {
-  std::vector<uint64_t> chain;
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (size_t end = kPrefixBlockTokens; end <= prompt.size(); end += kPrefixBlockTokens) {
-    for (size_t i = end - kPrefixBlockTokens; i < end; ++i) {
-      h = (h ^ static_cast<uint32_t>(prompt[i])) * 0x100000001b3ULL;
-    }
-    chain.push_back(h);
-  }
-  return chain;
+// Tokens per KV block of an instance: its stats', else the engine's default.
+int64_t tokens_per_block(const InstanceStats& stats) {
+  return stats.kv_block_tokens > 0 ? stats.kv_block_tokens : KvLayout::kDefaultBlockSize;
 }
 
 }  // namespace
@@ -128,31 +116,12 @@ RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
   pending_blocks_.assign(n, 0);
   routed_.assign(n, 0);
   queued_prompt_.assign(n, 0);
-  recent_blocks_.resize(n);
-  recent_order_.resize(n);
+  prefixes_.reserve(n);
   for (size_t i = 0; i < n; ++i) {
+    // Keyed by the engine's own block size, which an instance reports from its start.
+    prefixes_.emplace_back(tokens_per_block(instances_[i].client->stats()));
     instances_[i].client->set_event_handler(
         [this, i](std::span<const InstanceEvent> events) { on_events(i, events); });
-  }
-}
-
-int64_t RoutedInstances::prefix_tokens(size_t i, std::span<const int32_t> prompt) const {
-  int64_t tokens = 0;
-  for (uint64_t h : block_chain(prompt)) {
-    if (!recent_blocks_[i].contains(h)) break;
-    tokens += kPrefixBlockTokens;
-  }
-  return tokens;
-}
-
-void RoutedInstances::remember(size_t i, std::span<const int32_t> prompt) {
-  for (uint64_t h : block_chain(prompt)) {
-    if (!recent_blocks_[i].insert(h).second) continue;
-    recent_order_[i].push_back(h);
-    if (recent_order_[i].size() > kRecentBlocksPerInstance) {
-      recent_blocks_[i].erase(recent_order_[i].front());
-      recent_order_[i].pop_front();
-    }
   }
 }
 
@@ -180,7 +149,7 @@ void RoutedInstances::submit(InstanceRequest request) {
     loads[i].role = instances_[i].role;
     loads[i].kv_blocks_free = s.kv_blocks_free;
     loads[i].kv_blocks_total = s.kv_blocks_total;
-    block_tokens[i] = s.kv_block_tokens > 0 ? s.kv_block_tokens : KvLayout::kDefaultBlockSize;
+    block_tokens[i] = tokens_per_block(s);
   }
   size_t target = 0;
   std::optional<size_t> prefill;
@@ -197,7 +166,7 @@ void RoutedInstances::submit(InstanceRequest request) {
     if (n_prefill > 1) {
       for (size_t i = 0; i < instances_.size(); ++i) {
         if (instances_[i].role == InstanceRole::kPrefill)
-          loads[i].prefix_tokens = prefix_tokens(i, request.prompt);
+          loads[i].prefix_tokens = prefixes_[i].cached_tokens(request.prompt);
       }
     }
     const Route route = policy_->pick(loads, request);
@@ -214,7 +183,7 @@ void RoutedInstances::submit(InstanceRequest request) {
     if (prefill) {
       queued_prompt_[*prefill] += prompt_tokens;
       ++routed_[*prefill];
-      if (n_prefill > 1) remember(*prefill, request.prompt);
+      if (n_prefill > 1) prefixes_[*prefill].remember(request.prompt);
       request.prefill_peer = instances_[*prefill].peer;
     }
   }

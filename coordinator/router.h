@@ -22,18 +22,17 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string_view>
-#include <unordered_set>
 #include <vector>
 
 #include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
+#include "coordinator/prefix_memory.h"
 
 namespace duet {
 
@@ -45,7 +44,8 @@ struct InstanceLoad {
   // Prefill instances: prompt tokens sent and not yet handed over.
   int64_t queued_prompt_tokens = 0;
   // Prefill instances: leading tokens of this request's prompt that prompts
-  // recently sent there share (whole blocks), a guess at its prefix-cache hit.
+  // recently sent there share, in the instance's blocks: a guess at its
+  // prefix-cache hit (coordinator/prefix_memory.h).
   int64_t prefix_tokens = 0;
 };
 
@@ -134,10 +134,6 @@ class RoutedInstances final : public InstanceClient {
                  std::span<const InstanceEvent> events);  // instance's event thread
   // Under mutex_: the prompt's handover from its prefill instance is over.
   void handed_over(Placement& placement);
-  // Under mutex_: leading tokens of `prompt` that prompts recently sent to
-  // prefill instance `i` share, in whole blocks; remember() records a prompt.
-  int64_t prefix_tokens(size_t i, std::span<const int32_t> prompt) const;
-  void remember(size_t i, std::span<const int32_t> prompt);
 
   const std::vector<RoutedInstance> instances_;
   const std::unique_ptr<RoutingPolicy> policy_;
@@ -150,10 +146,8 @@ class RoutedInstances final : public InstanceClient {
   std::vector<int64_t> pending_blocks_;        // per instance: sum of pending_blocks
   std::vector<int64_t> routed_;                // per instance: cumulative submits
   std::vector<int64_t> queued_prompt_;         // per instance: prompt tokens not handed over
-  // Per prefill instance: chained hashes of the leading blocks of prompts
-  // sent there, oldest first, bounded.
-  std::vector<std::unordered_set<uint64_t>> recent_blocks_;
-  std::vector<std::deque<uint64_t>> recent_order_;
+  // Per instance: the prompts sent there to prefill (prefill instances only).
+  std::vector<PrefixMemory> prefixes_;
 };
 
 }  // namespace duet

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/text/incremental_decoder.h"
 #include "common/text/unicode.h"
 
 namespace duet {

@@ -1,6 +1,7 @@
 // `duet-client`: a command-line client of a Duet server over Cap'n Proto RPC
 // (common/duet.capnp). Wiring only: flags become requests (client_session.h
-// runs them), generated text goes to stdout, everything else to stderr.
+// runs them over client/), generated text goes to stdout, everything else to
+// stderr.
 //
 //   duet-client --connect HOST:PORT [--api-key KEY] generate --prompt TEXT [-n N] ...
 //   duet-client --connect HOST:PORT chat      (one user message per line; EOF ends)
@@ -17,6 +18,7 @@
 #include <csignal>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tools/client_session.h"
@@ -28,56 +30,22 @@ struct GenerateFlags {
   std::string prompt;
   bool chat = false;  // send the prompt as a user message
   std::string system;
-  uint32_t n_tokens = 0;  // 0: the server's default
-  float temperature = 0.0f;
-  uint64_t seed = 0;
-  float top_p = 1.0f;
-  int32_t top_k = 0;
-  float min_p = 0.0f;
-  std::vector<std::string> stop;
-  bool ignore_eos = false;
+  GenerateOptions options;
 };
 
-void add_sampling_flags(CLI::App& cmd, GenerateFlags& flags) {
-  cmd.add_option("-n,--n-tokens", flags.n_tokens,
+void add_sampling_flags(CLI::App& cmd, GenerateOptions& options) {
+  cmd.add_option("-n,--n-tokens", options.max_tokens,
                  "Tokens to generate at most (0: the server's default)");
-  cmd.add_option("--temp", flags.temperature, "Sampling temperature (0: greedy)")
+  cmd.add_option("--temp", options.temperature, "Sampling temperature (0: greedy)")
       ->check(CLI::Range(0.0f, 100.0f));
-  cmd.add_option("--seed", flags.seed, "Seed of the sampling random stream");
-  cmd.add_option("--top-p", flags.top_p,
+  cmd.add_option("--seed", options.seed, "Seed of the sampling random stream");
+  cmd.add_option("--top-p", options.top_p,
                  "Keep the most likely tokens up to this probability mass (1: off)");
-  cmd.add_option("--top-k", flags.top_k, "Keep the k most likely tokens (0: off)");
-  cmd.add_option("--min-p", flags.min_p,
+  cmd.add_option("--top-k", options.top_k, "Keep the k most likely tokens (0: off)");
+  cmd.add_option("--min-p", options.min_p,
                  "Keep tokens at least this fraction as likely as the top one (0: off)");
-  cmd.add_option("--stop", flags.stop, "Stop string (repeatable); the text ends before it");
-  cmd.add_flag("--ignore-eos", flags.ignore_eos, "Generate exactly --n-tokens tokens");
-}
-
-struct ChatTurn {
-  std::string role;
-  std::string content;
-};
-
-// Writes everything but the prompt of a request.
-void fill_options(rpc::GenerateRequest::Builder request, const GenerateFlags& flags) {
-  request.setMaxTokens(flags.n_tokens);
-  auto sampling = request.initSampling();
-  sampling.setTemperature(flags.temperature);
-  sampling.setSeed(flags.seed);
-  sampling.setTopP(flags.top_p);
-  sampling.setTopK(flags.top_k);
-  sampling.setMinP(flags.min_p);
-  auto stop = request.initStop(static_cast<unsigned>(flags.stop.size()));
-  for (size_t i = 0; i < flags.stop.size(); ++i) stop.set(static_cast<unsigned>(i), flags.stop[i]);
-  request.setIgnoreEos(flags.ignore_eos);
-}
-
-void fill_chat(rpc::GenerateRequest::Builder request, const std::vector<ChatTurn>& turns) {
-  auto messages = request.initPrompt().initChat(static_cast<unsigned>(turns.size()));
-  for (size_t i = 0; i < turns.size(); ++i) {
-    messages[static_cast<unsigned>(i)].setRole(turns[i].role);
-    messages[static_cast<unsigned>(i)].setContent(turns[i].content);
-  }
+  cmd.add_option("--stop", options.stop, "Stop string (repeatable); the text ends before it");
+  cmd.add_flag("--ignore-eos", options.ignore_eos, "Generate exactly --n-tokens tokens");
 }
 
 void print_text(std::string_view text) {
@@ -86,37 +54,33 @@ void print_text(std::string_view text) {
 }
 
 void print_timings(const GenerateOutcome& outcome) {
-  const Timings& t = outcome.timings;
+  const Timings& t = outcome.finish.timings;
   std::fprintf(stderr,
                "finish: %s; prompt %u tokens (%u cached), completion %u tokens; "
                "TTFT %.1f ms, TPOT %.1f ms, E2E %.1f ms\n",
-               std::string(finish_reason_name(outcome.reason)).c_str(), t.prompt_tokens,
+               std::string(finish_reason_name(outcome.finish.reason)).c_str(), t.prompt_tokens,
                t.cached_tokens, t.completion_tokens, t.ttft_ms, t.tpot_ms, t.e2e_ms);
 }
 
 void throw_if_failed(const GenerateOutcome& outcome) {
-  if (outcome.reason == rpc::FinishReason::ERROR) {
-    throw ClientError(kExitRefused, outcome.error_kind, outcome.error_message);
+  const Finish& finish = outcome.finish;
+  if (finish.reason == rpc::FinishReason::ERROR) {
+    throw ClientError(kExitRefused, finish.error_kind, finish.error_message);
   }
-  if (outcome.reason == rpc::FinishReason::CANCELLED && !outcome.interrupted) {
+  if (finish.reason == rpc::FinishReason::CANCELLED && !outcome.interrupted) {
     throw ClientError(kExitRefused, "cancelled", "the server ended the request (shutting down?)");
   }
 }
 
 int run_generate(Session& session, const GenerateFlags& flags) {
-  const GenerateOutcome outcome = session.generate(
-      [&](rpc::GenerateRequest::Builder request) {
-        if (flags.chat) {
-          std::vector<ChatTurn> turns;
-          if (!flags.system.empty()) turns.push_back({"system", flags.system});
-          turns.push_back({"user", flags.prompt});
-          fill_chat(request, turns);
-        } else {
-          request.initPrompt().setText(flags.prompt);
-        }
-        fill_options(request, flags);
-      },
-      print_text);
+  Prompt prompt = flags.prompt;
+  if (flags.chat) {
+    std::vector<ChatTurn> turns;
+    if (!flags.system.empty()) turns.push_back({"system", flags.system});
+    turns.push_back({"user", flags.prompt});
+    prompt = std::move(turns);
+  }
+  const GenerateOutcome outcome = session.generate(prompt, flags.options, print_text);
   print_text("\n");
   print_timings(outcome);
   throw_if_failed(outcome);
@@ -203,12 +167,7 @@ int run_chat(Session& session, const GenerateFlags& flags) {
     }
     if (line.empty()) continue;
     history.push_back({"user", line});
-    const GenerateOutcome outcome = session.generate(
-        [&](rpc::GenerateRequest::Builder request) {
-          fill_chat(request, history);
-          fill_options(request, flags);
-        },
-        print_text);
+    const GenerateOutcome outcome = session.generate(history, flags.options, print_text);
     print_text("\n");
     throw_if_failed(outcome);
     // A cancelled answer stays in the history as far as it got.
@@ -266,12 +225,12 @@ int main(int argc, char** argv) {
   generate->add_flag("--chat", generate_flags.chat,
                      "Send the prompt as a user message (the model's chat template applies)");
   generate->add_option("--system", generate_flags.system, "With --chat: a system message first");
-  add_sampling_flags(*generate, generate_flags);
+  add_sampling_flags(*generate, generate_flags.options);
 
   GenerateFlags chat_flags;
   CLI::App* chat = app.add_subcommand("chat", "Chat: one user message per stdin line; EOF ends");
   chat->add_option("--system", chat_flags.system, "A system message first");
-  add_sampling_flags(*chat, chat_flags);
+  add_sampling_flags(*chat, chat_flags.options);
 
   app.add_subcommand("stats", "Print the server's statistics");
   app.add_subcommand("info", "Print the served model's description");
@@ -301,6 +260,9 @@ int main(int argc, char** argv) {
   } catch (const ClientError& e) {
     std::fprintf(stderr, "duet-client: %s: %s\n", e.kind().c_str(), e.what());
     return e.exit_code();
+  } catch (const RpcError& e) {
+    std::fprintf(stderr, "duet-client: %s: %s\n", e.kind().c_str(), e.what());
+    return e.lost_connection() ? kExitConnection : kExitRefused;
   } catch (const kj::Exception& e) {
     std::fprintf(stderr, "duet-client: connection: %s\n", e.getDescription().cStr());
     return kExitConnection;

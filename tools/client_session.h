@@ -1,25 +1,21 @@
-// duet-client's connection to a Duet server (common/duet.capnp).
-//
-// A Session connects, checks the protocol version, logs in and runs calls to
-// their end on the caller's kj event loop (one thread: the program's). A
-// generation streams its text to a callback as chunks arrive; SIGINT, which
+// duet-client's session with a Duet server: calls run to their end on the
+// program's one kj event loop (client/ makes the connection and the calls).
+// A generation streams its text to a callback as chunks arrive; SIGINT, which
 // the program must have captured with kj::UnixEventPort::captureSignal before
 // kj::setupAsyncIo, cancels it on the server, and the session still waits for
 // the server's done() so that the timings are complete.
 #pragma once
 
-#include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
 #include <kj/async-unix.h>
 
-#include <cstdint>
 #include <functional>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 
-#include "common/duet.capnp.h"
+#include "client/connection.h"
+#include "client/generation.h"
 
 namespace duet::client {
 
@@ -29,7 +25,9 @@ constexpr int kExitConnection = 1;
 constexpr int kExitRefused = 2;
 constexpr int kExitInterrupted = 130;
 
-// A failure reported as one line on stderr ("duet-client: KIND: MESSAGE").
+// A failure reported as one line on stderr ("duet-client: KIND: MESSAGE"),
+// beside the RpcErrors of the connection and its calls (exit 1 when the
+// connection was lost, else 2).
 class ClientError : public std::runtime_error {
  public:
   ClientError(int exit_code, std::string kind, const std::string& message)
@@ -42,41 +40,23 @@ class ClientError : public std::runtime_error {
   std::string kind_;
 };
 
-std::string_view error_kind_name(rpc::ErrorKind kind);  // "invalid_argument", "too_long", ...
-std::string_view finish_reason_name(rpc::FinishReason reason);  // "stop", "length", ...
-
-struct Endpoint {
-  std::string host;
-  uint16_t port = 0;
-};
-
-// "HOST:PORT" or "[V6]:PORT"; throws ClientError (exit 2) when malformed.
-Endpoint parse_endpoint(std::string_view text);
-
-struct Timings {
-  double queue_ms = 0, ttft_ms = 0, tpot_ms = 0, e2e_ms = 0;
-  uint32_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
-};
-
 struct GenerateOutcome {
-  rpc::FinishReason reason = rpc::FinishReason::STOP;
-  Timings timings;
+  Finish finish;
   std::string text;          // everything generated
   bool interrupted = false;  // Ctrl-C cancelled it
-  std::string error_kind;    // set when reason is ERROR
-  std::string error_message;
 };
 
 class Session {
  public:
-  // Connects and logs in. Throws ClientError: exit 1 when the server cannot
-  // be reached, 2 when the login is refused.
-  Session(kj::AsyncIoContext& io, const Endpoint& endpoint, const std::string& api_key);
+  // Connects and logs in (see Connection). Throws RpcError.
+  Session(kj::AsyncIoContext& io, const Endpoint& endpoint, const std::string& api_key)
+      : io_(io), connection_(io, endpoint, api_key) {}
 
-  // Runs one generation to its end. `fill` writes the request; `on_text`
-  // receives each chunk's text as it arrives. Throws ClientError: exit 2 when
-  // the server refuses the request, 1 when the connection breaks.
-  GenerateOutcome generate(const std::function<void(rpc::GenerateRequest::Builder)>& fill,
+  // Runs one generation to its end; `on_text` receives each chunk's text as
+  // it arrives. Throws RpcError when the server refuses the request or the
+  // connection breaks; ClientError (exit 130) when a second Ctrl-C stops the
+  // wait for the server.
+  GenerateOutcome generate(const Prompt& prompt, const GenerateOptions& options,
                            const std::function<void(std::string_view)>& on_text);
 
   capnp::Response<rpc::Inference::StatsResults> stats();
@@ -86,15 +66,13 @@ class Session {
   kj::UnixEventPort& event_port() { return io_.unixEventPort; }
 
  private:
-  // Waits for `promise`; a kj exception (the connection broke) becomes a
-  // ClientError with exit 1.
+  // Waits for `promise`; a kj exception (the connection broke) becomes an
+  // RpcError.
   template <typename T>
   T wait(kj::Promise<T>&& promise);
 
   kj::AsyncIoContext& io_;
-  kj::Own<kj::AsyncIoStream> stream_;
-  kj::Own<capnp::TwoPartyClient> rpc_;
-  rpc::Inference::Client inference_ = nullptr;
+  Connection connection_;
 };
 
 }  // namespace duet::client

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/sampling.h"
 #include "common/text/chat_template.h"
+#include "common/text/incremental_decoder.h"
 #include "common/text/stop_matcher.h"
 #include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"

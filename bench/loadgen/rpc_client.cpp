@@ -1,58 +1,25 @@
 #include "bench/loadgen/rpc_client.h"
 
-#include <capnp/rpc-twoparty.h>
 #include <fmt/format.h>
 #include <kj/async-io.h>
 #include <kj/debug.h>
 
 #include <future>
 #include <map>
+#include <memory>
 #include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "common/duet.capnp.h"
+#include "client/connection.h"
+#include "client/generation.h"
 #include "common/error.h"
 
 namespace duet::loadgen {
 namespace {
 
 std::string to_string(capnp::Text::Reader text) { return std::string(text.cStr(), text.size()); }
-
-std::string error_kind_name(rpc::ErrorKind kind) {
-  switch (kind) {
-    case rpc::ErrorKind::INVALID_ARGUMENT:
-      return "invalid_argument";
-    case rpc::ErrorKind::TOO_LONG:
-      return "too_long";
-    case rpc::ErrorKind::OVERLOADED:
-      return "overloaded";
-    case rpc::ErrorKind::UNAVAILABLE:
-      return "unavailable";
-    case rpc::ErrorKind::INTERNAL:
-      return "internal";
-    case rpc::ErrorKind::UNAUTHENTICATED:
-      return "unauthenticated";
-    case rpc::ErrorKind::NOT_FOUND:
-      return "not_found";
-  }
-  return "unknown_error";
-}
-
-// "HOST:PORT" or "[V6]:PORT" -> (host as kj parses it, port).
-std::pair<std::string, unsigned> parse_endpoint(const std::string& text) {
-  const size_t colon = text.rfind(':');
-  DUET_REQUIRE(colon != std::string::npos && colon > 0 && colon + 1 < text.size(),
-               "--connect {}: expected HOST:PORT", text);
-  const std::string port = text.substr(colon + 1);
-  DUET_REQUIRE(port.size() <= 5 && port.find_first_not_of("0123456789") == std::string::npos,
-               "--connect {}: bad port", text);
-  std::string host = text.substr(0, colon);
-  // kj reads a host with colons as IPv6 only in brackets.
-  if (host.find(':') != std::string::npos && host.front() != '[') host = "[" + host + "]";
-  return {host, static_cast<unsigned>(std::stoul(port))};
-}
 
 // A request between send() and its record's delivery. Owned by Session::pending_.
 struct Pending {
@@ -73,9 +40,9 @@ class Session final : private kj::TaskSet::ErrorHandler {
   void start(ClientRequest request, RequestRecord record, const RunClock& clock, RecordDone done);
   kj::Promise<std::vector<int32_t>> tokenize(const std::string& text);
 
-  // From a request's TokenSink.
+  // From a request's stream (BenchReceiver).
   void on_chunk(uint64_t id, bool has_text);
-  void on_done(uint64_t id, rpc::Finish::Reader finish);
+  void on_done(uint64_t id, const client::Finish& finish);
   void on_sink_dropped(uint64_t id);
 
  private:
@@ -88,67 +55,35 @@ class Session final : private kj::TaskSet::ErrorHandler {
 
   kj::AsyncIoContext& io_;
   const double timeout_s_;
-  // Set first thing in the destructor; outlives rpc_, whose teardown drops the sinks.
+  // Set first thing in the destructor; outlives connection_, whose teardown
+  // drops the sinks.
   bool closing_ = false;
-  kj::Own<kj::AsyncIoStream> stream_;
-  kj::Own<capnp::TwoPartyClient> rpc_;
-  rpc::Inference::Client inference_ = nullptr;
+  client::Connection connection_;
   std::map<uint64_t, kj::Own<Pending>> pending_;
   uint64_t next_id_ = 1;
   kj::TaskSet tasks_{*this};  // declared last: destroyed first
 };
 
-// The client side of one request's TokenSink. Owned by the RPC system.
-class BenchSink final : public rpc::TokenSink::Server {
+// One request's stream, handed to the session by request id. Owned by the
+// RPC system.
+class BenchReceiver final : public client::StreamReceiver {
  public:
-  BenchSink(Session& session, uint64_t id) : session_(session), id_(id) {}
-  ~BenchSink() noexcept(false) { session_.on_sink_dropped(id_); }
+  BenchReceiver(Session& session, uint64_t id) : session_(session), id_(id) {}
 
- protected:
-  kj::Promise<void> write(WriteContext context) override {
-    session_.on_chunk(id_, context.getParams().getChunk().getText().size() > 0);
-    return kj::READY_NOW;
-  }
-  kj::Promise<void> done(DoneContext context) override {
-    session_.on_done(id_, context.getParams().getFinish());
-    return kj::READY_NOW;
-  }
+  void on_text(std::string_view text) override { session_.on_chunk(id_, !text.empty()); }
+  void on_finish(const client::Finish& finish) override { session_.on_done(id_, finish); }
+  void on_dropped() override { session_.on_sink_dropped(id_); }
 
  private:
   Session& session_;
   const uint64_t id_;
 };
 
+// Connects and logs in; throws client::RpcError.
 Session::Session(kj::AsyncIoContext& io, const RpcClientOptions& options)
-    : io_(io), timeout_s_(options.request_timeout_s) {
-  const auto [host, port] = parse_endpoint(options.endpoint);
-  try {
-    auto address = io_.provider->getNetwork().parseAddress(host, port).wait(io_.waitScope);
-    stream_ = address->connect().wait(io_.waitScope);
-  } catch (const kj::Exception& e) {
-    throw Error(
-        ErrorKind::kInvalidArgument,
-        fmt::format("cannot connect to {}: {}", options.endpoint, e.getDescription().cStr()));
-  }
-  rpc_ = kj::heap<capnp::TwoPartyClient>(*stream_);
-  auto gateway = rpc_->bootstrap().castAs<rpc::Gateway>();
-  try {
-    auto version = gateway.versionRequest().send().wait(io_.waitScope);
-    DUET_REQUIRE(version.getProtocolVersion() == rpc::PROTOCOL_VERSION,
-                 "{} speaks protocol {}, duet-bench {}", options.endpoint,
-                 version.getProtocolVersion(), rpc::PROTOCOL_VERSION);
-    auto login = gateway.loginRequest();
-    login.setApiKey(options.api_key);
-    auto response = login.send().wait(io_.waitScope);
-    const auto result = response.getResult();
-    DUET_REQUIRE(!result.isError(), "{} refused the login: {}", options.endpoint,
-                 to_string(result.getError().getMessage()));
-    inference_ = result.getInference();
-  } catch (const kj::Exception& e) {
-    throw Error(ErrorKind::kInvalidArgument,
-                fmt::format("{}: {}", options.endpoint, e.getDescription().cStr()));
-  }
-}
+    : io_(io),
+      timeout_s_(options.request_timeout_s),
+      connection_(io, client::parse_endpoint(options.endpoint), options.api_key) {}
 
 Session::~Session() noexcept(false) {
   closing_ = true;
@@ -156,7 +91,7 @@ Session::~Session() noexcept(false) {
 }
 
 kj::Promise<std::vector<int32_t>> Session::tokenize(const std::string& text) {
-  auto request = inference_.tokenizeRequest();
+  auto request = connection_.inference().tokenizeRequest();
   request.setText(text);
   request.setAddSpecial(false);
   return request.send().then([](capnp::Response<rpc::Inference::TokenizeResults> response) {
@@ -182,14 +117,11 @@ void Session::start(ClientRequest request, RequestRecord record, const RunClock&
   pending.done = std::move(done);
   pending_.emplace(id, kj::mv(owned));
 
-  auto call = inference_.generateRequest();
-  auto body = call.initRequest();
-  auto tokens = body.getPrompt().initTokens(static_cast<unsigned>(request.prompt.size()));
-  for (size_t i = 0; i < request.prompt.size(); ++i) tokens.set(i, request.prompt[i]);
-  body.setMaxTokens(static_cast<uint32_t>(request.max_tokens));
-  body.setIgnoreEos(true);
-  body.initSampling().setTemperature(0);
-  call.setSink(kj::heap<BenchSink>(*this, id));
+  client::GenerateOptions options;  // greedy
+  options.max_tokens = static_cast<uint32_t>(request.max_tokens);
+  options.ignore_eos = true;
+  client::GenerateCall call(connection_.inference(), client::Prompt(std::move(request.prompt)),
+                            options, std::make_unique<BenchReceiver>(*this, id));
 
   pending.deadline =
       io_.provider->getTimer()
@@ -198,13 +130,9 @@ void Session::start(ClientRequest request, RequestRecord record, const RunClock&
           .eagerlyEvaluate(nullptr);
   pending.record.sent = clock.now();
   tasks_.add(call.send().then(
-      [this, id](capnp::Response<rpc::Inference::GenerateResults> response) {
-        const auto result = response.getResult();
-        if (result.isError()) {
-          return complete(id, error_kind_name(result.getError().getKind()),
-                          to_string(result.getError().getMessage()));
-        }
-        if (Pending* p = find(id)) p->handle = result.getStarted().getHandle();
+      [this, id](client::GenerateStart start) {
+        if (start.refused) return complete(id, start.refused->kind, start.refused->message);
+        if (Pending* p = find(id)) p->handle = kj::mv(start.handle);
       },
       [this, id](kj::Exception&& e) { complete(id, "connection", e.getDescription().cStr()); }));
 }
@@ -223,23 +151,22 @@ void Session::on_chunk(uint64_t id, bool has_text) {
   p->record.token_times.push_back(now);
 }
 
-void Session::on_done(uint64_t id, rpc::Finish::Reader finish) {
+void Session::on_done(uint64_t id, const client::Finish& finish) {
   Pending* p = find(id);
   if (p == nullptr) return;
-  const auto timings = finish.getTimings();
-  p->record.received_tokens = timings.getCompletionTokens();
-  p->record.server_ttft = timings.getTtftMs() / 1e3;
-  p->record.server_tpot = timings.getTpotMs() / 1e3;
-  p->record.server_e2e = timings.getE2eMs() / 1e3;
-  switch (finish.getReason()) {
+  const client::Timings& timings = finish.timings;
+  p->record.received_tokens = timings.completion_tokens;
+  p->record.server_ttft = timings.ttft_ms / 1e3;
+  p->record.server_tpot = timings.tpot_ms / 1e3;
+  p->record.server_e2e = timings.e2e_ms / 1e3;
+  switch (finish.reason) {
     case rpc::FinishReason::STOP:
     case rpc::FinishReason::LENGTH:
       return complete(id);
     case rpc::FinishReason::CANCELLED:
       return complete(id, "cancelled", "the server cancelled the request");
     case rpc::FinishReason::ERROR:
-      return complete(id, error_kind_name(finish.getError().getKind()),
-                      to_string(finish.getError().getMessage()));
+      return complete(id, finish.error_kind, finish.error_message);
   }
   complete(id, "error", "unknown finish reason");
 }
@@ -295,6 +222,11 @@ RpcClient::RpcClient(const RpcClientOptions& options) : options_(options) {
   thread_ = std::thread([this, &ready] { run(ready); });
   try {
     started.get();
+  } catch (const client::RpcError& e) {
+    // Cannot reach, another protocol, or a refused login: duet::Error, as
+    // make_rpc_client promises.
+    thread_.join();
+    throw Error(ErrorKind::kInvalidArgument, fmt::format("{}: {}", e.kind(), e.what()));
   } catch (...) {
     thread_.join();
     throw;

@@ -1,4 +1,5 @@
-// duet-bench over Duet's Cap'n Proto protocol (common/duet.capnp).
+// duet-bench over Duet's Cap'n Proto protocol (common/duet.capnp), through
+// the shared client library (client/: connection, calls, streams).
 //
 // One connection carries every request: Gateway.login(apiKey) gives the
 // Inference capability; each request is Inference.generate with the prompt as
@@ -30,7 +31,8 @@ struct RpcClientOptions {
 };
 
 // Connects, checks the protocol version and logs in. Throws duet::Error when
-// the server cannot be reached, speaks another protocol or refuses the key.
+// the server cannot be reached, speaks another protocol or refuses the key
+// ("KIND: MESSAGE", the kinds of client::RpcError).
 std::unique_ptr<Client> make_rpc_client(const RpcClientOptions& options);
 
 }  // namespace duet::loadgen

@@ -1,28 +1,12 @@
 #include "bench/loadgen/stats.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 
-#include "common/error.h"
+#include "common/stats.h"
 
 namespace duet::loadgen {
 namespace {
-
-// numpy.percentile's default ("linear"): the value at rank p/100 * (n - 1),
-// interpolated between the two order statistics around it. `sorted` is
-// ascending and not empty.
-double sorted_percentile(const std::vector<double>& sorted, double p) {
-  const double rank = p / 100.0 * static_cast<double>(sorted.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(rank));
-  const size_t hi = std::min(lo + 1, sorted.size() - 1);
-  const double frac = rank - static_cast<double>(lo);
-  return sorted[lo] + frac * (sorted[hi] - sorted[lo]);
-}
-
-void require_percent(double p) {
-  DUET_REQUIRE(p >= 0.0 && p <= 100.0, "percentile must be in [0, 100], got {}", p);
-}
 
 std::optional<double> ttft_of(const RequestRecord& r) {
   if (!r.first_token) return std::nullopt;
@@ -42,13 +26,6 @@ std::optional<double> tpot_of(const RequestRecord& r) {
 }
 
 }  // namespace
-
-std::optional<double> percentile(std::vector<double> values, double p) {
-  require_percent(p);
-  if (values.empty()) return std::nullopt;
-  std::sort(values.begin(), values.end());
-  return sorted_percentile(values, p);
-}
 
 Distribution distribution(std::vector<double> values) {
   Distribution d;

@@ -3,9 +3,10 @@
 // Conventions (vLLM's benchmark_serving and the DistServe/Splitwise papers):
 // TTFT = first token - sent; TPOT = (finished - first token) / (tokens - 1),
 // per request, over requests with at least 2 tokens; ITL = every gap between
-// consecutive streamed chunks; E2E = finished - sent. Percentiles interpolate
-// linearly between order statistics (numpy's default). Goodput counts the
-// requests that succeeded and met every SLO given, per second of the run.
+// consecutive streamed chunks; E2E = finished - sent. Percentiles are
+// common/stats.h's (numpy's default: linear between order statistics).
+// Goodput counts the requests that succeeded and met every SLO given, per
+// second of the run.
 // Failed requests count in the totals and by error kind; they have no latency.
 #pragma once
 
@@ -19,9 +20,6 @@
 #include "bench/loadgen/record.h"
 
 namespace duet::loadgen {
-
-// The p-th percentile (p in [0, 100]) of `values` (any order); nullopt when empty.
-std::optional<double> percentile(std::vector<double> values, double p);
 
 struct Distribution {
   int64_t n = 0;

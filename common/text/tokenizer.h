@@ -125,8 +125,13 @@ class Tokenizer {
   std::vector<std::string> pre_tokenize(std::string_view text) const;
 
  private:
-  friend class IncrementalDecoder;  // reads pieces_ without a copy
-  struct BpeScratch;                // per-call working memory of encode_word
+  friend class IncrementalDecoder;         // reads pieces_ without a copy
+  struct BpeScratch;                       // per-call working memory of encode_word
+  static constexpr int32_t kNoPiece = -1;  // a text that no token or merge knows
+  // A merge's key: its left and right piece ids.
+  static uint64_t merge_key(int32_t left, int32_t right) {
+    return (uint64_t(uint32_t(left)) << 32) | uint32_t(right);
+  }
   struct Merge {
     int32_t rank;
     int32_t result;  // piece id of the merged text
@@ -189,34 +194,6 @@ class Tokenizer {
   std::optional<TokenId> bos_id_, eos_id_, unk_id_, pad_id_, eot_id_, eom_id_;
   bool add_bos_ = false;
   bool add_eos_ = false;
-};
-
-// Streaming detokenizer: feed ids one at a time and get back only complete
-// UTF-8; a character split across tokens (or across SentencePiece byte
-// tokens) comes out with its last byte, and bytes that can never complete a
-// character come out as U+FFFD. flush() returns what is left, a dangling
-// partial character replaced by U+FFFD. Streamed text equals decode() of the
-// same ids, the space after a leading BOS included. One per stream; not
-// thread-safe (owned by the thread that streams).
-class IncrementalDecoder {
- public:
-  explicit IncrementalDecoder(const Tokenizer& tokenizer, bool skip_special = false)
-      : tokenizer_(&tokenizer), skip_special_(skip_special) {}
-
-  std::string push(TokenId id);
-  std::string flush();
-
- private:
-  enum class LeadingSpace : uint8_t {
-    kUndecided,  // nothing pushed yet
-    kStrip,      // the stream began with BOS: drop a space that starts the text
-    kKeep,
-  };
-
-  const Tokenizer* tokenizer_;  // not owned; must outlive the decoder
-  bool skip_special_;
-  LeadingSpace leading_space_ = LeadingSpace::kUndecided;
-  std::string pending_;  // a well-formed but incomplete UTF-8 prefix, at most 3 bytes
 };
 
 }  // namespace duet

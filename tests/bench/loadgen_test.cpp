@@ -1,6 +1,7 @@
-// duet-bench's load generator without a server: percentiles and serving
-// metrics on hand-made records, arrival processes, length specs, trace files,
-// synthetic mixes and prompt windows.
+// duet-bench's load generator without a server: distributions and serving
+// metrics on hand-made records (percentiles themselves are
+// tests/common/stats_test.cpp's), arrival processes, length specs, trace
+// files, synthetic mixes and prompt windows.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,36 +24,12 @@ namespace {
 
 constexpr double kEps = 1e-9;
 
-// ---- Percentiles and distributions -----------------------------------------
+// ---- Distributions ---------------------------------------------------------
 
 std::vector<double> one_to(int n) {
   std::vector<double> v(static_cast<size_t>(n));
   std::iota(v.begin(), v.end(), 1.0);
   return v;
-}
-
-TEST(PercentileTest, MatchesNumpyLinearOnOneToHundred) {
-  std::vector<double> values = one_to(100);
-  std::reverse(values.begin(), values.end());  // any order
-  EXPECT_NEAR(*percentile(values, 50), 50.5, kEps);
-  EXPECT_NEAR(*percentile(values, 90), 90.1, kEps);
-  EXPECT_NEAR(*percentile(values, 99), 99.01, kEps);
-  EXPECT_NEAR(*percentile(values, 0), 1.0, kEps);
-  EXPECT_NEAR(*percentile(values, 100), 100.0, kEps);
-  EXPECT_NEAR(*percentile(values, 25), 25.75, kEps);
-}
-
-TEST(PercentileTest, SmallSets) {
-  EXPECT_NEAR(*percentile({7.5}, 0), 7.5, kEps);
-  EXPECT_NEAR(*percentile({7.5}, 99), 7.5, kEps);
-  // numpy.percentile([10, 20, 40], 75) == 30.
-  EXPECT_NEAR(*percentile({40, 10, 20}, 75), 30.0, kEps);
-  EXPECT_FALSE(percentile({}, 50).has_value());
-}
-
-TEST(PercentileTest, RejectsOutOfRangeP) {
-  EXPECT_THROW(percentile({1, 2}, -1), Error);
-  EXPECT_THROW(percentile({1, 2}, 100.5), Error);
 }
 
 TEST(DistributionTest, KnownValues) {

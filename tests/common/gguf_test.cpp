@@ -1,150 +1,23 @@
-// GGUF reader: round trips through an in-test writer, every truncation, seeded byte mutations,
-// one test per kind of corruption, and the real model files when they are present.
+// GGUF reader: round trips through an in-test writer (gguf_builder.h), every truncation, seeded
+// byte mutations, and the real model files when they are present. One test per kind of
+// corruption: gguf_corrupt_test.cpp.
 #include "common/model/gguf.h"
 
-#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <fstream>
-#include <functional>
-#include <limits>
 #include <random>
 
 #include "common/error.h"
+#include "tests/common/gguf_builder.h"
 #include "tests/test_paths.h"
 
 namespace duet {
 namespace {
 
-using Bytes = std::vector<uint8_t>;
-
-// Appends little-endian values as GGUF lays them out.
-struct ByteWriter {
-  Bytes bytes;
-
-  template <typename T>
-  void pod(T value) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&value);
-    bytes.insert(bytes.end(), p, p + sizeof(T));
-  }
-  void str(std::string_view s) {
-    pod<uint64_t>(s.size());
-    bytes.insert(bytes.end(), s.begin(), s.end());
-  }
-  void type(GgufType t) { pod(static_cast<uint32_t>(t)); }
-};
-
-struct TensorSpec {
-  std::string name;
-  uint32_t raw_type = 0;
-  std::vector<uint64_t> ne;
-  Bytes data;  // placed at `offset`, or the next aligned offset
-  std::optional<uint64_t> offset;
-};
-
-// Builds a GGUF file: header, key-value pairs as added, tensor infos, padding, tensor data.
-// The file ends where the last tensor's data ends.
-class GgufBuilder {
- public:
-  explicit GgufBuilder(uint32_t version = 3) : version_(version) {}
-
-  // One pair; `body` writes the value after its type.
-  GgufBuilder& kv(std::string_view key, GgufType type,
-                  const std::function<void(ByteWriter&)>& body) {
-    kvs_.str(key);
-    kvs_.type(type);
-    body(kvs_);
-    ++n_kv_;
-    return *this;
-  }
-  template <typename T>
-  GgufBuilder& scalar(std::string_view key, GgufType type, T value) {
-    return kv(key, type, [&](ByteWriter& w) { w.pod(value); });
-  }
-  GgufBuilder& string(std::string_view key, std::string_view value) {
-    return kv(key, GgufType::kString, [&](ByteWriter& w) { w.str(value); });
-  }
-  template <typename T>
-  GgufBuilder& array(std::string_view key, GgufType element, const std::vector<T>& values) {
-    return kv(key, GgufType::kArray, [&](ByteWriter& w) {
-      w.type(element);
-      w.pod<uint64_t>(values.size());
-      for (const T& v : values) w.pod(v);
-    });
-  }
-  GgufBuilder& string_array(std::string_view key, const std::vector<std::string>& values) {
-    return kv(key, GgufType::kArray, [&](ByteWriter& w) {
-      w.type(GgufType::kString);
-      w.pod<uint64_t>(values.size());
-      for (const auto& v : values) w.str(v);
-    });
-  }
-  GgufBuilder& alignment(uint32_t alignment) {
-    alignment_ = alignment;
-    return scalar("general.alignment", GgufType::kU32, alignment);
-  }
-  GgufBuilder& tensor(TensorSpec spec) {
-    tensors_.push_back(std::move(spec));
-    return *this;
-  }
-
-  Bytes build() const {
-    ByteWriter w;
-    w.bytes = {'G', 'G', 'U', 'F'};
-    w.pod(version_);
-    w.pod<uint64_t>(tensors_.size());
-    w.pod<uint64_t>(n_kv_);
-    w.bytes.insert(w.bytes.end(), kvs_.bytes.begin(), kvs_.bytes.end());
-    std::vector<uint64_t> offsets;
-    uint64_t data_end = 0;
-    for (const auto& t : tensors_) {
-      const uint64_t offset = t.offset.value_or(align(data_end));
-      offsets.push_back(offset);
-      data_end = std::max(data_end, offset + t.data.size());
-    }
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      w.str(tensors_[i].name);
-      w.pod<uint32_t>(tensors_[i].ne.size());
-      for (uint64_t ne : tensors_[i].ne) w.pod(ne);
-      w.pod(tensors_[i].raw_type);
-      w.pod(offsets[i]);
-    }
-    if (tensors_.empty()) return w.bytes;
-    const size_t data_start = align(w.bytes.size());
-    w.bytes.resize(data_start + data_end);
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      std::copy(tensors_[i].data.begin(), tensors_[i].data.end(),
-                w.bytes.begin() + data_start + offsets[i]);
-    }
-    return w.bytes;
-  }
-
- private:
-  uint64_t align(uint64_t n) const { return (n + alignment_ - 1) / alignment_ * alignment_; }
-
-  uint32_t version_;
-  uint32_t alignment_ = kGgufDefaultAlignment;
-  uint64_t n_kv_ = 0;
-  ByteWriter kvs_;
-  std::vector<TensorSpec> tensors_;
-};
-
-Bytes pattern(size_t n, uint8_t seed) {
-  Bytes out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(seed + i * 7);
-  return out;
-}
-
-TensorSpec spec(std::string name, DType type, std::vector<uint64_t> ne, uint8_t seed) {
-  int64_t n = 1;
-  for (uint64_t d : ne) n *= static_cast<int64_t>(d);
-  const DTypeTraits traits = dtype_traits(type);
-  const auto n_bytes = static_cast<size_t>(n / traits.block_size * traits.type_size);
-  return {std::move(name), static_cast<uint32_t>(type), std::move(ne), pattern(n_bytes, seed), {}};
-}
+using namespace gguf_testing;
 
 constexpr uint64_t kBigU64 = (uint64_t{1} << 63) + 5;
 constexpr int64_t kBigNegative = -(int64_t{1} << 62);
@@ -194,36 +67,6 @@ GgufBuilder rich_builder(uint32_t version = 3) {
       });
   for (TensorSpec& t : rich_tensors()) b.tensor(std::move(t));
   return b;
-}
-
-GgufFile parse(const Bytes& bytes) { return GgufFile::from_bytes("test.gguf", bytes); }
-
-// The duet::Error that `fn` throws (a test failure when it throws none).
-Error error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no error";
-  return Error(ErrorKind::kInternal, "no error");
-}
-
-Error parse_error(const Bytes& bytes) {
-  return error_of([&] { parse(bytes); });
-}
-
-void expect_error(const Bytes& bytes, ErrorKind kind, uint64_t offset, std::string_view detail) {
-  const Error e = parse_error(bytes);
-  const std::string message = e.what();
-  EXPECT_EQ(e.kind(), kind) << message;
-  EXPECT_NE(message.find(fmt::format("test.gguf: offset {}: ", offset)), std::string::npos)
-      << message;
-  EXPECT_NE(message.find(detail), std::string::npos) << message;
-}
-
-void patch_u64(Bytes& bytes, size_t at, uint64_t value) {
-  std::memcpy(bytes.data() + at, &value, 8);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -450,164 +293,6 @@ TEST(GgufTest, MutationsNeverCrash) {
     }
   }
   EXPECT_GT(n_parsed, 0);  // some edits land in tensor data or string bytes
-}
-
-// ---------------------------------------------------------------------------------------------
-// One test per kind of corruption. Header: magic 0, version 4, tensor count 8, kv count 16,
-// first pair at 24.
-
-TEST(GgufCorruptTest, Header) {
-  expect_error({}, ErrorKind::kCorruptFile, 0, "too short");
-  expect_error({'G', 'G', 'U'}, ErrorKind::kCorruptFile, 0, "too short");
-  Bytes bytes = GgufBuilder().build();
-  bytes[0] = 'X';
-  expect_error(bytes, ErrorKind::kCorruptFile, 0, "not a GGUF file (magic 'XGUF'");
-  for (uint32_t version : {0u, 1u, 4u}) {
-    bytes = GgufBuilder(version).build();
-    expect_error(bytes, ErrorKind::kUnsupported, 4, fmt::format("version {}", version));
-  }
-  bytes = GgufBuilder(0x03000000).build();
-  expect_error(bytes, ErrorKind::kUnsupported, 4, "big-endian");
-}
-
-TEST(GgufCorruptTest, HugeCounts) {
-  Bytes bytes = GgufBuilder().string("k", "v").build();
-  patch_u64(bytes, 8, std::numeric_limits<uint64_t>::max());
-  expect_error(bytes, ErrorKind::kCorruptFile, 8, "tensor count 18446744073709551615 cannot fit");
-  bytes = GgufBuilder().string("k", "v").build();
-  patch_u64(bytes, 16, uint64_t{1} << 60);
-  expect_error(bytes, ErrorKind::kCorruptFile, 16, "metadata count 1152921504606846976 cannot fit");
-  bytes = GgufBuilder().string("k", "v").build();
-  patch_u64(bytes, 16, 2);  // one pair more than there is, within the plausible range
-  bytes.resize(bytes.size() + 4, 0);
-  expect_error(bytes, ErrorKind::kCorruptFile, 46,
-               "metadata pair #1: need 8 bytes for a string length, but only 4 are left");
-}
-
-TEST(GgufCorruptTest, HugeLengths) {
-  Bytes bytes = GgufBuilder().string("key", "value").build();
-  patch_u64(bytes, 24, 9223372036854775807);
-  expect_error(bytes, ErrorKind::kCorruptFile, 24,
-               "key length 9223372036854775807 exceeds the 20 bytes left");
-  bytes = GgufBuilder().string("key", "value").build();
-  patch_u64(bytes, 24 + 8 + 3 + 4, uint64_t{1} << 40);  // the value's length
-  expect_error(bytes, ErrorKind::kCorruptFile, 39,
-               "metadata key 'key': string length 1099511627776 exceeds the 5 bytes left");
-  bytes = GgufBuilder().array("key", GgufType::kU32, std::vector<uint32_t>{1, 2}).build();
-  patch_u64(bytes, 24 + 8 + 3 + 4 + 4, uint64_t{1} << 62);  // the array's length
-  expect_error(bytes, ErrorKind::kCorruptFile, 43, "array length 4611686018427387904 exceeds");
-  bytes = GgufBuilder().string_array("key", {"a", "b"}).build();
-  patch_u64(bytes, 43, std::numeric_limits<uint64_t>::max() / 4);  // count * 8 would overflow
-  expect_error(bytes, ErrorKind::kCorruptFile, 43, "array length");
-}
-
-TEST(GgufCorruptTest, BadValueTypes) {
-  expect_error(
-      GgufBuilder().kv("k", static_cast<GgufType>(13), [](ByteWriter& w) { w.pod(0); }).build(),
-      ErrorKind::kCorruptFile, 24 + 9, "unknown value type 13");
-  expect_error(
-      GgufBuilder()
-          .kv("k", GgufType::kArray, [](ByteWriter& w) { w.pod<uint32_t>(99), w.pod<uint64_t>(0); })
-          .build(),
-      ErrorKind::kCorruptFile, 24 + 13, "unknown array element type 99");
-  expect_error(GgufBuilder().scalar("k", GgufType::kBool, uint8_t{2}).build(),
-               ErrorKind::kCorruptFile, 24 + 13, "bool value 2");
-  expect_error(GgufBuilder().array("k", GgufType::kBool, std::vector<uint8_t>{0, 1, 7}).build(),
-               ErrorKind::kCorruptFile, 24 + 25 + 2, "bool array element 2 is 7");
-}
-
-// Arrays of arrays nest up to kGgufMaxArrayDepth.
-Bytes nested_arrays(int depth) {
-  return GgufBuilder()
-      .kv("deep", GgufType::kArray,
-          [&](ByteWriter& w) {
-            for (int d = 1; d < depth; ++d) w.type(GgufType::kArray), w.pod<uint64_t>(1);
-            w.type(GgufType::kU8);
-            w.pod<uint64_t>(1);
-            w.pod<uint8_t>(42);
-          })
-      .build();
-}
-
-TEST(GgufCorruptTest, ArrayNesting) {
-  const GgufFile f = parse(nested_arrays(kGgufMaxArrayDepth));
-  const GgufValue* v = f.find("deep");
-  for (int d = 1; d < kGgufMaxArrayDepth; ++d) v = &v->arrays()[0];
-  EXPECT_EQ(v->element(0).as_u8(), 42);
-  expect_error(nested_arrays(kGgufMaxArrayDepth + 1), ErrorKind::kCorruptFile,
-               24 + 8 + 4 + 4 + kGgufMaxArrayDepth * 12, "arrays nest deeper than 8");
-}
-
-TEST(GgufCorruptTest, DuplicateKeysAndTensors) {
-  expect_error(GgufBuilder().string("k", "a").string("k", "b").build(), ErrorKind::kCorruptFile, 46,
-               "metadata key 'k': duplicate key (first at offset 24)");
-  expect_error(GgufBuilder()
-                   .tensor(spec("t", DType::kF32, {1}, 1))
-                   .tensor(spec("t", DType::kF32, {1}, 2))
-                   .build(),
-               ErrorKind::kCorruptFile, 24 + 33, "tensor 't': duplicate tensor name");
-}
-
-TEST(GgufCorruptTest, Alignment) {
-  for (uint32_t alignment : {0u, 48u}) {
-    expect_error(GgufBuilder().scalar("general.alignment", GgufType::kU32, alignment).build(),
-                 ErrorKind::kCorruptFile, 24,
-                 fmt::format("general.alignment {} is not a power of two", alignment));
-  }
-  expect_error(GgufBuilder().string("general.alignment", "32").build(), ErrorKind::kCorruptFile, 24,
-               "general.alignment is string, expected a u32");
-  // A u8 alignment is accepted.
-  EXPECT_EQ(parse(GgufBuilder().scalar("general.alignment", GgufType::kU8, uint8_t{16}).build())
-                .alignment(),
-            16u);
-}
-
-// The first tensor info starts at 24: name at 24, n_dims at 33, ne[0] at 37.
-TEST(GgufCorruptTest, TensorInfos) {
-  auto one_tensor = [](TensorSpec t) { return GgufBuilder().tensor(std::move(t)).build(); };
-  TensorSpec t = spec("t", DType::kF32, {4}, 1);
-  t.ne = {1, 1, 1, 1, 1};
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 33,
-               "tensor 't': 5 dimensions, expected 1 to 4");
-  t.ne = {};
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 33, "0 dimensions");
-  t.ne = {4, uint64_t{1} << 63};
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 45,
-               "ne[1] is -9223372036854775808, negative");
-  t.ne = {uint64_t{1} << 40, uint64_t{1} << 40};
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 45, "overflows int64 at ne[1]");
-  t = spec("t", DType::kF32, {4}, 1);
-  t.ne = {uint64_t{1} << 62};  // 2^62 f32s are 2^64 bytes
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 45, "overflows");
-  t = spec("t", DType::kF32, {4}, 1);
-  t.raw_type = 99;
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 45, "unknown ggml type 99");
-  t.raw_type = 4;  // Q4_2, long removed
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 45, "unknown ggml type 4");
-  t = spec("t", DType::kF32, {0, 4}, 1);  // zero-size tensors are allowed, as in llama.cpp
-  EXPECT_EQ(parse(one_tensor(t)).tensor("t").n_bytes, 0u);
-  t = spec("t", DType::kQ8_0, {64}, 1);
-  t.ne = {33};
-  expect_error(one_tensor(t), ErrorKind::kCorruptFile, 45,
-               "ne[0] = 33 is not a multiple of the Q8_0 block size 32");
-}
-
-TEST(GgufCorruptTest, TensorData) {
-  TensorSpec t = spec("t", DType::kF32, {4}, 1);
-  t.offset = 8;
-  expect_error(GgufBuilder().tensor(t).build(), ErrorKind::kCorruptFile, 49,
-               "tensor 't': data offset 8 is not a multiple of the alignment 32");
-  t = spec("t", DType::kF32, {4}, 1);
-  t.data.resize(12);  // one element short: the file ends early
-  expect_error(GgufBuilder().tensor(t).build(), ErrorKind::kCorruptFile, 49,
-               "16 bytes at data offset 0 run past the end of the 12-byte data section");
-  // Aligned, far past the end: offset + n_bytes must not wrap around.
-  Bytes bytes = GgufBuilder().tensor(spec("t", DType::kF32, {4}, 1)).build();
-  patch_u64(bytes, 49, std::numeric_limits<uint64_t>::max() - 31);
-  expect_error(bytes, ErrorKind::kCorruptFile, 49, "run past the end");
-  bytes = GgufBuilder().tensor(spec("t", DType::kF32, {4}, 1)).build();
-  bytes.resize(57);  // the infos end at 57; the data section would start at 64
-  expect_error(bytes, ErrorKind::kCorruptFile, 57, "the data section would start at offset 64");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 
 #include "common/error.h"
 #include "common/model/gguf.h"
+#include "common/text/incremental_decoder.h"
 #include "common/text/tokenizer.h"
 #include "common/text/tokenizer_gguf.h"
 #include "common/text/unicode.h"

@@ -2,8 +2,9 @@
 // sequences, then lowest index), and RoutedInstances over real engine threads
 // (LocalInstance on a tiny fixture model): a burst spreads over both
 // instances, greedy tokens equal one instance's own, cancel reaches the
-// instance that holds the request, stats are summed, and instances serving
-// different models are refused. No MPI.
+// instance that holds the request, stats are summed, a prompt goes to the
+// prefill instance its prefix went to, and instances serving different
+// models are refused. No MPI.
 #include "coordinator/router.h"
 
 #include <gtest/gtest.h>
@@ -11,9 +12,11 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <thread>
 
 #include "common/error.h"
+#include "common/model/kv_layout.h"
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
 #include "worker/local_instance.h"
@@ -240,6 +243,48 @@ TEST_F(RoutedInstancesTest, CancelReachesTheInstanceThatHoldsTheRequest) {
   routed.cancel(RequestId{99});  // unknown: ignored
   expect_all_free(*a);
   expect_all_free(*b);
+}
+
+// Disaggregated: among prefill instances with equal queues, the prompt goes
+// where a prompt with its prefix went (whole blocks of the engine's size).
+// The prefill instances only report stats here; the decode instance computes
+// every prompt itself (no prefill_peer rank: -1).
+TEST_F(RoutedInstancesTest, PrefillGoesWhereItsPrefixWasSent) {
+  std::unique_ptr<LocalInstance> p0 = make_instance();
+  std::unique_ptr<LocalInstance> p1 = make_instance();
+  std::unique_ptr<LocalInstance> d = make_instance();
+  RoutedInstances routed({{p0.get(), InstanceRole::kPrefill, -1},
+                          {p1.get(), InstanceRole::kPrefill, -1},
+                          {d.get(), InstanceRole::kDecode, -1}},
+                         std::make_unique<DisaggregatedPolicy>());
+  Collector collector;
+  routed.set_event_handler([&](auto events) { collector.on_events(events); });
+  auto prompt_request = [](uint64_t id, std::vector<int32_t> prompt) {
+    InstanceRequest r = request(id, 0, 2);
+    r.prompt = std::move(prompt);
+    return r;
+  };
+  std::vector<int32_t> a(40), b(40);
+  std::iota(a.begin(), a.end(), 10);
+  std::iota(b.begin(), b.end(), 60);
+  std::vector<int32_t> b_prefix(b.begin(), b.begin() + 2 * KvLayout::kDefaultBlockSize);
+  for (int32_t t = 0; t < 8; ++t) b_prefix.push_back(120 + t);
+
+  // Keep the engine between two steps, so that no prompt is handed over
+  // (each stays queued at its prefill instance) while the others are placed.
+  collector.hold();
+  routed.submit(request(1, 30, 4));  // prefill 0 (ties: the lowest index)
+  collector.wait_for_token(RequestId{1});
+  routed.submit(prompt_request(2, a));  // prefill 0: queues are equal again
+  routed.submit(prompt_request(3, b));  // prefill 1: 0 has a queued
+  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 1, 3}));
+  // Equal queues (40 tokens each): the 32 tokens prefill 1 likely caches win.
+  routed.submit(prompt_request(4, b_prefix));
+  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 2, 4}));
+  collector.release();
+  for (uint64_t id = 1; id <= 4; ++id)
+    EXPECT_EQ(collector.wait(RequestId{id}).finish, InstanceFinish::kLength);
+  expect_all_free(*d);
 }
 
 TEST_F(RoutedInstancesTest, InstancesServingDifferentModelsAreRefused) {

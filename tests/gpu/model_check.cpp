@@ -25,6 +25,7 @@
 
 #include "common/error.h"
 #include "common/model/fp16.h"
+#include "common/stats.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
@@ -101,8 +102,8 @@ void compare_logits(const char* what, const std::vector<float>& gpu, const CpuRu
       ++flips;
     }
   }
-  std::sort(errors.begin(), errors.end());
-  const double median = errors[errors.size() / 2], worst = errors.back();
+  const double median = duet::median(errors);
+  const double worst = *std::max_element(errors.begin(), errors.end());
   std::printf(
       "    %-30s %lld rows: normalized error median %.3g max %.3g; argmax: %lld near-tie "
       "difference(s), %lld other(s)\n",

@@ -36,7 +36,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <numeric>
@@ -47,8 +46,10 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/hash.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
+#include "common/stats.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer_gguf.h"
 #include "kernels/cpu/isa.h"
@@ -99,23 +100,10 @@ Place place_of(int world_rank) {
   return {3, world_rank - 3, 3};
 }
 
-// 64-bit FNV-1a over 8-byte words (and the tail's bytes): equal logits give
-// equal hashes; any differing bit almost surely does not.
-uint64_t hash_bytes(const void* data, size_t n, uint64_t h = 14695981039346656037ull) {
-  constexpr uint64_t kPrime = 1099511628211ull;
-  const auto* p = static_cast<const unsigned char*>(data);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t word;
-    std::memcpy(&word, p + i, 8);
-    h = (h ^ word) * kPrime;
-  }
-  for (; i < n; ++i) h = (h ^ p[i]) * kPrime;
-  return h;
-}
-
-uint64_t hash_floats(const std::vector<float>& v, uint64_t h = 14695981039346656037ull) {
-  return hash_bytes(v.data(), v.size() * sizeof(float), h);
+// The logits' bytes hashed (common/hash.h): equal logits give equal hashes;
+// any differing bit almost surely does not.
+uint64_t hash_floats(const std::vector<float>& v, uint64_t h = kFnv1aOffset) {
+  return fnv1a_words(v.data(), v.size() * sizeof(float), h);
 }
 
 struct Difference {
@@ -126,11 +114,9 @@ struct Difference {
 // |a - b| over all elements.
 Difference abs_difference(std::span<const float> a, std::span<const float> b) {
   DUET_ASSERT(a.size() == b.size() && !a.empty());
-  std::vector<float> d(a.size());
+  std::vector<double> d(a.size());
   for (size_t i = 0; i < a.size(); ++i) d[i] = std::fabs(a[i] - b[i]);
-  const auto middle = d.begin() + static_cast<std::ptrdiff_t>(d.size() / 2);
-  std::nth_element(d.begin(), middle, d.end());
-  return {static_cast<double>(*std::max_element(d.begin(), d.end())), static_cast<double>(*middle)};
+  return {*std::max_element(d.begin(), d.end()), median(std::move(d))};
 }
 
 // The ids of the largest and second-largest logit of a row.
@@ -523,7 +509,7 @@ int run_test(const std::filesystem::path& model_path) {
     summary.owned_bytes = model->owned_weight_bytes();
     summary.split_bytes = model->split_tensor_bytes();
     size_t offset = 0;
-    uint64_t all = hash_bytes(nullptr, 0);
+    uint64_t all = kFnv1aOffset;
     const std::vector<float>* phases[] = {&prefill, &chunked, &greedy};
     for (int p = 0; p < kAll; ++p) {
       const std::vector<float>& mine = *phases[p];

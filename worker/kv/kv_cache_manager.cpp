@@ -1,45 +1,11 @@
 #include "worker/kv/kv_cache_manager.h"
 
-#include <bit>
 #include <utility>
 
 #include "common/error.h"
 #include "common/model/token_order.h"
 
 namespace duet {
-namespace {
-
-constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ULL;
-constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
-constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
-constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ULL;
-
-// splitmix64's finalizer: every input bit affects every output bit.
-constexpr uint64_t mix64(uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xBF58476D1CE4E5B9ULL;
-  z ^= z >> 27;
-  z *= 0x94D049BB133111EBULL;
-  z ^= z >> 31;
-  return z;
-}
-
-}  // namespace
-
-uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens, int64_t n_one_token) {
-  uint64_t acc = mix64(parent) + kPrime5;
-  for (const int32_t token : tokens) {
-    uint64_t k = static_cast<uint64_t>(static_cast<uint32_t>(token)) * kPrime2;
-    k = std::rotl(k, 31) * kPrime1;
-    acc ^= k;
-    acc = std::rotl(acc, 27) * kPrime1 + kPrime4;
-  }
-  // A block of prompt tokens only hashes as it did before orders were hashed.
-  const uint64_t tail =
-      static_cast<uint64_t>(tokens.size()) ^ (static_cast<uint64_t>(n_one_token) << 32);
-  return mix64(acc ^ tail);
-}
-
 uint64_t KvCacheManager::block_hash(uint64_t parent, std::span<const int32_t> tokens, int64_t b,
                                     int64_t from) const {
   return hash_block_tokens(parent, tokens.subspan(b * block_size_, block_size_),

@@ -33,6 +33,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/hash.h"  // hash_block_tokens, kRootBlockHash: the block keys
 #include "common/model/kv_layout.h"
 #include "worker/kv/block_pool.h"
 
@@ -54,15 +55,9 @@ struct std::hash<duet::SequenceId> {
 
 namespace duet {
 
-// The chained hash of one full block: `parent` is the previous block's hash
-// (kRootBlockHash for block 0), `tokens` the block's token ids, the last
-// `n_one_token` of them computed in the one-token order. 64 bits, an
-// xxhash64-style mix with a splitmix64 finish. Hits are trusted by hash alone
-// (no token comparison): a collision among n cached blocks has odds ~n^2/2^65.
-inline constexpr uint64_t kRootBlockHash = 0x6475657420726f6fULL;
-uint64_t hash_block_tokens(uint64_t parent, std::span<const int32_t> tokens,
-                           int64_t n_one_token = 0);
-
+// Block keys are common/hash.h's hash_block_tokens, chained from
+// kRootBlockHash: the router (coordinator/) computes the same keys for the
+// prompts it places.
 class KvCacheManager final {
  public:
   // `pool` is borrowed and must outlive the manager; the manager assumes it

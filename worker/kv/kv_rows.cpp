@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/hash.h"
 
 namespace duet {
 namespace {
@@ -80,24 +81,8 @@ void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
 }
 
 uint64_t kv_checksum(std::span<const KvElement> elements, uint64_t seed) {
-  constexpr uint64_t kPrime = 0x100000001b3ULL;
-  uint64_t h = 0xcbf29ce484222325ULL ^ seed;
-  const auto* bytes = reinterpret_cast<const unsigned char*>(elements.data());
-  const size_t size = elements.size_bytes();
-  size_t i = 0;
-  for (; i + 8 <= size; i += 8) {
-    uint64_t word = 0;
-    std::memcpy(&word, bytes + i, 8);
-    h = (h ^ word) * kPrime;
-  }
-  for (; i < size; ++i) h = (h ^ bytes[i]) * kPrime;
-  // splitmix64 finish: every input bit reaches every output bit.
-  h ^= h >> 30;
-  h *= 0xbf58476d1ce4e5b9ULL;
-  h ^= h >> 27;
-  h *= 0x94d049bb133111ebULL;
-  h ^= h >> 31;
-  return h;
+  // The splitmix64 finish: every input bit reaches every output bit.
+  return mix64(fnv1a_words(elements.data(), elements.size_bytes(), kFnv1aOffset ^ seed));
 }
 
 uint64_t kv_rows_checksum(const KvLayout& layout, const KvElement* cache,

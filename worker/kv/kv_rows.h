@@ -52,8 +52,9 @@ void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
                     std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
                     const KvElement* in);
 
-// A 64-bit checksum of bytes (FNV-1a over 8-byte words, then a final mix):
-// equal KV gives equal sums on every host; a flipped bit almost never does.
+// A 64-bit checksum of bytes (common/hash.h: FNV-1a over 8-byte words from
+// the offset basis xor `seed`, then mix64): equal KV gives equal sums on every
+// host; a flipped bit almost never does. A wire format: its values never change.
 uint64_t kv_checksum(std::span<const KvElement> elements, uint64_t seed = 0);
 
 // The checksum of positions [pos0, pos0 + n) of every layer, layer after

@@ -1,4 +1,4 @@
-#include "coordinator/remote_instance.h"
+#include "coordinator/cluster/remote_instance.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>

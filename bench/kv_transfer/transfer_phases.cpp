@@ -1,0 +1,152 @@
+#include "bench/kv_transfer/transfer_phases.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/stats.h"
+
+namespace duet::kv_bench {
+namespace {
+
+// Rank 1 to rank 2 after each transfer.
+struct TransferReport {
+  double first_send = 0.0;  // MPI_Wtime before the first send_rows
+  double last_send = 0.0;   // after the last send_rows returned
+  uint64_t checksum = 0;    // of the rows sent
+};
+
+// The transfer's own copies, without MPI or threads: every message of a
+// transfer packed out of one cache and unpacked into another through one
+// buffer.
+void time_copies(const Shape& shape, int reps, uint64_t seed, TransferTimes& times) {
+  KvCache from(shape.layout), to(shape.layout);
+  std::mt19937_64 rng(seed);
+  fill_random(from, rng);
+  const std::vector<int32_t> a = shuffled_table(shape, rng), b = shuffled_table(shape, rng);
+  std::vector<KvElement> rows(static_cast<size_t>(packed_kv_elems(shape.layout, shape.chunk)));
+  std::vector<double> pack, unpack;
+  for (int rep = -1; rep < reps; ++rep) {
+    double p = 0.0, u = 0.0;
+    for (int64_t pos0 = 0; pos0 < shape.n_tokens; pos0 += shape.chunk) {
+      for (int64_t layer = 0; layer < shape.layout.n_layers; ++layer) {
+        const double t0 = MPI_Wtime();
+        pack_kv_rows(shape.layout, from.data(), layer, a, pos0, shape.chunk, rows.data());
+        const double t1 = MPI_Wtime();
+        unpack_kv_rows(shape.layout, to.data(), layer, b, pos0, shape.chunk, rows.data());
+        p += t1 - t0;
+        u += MPI_Wtime() - t1;
+      }
+    }
+    if (rep >= 0) pack.push_back(p), unpack.push_back(u);
+  }
+  times.pack = median(pack);
+  times.unpack = median(unpack);
+}
+
+}  // namespace
+
+std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
+                              const ClockSync& sync) {
+  const int n = static_cast<int>(shape.n_messages());
+  const int size = static_cast<int>(shape.message_bytes());
+  std::vector<double> stamps;  // the sender's first sends, the receiver's last receives
+  if (pair_rank == kPairSender) {
+    // One buffer per message, as the transfer owns one per queued message.
+    std::vector<std::vector<std::byte>> buffers(
+        static_cast<size_t>(n), std::vector<std::byte>(static_cast<size_t>(size), std::byte{90}));
+    std::vector<MPI_Request> requests(static_cast<size_t>(n));
+    for (int rep = -1; rep < reps; ++rep) {  // rep -1 warms up
+      DUET_MPI_CHECK(MPI_Barrier(pair));
+      const double start = MPI_Wtime();
+      for (int i = 0; i < n; ++i) {
+        DUET_MPI_CHECK(MPI_Isend(buffers[static_cast<size_t>(i)].data(), size, MPI_BYTE,
+                                 kPairReceiver, kTag, pair, &requests[static_cast<size_t>(i)]));
+      }
+      DUET_MPI_CHECK(MPI_Waitall(n, requests.data(), MPI_STATUSES_IGNORE));
+      if (rep >= 0) stamps.push_back(start);
+    }
+    DUET_MPI_CHECK(MPI_Send(stamps.data(), reps, MPI_DOUBLE, kPairReceiver, kTag, pair));
+    return {};
+  }
+  std::vector<std::byte> buffer(static_cast<size_t>(size));
+  for (int rep = -1; rep < reps; ++rep) {
+    DUET_MPI_CHECK(MPI_Barrier(pair));
+    for (int i = 0; i < n; ++i) {
+      DUET_MPI_CHECK(
+          MPI_Recv(buffer.data(), size, MPI_BYTE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+    }
+    if (rep >= 0) stamps.push_back(MPI_Wtime());
+  }
+  std::vector<double> starts(static_cast<size_t>(reps));
+  DUET_MPI_CHECK(
+      MPI_Recv(starts.data(), reps, MPI_DOUBLE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+  std::vector<double> seconds;
+  for (size_t i = 0; i < stamps.size(); ++i)
+    seconds.push_back(stamps[i] - (starts[i] - sync.offset));
+  return seconds;
+}
+
+void send_transfers(MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
+                    const Shape& shape, int reps, uint64_t seed) {
+  KvCache cache(shape.layout);
+  std::mt19937_64 rng(seed);
+  for (int rep = -1; rep < reps; ++rep) {
+    fill_random(cache, rng);
+    const std::vector<int32_t> table = shuffled_table(shape, rng);
+    barrier_quietly(pair);
+    const PrefillOrder order = orders.take();
+    DUET_ASSERT(order.send_from == 0 &&
+                static_cast<int64_t>(order.request.prompt.size()) == shape.n_tokens);
+    const RequestId id = order.request.id;
+    TransferReport report;
+    report.first_send = MPI_Wtime();
+    // Chunk after chunk, each layer after layer: the order a chunked prefill stores them.
+    for (int64_t pos0 = 0; pos0 < shape.n_tokens; pos0 += shape.chunk) {
+      for (int64_t layer = 0; layer < shape.layout.n_layers; ++layer)
+        transfer.send_rows(kReceiver, id, layer, pos0, shape.chunk, cache, table, 0,
+                           all_kv_heads_of(cache));
+    }
+    report.last_send = MPI_Wtime();
+    transfer.send_handoff(
+        kReceiver, KvHandoff{id, 0, 0, 0, shape.n_tokens * shape.layout.n_layers, std::nullopt});
+    report.checksum = kv_rows_checksum(shape.layout, cache.data(), table, 0, shape.n_tokens);
+    send_value(pair, kPairReceiver, report);
+  }
+}
+
+TransferTimes receive_transfers(MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
+                                const Shape& shape, int reps, uint64_t seed, const ClockSync& sync,
+                                uint64_t& next_id) {
+  KvCache cache(shape.layout);
+  std::mt19937_64 rng(seed * 31 + 7);  // other block tables than the sender's
+  PrefillOrder order;
+  order.request.prompt.assign(static_cast<size_t>(shape.n_tokens), 0);
+  order.request.max_tokens = 1;
+  TransferTimes times;
+  for (int rep = -1; rep < reps; ++rep) {
+    std::fill_n(cache.data(), cache.layout().total_elems(), KvElement{0});
+    const std::vector<int32_t> table = shuffled_table(shape, rng);
+    order.request.id = RequestId{next_id++};
+    barrier_quietly(pair);
+    const double start = MPI_Wtime();
+    transfer.start_import(kSender, order,
+                          whole_import_plan(kSender, order, cache, table,
+                                            KvTransfer::Clock::now() + kTransferTimeout));
+    const Arrival arrival = arrivals.take();
+    DUET_REQUIRE(arrival.handoff, "KV transfer failed: {}", arrival.error);
+    const auto report = receive_value<TransferReport>(pair, kPairSender);
+    if (kv_rows_checksum(shape.layout, cache.data(), table, 0, shape.n_tokens) != report.checksum) {
+      spdlog::error("rep {}: the received KV differs from the sent KV", rep);
+      times.kv_equal = false;
+    }
+    if (rep < 0) continue;
+    times.from_send.push_back(arrival.at - (report.first_send - sync.offset));
+    times.from_start.push_back(arrival.at - start);
+    times.send_loop.push_back(report.last_send - report.first_send);
+  }
+  time_copies(shape, reps, seed, times);
+  return times;
+}
+
+}  // namespace duet::kv_bench

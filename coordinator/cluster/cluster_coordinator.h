@@ -1,0 +1,60 @@
+// Rank 0 of an mpirun cluster (`duet serve`): the instances on the other
+// ranks behind one router, for the service and its fronts.
+//
+// Its life, right after the handshake: the constructor waits until every
+// instance reports ready, then routes over them (RemoteCluster under
+// RoutedInstances, with the spec's mode's policy); the caller serves its
+// fronts over router(); shut_down() logs where the requests went and ends
+// the cluster (Shutdown to every leader, the channel closed collectively).
+// A failure before the cluster exists (the coordinator's own start, or an
+// instance that cannot start) ends it with abort_cluster, so that every rank
+// still closes the channel together.
+//
+// Thread affinity: construct, shut_down and destroy on the main thread; the
+// router is called from any thread (coordinator/router.h).
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "common/cluster/cluster_spec.h"
+#include "common/mpi/control_channel.h"
+#include "coordinator/cluster/remote_instance.h"
+#include "coordinator/router.h"
+
+namespace duet {
+
+// Sends Shutdown{reason} to every leader and closes the channel (collective:
+// every rank closes), waiting up to `timeout`.
+void abort_cluster(ControlChannel& channel, const ClusterSpec& spec, const std::string& reason,
+                   std::chrono::milliseconds timeout);
+
+class ClusterCoordinator final {
+ public:
+  // `channel` outlives the coordinator. Waits up to `ready_timeout` for
+  // every instance's InstanceReady; when one cannot start or does not
+  // answer, aborts the cluster (abort_cluster, waiting up to `close_timeout`)
+  // and throws duet::Error naming it.
+  ClusterCoordinator(ControlChannel& channel, const ClusterSpec& spec,
+                     std::chrono::milliseconds ready_timeout,
+                     std::chrono::milliseconds close_timeout);
+  ClusterCoordinator(const ClusterCoordinator&) = delete;
+  ClusterCoordinator& operator=(const ClusterCoordinator&) = delete;
+
+  // Every instance behind the router; owned by the coordinator.
+  RoutedInstances& router() { return routed_; }
+
+  // Logs the requests routed to each instance and its generated tokens, then
+  // ends the cluster (RemoteCluster::shut_down). Returns whether every rank
+  // closed the channel within `timeout`. Call once, after the fronts stopped
+  // submitting, and before destroying what calls into the router (the
+  // service): it joins the thread that delivers the instances' events.
+  bool shut_down(const std::string& reason, std::chrono::milliseconds timeout);
+
+ private:
+  const ClusterSpec spec_;
+  RemoteCluster cluster_;
+  RoutedInstances routed_;  // over cluster_'s instances
+};
+
+}  // namespace duet
