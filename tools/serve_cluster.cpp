@@ -33,9 +33,9 @@
 #include "tools/serve_command.h"
 #include "worker/cluster_instance.h"
 #include "worker/parallel/mpi_collective.h"
-#include "worker/transfer/kv_link.h"
-#include "worker/transfer/kv_link_setup.h"
 #include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/transfer_kind.h"
+#include "worker/transfer/transfer_setup.h"
 
 namespace duet::tools {
 namespace {
@@ -121,14 +121,14 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
   try {
     const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size(), args.model);
     ControlChannel channel(mpi);
-    // Where every rank runs, and the device links of its GPU pairs (both
+    // Where every rank runs, and the device transfer of its GPU pairs (both
     // collective over the world, as the transfer's communicator is).
     const RankPlacement placement = own_placement(mpi, spec, args.device);
     const std::vector<RankPlacement> placements = gather_placements(mpi, placement);
     std::optional<MpiKvTransfer> transfer;  // every rank: its communicator is collective
     transfer.emplace(
         channel, MpiKvTransferOptions{args.kv_checksums},
-        make_device_kv_links(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
+        make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
     // Every rank too (MPI_Comm_split); the coordinator's is empty.
     const InstanceSpec* own = spec.instance_of(mpi.rank());
     MpiCollective collective(

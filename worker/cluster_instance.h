@@ -24,8 +24,8 @@
 #include "worker/engine.h"
 #include "worker/model/llama_model.h"
 #include "worker/parallel/collective.h"
-#include "worker/transfer/kv_link.h"
 #include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/transfer_kind.h"
 
 namespace duet {
 

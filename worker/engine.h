@@ -80,7 +80,7 @@ struct ExportSink {
   // have sampled after the prompt. The sequence is over (its blocks return
   // to the pool, full ones stay in the prefix cache).
   std::function<void(SequenceId id, int32_t first_token, int64_t cached_tokens)> done;
-  // The sink reads the rows from cache.device_copy() (a KV link between
+  // The sink reads the rows from cache.device_copy() (a device transfer between
   // GPUs): a GPU engine does not copy them to the host cache first.
   bool device_rows = false;
 };
@@ -95,7 +95,7 @@ struct ImportHooks {
   // The sequence was cancelled while rows may still be written into its
   // blocks: stop writing, then call release_import(id).
   std::function<void(SequenceId id)> abort;
-  // The rows are written into cache().device_copy() (a KV link between
+  // The rows are written into cache().device_copy() (a device transfer between
   // GPUs): complete_import does not upload them from the host cache.
   bool device_rows = false;
 };

@@ -204,13 +204,13 @@ void LocalInstance::apply_submit(InstanceRequest& request) {
                                       tp_import_plan(import, model_, engine_.cache()));
       };
       hooks.abort = [this, rid](SequenceId) { peers_.transfer->abort_import(rid); };
-      // Rows from GPUs with a device link land in the device pool directly.
+      // Rows from GPUs with a device transfer land in the device pool directly.
       std::vector<int32_t> sources = {request.prefill_peer};
       if (auto it = peers_.instance_ranks.find(request.prefill_peer);
           it != peers_.instance_ranks.end())
         sources = it->second;
       hooks.device_rows = std::all_of(sources.begin(), sources.end(), [this](int32_t rank) {
-        return peers_.transfer->device_link(rank);
+        return peers_.transfer->device_transfer(rank);
       });
       std::vector<int32_t> prompt = request.prompt;
       sid = engine_.submit_import(std::move(prompt), options, on_token, std::move(hooks));
@@ -276,9 +276,9 @@ void LocalInstance::apply_order(Order& order) {
                         it->second.rows_sent, std::nullopt});
     exports_.erase(it);
   };
-  // Rows for GPUs with a device link leave from the device pool directly.
+  // Rows for GPUs with a device transfer leave from the device pool directly.
   sink.device_rows = std::all_of(decode_ranks.begin(), decode_ranks.end(), [this](int32_t rank) {
-    return peers_.transfer->device_link(rank);
+    return peers_.transfer->device_transfer(rank);
   });
   auto on_admitted = [this, rid](SequenceId, int64_t) {
     exports_.at(rid).admitted_at = std::chrono::steady_clock::now();

@@ -299,13 +299,13 @@ class Follower {
     std::chrono::steady_clock::time_point deadline;
     std::vector<int32_t> block_table;
     int64_t send_from = 0, n_prompt = 0;
-    bool device_rows = false;  // every source has a device link: rows land on the GPU
+    bool device_rows = false;  // every source has a device transfer: rows land on the GPU
   };
 
   // Whether every rank of `ranks` moves rows device to device with this one.
-  bool device_links(std::span<const int32_t> ranks) const {
+  bool device_peers(std::span<const int32_t> ranks) const {
     return std::all_of(ranks.begin(), ranks.end(),
-                       [this](int32_t rank) { return transfer_->device_link(rank); });
+                       [this](int32_t rank) { return transfer_->device_transfer(rank); });
   }
 
   void answer(bool ok) {
@@ -344,8 +344,8 @@ class Follower {
         if (transfer_ == nullptr) return;
         for (const TpExport& e : exports_) {
           const std::span<const int32_t> table = sequences_[e.sequence].block_table;
-          // Rows for ranks without a device link leave from the host copy.
-          if (!device_links(e.decode_ranks))
+          // Rows for ranks without a device transfer leave from the host copy.
+          if (!device_peers(e.decode_ranks))
             forward_->kv_to_host(layer, table, e.pos0, e.n, cache_);
           tp_send_rows(*transfer_, model_, e.id, layer, e.pos0, e.n, e.decode_ranks, cache_, table);
         }
@@ -364,7 +364,7 @@ class Follower {
     DUET_ASSERT(transfer_ != nullptr, "an import on an instance without a transfer");
     imports_[import.id] =
         Import{std::chrono::steady_clock::now() + import.timeout, import.block_table,
-               import.send_from, import.n_prompt, device_links(import.prefill_ranks)};
+               import.send_from, import.n_prompt, device_peers(import.prefill_ranks)};
     transfer_->expect_import(tp_import_plan(import, model_, cache_));
     answer(true);
   }

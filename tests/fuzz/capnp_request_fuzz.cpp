@@ -1,5 +1,5 @@
 // libFuzzer target for the Cap'n Proto requests the RPC front accepts (common/duet.capnp,
-// coordinator/rpc_convert.h).
+// coordinator/rpc/rpc_convert.h).
 //
 // Each input is a message (a segment table and its segments; a tail short of a word is padded
 // with zeros), read with low traversal and nesting limits as a GenerateRequest and converted as
@@ -31,7 +31,7 @@
 #include "common/duet.capnp.h"
 #include "common/error.h"
 #include "common/sampling.h"
-#include "coordinator/rpc_convert.h"
+#include "coordinator/rpc/rpc_convert.h"
 #include "coordinator/service.h"
 #include "tests/fuzz/fuzz_check.h"
 

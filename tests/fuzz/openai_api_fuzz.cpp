@@ -1,4 +1,5 @@
-// libFuzzer target for the OpenAI-compatible JSON of the HTTP front (coordinator/openai_api.h).
+// libFuzzer target for the OpenAI-compatible JSON of the HTTP front
+// (coordinator/http/openai_api.h).
 //
 // Each input is a request body, parsed for both endpoints by parse_completion_request, which must
 // never throw and must return a CompletionRequest or an ApiError with a 4xx status and a message.
@@ -29,7 +30,7 @@
 
 #include "common/error.h"
 #include "common/sampling.h"
-#include "coordinator/openai_api.h"
+#include "coordinator/http/openai_api.h"
 #include "coordinator/service.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/utf8_reference.h"

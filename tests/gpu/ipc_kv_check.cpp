@@ -1,5 +1,5 @@
 // A prefill process and a decode process on one GPU, moving a prompt's KV
-// through the real CudaIpcKvLinks (worker/transfer/cuda_ipc_kv_links.h), as two
+// through the real CudaIpcKvTransfer (worker/transfer/cuda_ipc_kv_transfer.h), as two
 // ranks of one host do under mpirun. The check forks both itself (no
 // mpirun); the IPC handles, the rows headers and the acks travel over a
 // socketpair, as they would over MPI.
@@ -40,7 +40,7 @@
 #include "worker/kv/kv_cache.h"
 #include "worker/model/cuda_forward.h"
 #include "worker/model/llama_model.h"
-#include "worker/transfer/cuda_ipc_kv_links.h"
+#include "worker/transfer/cuda_ipc_kv_transfer.h"
 
 namespace duet {
 namespace {
@@ -114,11 +114,11 @@ KvLayout burst_layout() {
 // ---------------------------------------------------------------- the prefill process
 
 int run_prefill(int fd) {
-  CudaIpcKvLinks::Options options;
+  CudaIpcKvTransfer::Options options;
   options.send_staging_bytes = size_t{64} << 20;  // the burst waits for acks
-  CudaIpcKvLinks links(0, true, false, options);
-  links.add_receiver(kDecodeRank);
-  const std::vector<std::byte> exported = links.exported();
+  CudaIpcKvTransfer transfer(0, true, false, options);
+  transfer.add_receiver(kDecodeRank);
+  const std::vector<std::byte> exported = transfer.exported();
   write_all(fd, exported.data(), exported.size());
 
   // Acks come back while this thread sends: another thread frees the staging.
@@ -128,7 +128,7 @@ int run_prefill(int fd) {
       for (;;) {
         const Message m = read_message(fd);
         if (m.kind != Message::kAck) return;  // kBurstDone: the decode side is finished
-        links.released(kDecodeRank, m.ticket);
+        transfer.released(kDecodeRank, m.ticket);
         ++acks;
       }
     } catch (const std::exception& e) {
@@ -159,7 +159,7 @@ int run_prefill(int fd) {
   const int64_t last = n - 1;
   forward.run(prompt, {&whole, 1}, staging, {&last, 1}, nullptr, [&](int64_t layer) {
     const auto ticket =
-        links.send(kDecodeRank, layout, kv, layer, table, 0, n, all_kv_heads(layout));
+        transfer.send(kDecodeRank, layout, kv, layer, table, 0, n, all_kv_heads(layout));
     DUET_REQUIRE(ticket.has_value(), "layer {}: the send staging stayed full", layer);
     Message m{Message::kRows, layer, 0, n, *ticket, 0};
     write_all(fd, &m, sizeof m);
@@ -179,7 +179,7 @@ int run_prefill(int fd) {
   const int64_t positions = big.n_blocks * big.block_size;
   for (int i = 0; i < kBurst; ++i) {
     const auto ticket =
-        links.send(kDecodeRank, big, burst_kv, 0, burst_table, 0, positions, all_kv_heads(big));
+        transfer.send(kDecodeRank, big, burst_kv, 0, burst_table, 0, positions, all_kv_heads(big));
     DUET_REQUIRE(ticket.has_value(), "burst payload {}: the send staging stayed full", i);
     Message m{Message::kBurstRows, 0, 0, positions, *ticket, 0};
     write_all(fd, &m, sizeof m);
@@ -191,13 +191,13 @@ int run_prefill(int fd) {
 // ---------------------------------------------------------------- the decode process
 
 // Takes the payload of `m` and returns when it is in place; acks it.
-void take(CudaIpcKvLinks& links, int fd, const Message& m, const KvLayout& layout,
+void take(CudaIpcKvTransfer& transfer, int fd, const Message& m, const KvLayout& layout,
           const DeviceKv& kv, std::span<const int32_t> table) {
-  const uint64_t receipt = links.receive(kPrefillRank, m.ticket, layout, &kv, table, m.layer,
-                                         m.pos0, m.n, all_kv_heads(layout));
+  const uint64_t receipt = transfer.receive(kPrefillRank, m.ticket, layout, &kv, table, m.layer,
+                                            m.pos0, m.n, all_kv_heads(layout));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   for (;;) {
-    for (const auto& done : links.poll()) {
+    for (const auto& done : transfer.poll()) {
       DUET_REQUIRE(done.receipt == receipt && done.ok, "receipt {} ended badly", done.receipt);
       Message ack{Message::kAck, 0, 0, 0, *done.ack, 0};
       write_all(fd, &ack, sizeof ack);
@@ -208,12 +208,12 @@ void take(CudaIpcKvLinks& links, int fd, const Message& m, const KvLayout& layou
 }
 
 int run_decode(int fd, int result_fd) {
-  std::vector<std::byte> exported(CudaIpcKvLinks::kExportBytes);
+  std::vector<std::byte> exported(CudaIpcKvTransfer::kExportBytes);
   read_all(fd, exported.data(), exported.size());
-  CudaIpcKvLinks::Options options;
+  CudaIpcKvTransfer::Options options;
   options.receive_staging_bytes = size_t{64} << 20;
-  CudaIpcKvLinks links(0, false, true, options);
-  links.add_sender(kPrefillRank, exported);
+  CudaIpcKvTransfer transfer(0, false, true, options);
+  transfer.add_sender(kPrefillRank, exported);
 
   auto model = LlamaModel::load(model_path());
   CudaForward forward(*model, 0);
@@ -230,7 +230,7 @@ int run_decode(int fd, int result_fd) {
       break;
     }
     DUET_REQUIRE(m.kind == Message::kRows, "unexpected message {}", static_cast<int>(m.kind));
-    take(links, fd, m, layout, kv, table);
+    take(transfer, fd, m, layout, kv, table);
     ++layers;
   }
   DUET_REQUIRE(layers == model->config().n_layers, "{} layers arrived of {}", layers,
@@ -248,7 +248,7 @@ int run_decode(int fd, int result_fd) {
   for (int i = 0; i < kBurst; ++i) {
     const Message m = read_message(fd);
     const auto start = std::chrono::steady_clock::now();
-    take(links, fd, m, big, burst_kv, burst_table);
+    take(transfer, fd, m, big, burst_kv, burst_table);
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     bytes += m.ticket.bytes;
   }

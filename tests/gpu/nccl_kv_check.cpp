@@ -1,5 +1,5 @@
-// NcclKvLinks (worker/transfer/nccl_kv_links.h) on one GPU: a one-rank NCCL
-// communicator whose only peer is the rank itself, so the real links
+// NcclKvTransfer (worker/transfer/nccl_kv_transfer.h) on one GPU: a one-rank NCCL
+// communicator whose only peer is the rank itself, so the real transfer
 // packs, posts ncclSend and ncclRecv in one group, unpacks and signals, as
 // between two hosts. (Two ranks on one GPU are refused by NCCL; the multi-GPU
 // path needs two GPUs.)
@@ -10,7 +10,7 @@
 // the staging comes back (more payloads than it holds at once, sent from
 // one thread while another receives, as in serving); a receive whose send
 // never comes is ended by abandon(): the receipt completes not ok and the
-// link stays broken.
+// connection stays broken.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -26,7 +26,7 @@
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/nccl_kv_links.h"
+#include "worker/transfer/nccl_kv_transfer.h"
 
 namespace duet {
 namespace {
@@ -62,11 +62,11 @@ std::vector<int32_t> shuffled_blocks(const KvLayout& layout, int64_t n, uint32_t
 }
 
 // Polls until every receipt in `receipts` is done; returns how they ended.
-std::vector<DeviceKvLinks::Done> wait_for(NcclKvLinks& links, size_t count) {
-  std::vector<DeviceKvLinks::Done> done;
+std::vector<DeviceKvTransfer::Done> wait_for(NcclKvTransfer& transfer, size_t count) {
+  std::vector<DeviceKvTransfer::Done> done;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (done.size() < count && std::chrono::steady_clock::now() < deadline) {
-    for (const auto& d : links.poll()) done.push_back(d);
+    for (const auto& d : transfer.poll()) done.push_back(d);
   }
   if (done.size() < count) fail("%zu of %zu receipts done after 20 s", done.size(), count);
   return done;
@@ -87,7 +87,7 @@ struct Rig {
   }
 };
 
-void check_rows_land(NcclKvLinks& links, Rig& rig) {
+void check_rows_land(NcclKvTransfer& transfer, Rig& rig) {
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> from_table = shuffled_blocks(l, 5, 3);
   const std::vector<int32_t> to_table = shuffled_blocks(l, 5, 4);
@@ -107,18 +107,19 @@ void check_rows_land(NcclKvLinks& links, Rig& rig) {
   }
   parts.push_back({l.n_layers - 1, 5, 60, {1, 2}});
   for (const Part& p : parts) {
-    const auto ticket = links.send(kSelf, l, rig.from, p.layer, from_table, p.pos0, p.n, p.heads);
+    const auto ticket =
+        transfer.send(kSelf, l, rig.from, p.layer, from_table, p.pos0, p.n, p.heads);
     if (!ticket) {
       fail("send of layer %lld refused", static_cast<long long>(p.layer));
       return;
     }
-    links.receive(kSelf, *ticket, l, &rig.to, to_table, p.layer, p.pos0, p.n, p.heads);
+    transfer.receive(kSelf, *ticket, l, &rig.to, to_table, p.layer, p.pos0, p.n, p.heads);
     ++receipts;
     packed.resize(static_cast<size_t>(packed_kv_elems(l, p.n, p.heads)));
     pack_kv_rows(l, rig.source.data(), p.layer, from_table, p.pos0, p.n, p.heads, packed.data());
     unpack_kv_rows(l, want.data(), p.layer, to_table, p.pos0, p.n, p.heads, packed.data());
   }
-  for (const auto& d : wait_for(links, receipts)) GPU_EXPECT(d.ok);
+  for (const auto& d : wait_for(transfer, receipts)) GPU_EXPECT(d.ok);
   const std::vector<KvElement> got = rig.target_now();
   size_t wrong = 0;
   for (size_t i = 0; i < got.size(); ++i) wrong += got[i] != want[i];
@@ -128,14 +129,14 @@ void check_rows_land(NcclKvLinks& links, Rig& rig) {
   rig.target_host = got;
 }
 
-void check_drained(NcclKvLinks& links, Rig& rig) {
+void check_drained(NcclKvTransfer& transfer, Rig& rig) {
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> table = shuffled_blocks(l, 3, 5);
-  const auto ticket = links.send(kSelf, l, rig.from, 1, table, 0, 40, all_kv_heads(l));
+  const auto ticket = transfer.send(kSelf, l, rig.from, 1, table, 0, 40, all_kv_heads(l));
   GPU_EXPECT(ticket.has_value());
   if (!ticket) return;
-  links.receive(kSelf, *ticket, l, nullptr, {}, 1, 0, 40, {});
-  for (const auto& d : wait_for(links, 1)) GPU_EXPECT(d.ok);
+  transfer.receive(kSelf, *ticket, l, nullptr, {}, 1, 0, 40, {});
+  for (const auto& d : wait_for(transfer, 1)) GPU_EXPECT(d.ok);
   GPU_EXPECT(rig.target_now() == rig.target_host);
 }
 
@@ -143,11 +144,11 @@ void check_drained(NcclKvLinks& links, Rig& rig) {
 // (the engine's) while another takes them (the transfer's communication
 // thread: receive and poll), as in serving: the staging comes back.
 void check_staging_recycles(Rig& rig) {
-  NcclKvLinks::Options options;
+  NcclKvTransfer::Options options;
   options.send_staging_bytes = options.receive_staging_bytes = size_t{4} << 20;
   options.patience = std::chrono::seconds(10);
-  NcclKvLinks links(0, true, true, options);
-  links.add_peer(kSelf, NcclKvLinks::join(NcclKvLinks::unique_id(), 1, 0, 0), 0);
+  NcclKvTransfer transfer(0, true, true, options);
+  transfer.add_peer(kSelf, NcclKvTransfer::join(NcclKvTransfer::unique_id(), 1, 0, 0), 0);
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> table = shuffled_blocks(l, 48, 6);
   constexpr int kPayloads = 200;
@@ -164,15 +165,15 @@ void check_staging_recycles(Rig& rig) {
         fresh.swap(headers);
       }
       for (const auto& [layer, ticket] : fresh)
-        links.receive(kSelf, ticket, l, &rig.to, table, layer, 0, 640, all_kv_heads(l));
-      for (const auto& d : links.poll()) landed += d.ok ? 1 : 0;
+        transfer.receive(kSelf, ticket, l, &rig.to, table, layer, 0, 640, all_kv_heads(l));
+      for (const auto& d : transfer.poll()) landed += d.ok ? 1 : 0;
     }
   });
   size_t bytes = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < kPayloads; ++i) {
     const int layer = static_cast<int>(i % l.n_layers);
-    const auto ticket = links.send(kSelf, l, rig.from, layer, table, 0, 640, all_kv_heads(l));
+    const auto ticket = transfer.send(kSelf, l, rig.from, layer, table, 0, 640, all_kv_heads(l));
     if (!ticket) break;
     bytes += ticket->bytes;
     {
@@ -193,27 +194,28 @@ void check_staging_recycles(Rig& rig) {
 }
 
 void check_abandon(Rig& rig) {
-  NcclKvLinks links(0, true, true, {});
-  links.add_peer(kSelf, NcclKvLinks::join(NcclKvLinks::unique_id(), 1, 0, 0), 0);
+  NcclKvTransfer transfer(0, true, true, {});
+  transfer.add_peer(kSelf, NcclKvTransfer::join(NcclKvTransfer::unique_id(), 1, 0, 0), 0);
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> table = shuffled_blocks(l, 2, 7);
   // A receive whose send never comes (a rank's receive from itself is only
   // posted with its send, so it waits unposted) until it is abandoned: the
-  // communicator is aborted, the receipt completes not ok, the link stays
+  // communicator is aborted, the receipt completes not ok, the connection stays
   // broken, and a receive after that completes not ok at once.
   const DeviceRowsTicket ticket{0, static_cast<uint64_t>(packed_kv_elems(l, 20)) * 2};
-  links.receive(kSelf, ticket, l, &rig.to, table, 0, 0, 20, all_kv_heads(l));
-  for (int i = 0; i < 100; ++i) GPU_EXPECT(links.poll().empty());
-  links.abandon(kSelf);
-  const auto done = wait_for(links, 1);
+  transfer.receive(kSelf, ticket, l, &rig.to, table, 0, 0, 20, all_kv_heads(l));
+  for (int i = 0; i < 100; ++i) GPU_EXPECT(transfer.poll().empty());
+  transfer.abandon(kSelf);
+  const auto done = wait_for(transfer, 1);
   GPU_EXPECT(done.size() == 1 && !done[0].ok);
-  GPU_EXPECT(!links.send(kSelf, l, rig.from, 0, table, 0, 20, all_kv_heads(l)).has_value());
-  links.receive(kSelf, ticket, l, &rig.to, table, 0, 0, 20, all_kv_heads(l));
-  const auto late = wait_for(links, 1);
+  GPU_EXPECT(!transfer.send(kSelf, l, rig.from, 0, table, 0, 20, all_kv_heads(l)).has_value());
+  transfer.receive(kSelf, ticket, l, &rig.to, table, 0, 0, 20, all_kv_heads(l));
+  const auto late = wait_for(transfer, 1);
   GPU_EXPECT(late.size() == 1 && !late[0].ok);
-  GPU_EXPECT(!links.busy());
-  std::printf("    an unmatched receive, abandoned: %s\n",
-              done.size() == 1 && !done[0].ok ? "completed not ok, link broken" : "NOT ENDED");
+  GPU_EXPECT(!transfer.busy());
+  std::printf(
+      "    an unmatched receive, abandoned: %s\n",
+      done.size() == 1 && !done[0].ok ? "completed not ok, connection broken" : "NOT ENDED");
 }
 
 }  // namespace
@@ -225,11 +227,11 @@ int main() {
   Rig rig;
   std::printf("device: %s\n", rig.backend.name().c_str());
   {
-    NcclKvLinks links(0, true, true, {});
-    links.add_peer(kSelf, NcclKvLinks::join(NcclKvLinks::unique_id(), 1, 0, 0), 0);
+    NcclKvTransfer transfer(0, true, true, {});
+    transfer.add_peer(kSelf, NcclKvTransfer::join(NcclKvTransfer::unique_id(), 1, 0, 0), 0);
     gpu_check::run_case("rows of every layer land as the CPU unpacks them",
-                        [&] { check_rows_land(links, rig); });
-    gpu_check::run_case("a drained payload writes nothing", [&] { check_drained(links, rig); });
+                        [&] { check_rows_land(transfer, rig); });
+    gpu_check::run_case("a drained payload writes nothing", [&] { check_drained(transfer, rig); });
   }
   gpu_check::run_case("the staging comes back", [&] { check_staging_recycles(rig); });
   gpu_check::run_case("abandon ends an unmatched receive", [&] { check_abandon(rig); });

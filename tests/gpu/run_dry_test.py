@@ -14,6 +14,7 @@
   their sources, so that a change there that the summary would miss fails
   here).
 """
+import glob
 import json
 import os
 import re
@@ -101,8 +102,13 @@ class DryRunTest(unittest.TestCase):
 
 class FiguresTest(unittest.TestCase):
     def test_bench_keys_are_the_ones_duet_cuda_bench_writes(self):
-        with open(os.path.join(ROOT, "bench", "cuda_bench.cpp"), encoding="utf-8") as f:
-            source = f.read()
+        # duet-cuda-bench's main file and its sections (bench/cuda/).
+        paths = [os.path.join(ROOT, "bench", "cuda_bench.cpp")] + sorted(
+            glob.glob(os.path.join(ROOT, "bench", "cuda", "*.cpp")))
+        source = ""
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                source += f.read()
         for key in ("copy_gbps", "gemm_tflops", "gemv", "type", "n_x", "ratio_to_copy",
                     "model_decode", "graphs", "tokens_per_s", "model_prefill", "prompt_tokens",
                     "ratio_to_gemm", "model", "name"):

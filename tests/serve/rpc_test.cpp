@@ -15,7 +15,7 @@
 #include "common/duet.capnp.h"
 #include "common/error.h"
 #include "common/text/tokenizer_gguf.h"
-#include "coordinator/rpc_server.h"
+#include "coordinator/rpc/rpc_server.h"
 #include "kernels/cpu/isa.h"
 #include "tests/test_paths.h"
 #include "worker/local_instance.h"

@@ -1,5 +1,5 @@
 // The state machine of device payloads in flight (worker/transfer/device_receipts.h)
-// and, over a loopback wire, the protocol a device links runs with it: the
+// and, over a loopback wire, the protocol a device transfer runs with it: the
 // sender takes staging (worker/transfer/staging_ring.h) for each payload and sends a
 // header; the receiver starts a receipt per header, receipts land in order,
 // each landed payload's staging goes back to the sender; imports complete,
@@ -113,7 +113,7 @@ TEST(DeviceReceiptsProtocol, LoopbackTrafficEndsCleanly) {
     size_t offset = 0;
     int delay = 0;
   };
-  std::deque<Landing> in_flight;  // the links's receipts, landing in order
+  std::deque<Landing> in_flight;  // the device transfer's receipts, landing in order
   DeviceReceipts<End> book;
   std::map<RequestId, Import> imports;
   std::map<RequestId, int64_t> to_send;  // rows the sender has yet to send

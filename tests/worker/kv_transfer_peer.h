@@ -36,9 +36,9 @@ class KvTransferPeer : public ::testing::Test {
   static constexpr int64_t kPrompt = 8;
   static constexpr std::chrono::seconds kPatience{1};  // from the start to the deadline
 
-  // `device_links`: as KvTransferProtocol's.
-  explicit KvTransferPeer(std::vector<bool> device_links = {})
-      : protocol_(std::move(device_links)) {}
+  // `device_peers`: as KvTransferProtocol's.
+  explicit KvTransferPeer(std::vector<bool> device_peers = {})
+      : protocol_(std::move(device_peers)) {}
 
   static KvLayout test_layout() {
     KvLayout layout;

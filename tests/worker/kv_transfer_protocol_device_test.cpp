@@ -1,6 +1,6 @@
 // KvTransferProtocol (worker/transfer/kv_transfer_protocol.h) with rows that
-// move through device links (rank 1 has one; the fixture,
-// tests/worker/kv_transfer_peer.h, plays the links' receipts): rows count
+// move through device transfer (rank 1 has one; the fixture,
+// tests/worker/kv_transfer_peer.h, plays the device transfer's receipts): rows count
 // when their receipt finishes, and an import that ends with a receipt in
 // flight (aborted, failed, expired, forgotten) reports its end only once the
 // receipt is done, so nothing writes its blocks after on_failed or
@@ -26,7 +26,7 @@ class KvTransferDevicePeer : public KvTransferPeer {
     cache_.set_device_copy(DeviceKv{cache_.data(), 0, nullptr});
   }
 
-  // Rank `source` sends the rows of `layer` through the links, at `ticket`.
+  // Rank `source` sends the rows of `layer` through the device transfer's at `ticket`.
   void send_device_rows(int source, int64_t layer, uint64_t ticket) {
     kv_wire::Header h{kv_wire::kMagic, kv_wire::kDeviceRows, kId.value, layer, 0, kPrompt, 0, 0,
                       kHeads};
@@ -43,7 +43,7 @@ class KvTransferDevicePeer : public KvTransferPeer {
     return receive;
   }
 
-  // The links took the receipt the last events asked for, as `receipt`.
+  // The device transfer took the receipt the last events asked for, as `receipt`.
   void receipt_started(uint64_t receipt) {
     const KvTransferActions::DeviceReceive receive = take_receive();
     ASSERT_NE(receive.into, nullptr);
@@ -132,7 +132,7 @@ TEST_F(KvTransferDevicePeer, ABrokenLinkFailsTheImport) {
   const std::vector<KvTransferCall> failed = calls();
   ASSERT_EQ(kinds(failed), std::vector<Kind>{Kind::kFailed});
   EXPECT_EQ(failed[0].error.kind, ServeErrorKind::kUnavailable);
-  EXPECT_NE(failed[0].error.message.find("device link from rank 1 broke"), std::string::npos);
+  EXPECT_NE(failed[0].error.message.find("device transfer from rank 1 broke"), std::string::npos);
 }
 
 TEST_F(KvTransferDevicePeer, DeviceRowsForNobodyAreDrained) {

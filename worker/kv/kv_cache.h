@@ -4,7 +4,7 @@
 //
 // On a GPU engine the KV lives in device memory (the GPU forward owns it)
 // and this host cache is the staging copy of the MPI transfer; the device
-// pool's address is its device_copy(), where KV links between GPUs read and
+// pool's address is its device_copy(), where KV transfers between GPUs read and
 // write rows directly.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The receiving side's book of payloads in flight on a DeviceKvLinks:
+// The receiving side's book of payloads in flight on a DeviceKvTransfer:
 // which import each receipt writes into and how many rows it carries, and
 // the outcomes (complete, failed, released) that must wait until an import
 // has no receipt pending, because after them nothing may write its blocks.
@@ -27,7 +27,7 @@ class DeviceReceipts {
     RequestId id;
     int source = 0;  // the sending rank
     int64_t n = 0;   // positions of one layer
-    bool ok = true;  // false: the payload did not arrive (the link broke)
+    bool ok = true;  // false: the payload did not arrive (the connection broke)
   };
 
   // Receipt `receipt` writes `n` rows from `source` into import `id`.

@@ -1,9 +1,9 @@
-// The device memory the GPU KV links (worker/transfer/device_kv_links.h) stage
+// The device memory the GPU device transfers (worker/transfer/device_kv_transfer.h) stage
 // rows payloads in, and the device copies of the block tables their pack and
 // unpack kernels read: each a StagingRing over one allocation made once.
 // Plain C++ (the CUDA calls are in the .cpp); built with the CUDA backend.
 //
-// Not thread-safe: each set of links guards its own.
+// Not thread-safe: each device transfer guards its own.
 #pragma once
 
 #include <cstddef>
@@ -91,12 +91,12 @@ inline size_t payload_bytes(const KvLayout& layout, int64_t n, KvHeads heads) {
   return static_cast<size_t>(packed_kv_elems(layout, n, heads)) * sizeof(KvElement);
 }
 
-// The sending half both device links share: packs rows [pos0, pos0 + n)
+// The sending half both device transfer share: packs rows [pos0, pos0 + n)
 // of `layer` (`heads`) of `kv` into `staging` at `offset`, queued on
 // kv.stream behind the work that wrote the blocks, and waits for it (so the
 // table slot it takes is free again when it returns, and the blocks may be
 // reused). `after` runs on kv.stream's host side right after the packing is
-// queued (CUDA IPC links record its interprocess event there).
+// queued (a CUDA IPC transfer records its interprocess event there).
 void pack_into_staging(DeviceStaging& staging, size_t offset, TableStaging& tables,
                        const KvLayout& layout, const DeviceKv& kv, int64_t layer,
                        std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,

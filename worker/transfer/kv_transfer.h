@@ -112,8 +112,8 @@ class KvTransfer {
 
   // Whether rows to or from world rank `peer` move device to device (a GPU
   // engine then neither copies exported rows to its host cache nor uploads
-  // imported ones from it): GPU pairs with a device links.
-  virtual bool device_link(int /*peer*/) const { return false; }
+  // imported ones from it): GPU pairs with a device transfer.
+  virtual bool device_transfer(int /*peer*/) const { return false; }
 };
 
 // The plan of an import of every KV head of `cache` from one prefill rank

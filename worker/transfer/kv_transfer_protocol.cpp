@@ -29,12 +29,12 @@ KvTransferCall call_of(KvTransferCall::Kind kind, RequestId id) {
 
 }  // namespace
 
-KvTransferProtocol::KvTransferProtocol(std::vector<bool> device_links)
-    : device_links_(std::move(device_links)) {}
+KvTransferProtocol::KvTransferProtocol(std::vector<bool> device_peers)
+    : device_peers_(std::move(device_peers)) {}
 
-bool KvTransferProtocol::device_link(int rank) const {
-  return rank >= 0 && static_cast<size_t>(rank) < device_links_.size() &&
-         device_links_[static_cast<size_t>(rank)];
+bool KvTransferProtocol::device_transfer(int rank) const {
+  return rank >= 0 && static_cast<size_t>(rank) < device_peers_.size() &&
+         device_peers_[static_cast<size_t>(rank)];
 }
 
 int64_t KvTransferProtocol::Import::rows_expected() const {
@@ -136,8 +136,9 @@ void KvTransferProtocol::on_rows(int source, const kv_wire::Header& h, Clock::ti
                                  Actions& out) {
   const RequestId id{h.request};
   const bool device_rows = h.kind == kv_wire::kDeviceRows;
-  if (device_rows && !device_link(source)) {
-    spdlog::error("kv transfer: device rows from rank {}, which has no device link here", source);
+  if (device_rows && !device_transfer(source)) {
+    spdlog::error("kv transfer: device rows from rank {}, which has no device transfer here",
+                  source);
     return;
   }
   auto it = imports_.find(id);
@@ -172,7 +173,7 @@ void KvTransferProtocol::on_rows(int source, const kv_wire::Header& h, Clock::ti
     return;
   }
   const KvHeads heads{h.head_begin - plan.head_offset, h.head_end - h.head_begin};
-  if (device_rows) {  // announced once the links have taken the receipt
+  if (device_rows) {  // announced once the device transfer have taken the receipt
     out.device_receives.push_back(
         {source, id, {h.ticket_offset, h.ticket_bytes}, &plan, h.layer, h.pos0, h.n, heads});
     return;
@@ -346,8 +347,8 @@ void KvTransferProtocol::device_receipt_failed(const Actions::DeviceReceive& rec
   fail(receive.id, {ServeErrorKind::kInternal, "KV transfer: " + why}, now, out);
 }
 
-void KvTransferProtocol::device_receipt_done(const DeviceKvLinks::Done& done, Clock::time_point now,
-                                             Actions& out) {
+void KvTransferProtocol::device_receipt_done(const DeviceKvTransfer::Done& done,
+                                             Clock::time_point now, Actions& out) {
   if (done.ack) {  // the sender's staging is free again
     kv_wire::Header ack;
     ack.kind = kv_wire::kRowsDone;
@@ -360,7 +361,7 @@ void KvTransferProtocol::device_receipt_done(const DeviceKvLinks::Done& done, Cl
   if (!rows->ok) {
     fail(rows->id,
          {ServeErrorKind::kUnavailable,
-          fmt::format("KV transfer: the device link from rank {} broke", rows->source)},
+          fmt::format("KV transfer: the device transfer from rank {} broke", rows->source)},
          now, out);
     return;
   }
@@ -409,9 +410,9 @@ void KvTransferProtocol::expire(Clock::time_point now, Actions& out) {
   }
   for (RequestId id : late) {
     // Device payloads still in flight keep the import's end held until they
-    // land (DeviceReceipts); a link that never delivers them is given up by
-    // its links' own patience, not here: a late import alone says nothing of
-    // the link, which other imports may be using well.
+    // land (DeviceReceipts); a connection that never delivers them is given up by
+    // its device transfer' own patience, not here: a late import alone says nothing of
+    // the connection, which other imports may be using well.
     const Import& import = imports_.at(id);
     std::string missing;
     for (const Source& source : import.sources) {

@@ -51,7 +51,7 @@
 
 #include "common/serving.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/device_kv_transfer.h"
 #include "worker/transfer/device_receipts.h"
 #include "worker/transfer/kv_transfer.h"
 #include "worker/transfer/kv_transfer_wire.h"
@@ -75,7 +75,7 @@ struct KvTransferActions {
     int destination = 0;
     std::vector<std::byte> bytes;
   };
-  // Start the device links' receipt of a device rows payload from `source`:
+  // Start the device transfer' receipt of a device rows payload from `source`:
   // into `into`'s blocks, then tell the protocol device_receipt_started (or
   // device_receipt_failed); or, `into` null, drain it (nobody wants it).
   // `into` is valid until the next event; an event asks for one at most.
@@ -89,7 +89,7 @@ struct KvTransferActions {
     int64_t n = 0;
     KvHeads heads;  // of `into`'s cache
   };
-  // The device links' staging `ticket` at `peer` is free again (sender side).
+  // The device transfer' staging `ticket` at `peer` is free again (sender side).
   struct StagingReleased {
     int peer = 0;
     DeviceRowsTicket ticket;
@@ -111,9 +111,9 @@ class KvTransferProtocol {
   using ImportPlan = KvTransfer::ImportPlan;
   using Actions = KvTransferActions;
 
-  // `device_links[r]`: rows to or from world rank r move through the device
-  // links (ranks past its end do not).
-  explicit KvTransferProtocol(std::vector<bool> device_links = {});
+  // `device_peers[r]`: rows to or from world rank r move through the device
+  // transfer (ranks past its end do not).
+  explicit KvTransferProtocol(std::vector<bool> device_peers = {});
 
   // ---------------------------------------------------------------- commands
   // A decode leader's import (`order` for `leader`, sent at once) or, with
@@ -157,10 +157,10 @@ class KvTransferProtocol {
   // ---------------------------------------------------------------- device receipts
   void device_receipt_started(const Actions::DeviceReceive& receive, uint64_t receipt,
                               Clock::time_point now);
-  // The links refused the payload (their error `why`); it was drained.
+  // The device transfer refused the payload (their error `why`); it was drained.
   void device_receipt_failed(const Actions::DeviceReceive& receive, const std::string& why,
                              Clock::time_point now, Actions& out);
-  void device_receipt_done(const DeviceKvLinks::Done& done, Clock::time_point now, Actions& out);
+  void device_receipt_done(const DeviceKvTransfer::Done& done, Clock::time_point now, Actions& out);
 
   // ---------------------------------------------------------------- time
   // Fails the imports whose deadline has passed; forgets gone requests after
@@ -232,9 +232,9 @@ class KvTransferProtocol {
   void fail(RequestId id, ServeError error, Clock::time_point now, Actions& out);
   // Removes a live import: its prefill leader is told, its late rows dropped.
   void withdraw(std::map<RequestId, Import>::iterator it, Clock::time_point now, Actions& out);
-  bool device_link(int rank) const;
+  bool device_transfer(int rank) const;
 
-  const std::vector<bool> device_links_;
+  const std::vector<bool> device_peers_;
   std::map<RequestId, Import> imports_;
   uint64_t next_serial_ = 1;
   std::map<int, std::deque<ExpectedPayload>> payloads_;  // by source rank, in header order

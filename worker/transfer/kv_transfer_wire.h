@@ -7,7 +7,7 @@
 //                packed rows of worker/kv/kv_rows.h, follows on kPayloadTag;
 //   control:     a Cap'n Proto control message (PrefillOrder, Cancel,
 //                KvHandoff) after the header;
-//   device rows: as rows, but the payload moves through the device links and
+//   device rows: as rows, but the payload moves through the device transfer and
 //                the header names its place in the sender's staging (a ticket);
 //   rows done:   receiver -> sender, a device payload's staging is free again.
 //
@@ -33,7 +33,7 @@ inline constexpr int kPayloadTag = 2;  // the rows after a rows header
 inline constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
 inline constexpr uint32_t kRows = 1;             // a payload follows on kPayloadTag
 inline constexpr uint32_t kControl = 2;          // a control message follows in this message
-inline constexpr uint32_t kDeviceRows = 3;       // the payload goes through the device links
+inline constexpr uint32_t kDeviceRows = 3;       // the payload goes through the device transfer
 inline constexpr uint32_t kRowsDone = 4;  // receiver -> sender: a device payload's staging is free
 
 struct Header {

@@ -17,14 +17,14 @@ namespace {
 
 // What a transfer being destroyed gives its queued sends to be posted.
 constexpr auto kFlushOnDestroy = std::chrono::milliseconds(500);
-// How long forget_imports waits for device payloads before it gives their links up.
+// How long forget_imports waits for device payloads before it gives their device transfers up.
 constexpr auto kForgetPatience = std::chrono::seconds(5);
 // Messages (headers, then payloads) received per pass before the thread
 // looks at its other work again.
 constexpr int kMaxReceivesPerPass = 64;
 
 // Which world ranks `device` carries rows to and from.
-std::vector<bool> device_peers(int world_size, const DeviceKvLinks* device) {
+std::vector<bool> device_peers(int world_size, const DeviceKvTransfer* device) {
   std::vector<bool> peers(static_cast<size_t>(world_size), false);
   for (int peer = 0; device != nullptr && peer < world_size; ++peer)
     peers[static_cast<size_t>(peer)] = device->carries(peer);
@@ -34,7 +34,7 @@ std::vector<bool> device_peers(int world_size, const DeviceKvLinks* device) {
 }  // namespace
 
 MpiKvTransfer::MpiKvTransfer(ControlChannel& channel, MpiKvTransferOptions options,
-                             std::unique_ptr<DeviceKvLinks> device)
+                             std::unique_ptr<DeviceKvTransfer> device)
     : channel_(channel),
       options_(options),
       device_(std::move(device)),
@@ -102,13 +102,13 @@ void MpiKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int6
   const KvHeads local{heads.head_begin - head_offset, heads.head_end - heads.head_begin};
   kv_wire::Header header{kv_wire::kMagic,  kv_wire::kRows, id.value, layer, pos0, n, 0,
                          heads.head_begin, heads.head_end};
-  if (cache.device_copy().valid() && device_link(decode_rank)) {
+  if (cache.device_copy().valid() && device_transfer(decode_rank)) {
     const std::optional<DeviceRowsTicket> ticket =
         device_->send(decode_rank, layout, cache.device_copy(), layer, block_table, pos0, n, local);
     if (!ticket) {
       // The receiver's import fails on the handoff's row count or its deadline.
       spdlog::warn(
-          "kv transfer: request {}: the device link to rank {} is full or broken; "
+          "kv transfer: request {}: the device transfer to rank {} is full or broken; "
           "layer {} rows not sent",
           id.value, decode_rank, layer);
       return;
@@ -138,7 +138,7 @@ void MpiKvTransfer::send_handoff(int decode_peer, const KvHandoff& handoff) {
   queue(decode_peer, kv_wire::kHeaderTag, kv_wire::control_bytes(handoff), SendLane::kControl);
 }
 
-bool MpiKvTransfer::device_link(int peer) const {
+bool MpiKvTransfer::device_transfer(int peer) const {
   return device_ != nullptr && device_->carries(peer);
 }
 
@@ -158,9 +158,10 @@ void MpiKvTransfer::forget_imports(const KvCache& cache) {
   const auto patience = Clock::now() + kForgetPatience;
   while (!protocol_.device_receipts_done()) {
     if (Clock::now() > patience) {
-      spdlog::warn("kv transfer: device payloads still in flight at shutdown; giving up links");
+      spdlog::warn(
+          "kv transfer: device payloads still in flight at shutdown; giving up their connections");
       for (int peer = 0; peer < channel_.world_size(); ++peer) {
-        if (device_link(peer)) device_->abandon(peer);
+        if (device_transfer(peer)) device_->abandon(peer);
       }
     }
     if (!poll_device(dropped)) std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -317,17 +318,17 @@ void MpiKvTransfer::receive_into_blocks(MPI_Message& message,
 }
 
 bool MpiKvTransfer::poll_device(std::vector<KvTransferCall>& calls) {
-  std::vector<DeviceKvLinks::Done> done;
+  std::vector<DeviceKvTransfer::Done> done;
   try {
     done = device_->poll();
   } catch (const std::exception& e) {
-    // The device links give up the pairs it can blame; this thread goes on.
-    spdlog::error("kv transfer: device links: {}", e.what());
+    // The device transfer give up the pairs they can blame; this thread goes on.
+    spdlog::error("kv transfer: device transfer: {}", e.what());
     return false;
   }
   for (const std::string& note : device_->take_notes())
-    spdlog::error("kv transfer: device links: {}", note);
-  for (const DeviceKvLinks::Done& d : done) {
+    spdlog::error("kv transfer: device transfer: {}", note);
+  for (const DeviceKvTransfer::Done& d : done) {
     KvTransferActions actions;
     protocol_.device_receipt_done(d, Clock::now(), actions);
     act(actions, calls);
@@ -377,8 +378,8 @@ void MpiKvTransfer::drain_device(const KvTransferActions::DeviceReceive& receive
     device_->receive(receive.source, receive.ticket, {}, nullptr, {}, receive.layer, receive.pos0,
                      receive.n, {});
   } catch (const Error& e) {
-    // An NCCL link matches receives with sends by order: one payload not
-    // received puts every later one out of step, so the link is given up.
+    // An NCCL connection matches receives with sends by order: one payload not
+    // received puts every later one out of step, so the connection is given up.
     spdlog::error("kv transfer: device rows from rank {} not drained: {}", receive.source,
                   e.what());
     device_->abandon(receive.source);

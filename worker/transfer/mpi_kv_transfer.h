@@ -1,9 +1,9 @@
 // KvTransfer over MPI point-to-point (worker/transfer/kv_transfer.h), for CPU
 // instances on one host (shared memory) or across hosts (TCP), and for GPU
-// instances with a DeviceKvLinks (worker/transfer/device_kv_links.h) for the
-// pairs whose KV moves device to device (worker/transfer/kv_link.h): their rows
+// instances with a DeviceKvTransfer (worker/transfer/device_kv_transfer.h) for the
+// pairs whose KV moves device to device (worker/transfer/transfer_kind.h): their rows
 // headers and every control message still go over MPI, their payloads
-// through the links (NCCL or CUDA IPC). Any other pair with a GPU side
+// through the device transfer (NCCL or CUDA IPC). Any other pair with a GPU side
 // moves its rows over MPI through the GPU engine's host staging copy.
 //
 // A thin adapter: the protocol's rules (the imports, the rows expected,
@@ -37,11 +37,11 @@
 //
 // Device rows: a header of kind "device rows" names the payload's place in
 // the sender's staging (a ticket) instead of preceding an MPI payload. The
-// receiver starts the links' receipt at once and counts the rows only
+// receiver starts the device transfer's receipt at once and counts the rows only
 // when it completes; an import that ends (fails, is cancelled, expires)
 // with receipts in flight reports its end once the last one is done, so
 // nothing writes its blocks after on_failed or on_released. When the
-// links need the sender to free its staging (IPC), a "rows done" header
+// device transfer needs the sender to free its staging (IPC), a "rows done" header
 // goes back with the ticket.
 //
 // Threads: see KvTransfer. counters() from any thread.
@@ -56,7 +56,7 @@
 #include <vector>
 
 #include "common/mpi/control_channel.h"
-#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/device_kv_transfer.h"
 #include "worker/transfer/kv_transfer.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 
@@ -72,10 +72,10 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
  public:
   // Collective over MPI_COMM_WORLD: every rank constructs one, in the same
   // order relative to other collectives (right after its ControlChannel).
-  // `channel` outlives the transfer. `device`: the links for this rank's
+  // `channel` outlives the transfer. `device`: the device transfer for this rank's
   // GPU pairs (null: every pair over MPI).
   MpiKvTransfer(ControlChannel& channel, MpiKvTransferOptions options = {},
-                std::unique_ptr<DeviceKvLinks> device = nullptr);
+                std::unique_ptr<DeviceKvTransfer> device = nullptr);
   // Detaches from the thread, gives its queued sends a moment to be posted
   // (the channel sees the posted ones through), and frees the communicator.
   ~MpiKvTransfer() override;
@@ -91,7 +91,7 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
                  const KvCache& cache, std::span<const int32_t> block_table, int64_t head_offset,
                  const KvSource& heads) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
-  bool device_link(int peer) const override;
+  bool device_transfer(int peer) const override;
 
   struct Counters {
     int64_t messages_sent = 0;
@@ -101,7 +101,7 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
     int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
     int64_t imports_completed = 0;
     int64_t imports_failed = 0;
-    int64_t device_bytes_sent = 0;  // rows payloads through the device links
+    int64_t device_bytes_sent = 0;  // rows payloads through the device transfer
     int64_t device_bytes_received = 0;
   };
   Counters counters() const;
@@ -128,7 +128,7 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   void act(KvTransferActions& actions, std::vector<KvTransferCall>& calls);
   // Starts a device receipt the protocol asked for, and answers it.
   void start_receipt(const KvTransferActions::DeviceReceive& receive, KvTransferActions& actions);
-  // A device payload nobody takes: the links drain it (or give the link up).
+  // A device payload nobody takes: the device transfer drain it (or give the connection up).
   void drain_device(const KvTransferActions::DeviceReceive& receive);
   // Receives the payload `message` straight into the blocks `place` names.
   void receive_into_blocks(MPI_Message& message, const KvTransferProtocol::PayloadPlace& place);
@@ -137,7 +137,7 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   ControlChannel& channel_;
   const MpiKvTransferOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
-  const std::unique_ptr<DeviceKvLinks> device_;
+  const std::unique_ptr<DeviceKvTransfer> device_;
 
   // The communication thread's state: that thread holds the mutex while it
   // works on it; forget_imports takes it from another thread.

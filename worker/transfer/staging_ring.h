@@ -1,4 +1,4 @@
-// Space for KV rows payloads in one fixed buffer (a GPU link set's send or
+// Space for KV rows payloads in one fixed buffer (a device transfer's send or
 // receive staging), handed out in order around a ring and given back in any
 // order: a region is reused only once it and every region handed out before
 // it are back. Pure bookkeeping of offsets; the memory is the caller's.

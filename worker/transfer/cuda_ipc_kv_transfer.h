@@ -1,4 +1,4 @@
-// DeviceKvLinks (worker/transfer/device_kv_links.h) between ranks whose GPUs are
+// DeviceKvTransfer (worker/transfer/device_kv_transfer.h) between ranks whose GPUs are
 // in one host (NCCL refuses two ranks on one GPU; between two GPUs of a host
 // a peer copy needs no communicator), over CUDA IPC.
 //
@@ -30,12 +30,12 @@
 #include <span>
 #include <vector>
 
-#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/device_kv_transfer.h"
 #include "worker/transfer/device_rows_staging.h"
 
 namespace duet {
 
-class CudaIpcKvLinks final : public DeviceKvLinks {
+class CudaIpcKvTransfer final : public DeviceKvTransfer {
  public:
   struct Options {
     size_t send_staging_bytes = size_t{256} << 20;
@@ -48,10 +48,10 @@ class CudaIpcKvLinks final : public DeviceKvLinks {
 
   // On CUDA device `device`: the send side's staging and event when `sends`,
   // the receive side's when `receives`. Throws kUnsupported without the GPU.
-  CudaIpcKvLinks(int device, bool sends, bool receives, Options options);
-  ~CudaIpcKvLinks() override;
-  CudaIpcKvLinks(const CudaIpcKvLinks&) = delete;
-  CudaIpcKvLinks& operator=(const CudaIpcKvLinks&) = delete;
+  CudaIpcKvTransfer(int device, bool sends, bool receives, Options options);
+  ~CudaIpcKvTransfer() override;
+  CudaIpcKvTransfer(const CudaIpcKvTransfer&) = delete;
+  CudaIpcKvTransfer& operator=(const CudaIpcKvTransfer&) = delete;
 
   // This rank's send staging and event handles (kExportBytes; sends only).
   std::vector<std::byte> exported() const;

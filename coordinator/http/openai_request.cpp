@@ -10,7 +10,7 @@
 
 #include "common/error.h"
 #include "common/text/unicode.h"
-#include "coordinator/openai_api.h"
+#include "coordinator/http/openai_api.h"
 
 namespace duet::openai {
 namespace {

@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
-#include "coordinator/openai_api.h"
+#include "coordinator/http/openai_api.h"
 
 namespace duet::openai {
 namespace {

@@ -1,4 +1,4 @@
-#include "coordinator/rpc_streams.h"
+#include "coordinator/rpc/rpc_streams.h"
 
 #include <spdlog/spdlog.h>
 
@@ -6,7 +6,7 @@
 #include <chrono>
 #include <utility>
 
-#include "coordinator/rpc_convert.h"
+#include "coordinator/rpc/rpc_convert.h"
 
 namespace duet {
 

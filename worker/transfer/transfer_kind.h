@@ -10,7 +10,7 @@
 //   GPUs of two hosts                       -> NCCL
 //
 // Every rank learns every rank's placement at start (one all-gather of
-// encode_placement's fixed-size records) and computes the same links, so
+// encode_placement's fixed-size records) and computes the same kinds, so
 // both sides of a pair agree without asking each other. NCCL pairs get one
 // two-rank communicator each, made at start in the order nccl_pairs gives
 // on every rank (creating communicators is collective: one order everywhere
@@ -43,14 +43,14 @@ struct RankPlacement {
   bool operator==(const RankPlacement&) const = default;
 };
 
-enum class KvLink {
+enum class TransferKind {
   kMpi,        // both on the CPU
   kMpiStaged,  // one side on a GPU: MPI over its host staging copy of the KV
   kCudaIpc,    // GPUs of one host (or one GPU): device to device, CUDA IPC
   kNccl,       // GPUs of different hosts (or of one host, by choice): NCCL
 };
 
-std::string_view kv_link_name(KvLink link);  // "mpi", "mpi-staged", "cuda-ipc", "nccl"
+std::string_view transfer_kind_name(TransferKind kind);  // "mpi", "mpi-staged", "cuda-ipc", "nccl"
 
 // How two different GPUs of one host exchange KV.
 enum class SameHostGpus {
@@ -72,14 +72,14 @@ bool same_gpu(const RankPlacement& a, const RankPlacement& b);
 // one device. `placements`: every world rank's, by rank.
 void require_gpu_per_rank(const InstanceSpec& instance, std::span<const RankPlacement> placements);
 
-// The link KV takes from `prefill` to `decode` (or back: it is symmetric).
-KvLink select_kv_link(const RankPlacement& prefill, const RankPlacement& decode,
-                      SameHostGpus same_host = SameHostGpus::kCudaIpc);
+// The kind of transfer KV takes from `prefill` to `decode` (or back: it is symmetric).
+TransferKind select_transfer_kind(const RankPlacement& prefill, const RankPlacement& decode,
+                                  SameHostGpus same_host = SameHostGpus::kCudaIpc);
 
 // The (lower rank, higher rank) pairs of `spec` whose KV goes over NCCL, in
 // the order every rank creates their communicators: each prefill rank of
 // each prefill instance with each decode rank of each decode instance whose
-// link is kNccl, sorted, no pair twice. `placements` holds every world rank's
+// kind is kNccl, sorted, no pair twice. `placements` holds every world rank's
 // placement, by rank. Empty in colocated mode (no KV moves).
 std::vector<std::pair<Rank, Rank>> nccl_pairs(const ClusterSpec& spec,
                                               std::span<const RankPlacement> placements,

@@ -1,4 +1,4 @@
-#include "worker/transfer/kv_link.h"
+#include "worker/transfer/transfer_kind.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -35,15 +35,15 @@ std::string get_string(std::span<const std::byte> record, size_t offset, size_t 
 
 }  // namespace
 
-std::string_view kv_link_name(KvLink link) {
-  switch (link) {
-    case KvLink::kMpi:
+std::string_view transfer_kind_name(TransferKind kind) {
+  switch (kind) {
+    case TransferKind::kMpi:
       return "mpi";
-    case KvLink::kMpiStaged:
+    case TransferKind::kMpiStaged:
       return "mpi-staged";
-    case KvLink::kCudaIpc:
+    case TransferKind::kCudaIpc:
       return "cuda-ipc";
-    case KvLink::kNccl:
+    case TransferKind::kNccl:
       return "nccl";
   }
   return "?";
@@ -83,13 +83,14 @@ void require_gpu_per_rank(const InstanceSpec& instance, std::span<const RankPlac
   }
 }
 
-KvLink select_kv_link(const RankPlacement& prefill, const RankPlacement& decode,
-                      SameHostGpus same_host) {
-  if (!prefill.on_gpu() && !decode.on_gpu()) return KvLink::kMpi;
-  if (!prefill.on_gpu() || !decode.on_gpu()) return KvLink::kMpiStaged;
-  if (prefill.host != decode.host) return KvLink::kNccl;
-  if (same_gpu(prefill, decode)) return KvLink::kCudaIpc;  // NCCL refuses two ranks on one GPU
-  return same_host == SameHostGpus::kNccl ? KvLink::kNccl : KvLink::kCudaIpc;
+TransferKind select_transfer_kind(const RankPlacement& prefill, const RankPlacement& decode,
+                                  SameHostGpus same_host) {
+  if (!prefill.on_gpu() && !decode.on_gpu()) return TransferKind::kMpi;
+  if (!prefill.on_gpu() || !decode.on_gpu()) return TransferKind::kMpiStaged;
+  if (prefill.host != decode.host) return TransferKind::kNccl;
+  if (same_gpu(prefill, decode))
+    return TransferKind::kCudaIpc;  // NCCL refuses two ranks on one GPU
+  return same_host == SameHostGpus::kNccl ? TransferKind::kNccl : TransferKind::kCudaIpc;
 }
 
 std::vector<std::pair<Rank, Rank>> nccl_pairs(const ClusterSpec& spec,
@@ -108,7 +109,7 @@ std::vector<std::pair<Rank, Rank>> nccl_pairs(const ClusterSpec& spec,
       if (decode.role != InstanceRole::kDecode) continue;
       for (Rank p : prefill.ranks) {
         for (Rank d : decode.ranks) {
-          if (select_kv_link(placement(p), placement(d), same_host) == KvLink::kNccl)
+          if (select_transfer_kind(placement(p), placement(d), same_host) == TransferKind::kNccl)
             pairs.insert({std::min(p, d), std::max(p, d)});
         }
       }

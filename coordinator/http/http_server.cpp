@@ -1,6 +1,6 @@
-#include "coordinator/http_server.h"
+#include "coordinator/http/http_server.h"
 
-#include "coordinator/http_server_impl.h"
+#include "coordinator/http/http_server_impl.h"
 
 namespace duet {
 

@@ -1,4 +1,4 @@
-#include "worker/transfer/nccl_kv_links.h"
+#include "worker/transfer/nccl_kv_transfer.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -15,7 +15,7 @@
 namespace duet {
 namespace {
 
-static_assert(sizeof(ncclUniqueId) == NcclKvLinks::kUniqueIdBytes);
+static_assert(sizeof(ncclUniqueId) == NcclKvTransfer::kUniqueIdBytes);
 
 // At most this many operations in one ncclGroupStart/ncclGroupEnd.
 constexpr size_t kMaxGroupOps = 256;
@@ -34,7 +34,7 @@ void connect_at_init() { ::setenv("NCCL_RUNTIME_CONNECT", "0", 0); }
 
 }  // namespace
 
-std::vector<std::byte> NcclKvLinks::unique_id() {
+std::vector<std::byte> NcclKvTransfer::unique_id() {
   connect_at_init();
   ncclUniqueId id;
   DUET_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -43,7 +43,8 @@ std::vector<std::byte> NcclKvLinks::unique_id() {
   return bytes;
 }
 
-void* NcclKvLinks::join(std::span<const std::byte> unique_id, int n_ranks, int rank, int device) {
+void* NcclKvTransfer::join(std::span<const std::byte> unique_id, int n_ranks, int rank,
+                           int device) {
   ncclUniqueId id;
   DUET_REQUIRE(unique_id.size() == sizeof id, "an NCCL unique id of {} bytes, not {}",
                unique_id.size(), sizeof id);
@@ -56,13 +57,13 @@ void* NcclKvLinks::join(std::span<const std::byte> unique_id, int n_ranks, int r
   return comm;
 }
 
-NcclKvLinks::NcclKvLinks(int device, bool sends, bool receives, Options options)
+NcclKvTransfer::NcclKvTransfer(int device, bool sends, bool receives, Options options)
     : device_(device), options_(options) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
     cudaGetLastError();
     throw Error(ErrorKind::kUnsupported,
-                format("NCCL KV links: no CUDA device {} on this machine", device));
+                format("NCCL KV transfers: no CUDA device {} on this machine", device));
   }
   bind(device_);
   if (sends) {
@@ -75,7 +76,7 @@ NcclKvLinks::NcclKvLinks(int device, bool sends, bool receives, Options options)
   }
 }
 
-NcclKvLinks::~NcclKvLinks() {
+NcclKvTransfer::~NcclKvTransfer() {
   cudaSetDevice(device_);
   const bool in_flight = !receipts_.empty() || !sends_.empty();
   for (auto& [peer, p] : peers_) {
@@ -90,8 +91,9 @@ NcclKvLinks::~NcclKvLinks() {
   for (auto& [peer, p] : peers_) p.stream.reset();  // synchronized: nothing runs on the staging
 }
 
-void NcclKvLinks::add_peer(int peer, void* comm, int peer_rank) {
-  DUET_ASSERT(comm != nullptr && !peers_.contains(peer), "rank {}'s NCCL link added twice", peer);
+void NcclKvTransfer::add_peer(int peer, void* comm, int peer_rank) {
+  DUET_ASSERT(comm != nullptr && !peers_.contains(peer), "rank {}'s NCCL connection added twice",
+              peer);
   bind(device_);
   Peer p;
   p.comm = comm;
@@ -104,7 +106,7 @@ void NcclKvLinks::add_peer(int peer, void* comm, int peer_rank) {
   peers_.emplace(peer, std::move(p));
 }
 
-void NcclKvLinks::connect(int peer) {
+void NcclKvTransfer::connect(int peer) {
   bind(device_);
   const Peer& p = peers_.at(peer);
   cuda::DeviceBuffer bytes(2);
@@ -117,19 +119,19 @@ void NcclKvLinks::connect(int peer) {
   p.stream->synchronize();
 }
 
-bool NcclKvLinks::carries(int peer) const {
+bool NcclKvTransfer::carries(int peer) const {
   std::lock_guard lock(send_mutex_);
   return peers_.contains(peer);
 }
 
 // ---------------------------------------------------------------- the engine thread
 
-std::optional<DeviceRowsTicket> NcclKvLinks::send(int peer, const KvLayout& layout,
-                                                  const DeviceKv& kv, int64_t layer,
-                                                  std::span<const int32_t> block_table,
-                                                  int64_t pos0, int64_t n, KvHeads heads) {
+std::optional<DeviceRowsTicket> NcclKvTransfer::send(int peer, const KvLayout& layout,
+                                                     const DeviceKv& kv, int64_t layer,
+                                                     std::span<const int32_t> block_table,
+                                                     int64_t pos0, int64_t n, KvHeads heads) {
   DUET_ASSERT(send_staging_ != nullptr && kv.valid() && kv.device == device_,
-              "NCCL send from device {} through links of device {}", kv.device, device_);
+              "NCCL send from device {} through a transfer of device {}", kv.device, device_);
   const size_t bytes = payload_bytes(layout, n, heads);
   if (bytes == 0 || bytes > send_staging_->capacity()) return std::nullopt;
   size_t offset = 0;
@@ -174,14 +176,14 @@ std::optional<DeviceRowsTicket> NcclKvLinks::send(int peer, const KvLayout& layo
 
 // ---------------------------------------------------------------- the communication thread
 
-uint64_t NcclKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
-                              const DeviceKv* kv, std::span<const int32_t> block_table,
-                              int64_t layer, int64_t pos0, int64_t n, KvHeads heads) {
+uint64_t NcclKvTransfer::receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
+                                 const DeviceKv* kv, std::span<const int32_t> block_table,
+                                 int64_t layer, int64_t pos0, int64_t n, KvHeads heads) {
   const auto p = peers_.find(peer);
   DUET_ASSERT(p != peers_.end() && receive_staging_ != nullptr,
-              "rows from rank {}, which has no NCCL link here", peer);
+              "rows from rank {}, which has no NCCL connection here", peer);
   DUET_ASSERT(kv == nullptr || kv->device == device_,
-              "rows for device {} through links of device {}", kv->device, device_);
+              "rows for device {} through a transfer of device {}", kv->device, device_);
   DUET_REQUIRE(ticket.bytes > 0 && ticket.bytes <= receive_staging_->capacity() &&
                    (kv == nullptr || ticket.bytes == payload_bytes(layout, n, heads)),
                "rank {}'s NCCL payload of {} bytes is not its rows' size (or over the {}-byte "
@@ -192,7 +194,7 @@ uint64_t NcclKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const Kv
     abandoned_.push_back(Done{id, peer, false, std::nullopt});
     return id;
   }
-  bind(device_);  // the receipt's event belongs to these links' device
+  bind(device_);  // the receipt's event belongs to this transfer's device
   auto receipt = std::make_unique<Receipt>();
   receipt->id = id;
   receipt->peer = peer;
@@ -211,7 +213,7 @@ uint64_t NcclKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const Kv
   return id;
 }
 
-std::vector<DeviceKvLinks::Done> NcclKvLinks::poll() {
+std::vector<DeviceKvTransfer::Done> NcclKvTransfer::poll() {
   std::vector<Done> done = std::move(abandoned_);
   abandoned_.clear();
   {
@@ -222,7 +224,7 @@ std::vector<DeviceKvLinks::Done> NcclKvLinks::poll() {
   try {
     post(done);
     collect(done);
-    check_links(done);
+    check_peers(done);
   } catch (...) {
     // What finished (or broke) so far is not lost: the next poll() hands it out.
     abandoned_.insert(abandoned_.begin(), done.begin(), done.end());
@@ -231,7 +233,7 @@ std::vector<DeviceKvLinks::Done> NcclKvLinks::poll() {
   return done;
 }
 
-void NcclKvLinks::post(std::vector<Done>& done) {
+void NcclKvTransfer::post(std::vector<Done>& done) {
   std::vector<Send*> sends;
   {
     std::lock_guard lock(send_mutex_);
@@ -330,7 +332,7 @@ void NcclKvLinks::post(std::vector<Done>& done) {
   }
   if (!queued) {
     // NCCL refused the group, or what follows it could not be queued: every
-    // link in it is given up (its operations end with the communicator).
+    // connection in it is given up (its operations end with the communicator).
     notes_.push_back(format("a group of {} NCCL send(s) and {} receive(s) failed: {}", sends.size(),
                             receipts.size(), why));
     std::vector<int> peers;
@@ -340,7 +342,7 @@ void NcclKvLinks::post(std::vector<Done>& done) {
   }
 }
 
-void NcclKvLinks::collect(std::vector<Done>& done) {
+void NcclKvTransfer::collect(std::vector<Done>& done) {
   {
     std::lock_guard lock(send_mutex_);
     bool freed = false;
@@ -367,10 +369,10 @@ void NcclKvLinks::collect(std::vector<Done>& done) {
   });
 }
 
-// A link is given up when NCCL reports an asynchronous error on it, or when
+// A connection is given up when NCCL reports an asynchronous error on it, or when
 // a send or receive posted on it has waited longer than the patience (its
 // peer stopped: nothing else can end a posted operation).
-void NcclKvLinks::check_links(std::vector<Done>& done) {
+void NcclKvTransfer::check_peers(std::vector<Done>& done) {
   const auto now = std::chrono::steady_clock::now();
   std::vector<int> broken;
   for (auto& [peer, p] : peers_) {
@@ -390,18 +392,18 @@ void NcclKvLinks::check_links(std::vector<Done>& done) {
     if (stuck) broken.push_back(peer);
   }
   for (int peer : broken) {
-    notes_.push_back(format("the NCCL link to rank {} is stuck or failed", peer));
+    notes_.push_back(format("the NCCL connection to rank {} is stuck or failed", peer));
     break_link(peer, done);
   }
 }
 
-void NcclKvLinks::abandon(int peer) {
+void NcclKvTransfer::abandon(int peer) {
   if (!peers_.contains(peer)) return;
   bind(device_);
   break_link(peer, abandoned_);  // its receipts complete (not ok) in the next poll()
 }
 
-void NcclKvLinks::break_link(int peer, std::vector<Done>& done) {
+void NcclKvTransfer::break_link(int peer, std::vector<Done>& done) {
   Peer& p = peers_.at(peer);
   if (p.broken) return;
   ncclCommAbort(as_comm(p.comm));  // ends the operations posted on it, on the GPU too
@@ -414,7 +416,7 @@ void NcclKvLinks::break_link(int peer, std::vector<Done>& done) {
   cudaStreamSynchronize(as_stream(p.stream->get()));
   cudaGetLastError();
   notes_.push_back(
-      format("the NCCL link to rank {} is given up: KV transfers with it fail until "
+      format("the NCCL connection to rank {} is given up: KV transfers with it fail until "
              "the cluster restarts",
              peer));
   {
@@ -435,11 +437,11 @@ void NcclKvLinks::break_link(int peer, std::vector<Done>& done) {
   });
 }
 
-void NcclKvLinks::released(int, const DeviceRowsTicket&) {}
+void NcclKvTransfer::released(int, const DeviceRowsTicket&) {}
 
-std::vector<std::string> NcclKvLinks::take_notes() { return std::exchange(notes_, {}); }
+std::vector<std::string> NcclKvTransfer::take_notes() { return std::exchange(notes_, {}); }
 
-bool NcclKvLinks::busy() const {
+bool NcclKvTransfer::busy() const {
   if (!receipts_.empty() || !abandoned_.empty()) return true;
   std::lock_guard lock(send_mutex_);
   return !sends_.empty();

@@ -1,4 +1,4 @@
-#include "coordinator/rpc_convert.h"
+#include "coordinator/rpc/rpc_convert.h"
 
 #include <algorithm>
 #include <limits>

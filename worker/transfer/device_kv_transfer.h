@@ -1,17 +1,17 @@
 // How the rows payloads of a KV transfer move between two GPUs, device to
 // device, without touching host memory. The protocol (orders, rows headers,
 // handoffs, cancels, deadlines) stays with the KvTransfer that owns the
-// links (worker/transfer/mpi_kv_transfer.h): it sends each rows header over MPI as
-// always, and the payload goes through the links instead of a second MPI
-// message. Two implementations: NcclKvLinks (worker/transfer/nccl_kv_links.h;
-// GPUs of different hosts) and CudaIpcKvLinks (worker/transfer/cuda_ipc_kv_links.h;
+// device transfer (worker/transfer/mpi_kv_transfer.h): it sends each rows header over MPI as
+// always, and the payload goes through the device transfer instead of a second MPI
+// message. Two implementations: NcclKvTransfer (worker/transfer/nccl_kv_transfer.h;
+// GPUs of different hosts) and CudaIpcKvTransfer (worker/transfer/cuda_ipc_kv_transfer.h;
 // GPUs of one host, or one GPU shared by two ranks).
 //
 // A payload is the packed rows of worker/kv/kv_rows.h, made on the sender's GPU
-// in staging memory the links own: the sender's blocks may be reused as
+// in staging memory the device transfer owns: the sender's blocks may be reused as
 // soon as send() returns (the packing is queued on the compute stream, ahead
 // of whatever overwrites them). The receiver unpacks each payload into the
-// import's reserved blocks on the links' own stream; a receipt completes
+// import's reserved blocks on the device transfer's own stream; a receipt completes
 // when its rows are in place (a CUDA event has fired), and only then does the
 // transfer count them, so attention never reads a layer still in flight.
 // An import ends (completes, fails or is released) only when none of its
@@ -41,17 +41,17 @@ struct DeviceRowsTicket {
   uint64_t bytes = 0;
 };
 
-class DeviceKvLinks {
+class DeviceKvTransfer {
  public:
-  virtual ~DeviceKvLinks() = default;
+  virtual ~DeviceKvTransfer() = default;
 
-  // Whether rows to or from world rank `peer` go through these links.
+  // Whether rows to or from world rank `peer` go through this device transfer.
   virtual bool carries(int peer) const = 0;
 
   // Sender, engine thread. Packs rows [pos0, pos0 + n) of `layer` (the local
   // KV heads `heads`) from `kv` under `block_table` and starts moving them to
-  // `peer`. Waits while the staging is full, up to the links' patience;
-  // nullopt when it stayed full or the link to `peer` is broken (the rows
+  // `peer`. Waits while the staging is full, up to the device transfer's patience;
+  // nullopt when it stayed full or the connection to `peer` is broken (the rows
   // are not sent and the receiver's deadline fails the import).
   virtual std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
                                                int64_t layer, std::span<const int32_t> block_table,
@@ -71,7 +71,7 @@ class DeviceKvLinks {
   struct Done {
     uint64_t receipt = 0;
     int peer = 0;
-    bool ok = true;  // false: the link broke and the rows did not all arrive
+    bool ok = true;  // false: the connection broke and the rows did not all arrive
     std::optional<DeviceRowsTicket> ack;
   };
   // Posts what send() and receive() queued and collects what finished. The
@@ -83,16 +83,16 @@ class DeviceKvLinks {
 
   // Gives up on the receipts from `peer` (a payload that could not even be
   // drained, or a shutdown with payloads still in flight): they complete,
-  // not ok, in the next poll(). Links that cannot cancel work
-  // in flight breaks the link to `peer` for good (NCCL aborts its
+  // not ok, in the next poll(). A device transfer that cannot cancel work
+  // in flight breaks the connection to `peer` for good (NCCL aborts its
   // communicator); one whose work always finishes may simply let it finish.
   virtual void abandon(int peer) = 0;
 
   // Whether anything is queued or in flight (the transfer polls fast then).
   virtual bool busy() const = 0;
 
-  // What went wrong since the last call (a link given up, and why), for the
-  // owner's log: the links themselves log nothing.
+  // What went wrong since the last call (a connection given up, and why), for the
+  // owner's log: the device transfer itself logs nothing.
   virtual std::vector<std::string> take_notes() { return {}; }
 };
 

@@ -46,8 +46,8 @@
 
 #include "common/error.h"
 #include "common/text/unicode.h"
-#include "coordinator/http_server.h"
-#include "coordinator/openai_api.h"
+#include "coordinator/http/http_server.h"
+#include "coordinator/http/openai_api.h"
 
 namespace duet {
 namespace http_front {

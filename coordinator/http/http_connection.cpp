@@ -1,4 +1,4 @@
-#include "coordinator/http_server_impl.h"
+#include "coordinator/http/http_server_impl.h"
 
 namespace duet {
 

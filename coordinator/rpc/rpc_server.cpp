@@ -1,4 +1,4 @@
-#include "coordinator/rpc_server.h"
+#include "coordinator/rpc/rpc_server.h"
 
 #include <capnp/rpc-twoparty.h>
 #include <fmt/format.h>
@@ -14,8 +14,8 @@
 #include "common/duet.capnp.h"
 #include "common/error.h"
 #include "common/text/unicode.h"
-#include "coordinator/rpc_convert.h"
-#include "coordinator/rpc_streams.h"
+#include "coordinator/rpc/rpc_convert.h"
+#include "coordinator/rpc/rpc_streams.h"
 
 namespace duet {
 namespace {

@@ -1,7 +1,7 @@
-// The choice of KV link per pair of ranks (worker/transfer/kv_link.h): every case of
+// The choice of device transfer per pair of ranks (worker/transfer/transfer_kind.h): every case of
 // where two ranks run, the NCCL pairs of whole clusters, and the placement
 // record every rank all-gathers at start.
-#include "worker/transfer/kv_link.h"
+#include "worker/transfer/transfer_kind.h"
 
 #include <gtest/gtest.h>
 
@@ -18,56 +18,57 @@ RankPlacement gpu(const std::string& host, int device, const std::string& uuid) 
   return {host, device, uuid};
 }
 
-TEST(KvLink, BothOnTheCpuIsMpi) {
-  EXPECT_EQ(select_kv_link(cpu("a"), cpu("a")), KvLink::kMpi);
-  EXPECT_EQ(select_kv_link(cpu("a"), cpu("b")), KvLink::kMpi);
+TEST(TransferKind, BothOnTheCpuIsMpi) {
+  EXPECT_EQ(select_transfer_kind(cpu("a"), cpu("a")), TransferKind::kMpi);
+  EXPECT_EQ(select_transfer_kind(cpu("a"), cpu("b")), TransferKind::kMpi);
 }
 
-TEST(KvLink, OneSideOnTheCpuIsStagedMpi) {
-  EXPECT_EQ(select_kv_link(cpu("a"), gpu("a", 0, "GPU-0")), KvLink::kMpiStaged);
-  EXPECT_EQ(select_kv_link(gpu("a", 0, "GPU-0"), cpu("b")), KvLink::kMpiStaged);
+TEST(TransferKind, OneSideOnTheCpuIsStagedMpi) {
+  EXPECT_EQ(select_transfer_kind(cpu("a"), gpu("a", 0, "GPU-0")), TransferKind::kMpiStaged);
+  EXPECT_EQ(select_transfer_kind(gpu("a", 0, "GPU-0"), cpu("b")), TransferKind::kMpiStaged);
 }
 
-TEST(KvLink, OneGpuIsIpcEvenWhenNcclIsPreferred) {
+TEST(TransferKind, OneGpuIsIpcEvenWhenNcclIsPreferred) {
   // Two ranks with one UUID share a GPU, even under different device indices
   // (each sees its own CUDA_VISIBLE_DEVICES).
   const RankPlacement p = gpu("a", 0, "GPU-aa"), d = gpu("a", 1, "GPU-aa");
-  EXPECT_EQ(select_kv_link(p, d), KvLink::kCudaIpc);
-  EXPECT_EQ(select_kv_link(p, d, SameHostGpus::kNccl), KvLink::kCudaIpc);
+  EXPECT_EQ(select_transfer_kind(p, d), TransferKind::kCudaIpc);
+  EXPECT_EQ(select_transfer_kind(p, d, SameHostGpus::kNccl), TransferKind::kCudaIpc);
   // Without UUIDs, the device index decides.
-  EXPECT_EQ(select_kv_link(gpu("a", 0, ""), gpu("a", 0, ""), SameHostGpus::kNccl),
-            KvLink::kCudaIpc);
+  EXPECT_EQ(select_transfer_kind(gpu("a", 0, ""), gpu("a", 0, ""), SameHostGpus::kNccl),
+            TransferKind::kCudaIpc);
 }
 
-TEST(KvLink, TwoGpusOfOneHostFollowThePolicy) {
+TEST(TransferKind, TwoGpusOfOneHostFollowThePolicy) {
   const RankPlacement p = gpu("a", 0, "GPU-aa"), d = gpu("a", 1, "GPU-bb");
-  EXPECT_EQ(select_kv_link(p, d), KvLink::kCudaIpc);
-  EXPECT_EQ(select_kv_link(p, d, SameHostGpus::kNccl), KvLink::kNccl);
+  EXPECT_EQ(select_transfer_kind(p, d), TransferKind::kCudaIpc);
+  EXPECT_EQ(select_transfer_kind(p, d, SameHostGpus::kNccl), TransferKind::kNccl);
 }
 
-TEST(KvLink, GpusOfTwoHostsAreNccl) {
+TEST(TransferKind, GpusOfTwoHostsAreNccl) {
   // Equal device indices and even equal UUID strings on two hosts are two GPUs.
-  EXPECT_EQ(select_kv_link(gpu("a", 0, "GPU-aa"), gpu("b", 0, "GPU-bb")), KvLink::kNccl);
-  EXPECT_EQ(select_kv_link(gpu("a", 0, ""), gpu("b", 0, "")), KvLink::kNccl);
+  EXPECT_EQ(select_transfer_kind(gpu("a", 0, "GPU-aa"), gpu("b", 0, "GPU-bb")),
+            TransferKind::kNccl);
+  EXPECT_EQ(select_transfer_kind(gpu("a", 0, ""), gpu("b", 0, "")), TransferKind::kNccl);
 }
 
-TEST(KvLink, IsSymmetric) {
+TEST(TransferKind, IsSymmetric) {
   const std::vector<RankPlacement> all = {cpu("a"),          cpu("b"),          gpu("a", 0, "G0"),
                                           gpu("a", 1, "G1"), gpu("b", 0, "G2"), gpu("a", 0, "G0"),
                                           gpu("a", 0, ""),   gpu("a", 1, "")};
   for (const auto& x : all) {
     for (const auto& y : all) {
       for (SameHostGpus policy : {SameHostGpus::kCudaIpc, SameHostGpus::kNccl})
-        EXPECT_EQ(select_kv_link(x, y, policy), select_kv_link(y, x, policy));
+        EXPECT_EQ(select_transfer_kind(x, y, policy), select_transfer_kind(y, x, policy));
     }
   }
 }
 
-TEST(KvLink, NamesAndPolicyOption) {
-  EXPECT_EQ(kv_link_name(KvLink::kMpi), "mpi");
-  EXPECT_EQ(kv_link_name(KvLink::kMpiStaged), "mpi-staged");
-  EXPECT_EQ(kv_link_name(KvLink::kCudaIpc), "cuda-ipc");
-  EXPECT_EQ(kv_link_name(KvLink::kNccl), "nccl");
+TEST(TransferKind, NamesAndPolicyOption) {
+  EXPECT_EQ(transfer_kind_name(TransferKind::kMpi), "mpi");
+  EXPECT_EQ(transfer_kind_name(TransferKind::kMpiStaged), "mpi-staged");
+  EXPECT_EQ(transfer_kind_name(TransferKind::kCudaIpc), "cuda-ipc");
+  EXPECT_EQ(transfer_kind_name(TransferKind::kNccl), "nccl");
   EXPECT_EQ(parse_same_host_gpus("ipc"), SameHostGpus::kCudaIpc);
   EXPECT_EQ(parse_same_host_gpus("nccl"), SameHostGpus::kNccl);
   EXPECT_THROW(parse_same_host_gpus("shm"), Error);
@@ -76,7 +77,7 @@ TEST(KvLink, NamesAndPolicyOption) {
 // 1 prefill (TP 2 on ranks 1, 2) and 2 decode instances (ranks 3 and 4).
 ClusterSpec two_by_two() { return parse_cluster_flags(1, 2, 2, 1, ClusterMode::kDisaggregated); }
 
-TEST(KvLinkPairs, GpusOnTwoHostsPairEveryPrefillRankWithEveryDecodeRank) {
+TEST(TransferKindPairs, GpusOnTwoHostsPairEveryPrefillRankWithEveryDecodeRank) {
   const ClusterSpec spec = two_by_two();
   spec.validate(5);
   const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("a", 1, "G1"),
@@ -87,7 +88,7 @@ TEST(KvLinkPairs, GpusOnTwoHostsPairEveryPrefillRankWithEveryDecodeRank) {
   EXPECT_EQ(pairs, want);
 }
 
-TEST(KvLinkPairs, OnlyTheNcclPairsOfAMixedCluster) {
+TEST(TransferKindPairs, OnlyTheNcclPairsOfAMixedCluster) {
   const ClusterSpec spec = two_by_two();
   // Rank 3 on the prefill ranks' host (IPC by default), rank 4 on the CPU.
   const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("a", 1, "G1"),
@@ -98,13 +99,13 @@ TEST(KvLinkPairs, OnlyTheNcclPairsOfAMixedCluster) {
   EXPECT_EQ(pairs, want);
 }
 
-TEST(KvLinkPairs, ColocatedMovesNoKv) {
+TEST(TransferKindPairs, ColocatedMovesNoKv) {
   const ClusterSpec spec = parse_cluster_flags(1, 1, 1, ClusterMode::kColocated);
   const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0"), gpu("b", 0, "G1")};
   EXPECT_TRUE(nccl_pairs(spec, placements).empty());
 }
 
-TEST(KvLinkPairs, APlacementTableTooShortIsRefused) {
+TEST(TransferKindPairs, APlacementTableTooShortIsRefused) {
   const ClusterSpec spec = two_by_two();
   const std::vector<RankPlacement> placements = {cpu("a"), gpu("a", 0, "G0")};
   EXPECT_THROW(nccl_pairs(spec, placements), Error);

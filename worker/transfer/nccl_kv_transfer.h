@@ -1,8 +1,8 @@
-// DeviceKvLinks (worker/transfer/device_kv_links.h) between GPUs of different
+// DeviceKvTransfer (worker/transfer/device_kv_transfer.h) between GPUs of different
 // hosts (or of one host, by choice), over NCCL point-to-point.
 //
 // Each peer has its own two-rank communicator (made at start, in the one
-// order worker/transfer/kv_link.h's nccl_pairs gives every rank; never one per
+// order worker/transfer/transfer_kind.h's nccl_pairs gives every rank; never one per
 // request) and its own CUDA stream, separate from the compute stream and
 // from any tensor-parallel communicator. Only the transfer's communication
 // thread calls NCCL: send() packs the payload into the send staging on the
@@ -17,7 +17,7 @@
 //
 // A posted NCCL operation cannot be cancelled, only ended by aborting its
 // communicator: abandon(peer), an asynchronous NCCL error, or a send still
-// unmatched after the patience breaks the link to that peer for good. Its
+// unmatched after the patience breaks the connection to that peer for good. Its
 // receipts then complete not ok, and later sends to it return nullopt.
 #pragma once
 
@@ -32,19 +32,19 @@
 #include <string>
 #include <vector>
 
-#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/device_kv_transfer.h"
 #include "worker/transfer/device_rows_staging.h"
 
 namespace duet {
 
-class NcclKvLinks final : public DeviceKvLinks {
+class NcclKvTransfer final : public DeviceKvTransfer {
  public:
   struct Options {
     size_t send_staging_bytes = size_t{256} << 20;
     size_t receive_staging_bytes = size_t{256} << 20;
     size_t table_entries = size_t{1} << 16;  // block-table entries in flight
     // How long send() waits for send staging, and a posted send for its
-    // receiver, before the link to that peer is given up.
+    // receiver, before the connection to that peer is given up.
     std::chrono::milliseconds patience{std::chrono::seconds(30)};
   };
 
@@ -58,14 +58,14 @@ class NcclKvLinks final : public DeviceKvLinks {
 
   // On CUDA device `device`, with send staging when the rank `sends` and
   // receive staging when it `receives`. Throws kUnsupported without the GPU.
-  NcclKvLinks(int device, bool sends, bool receives, Options options);
+  NcclKvTransfer(int device, bool sends, bool receives, Options options);
   // Destroys every communicator, aborting those with work still posted.
-  ~NcclKvLinks() override;
-  NcclKvLinks(const NcclKvLinks&) = delete;
-  NcclKvLinks& operator=(const NcclKvLinks&) = delete;
+  ~NcclKvTransfer() override;
+  NcclKvTransfer(const NcclKvTransfer&) = delete;
+  NcclKvTransfer& operator=(const NcclKvTransfer&) = delete;
 
   // World rank `peer` is rank `peer_rank` of `comm` (an ncclComm_t from
-  // join(); the links own it from now on). A one-rank communicator whose
+  // join(); the device transfer owns it from now on). A one-rank communicator whose
   // peer is this rank itself (peer_rank 0) sends to itself.
   void add_peer(int peer, void* comm, int peer_rank);
   // Makes NCCL set up its connection to `peer` now (one byte each way, in
@@ -122,7 +122,7 @@ class NcclKvLinks final : public DeviceKvLinks {
 
   void post(std::vector<Done>& done);     // queued sends and receives, one group
   void collect(std::vector<Done>& done);  // finished sends and receipts
-  void check_links(std::vector<Done>& done);
+  void check_peers(std::vector<Done>& done);
   // Aborts the peer's communicator; its receipts complete not ok.
   void break_link(int peer, std::vector<Done>& done);
   void release_send(const Send& send);

@@ -1,5 +1,5 @@
-// Start-up of a cluster's KV links: where every rank runs (one all-gather of
-// placements), and the device links of the GPU pairs (worker/transfer/kv_link.h):
+// Start-up of a cluster's KV transfers: where every rank runs (one all-gather of
+// placements), and the device transfer of the GPU pairs (worker/transfer/transfer_kind.h):
 // CUDA IPC handles exchanged with one more all-gather, one NCCL
 // communicator per NCCL pair, made in the same order on every rank. Both
 // functions are collective over MPI_COMM_WORLD: every rank calls them, in
@@ -13,8 +13,8 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/mpi/mpi_runtime.h"
-#include "worker/transfer/device_kv_links.h"
-#include "worker/transfer/kv_link.h"
+#include "worker/transfer/device_kv_transfer.h"
+#include "worker/transfer/transfer_kind.h"
 
 namespace duet {
 
@@ -28,11 +28,12 @@ RankPlacement own_placement(const MpiRuntime& mpi, const ClusterSpec& spec,
 // Every rank's placement, by rank.
 std::vector<RankPlacement> gather_placements(const MpiRuntime& mpi, const RankPlacement& own);
 
-// The device links for this rank's GPU pairs, or null when it has none (or
+// The device transfer for this rank's GPU pairs, or null when it has none (or
 // when any rank's GPU is unusable: its instance then refuses to start, and
-// no rank waits on it here). Logs every pair's link on the coordinator.
-std::unique_ptr<DeviceKvLinks> make_device_kv_links(const MpiRuntime& mpi, const ClusterSpec& spec,
-                                                    std::span<const RankPlacement> placements,
-                                                    SameHostGpus same_host);
+// no rank waits on it here). Logs every pair's transfer kind on the coordinator.
+std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
+                                                          const ClusterSpec& spec,
+                                                          std::span<const RankPlacement> placements,
+                                                          SameHostGpus same_host);
 
 }  // namespace duet

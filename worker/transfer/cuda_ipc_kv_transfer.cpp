@@ -1,4 +1,4 @@
-#include "worker/transfer/cuda_ipc_kv_links.h"
+#include "worker/transfer/cuda_ipc_kv_transfer.h"
 
 #include <cuda_runtime.h>
 
@@ -23,19 +23,19 @@ struct ExportRecord {
   cudaIpcMemHandle_t memory{};
   cudaIpcEventHandle_t event{};
 };
-static_assert(sizeof(ExportRecord) <= CudaIpcKvLinks::kExportBytes);
+static_assert(sizeof(ExportRecord) <= CudaIpcKvTransfer::kExportBytes);
 
 void bind(int device) { DUET_CUDA_CHECK(cudaSetDevice(device)); }
 
 }  // namespace
 
-CudaIpcKvLinks::CudaIpcKvLinks(int device, bool sends, bool receives, Options options)
+CudaIpcKvTransfer::CudaIpcKvTransfer(int device, bool sends, bool receives, Options options)
     : device_(device), options_(options) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
     cudaGetLastError();
     throw Error(ErrorKind::kUnsupported,
-                format("CUDA IPC KV links: no CUDA device {} on this machine", device));
+                format("CUDA IPC KV transfers: no CUDA device {} on this machine", device));
   }
   bind(device_);
   if (sends) {
@@ -59,7 +59,7 @@ CudaIpcKvLinks::CudaIpcKvLinks(int device, bool sends, bool receives, Options op
   }
 }
 
-CudaIpcKvLinks::~CudaIpcKvLinks() {
+CudaIpcKvTransfer::~CudaIpcKvTransfer() {
   cudaSetDevice(device_);
   if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_->get()));
   receipts_.clear();
@@ -70,8 +70,8 @@ CudaIpcKvLinks::~CudaIpcKvLinks() {
   if (send_event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(send_event_));
 }
 
-std::vector<std::byte> CudaIpcKvLinks::exported() const {
-  DUET_ASSERT(send_staging_ != nullptr, "CUDA IPC links that do not send exports nothing");
+std::vector<std::byte> CudaIpcKvTransfer::exported() const {
+  DUET_ASSERT(send_staging_ != nullptr, "a CUDA IPC transfer that does not send exports nothing");
   bind(device_);
   ExportRecord record;
   record.device = device_;
@@ -83,20 +83,22 @@ std::vector<std::byte> CudaIpcKvLinks::exported() const {
   return bytes;
 }
 
-void CudaIpcKvLinks::add_receiver(int peer) {
-  DUET_ASSERT(send_staging_ != nullptr, "rank {} receives from links that do not send", peer);
+void CudaIpcKvTransfer::add_receiver(int peer) {
+  DUET_ASSERT(send_staging_ != nullptr, "rank {} receives from a transfer that does not send",
+              peer);
   std::lock_guard lock(send_mutex_);
   receivers_.insert(peer);
 }
 
-void CudaIpcKvLinks::add_sender(int peer, std::span<const std::byte> exported) {
-  DUET_ASSERT(receive_staging_ != nullptr, "rank {} sends to links that do not receive", peer);
+void CudaIpcKvTransfer::add_sender(int peer, std::span<const std::byte> exported) {
+  DUET_ASSERT(receive_staging_ != nullptr, "rank {} sends to a transfer that does not receive",
+              peer);
   ExportRecord record;
   DUET_REQUIRE(exported.size() == kExportBytes, "CUDA IPC handles of {} bytes, not {}",
                exported.size(), kExportBytes);
   std::memcpy(&record, exported.data(), sizeof record);
   DUET_REQUIRE(record.magic == kExportMagic && record.bytes > 0,
-               "rank {}'s CUDA IPC handles are not a link set's export", peer);
+               "rank {}'s CUDA IPC handles are not a device transfer's export", peer);
   DUET_ASSERT(!senders_.contains(peer), "rank {}'s handles opened twice", peer);
   bind(device_);
   Sender sender;
@@ -111,7 +113,7 @@ void CudaIpcKvLinks::add_sender(int peer, std::span<const std::byte> exported) {
   senders_.emplace(peer, sender);
 }
 
-bool CudaIpcKvLinks::carries(int peer) const {
+bool CudaIpcKvTransfer::carries(int peer) const {
   if (senders_.contains(peer)) return true;
   std::lock_guard lock(send_mutex_);
   return receivers_.contains(peer);
@@ -119,12 +121,12 @@ bool CudaIpcKvLinks::carries(int peer) const {
 
 // ---------------------------------------------------------------- sending (engine thread)
 
-std::optional<DeviceRowsTicket> CudaIpcKvLinks::send(int peer, const KvLayout& layout,
-                                                     const DeviceKv& kv, int64_t layer,
-                                                     std::span<const int32_t> block_table,
-                                                     int64_t pos0, int64_t n, KvHeads heads) {
+std::optional<DeviceRowsTicket> CudaIpcKvTransfer::send(int peer, const KvLayout& layout,
+                                                        const DeviceKv& kv, int64_t layer,
+                                                        std::span<const int32_t> block_table,
+                                                        int64_t pos0, int64_t n, KvHeads heads) {
   DUET_ASSERT(send_staging_ != nullptr && kv.valid() && kv.device == device_,
-              "CUDA IPC send from device {} through links of device {}", kv.device, device_);
+              "CUDA IPC send from device {} through a transfer of device {}", kv.device, device_);
   const size_t bytes = payload_bytes(layout, n, heads);
   if (bytes == 0 || bytes > send_staging_->capacity()) return std::nullopt;
   size_t offset = 0;
@@ -154,7 +156,7 @@ std::optional<DeviceRowsTicket> CudaIpcKvLinks::send(int peer, const KvLayout& l
   return DeviceRowsTicket{offset, bytes};
 }
 
-void CudaIpcKvLinks::released(int peer, const DeviceRowsTicket& ticket) {
+void CudaIpcKvTransfer::released(int peer, const DeviceRowsTicket& ticket) {
   DUET_ASSERT(send_staging_ != nullptr, "rank {} released staging this rank never sent", peer);
   {
     std::lock_guard lock(send_mutex_);
@@ -165,14 +167,15 @@ void CudaIpcKvLinks::released(int peer, const DeviceRowsTicket& ticket) {
 
 // ---------------------------------------------------------------- receiving (communication thread)
 
-uint64_t CudaIpcKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
-                                 const DeviceKv* kv, std::span<const int32_t> block_table,
-                                 int64_t layer, int64_t pos0, int64_t n, KvHeads heads) {
+uint64_t CudaIpcKvTransfer::receive(int peer, const DeviceRowsTicket& ticket,
+                                    const KvLayout& layout, const DeviceKv* kv,
+                                    std::span<const int32_t> block_table, int64_t layer,
+                                    int64_t pos0, int64_t n, KvHeads heads) {
   const auto sender = senders_.find(peer);
   DUET_ASSERT(sender != senders_.end(), "rows from rank {}, whose CUDA IPC handles are not open",
               peer);
   DUET_ASSERT(kv == nullptr || kv->device == device_,
-              "rows for device {} through links of device {}", kv->device, device_);
+              "rows for device {} through a transfer of device {}", kv->device, device_);
   // The ticket comes off the wire: no sum that could wrap.
   DUET_REQUIRE((kv == nullptr || ticket.bytes == payload_bytes(layout, n, heads)) &&
                    ticket.bytes <= sender->second.bytes &&
@@ -190,7 +193,7 @@ uint64_t CudaIpcKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const
   DUET_REQUIRE(kv == nullptr || ticket.bytes <= receive_staging_->capacity(),
                "a {}-byte KV payload is larger than the {}-byte receive staging", ticket.bytes,
                receive_staging_->capacity());
-  bind(device_);  // the receipt's event belongs to these links' device
+  bind(device_);  // the receipt's event belongs to this transfer's device
   auto receipt = std::make_unique<Receipt>();
   receipt->id = next_receipt_++;
   receipt->peer = peer;
@@ -210,7 +213,7 @@ uint64_t CudaIpcKvLinks::receive(int peer, const DeviceRowsTicket& ticket, const
   return id;
 }
 
-bool CudaIpcKvLinks::start(Receipt& r) {
+bool CudaIpcKvTransfer::start(Receipt& r) {
   if (!r.kv.valid()) {  // drained: nothing to copy
     r.started = true;
     return true;
@@ -250,7 +253,7 @@ bool CudaIpcKvLinks::start(Receipt& r) {
   return true;
 }
 
-std::vector<DeviceKvLinks::Done> CudaIpcKvLinks::poll() {
+std::vector<DeviceKvTransfer::Done> CudaIpcKvTransfer::poll() {
   std::vector<Done> done;
   if (receipts_.empty()) return done;
   bind(device_);
@@ -271,10 +274,10 @@ std::vector<DeviceKvLinks::Done> CudaIpcKvLinks::poll() {
   return done;
 }
 
-void CudaIpcKvLinks::abandon(int) {}
+void CudaIpcKvTransfer::abandon(int) {}
 
-std::vector<std::string> CudaIpcKvLinks::take_notes() { return std::exchange(notes_, {}); }
+std::vector<std::string> CudaIpcKvTransfer::take_notes() { return std::exchange(notes_, {}); }
 
-bool CudaIpcKvLinks::busy() const { return !receipts_.empty(); }
+bool CudaIpcKvTransfer::busy() const { return !receipts_.empty(); }
 
 }  // namespace duet

@@ -1,4 +1,4 @@
-#include "worker/transfer/kv_link_setup.h"
+#include "worker/transfer/transfer_setup.h"
 
 #include <spdlog/spdlog.h>
 
@@ -11,9 +11,9 @@
 #include "worker/model/model_forward.h"
 #ifdef DUET_HAVE_CUDA
 #include "kernels/cuda/device.h"
-#include "worker/transfer/cuda_ipc_kv_links.h"
-#include "worker/transfer/mixed_device_kv_links.h"
-#include "worker/transfer/nccl_kv_links.h"
+#include "worker/transfer/cuda_ipc_kv_transfer.h"
+#include "worker/transfer/mixed_device_kv_transfer.h"
+#include "worker/transfer/nccl_kv_transfer.h"
 #endif
 
 namespace duet {
@@ -51,61 +51,62 @@ std::vector<std::pair<Rank, Rank>> kv_pairs(const ClusterSpec& spec) {
 }
 
 #ifdef DUET_HAVE_CUDA
-// Collective: every rank says whether it made its links (`failure` empty)
+// Collective: every rank says whether it made its device transfer (`failure` empty)
 // before any waits on a peer's; every rank throws if one could not, the
 // one that failed with its reason.
-void agree_links_ready(const MpiRuntime& mpi, const std::string& failure, const char* kind) {
+void agree_transfer_ready(const MpiRuntime& mpi, const std::string& failure, const char* kind) {
   const std::byte ready{static_cast<unsigned char>(failure.empty() ? 1 : 0)};
   const std::vector<std::byte> all = mpi.all_gather(std::span(&ready, 1));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r] == std::byte{1}) continue;
     throw Error(ErrorKind::kInternal,
-                failure.empty() ? format("rank {} could not set up its {} KV links", r, kind)
-                                : format("the {} KV links: {}", kind, failure));
+                failure.empty() ? format("rank {} could not set up its {} KV transfers", r, kind)
+                                : format("the {} KV transfers: {}", kind, failure));
   }
 }
 
-// The CUDA IPC links of this rank, its handles exchanged with every rank
+// The CUDA IPC transfer of this rank, its handles exchanged with every rank
 // (all call this when the cluster has any IPC pair).
-std::unique_ptr<DeviceKvLinks> make_ipc_links(const MpiRuntime& mpi,
-                                              std::span<const RankPlacement> placements,
-                                              const std::vector<std::pair<Rank, Rank>>& ipc) {
+std::unique_ptr<DeviceKvTransfer> make_cuda_ipc_transfer(
+    const MpiRuntime& mpi, std::span<const RankPlacement> placements,
+    const std::vector<std::pair<Rank, Rank>>& ipc) {
   const Rank self = mpi.rank();
   bool sends = false, receives = false;
   for (const auto& [p, d] : ipc) {
     sends = sends || p == self;
     receives = receives || d == self;
   }
-  std::unique_ptr<CudaIpcKvLinks> links;
-  std::vector<std::byte> mine(CudaIpcKvLinks::kExportBytes);
+  std::unique_ptr<CudaIpcKvTransfer> transfer;
+  std::vector<std::byte> mine(CudaIpcKvTransfer::kExportBytes);
   std::string failure;
   if (sends || receives) {
     try {
-      links = std::make_unique<CudaIpcKvLinks>(placements[static_cast<size_t>(self.value)].device,
-                                               sends, receives, CudaIpcKvLinks::Options{});
-      if (sends) mine = links->exported();
+      transfer =
+          std::make_unique<CudaIpcKvTransfer>(placements[static_cast<size_t>(self.value)].device,
+                                              sends, receives, CudaIpcKvTransfer::Options{});
+      if (sends) mine = transfer->exported();
     } catch (const std::exception& e) {
       failure = e.what();
     }
   }
-  agree_links_ready(mpi, failure, "CUDA IPC");
+  agree_transfer_ready(mpi, failure, "CUDA IPC");
   const std::vector<std::byte> all = mpi.all_gather(mine);
   for (const auto& [p, d] : ipc) {
-    if (p == self) links->add_receiver(d.value);
+    if (p == self) transfer->add_receiver(d.value);
     if (d == self) {
-      const auto at = static_cast<size_t>(p.value) * CudaIpcKvLinks::kExportBytes;
-      links->add_sender(p.value, std::span(all).subspan(at, CudaIpcKvLinks::kExportBytes));
+      const auto at = static_cast<size_t>(p.value) * CudaIpcKvTransfer::kExportBytes;
+      transfer->add_sender(p.value, std::span(all).subspan(at, CudaIpcKvTransfer::kExportBytes));
     }
   }
-  return links;
+  return transfer;
 }
 
-// The NCCL links of this rank: a two-rank communicator per pair it is in,
+// The NCCL transfer of this rank: a two-rank communicator per pair it is in,
 // joined in `pairs`' order (the same on every rank, so no rank waits in a
 // cycle); the lower rank makes the id and sends it to the higher.
-std::unique_ptr<DeviceKvLinks> make_nccl_links(const MpiRuntime& mpi, const ClusterSpec& spec,
-                                               std::span<const RankPlacement> placements,
-                                               const std::vector<std::pair<Rank, Rank>>& pairs) {
+std::unique_ptr<DeviceKvTransfer> make_nccl_transfer(
+    const MpiRuntime& mpi, const ClusterSpec& spec, std::span<const RankPlacement> placements,
+    const std::vector<std::pair<Rank, Rank>>& pairs) {
   const Rank self = mpi.rank();
   bool sends = false, receives = false;  // a prefill rank sends, a decode rank receives
   for (const InstanceSpec& instance : spec.instances) {
@@ -115,9 +116,9 @@ std::unique_ptr<DeviceKvLinks> make_nccl_links(const MpiRuntime& mpi, const Clus
       receives = instance.role == InstanceRole::kDecode;
     }
   }
-  // The links (their staging) first, on every rank in a pair, and all agree
+  // The device transfer (its staging) first, on every rank in a pair, and all agree
   // that every one has it before any rank waits on a peer in the pairing.
-  std::unique_ptr<NcclKvLinks> links;
+  std::unique_ptr<NcclKvTransfer> transfer;
   const int device = placements[static_cast<size_t>(self.value)].device;
   const bool paired = std::any_of(pairs.begin(), pairs.end(), [&](const auto& pair) {
     return pair.first == self || pair.second == self;
@@ -125,12 +126,13 @@ std::unique_ptr<DeviceKvLinks> make_nccl_links(const MpiRuntime& mpi, const Clus
   std::string failure;
   if (paired) {
     try {
-      links = std::make_unique<NcclKvLinks>(device, sends, receives, NcclKvLinks::Options{});
+      transfer =
+          std::make_unique<NcclKvTransfer>(device, sends, receives, NcclKvTransfer::Options{});
     } catch (const std::exception& e) {
       failure = e.what();
     }
   }
-  agree_links_ready(mpi, failure, "NCCL");
+  agree_transfer_ready(mpi, failure, "NCCL");
   MPI_Comm comm = MPI_COMM_NULL;
   DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
   try {
@@ -138,26 +140,26 @@ std::unique_ptr<DeviceKvLinks> make_nccl_links(const MpiRuntime& mpi, const Clus
       if (self != lo && self != hi) continue;
       std::vector<std::byte> id;
       if (self == lo) {
-        id = NcclKvLinks::unique_id();
+        id = NcclKvTransfer::unique_id();
         DUET_MPI_CHECK(
             MPI_Send(id.data(), static_cast<int>(id.size()), MPI_BYTE, hi.value, 0, comm));
       } else {
-        id.resize(NcclKvLinks::kUniqueIdBytes);
+        id.resize(NcclKvTransfer::kUniqueIdBytes);
         DUET_MPI_CHECK(MPI_Recv(id.data(), static_cast<int>(id.size()), MPI_BYTE, lo.value, 0, comm,
                                 MPI_STATUS_IGNORE));
       }
       const int in_pair = self == lo ? 0 : 1;
-      void* nccl = NcclKvLinks::join(id, 2, in_pair, device);
+      void* nccl = NcclKvTransfer::join(id, 2, in_pair, device);
       const int peer = self == lo ? hi.value : lo.value;
-      links->add_peer(peer, nccl, 1 - in_pair);
-      links->connect(peer);  // both ranks, now: the pair's connection is set up here
+      transfer->add_peer(peer, nccl, 1 - in_pair);
+      transfer->connect(peer);  // both ranks, now: the pair's connection is set up here
     }
   } catch (...) {
     MPI_Comm_free(&comm);
     throw;
   }
   MPI_Comm_free(&comm);
-  return links;
+  return transfer;
 }
 #endif
 
@@ -190,27 +192,29 @@ std::vector<RankPlacement> gather_placements(const MpiRuntime& mpi, const RankPl
   return placements;
 }
 
-std::unique_ptr<DeviceKvLinks> make_device_kv_links(const MpiRuntime& mpi, const ClusterSpec& spec,
-                                                    std::span<const RankPlacement> placements,
-                                                    SameHostGpus same_host) {
+std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
+                                                          const ClusterSpec& spec,
+                                                          std::span<const RankPlacement> placements,
+                                                          SameHostGpus same_host) {
   DUET_ASSERT(static_cast<int>(placements.size()) == mpi.world_size());
   const Rank self = mpi.rank();
   std::vector<std::pair<Rank, Rank>> ipc;
   bool any_gpu = false;
   for (const auto& [p, d] : kv_pairs(spec)) {
-    const KvLink link = select_kv_link(placements[static_cast<size_t>(p.value)],
-                                       placements[static_cast<size_t>(d.value)], same_host);
-    if (link == KvLink::kCudaIpc) ipc.push_back({p, d});
-    any_gpu = any_gpu || link != KvLink::kMpi;
+    const TransferKind kind =
+        select_transfer_kind(placements[static_cast<size_t>(p.value)],
+                             placements[static_cast<size_t>(d.value)], same_host);
+    if (kind == TransferKind::kCudaIpc) ipc.push_back({p, d});
+    any_gpu = any_gpu || kind != TransferKind::kMpi;
     if (self == kCoordinatorRank) {
-      spdlog::info("kv link: rank {} ({}) -> rank {} ({}): {}", p.value,
+      spdlog::info("kv transfer: rank {} ({}) -> rank {} ({}): {}", p.value,
                    describe_placement(placements[static_cast<size_t>(p.value)]), d.value,
                    describe_placement(placements[static_cast<size_t>(d.value)]),
-                   kv_link_name(link));
+                   transfer_kind_name(kind));
     }
   }
   if (!any_gpu) return nullptr;  // every rank knows it: nobody exchanges anything
-  // Every rank's GPU must answer before any rank waits on another's links.
+  // Every rank's GPU must answer before any rank waits on another's transfer.
   const std::byte usable{static_cast<unsigned char>(
       gpu_usable(placements[static_cast<size_t>(self.value)].device) ? 1 : 0)};
   const std::vector<std::byte> all_usable = mpi.all_gather(std::span(&usable, 1));
@@ -218,18 +222,19 @@ std::unique_ptr<DeviceKvLinks> make_device_kv_links(const MpiRuntime& mpi, const
     if (u == std::byte{0}) return nullptr;  // that rank's instance reports why it cannot start
   }
 #ifdef DUET_HAVE_CUDA
-  std::vector<std::unique_ptr<DeviceKvLinks>> kinds;
+  std::vector<std::unique_ptr<DeviceKvTransfer>> kinds;
   if (!ipc.empty()) {
-    if (auto links = make_ipc_links(mpi, placements, ipc)) kinds.push_back(std::move(links));
+    if (auto transfer = make_cuda_ipc_transfer(mpi, placements, ipc))
+      kinds.push_back(std::move(transfer));
   }
   const std::vector<std::pair<Rank, Rank>> nccl = nccl_pairs(spec, placements, same_host);
   if (!nccl.empty()) {
-    if (auto links = make_nccl_links(mpi, spec, placements, nccl))
-      kinds.push_back(std::move(links));
+    if (auto transfer = make_nccl_transfer(mpi, spec, placements, nccl))
+      kinds.push_back(std::move(transfer));
   }
   if (kinds.empty()) return nullptr;
   if (kinds.size() == 1) return std::move(kinds.front());
-  return std::make_unique<MixedDeviceKvLinks>(std::move(kinds));
+  return std::make_unique<MixedDeviceKvTransfer>(std::move(kinds));
 #else
   return nullptr;
 #endif

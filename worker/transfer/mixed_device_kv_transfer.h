@@ -1,7 +1,7 @@
-// Device links of several kinds behind one (a rank with CUDA IPC peers on its own
-// host and NCCL peers on others): each call goes to the links that carry
+// Device transfers of several kinds behind one (a rank with CUDA IPC peers on its own
+// host and NCCL peers on others): each call goes to the device transfer that carries
 // its peer, and receipts are renumbered so that two kinds' never clash.
-// Plain C++; threads as DeviceKvLinks.
+// Plain C++; threads as DeviceKvTransfer.
 #pragma once
 
 #include <cstdint>
@@ -12,14 +12,14 @@
 #include <vector>
 
 #include "common/error.h"
-#include "worker/transfer/device_kv_links.h"
+#include "worker/transfer/device_kv_transfer.h"
 
 namespace duet {
 
-class MixedDeviceKvLinks final : public DeviceKvLinks {
+class MixedDeviceKvTransfer final : public DeviceKvTransfer {
  public:
-  // Link sets that carry disjoint sets of peers.
-  explicit MixedDeviceKvLinks(std::vector<std::unique_ptr<DeviceKvLinks>> kinds)
+  // Device transfers that carry disjoint sets of peers.
+  explicit MixedDeviceKvTransfer(std::vector<std::unique_ptr<DeviceKvTransfer>> kinds)
       : kinds_(std::move(kinds)) {}
 
   bool carries(int peer) const override { return find(peer) != nullptr; }
@@ -27,9 +27,9 @@ class MixedDeviceKvLinks final : public DeviceKvLinks {
   std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
                                        int64_t layer, std::span<const int32_t> block_table,
                                        int64_t pos0, int64_t n, KvHeads heads) override {
-    DeviceKvLinks* links = find(peer);
-    if (links == nullptr) return std::nullopt;
-    return links->send(peer, layout, kv, layer, block_table, pos0, n, heads);
+    DeviceKvTransfer* transfer = find(peer);
+    if (transfer == nullptr) return std::nullopt;
+    return transfer->send(peer, layout, kv, layer, block_table, pos0, n, heads);
   }
 
   uint64_t receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
@@ -58,32 +58,32 @@ class MixedDeviceKvLinks final : public DeviceKvLinks {
   }
 
   void released(int peer, const DeviceRowsTicket& ticket) override {
-    if (DeviceKvLinks* links = find(peer)) links->released(peer, ticket);
+    if (DeviceKvTransfer* transfer = find(peer)) transfer->released(peer, ticket);
   }
 
   void abandon(int peer) override {
-    if (DeviceKvLinks* links = find(peer)) links->abandon(peer);
+    if (DeviceKvTransfer* transfer = find(peer)) transfer->abandon(peer);
   }
 
   std::vector<std::string> take_notes() override {
     std::vector<std::string> all;
-    for (const auto& links : kinds_) {
-      for (std::string& note : links->take_notes()) all.push_back(std::move(note));
+    for (const auto& transfer : kinds_) {
+      for (std::string& note : transfer->take_notes()) all.push_back(std::move(note));
     }
     return all;
   }
 
   bool busy() const override {
-    for (const auto& links : kinds_) {
-      if (links->busy()) return true;
+    for (const auto& transfer : kinds_) {
+      if (transfer->busy()) return true;
     }
     return false;
   }
 
  private:
-  DeviceKvLinks* find(int peer) const {
-    for (const auto& links : kinds_) {
-      if (links->carries(peer)) return links.get();
+  DeviceKvTransfer* find(int peer) const {
+    for (const auto& transfer : kinds_) {
+      if (transfer->carries(peer)) return transfer.get();
     }
     return nullptr;
   }
@@ -91,11 +91,11 @@ class MixedDeviceKvLinks final : public DeviceKvLinks {
     for (size_t i = 0; i < kinds_.size(); ++i) {
       if (kinds_[i]->carries(peer)) return i;
     }
-    DUET_ASSERT(false, "no device links carry rank {}", peer);
+    DUET_ASSERT(false, "no device transfer carries rank {}", peer);
     return 0;
   }
 
-  std::vector<std::unique_ptr<DeviceKvLinks>> kinds_;
+  std::vector<std::unique_ptr<DeviceKvTransfer>> kinds_;
   std::map<std::pair<size_t, uint64_t>, uint64_t> ids_;  // (kind, its receipt) -> ours
   uint64_t next_ = 1;
 };
