@@ -31,6 +31,26 @@ void for_each_block_run(const KvLayout& layout, std::span<const int32_t> block_t
   }
 }
 
+// Calls copy(cache offset, packed rows offset, elements) once for every
+// (K/V, head) run of one block that rows [pos0, pos0 + n) of `heads` of
+// `layer` occupy: the one walk pack and unpack share, in opposite directions.
+template <typename Copy>
+void for_each_head_run(const KvLayout& layout, int64_t layer, std::span<const int32_t> block_table,
+                       int64_t pos0, int64_t n, KvHeads heads, Copy&& copy) {
+  DUET_ASSERT(
+      heads.first >= 0 && heads.count >= 0 && heads.first + heads.count <= layout.n_kv_heads,
+      "KV heads [{}, +{}) of {}", heads.first, heads.count, layout.n_kv_heads);
+  const int64_t d = layout.head_dim;
+  for_each_block_run(layout, block_table, pos0, n,
+                     [&](int64_t block, int64_t slot, int64_t at, int64_t run) {
+                       for (int64_t h = 0; h < heads.count; ++h) {
+                         const int64_t k = layout.k_offset(layer, block, heads.first + h, slot);
+                         copy(k, (h * n + at) * d, run * d);
+                         copy(k + layout.kv_elems(), ((heads.count + h) * n + at) * d, run * d);
+                       }
+                     });
+}
+
 }  // namespace
 
 void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
@@ -41,19 +61,10 @@ void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
 void pack_kv_rows(const KvLayout& layout, const KvElement* cache, int64_t layer,
                   std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
                   KvElement* out) {
-  DUET_ASSERT(
-      heads.first >= 0 && heads.count >= 0 && heads.first + heads.count <= layout.n_kv_heads,
-      "KV heads [{}, +{}) of {}", heads.first, heads.count, layout.n_kv_heads);
-  const int64_t d = layout.head_dim;
-  for_each_block_run(
-      layout, block_table, pos0, n, [&](int64_t block, int64_t slot, int64_t at, int64_t run) {
-        for (int64_t h = 0; h < heads.count; ++h) {
-          const int64_t k = layout.k_offset(layer, block, heads.first + h, slot);
-          std::memcpy(out + (h * n + at) * d, cache + k, run * d * sizeof(KvElement));
-          std::memcpy(out + ((heads.count + h) * n + at) * d, cache + k + layout.kv_elems(),
-                      run * d * sizeof(KvElement));
-        }
-      });
+  for_each_head_run(layout, layer, block_table, pos0, n, heads,
+                    [&](int64_t cache_at, int64_t rows_at, int64_t count) {
+                      std::memcpy(out + rows_at, cache + cache_at, count * sizeof(KvElement));
+                    });
 }
 
 void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
@@ -65,19 +76,10 @@ void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
 void unpack_kv_rows(const KvLayout& layout, KvElement* cache, int64_t layer,
                     std::span<const int32_t> block_table, int64_t pos0, int64_t n, KvHeads heads,
                     const KvElement* in) {
-  DUET_ASSERT(
-      heads.first >= 0 && heads.count >= 0 && heads.first + heads.count <= layout.n_kv_heads,
-      "KV heads [{}, +{}) of {}", heads.first, heads.count, layout.n_kv_heads);
-  const int64_t d = layout.head_dim;
-  for_each_block_run(
-      layout, block_table, pos0, n, [&](int64_t block, int64_t slot, int64_t at, int64_t run) {
-        for (int64_t h = 0; h < heads.count; ++h) {
-          const int64_t k = layout.k_offset(layer, block, heads.first + h, slot);
-          std::memcpy(cache + k, in + (h * n + at) * d, run * d * sizeof(KvElement));
-          std::memcpy(cache + k + layout.kv_elems(), in + ((heads.count + h) * n + at) * d,
-                      run * d * sizeof(KvElement));
-        }
-      });
+  for_each_head_run(layout, layer, block_table, pos0, n, heads,
+                    [&](int64_t cache_at, int64_t rows_at, int64_t count) {
+                      std::memcpy(cache + cache_at, in + rows_at, count * sizeof(KvElement));
+                    });
 }
 
 uint64_t kv_checksum(std::span<const KvElement> elements, uint64_t seed) {
