@@ -96,6 +96,14 @@ std::vector<std::byte> ControlChannel::buffer(size_t size) {
   return bytes;
 }
 
+std::optional<ReceivedMessage> ControlChannel::receive_until(
+    std::chrono::steady_clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  if (left.count() <= 0) return std::nullopt;
+  return receive(left);
+}
+
 std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
   inbox_ready_.wait_for(lock, timeout, [&] { return !inbox_.empty() || closed_ || stop_; });

@@ -133,6 +133,9 @@ class ControlChannel final {
   // channel has finished closing.
   std::optional<ReceivedMessage> receive(std::chrono::milliseconds timeout);
   std::optional<ReceivedMessage> try_receive() { return receive(std::chrono::milliseconds(0)); }
+  // receive() until `deadline`; nullopt once it has passed (without waiting
+  // at all when it already has).
+  std::optional<ReceivedMessage> receive_until(std::chrono::steady_clock::time_point deadline);
 
   // Any thread. False once nothing more can arrive: the channel finished
   // closing, or stopped (an MPI failure, a failed close). A receive loop ends

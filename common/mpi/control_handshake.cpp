@@ -58,10 +58,7 @@ void coordinator_handshake(ControlChannel& channel, const ClusterSpec& spec,
 
   const auto deadline = Clock::now() + options.timeout;
   while (n_heard < leaders.size()) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    std::optional<ReceivedMessage> received;
-    if (left.count() > 0) received = channel.receive(left);
+    std::optional<ReceivedMessage> received = channel.receive_until(deadline);
     if (!received) {
       std::string silent;
       for (const auto& [leader, said] : heard) {

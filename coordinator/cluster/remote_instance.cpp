@@ -77,10 +77,7 @@ std::vector<InstanceReady> await_instances_ready(ControlChannel& channel, const 
   size_t n_ready = 0;
   const auto deadline = Clock::now() + timeout;
   while (n_ready < ready.size()) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    std::optional<ReceivedMessage> received;
-    if (left.count() > 0) received = channel.receive(left);
+    std::optional<ReceivedMessage> received = channel.receive_until(deadline);
     if (!received) {
       std::string silent;
       for (const InstanceSpec& instance : spec.instances) {
