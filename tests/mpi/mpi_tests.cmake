@@ -118,3 +118,17 @@ add_executable(collective_test ${CMAKE_CURRENT_LIST_DIR}/collective_main.cpp)
 target_link_libraries(collective_test PRIVATE duet_parallel_mpi duet_warnings)
 add_test(NAME mpi_collective_test COMMAND ${DUET_MPIRUN} -np 6 $<TARGET_FILE:collective_test>)
 set_tests_properties(mpi_collective_test PROPERTIES LABELS mpi TIMEOUT 120)
+
+# Failure domains: can one mpirun job outlive one of its ranks? The probe
+# SIGKILLs a rank in each phase of Duet's communication pattern (idle, KV
+# payloads in flight both ways, a payload announced and never sent, an
+# allreduce it never joins) and checks that the others go on, over shared
+# memory and over TCP; and that without --enable-recovery the job ends.
+add_executable(failure_probe ${CMAKE_CURRENT_LIST_DIR}/failure_probe_main.cpp)
+target_link_libraries(failure_probe PRIVATE MPI::MPI_CXX Threads::Threads duet_warnings)
+foreach(btl vader tcp)
+  add_test(NAME mpi_failure_probe_${btl}
+    COMMAND ${CMAKE_CURRENT_LIST_DIR}/failure_probe.sh $<TARGET_FILE:failure_probe> ${btl}
+      ${DUET_MPIRUN})
+  set_tests_properties(mpi_failure_probe_${btl} PROPERTIES LABELS mpi TIMEOUT 240)
+endforeach()
