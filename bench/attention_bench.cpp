@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernel_bench.h"
 #include "common/model/fp16.h"
 #include "common/model/kv_layout.h"
 #include "kernels/cpu/attention.h"
@@ -98,9 +99,7 @@ void register_benchmarks() {
               "attention/" + std::string(isa_name(isa)) + "/" +
               (one_token ? "one_token" : "multi_token") + "/n_seq:" + std::to_string(n_seq) +
               "/ctx:" + std::to_string(c.ctx) + "/threads:" + std::to_string(n_threads);
-          benchmark::RegisterBenchmark(name.c_str(), bench_attention, c)
-              ->UseRealTime()
-              ->Unit(benchmark::kMicrosecond);
+          register_kernel_bench(name, bench_attention, c);
         }
       }
     }
@@ -111,10 +110,5 @@ void register_benchmarks() {
 }  // namespace duet::cpu
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  duet::cpu::register_benchmarks();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return duet::cpu::kernel_bench_main(argc, argv, duet::cpu::register_benchmarks);
 }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernel_bench.h"
 #include "common/model/dtype.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
@@ -97,9 +98,7 @@ void register_benchmarks() {
                 "matmul/" + std::string(isa_name(isa)) + "/" + std::string(dtype_name(type)) +
                 "/k:" + std::to_string(shape.k) + "/n_out:" + std::to_string(shape.n_out) +
                 "/n_x:" + std::to_string(n_x) + "/threads:" + std::to_string(n_threads);
-            benchmark::RegisterBenchmark(name.c_str(), bench_matmul, c)
-                ->UseRealTime()
-                ->Unit(benchmark::kMicrosecond);
+            register_kernel_bench(name, bench_matmul, c);
           }
         }
       }
@@ -111,10 +110,5 @@ void register_benchmarks() {
 }  // namespace duet::cpu
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  duet::cpu::register_benchmarks();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return duet::cpu::kernel_bench_main(argc, argv, duet::cpu::register_benchmarks);
 }

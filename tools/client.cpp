@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tools/client_session.h"
+#include "tools/command_line.h"
 
 namespace duet::client {
 namespace {
@@ -235,15 +236,9 @@ int main(int argc, char** argv) {
   app.add_subcommand("stats", "Print the server's statistics");
   app.add_subcommand("info", "Print the served model's description");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "duet-client: invalid_argument: %s (see duet-client --help)\n", e.what());
-    return kExitRefused;
+  if (const auto exit_code = duet::tools::parse_command_line(app, argc, argv, "duet-client",
+                                                             "invalid_argument", kExitRefused)) {
+    return *exit_code;
   }
 
   // Before any thread exists and before the event loop: Ctrl-C becomes an

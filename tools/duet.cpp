@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "common/error.h"
+#include "tools/command_line.h"
 #include "tools/generate_command.h"
 #include "tools/serve_command.h"
 
@@ -24,15 +25,8 @@ int main(int argc, char** argv) {
   duet::tools::ServeArgs serve_args;
   duet::tools::add_serve_command(app, serve_args);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "duet: error: %s (see duet --help)\n", e.what());
-    return 2;
+  if (const auto exit_code = duet::tools::parse_command_line(app, argc, argv, "duet", "error", 2)) {
+    return *exit_code;
   }
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::info);
 

@@ -19,31 +19,22 @@
 // whatever the caller has: MPI at start-up, a socketpair in the GPU check.
 #pragma once
 
-#include <chrono>
-#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <span>
 #include <vector>
 
-#include "worker/transfer/device_kv_transfer.h"
 #include "worker/transfer/device_rows_staging.h"
+#include "worker/transfer/staged_device_kv_transfer.h"
 
 namespace duet {
 
-class CudaIpcKvTransfer final : public DeviceKvTransfer {
+class CudaIpcKvTransfer final : public StagedDeviceKvTransfer {
  public:
-  struct Options {
-    size_t send_staging_bytes = size_t{256} << 20;
-    size_t receive_staging_bytes = size_t{256} << 20;
-    size_t table_entries = size_t{1} << 16;  // block-table entries in flight
-    // How long send() waits for room in the send staging before it gives up.
-    std::chrono::milliseconds patience{std::chrono::seconds(30)};
-  };
   static constexpr size_t kExportBytes = 160;
 
   // On CUDA device `device`: the send side's staging and event when `sends`,
@@ -62,18 +53,10 @@ class CudaIpcKvTransfer final : public DeviceKvTransfer {
   void add_sender(int peer, std::span<const std::byte> exported);
 
   bool carries(int peer) const override;
-  std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
-                                       int64_t layer, std::span<const int32_t> block_table,
-                                       int64_t pos0, int64_t n, KvHeads heads) override;
-  uint64_t receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
-                   const DeviceKv* kv, std::span<const int32_t> block_table, int64_t layer,
-                   int64_t pos0, int64_t n, KvHeads heads) override;
   std::vector<Done> poll() override;
-  void released(int peer, const DeviceRowsTicket& ticket) override;
   // IPC copies always finish: the receipts of `peer` simply complete.
   void abandon(int peer) override;
   bool busy() const override;
-  std::vector<std::string> take_notes() override;
 
  private:
   struct Sender {             // a rank this one receives from
@@ -86,39 +69,27 @@ class CudaIpcKvTransfer final : public DeviceKvTransfer {
     uint64_t id = 0;
     int peer = 0;
     DeviceRowsTicket ticket;
-    KvLayout layout;
-    DeviceKv kv;                       // invalid: drained
-    std::vector<int32_t> block_table;  // the blocks of [pos0, pos0 + n) alone, pos0 from the first
-    int64_t layer = 0, pos0 = 0, n = 0;
-    KvHeads heads;
+    RowsDestination rows;
     bool started = false;
     bool ok = true;  // false: its copy could not be queued (it completes not ok)
     size_t staging_offset = 0, table_offset = 0;
     DeviceEvent done;
   };
 
-  bool start(Receipt& receipt);     // false: no room yet
-  std::vector<std::string> notes_;  // for the owner's log
+  bool sends_to(int peer) const override;
+  void after_pack(void* stream) override;
+  void check(const Payload& payload) const override;
+  void queue_receipt(uint64_t receipt, const Payload& payload) override;
+  bool start(Receipt& receipt);  // false: no room yet
 
-  const int device_;
-  const Options options_;
-
-  // The send side. The engine thread acquires staging, the communication
-  // thread releases it.
-  std::unique_ptr<DeviceStaging> send_staging_;
-  std::unique_ptr<TableStaging> send_tables_;
+  // The send side: the receivers are guarded by send_mutex_.
   void* send_event_ = nullptr;  // cudaEvent_t, interprocess
   std::set<int> receivers_;
-  mutable std::mutex send_mutex_;  // guards send_staging_'s ring
-  std::condition_variable send_room_;
 
   // The receive side (the communication thread's).
-  std::unique_ptr<DeviceStaging> receive_staging_;
-  std::unique_ptr<TableStaging> receive_tables_;
   std::unique_ptr<DeviceStream> stream_;
   std::map<int, Sender> senders_;
   std::deque<std::unique_ptr<Receipt>> receipts_;  // in the order received
-  uint64_t next_receipt_ = 1;
 };
 
 }  // namespace duet

@@ -10,7 +10,6 @@
 
 #include "common/error.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/kv_rows.h"
 
 namespace duet {
 namespace {
@@ -58,23 +57,7 @@ void* NcclKvTransfer::join(std::span<const std::byte> unique_id, int n_ranks, in
 }
 
 NcclKvTransfer::NcclKvTransfer(int device, bool sends, bool receives, Options options)
-    : device_(device), options_(options) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
-    cudaGetLastError();
-    throw Error(ErrorKind::kUnsupported,
-                format("NCCL KV transfers: no CUDA device {} on this machine", device));
-  }
-  bind(device_);
-  if (sends) {
-    send_staging_ = std::make_unique<DeviceStaging>(options_.send_staging_bytes);
-    send_tables_ = std::make_unique<TableStaging>(options_.table_entries);
-  }
-  if (receives) {
-    receive_staging_ = std::make_unique<DeviceStaging>(options_.receive_staging_bytes);
-    receive_tables_ = std::make_unique<TableStaging>(options_.table_entries);
-  }
-}
+    : StagedDeviceKvTransfer("NCCL", device, sends, receives, options) {}
 
 NcclKvTransfer::~NcclKvTransfer() {
   cudaSetDevice(device_);
@@ -126,41 +109,13 @@ bool NcclKvTransfer::carries(int peer) const {
 
 // ---------------------------------------------------------------- the engine thread
 
-std::optional<DeviceRowsTicket> NcclKvTransfer::send(int peer, const KvLayout& layout,
-                                                     const DeviceKv& kv, int64_t layer,
-                                                     std::span<const int32_t> block_table,
-                                                     int64_t pos0, int64_t n, KvHeads heads) {
-  DUET_ASSERT(send_staging_ != nullptr && kv.valid() && kv.device == device_,
-              "NCCL send from device {} through a transfer of device {}", kv.device, device_);
-  const size_t bytes = payload_bytes(layout, n, heads);
-  if (bytes == 0 || bytes > send_staging_->capacity()) return std::nullopt;
-  size_t offset = 0;
-  {
-    std::unique_lock lock(send_mutex_);
-    const auto it = peers_.find(peer);
-    if (it == peers_.end() || it->second.broken) return std::nullopt;
-    std::optional<size_t> room;
-    const bool got = send_room_.wait_for(lock, options_.patience, [&] {
-      if (peers_.at(peer).broken) return true;
-      room = send_staging_->acquire(bytes);
-      return room.has_value();
-    });
-    if (!got || !room) {
-      if (room) send_staging_->release(*room);
-      return std::nullopt;
-    }
-    offset = *room;
-  }
-  // Packed (and waited for) before the send is posted.
-  try {
-    bind(device_);
-    pack_into_staging(*send_staging_, offset, *send_tables_, layout, kv, layer, block_table, pos0,
-                      n, heads);
-  } catch (...) {
-    std::lock_guard lock(send_mutex_);
-    send_staging_->release(offset);
-    throw;
-  }
+bool NcclKvTransfer::sends_to(int peer) const {
+  const auto it = peers_.find(peer);
+  return it != peers_.end() && !it->second.broken;
+}
+
+// Packed (and waited for) before the send is posted.
+bool NcclKvTransfer::queue_send(int peer, size_t offset, size_t bytes) {
   auto queued = std::make_unique<Send>();
   queued->peer = peer;
   queued->offset = offset;
@@ -168,49 +123,38 @@ std::optional<DeviceRowsTicket> NcclKvTransfer::send(int peer, const KvLayout& l
   std::lock_guard lock(send_mutex_);
   if (peers_.at(peer).broken) {  // broken while this thread packed
     send_staging_->release(offset);
-    return std::nullopt;
+    return false;
   }
   sends_.push_back(std::move(queued));
-  return DeviceRowsTicket{offset, bytes};
+  return true;
 }
 
 // ---------------------------------------------------------------- the communication thread
 
-uint64_t NcclKvTransfer::receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
-                                 const DeviceKv* kv, std::span<const int32_t> block_table,
-                                 int64_t layer, int64_t pos0, int64_t n, KvHeads heads) {
-  const auto p = peers_.find(peer);
-  DUET_ASSERT(p != peers_.end() && receive_staging_ != nullptr,
-              "rows from rank {}, which has no NCCL connection here", peer);
-  DUET_ASSERT(kv == nullptr || kv->device == device_,
-              "rows for device {} through a transfer of device {}", kv->device, device_);
+void NcclKvTransfer::check(const Payload& payload) const {
+  DUET_ASSERT(peers_.contains(payload.peer) && receive_staging_ != nullptr,
+              "rows from rank {}, which has no NCCL connection here", payload.peer);
+  const DeviceRowsTicket& ticket = payload.ticket;
   DUET_REQUIRE(ticket.bytes > 0 && ticket.bytes <= receive_staging_->capacity() &&
-                   (kv == nullptr || ticket.bytes == payload_bytes(layout, n, heads)),
+                   (payload.kv == nullptr ||
+                    ticket.bytes == payload_bytes(payload.layout, payload.n, payload.heads)),
                "rank {}'s NCCL payload of {} bytes is not its rows' size (or over the {}-byte "
                "receive staging)",
-               peer, ticket.bytes, receive_staging_->capacity());
-  const uint64_t id = next_receipt_++;
-  if (p->second.broken) {  // its send was ended with the communicator
-    abandoned_.push_back(Done{id, peer, false, std::nullopt});
-    return id;
+               payload.peer, ticket.bytes, receive_staging_->capacity());
+}
+
+void NcclKvTransfer::queue_receipt(uint64_t id, const Payload& payload) {
+  if (peers_.at(payload.peer).broken) {  // its send was ended with the communicator
+    abandoned_.push_back(Done{id, payload.peer, false, std::nullopt});
+    return;
   }
   bind(device_);  // the receipt's event belongs to this transfer's device
   auto receipt = std::make_unique<Receipt>();
   receipt->id = id;
-  receipt->peer = peer;
-  receipt->bytes = ticket.bytes;
-  receipt->layout = layout;
-  receipt->layer = layer;
-  receipt->n = n;
-  receipt->heads = heads;
-  if (kv != nullptr) {
-    receipt->kv = *kv;
-    const CoveringBlocks covering = covering_blocks(block_table, layout.block_size, pos0, n);
-    receipt->block_table.assign(covering.table.begin(), covering.table.end());
-    receipt->pos0 = covering.pos0;
-  }
+  receipt->peer = payload.peer;
+  receipt->bytes = payload.ticket.bytes;
+  receipt->rows = destination(payload);
   receipts_.push_back(std::move(receipt));
-  return id;
 }
 
 std::vector<DeviceKvTransfer::Done> NcclKvTransfer::poll() {
@@ -251,9 +195,9 @@ void NcclKvTransfer::post(std::vector<Done>& done) {
     if (receipts.size() == kMaxGroupOps / 2) break;
     const std::optional<size_t> offset = receive_staging_->acquire(r->bytes);
     if (!offset) break;
-    if (r->kv.valid()) {
+    if (r->rows.kv.valid()) {
       const std::optional<TableStaging::Slot> table =
-          receive_tables_->upload(r->block_table, peers_.at(r->peer).stream->get());
+          receive_tables_->upload(r->rows.block_table, peers_.at(r->peer).stream->get());
       if (!table) {
         receive_staging_->release(*offset);
         break;
@@ -317,11 +261,8 @@ void NcclKvTransfer::post(std::vector<Done>& done) {
       for (Send* s : sends) s->done.record(peers_.at(s->peer).stream->get());
       for (Receipt* r : receipts) {
         void* stream = peers_.at(r->peer).stream->get();
-        if (r->kv.valid()) {
-          cuda::unpack_kv_rows(r->layout, r->kv.data, r->layer,
-                               receive_tables_->device_at(r->table_offset), r->pos0, r->n,
-                               r->heads.first, r->heads.count,
-                               receive_staging_->at(r->staging_offset), stream);
+        if (r->rows.kv.valid()) {
+          unpack(r->rows, receive_tables_->device_at(r->table_offset), r->staging_offset, stream);
         }
         r->done.record(stream);
       }
@@ -438,8 +379,6 @@ void NcclKvTransfer::break_link(int peer, std::vector<Done>& done) {
 }
 
 void NcclKvTransfer::released(int, const DeviceRowsTicket&) {}
-
-std::vector<std::string> NcclKvTransfer::take_notes() { return std::exchange(notes_, {}); }
 
 bool NcclKvTransfer::busy() const {
   if (!receipts_.empty() || !abandoned_.empty()) return true;

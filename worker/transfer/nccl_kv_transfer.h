@@ -22,32 +22,21 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
-#include <string>
 #include <vector>
 
-#include "worker/transfer/device_kv_transfer.h"
 #include "worker/transfer/device_rows_staging.h"
+#include "worker/transfer/staged_device_kv_transfer.h"
 
 namespace duet {
 
-class NcclKvTransfer final : public DeviceKvTransfer {
+class NcclKvTransfer final : public StagedDeviceKvTransfer {
  public:
-  struct Options {
-    size_t send_staging_bytes = size_t{256} << 20;
-    size_t receive_staging_bytes = size_t{256} << 20;
-    size_t table_entries = size_t{1} << 16;  // block-table entries in flight
-    // How long send() waits for send staging, and a posted send for its
-    // receiver, before the connection to that peer is given up.
-    std::chrono::milliseconds patience{std::chrono::seconds(30)};
-  };
-
   // A new NCCL unique id as bytes (one per communicator, made by one rank).
   static constexpr size_t kUniqueIdBytes = 128;
   static std::vector<std::byte> unique_id();
@@ -75,18 +64,11 @@ class NcclKvTransfer final : public DeviceKvTransfer {
   void connect(int peer);
 
   bool carries(int peer) const override;
-  std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
-                                       int64_t layer, std::span<const int32_t> block_table,
-                                       int64_t pos0, int64_t n, KvHeads heads) override;
-  uint64_t receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
-                   const DeviceKv* kv, std::span<const int32_t> block_table, int64_t layer,
-                   int64_t pos0, int64_t n, KvHeads heads) override;
   std::vector<Done> poll() override;
   // NCCL frees the send staging itself when the send completes: nothing to do.
   void released(int peer, const DeviceRowsTicket& ticket) override;
   void abandon(int peer) override;
   bool busy() const override;
-  std::vector<std::string> take_notes() override;
 
  private:
   struct Peer {
@@ -108,11 +90,7 @@ class NcclKvTransfer final : public DeviceKvTransfer {
     uint64_t id = 0;
     int peer = 0;
     size_t bytes = 0;
-    KvLayout layout;
-    DeviceKv kv;                       // invalid: drained
-    std::vector<int32_t> block_table;  // the blocks of [pos0, pos0 + n) alone, pos0 from the first
-    int64_t layer = 0, pos0 = 0, n = 0;
-    KvHeads heads;
+    RowsDestination rows;
     bool posted = false;
     std::chrono::steady_clock::time_point posted_at;
     size_t staging_offset = 0, table_offset = 0;
@@ -120,32 +98,26 @@ class NcclKvTransfer final : public DeviceKvTransfer {
     DeviceEvent done;
   };
 
+  bool sends_to(int peer) const override;
+  bool queue_send(int peer, size_t offset, size_t bytes) override;
+  void check(const Payload& payload) const override;
+  void queue_receipt(uint64_t receipt, const Payload& payload) override;
   void post(std::vector<Done>& done);     // queued sends and receives, one group
   void collect(std::vector<Done>& done);  // finished sends and receipts
   void check_peers(std::vector<Done>& done);
   // Aborts the peer's communicator; its receipts complete not ok.
   void break_link(int peer, std::vector<Done>& done);
-  void release_send(const Send& send);
 
-  const int device_;
-  const Options options_;
   std::map<int, Peer> peers_;  // fixed after start-up but for `broken`
 
-  // Send staging: the engine thread packs, the communication thread posts
-  // and frees. Guarded by send_mutex_, with the queued and posted sends.
-  mutable std::mutex send_mutex_;
-  std::condition_variable send_room_;
-  std::unique_ptr<DeviceStaging> send_staging_;
-  std::unique_ptr<TableStaging> send_tables_;
+  // The send staging's payloads: the engine thread packs and queues, the
+  // communication thread posts and frees. Guarded by send_mutex_, with
+  // peers_' `broken`.
   std::deque<std::unique_ptr<Send>> sends_;
 
   // The receive side (the communication thread's).
-  std::unique_ptr<DeviceStaging> receive_staging_;
-  std::unique_ptr<TableStaging> receive_tables_;
   std::deque<std::unique_ptr<Receipt>> receipts_;  // in the order received
   std::vector<Done> abandoned_;                    // for the next poll()
-  std::vector<std::string> notes_;                 // for the owner's log
-  uint64_t next_receipt_ = 1;
 };
 
 }  // namespace duet

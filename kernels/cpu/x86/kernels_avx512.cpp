@@ -85,6 +85,15 @@ struct QuantTile {
     return hsum_ps(acc) + mins;
   }
 
+  // Activation blocks x0 and x1 (of two rows) against one weight block's
+  // quants `wq`: the two 8-lane integer dot products, x0's in the low half.
+  static __m512 pair_dot(__m256i wq, const XB& x0, const XB& x1) {
+    __m256i u0, s0, u1, s1;
+    Format::operands(wq, x0, &u0, &s0);
+    Format::operands(wq, x1, &u1, &s1);
+    return lane_dot2(u0, s0, u1, s1);
+  }
+
   // Decode shape: one weight row after the other, so the weights stream
   // through memory in order (interleaving rows measured slower here); the
   // activation's scales are converted once for all rows.
@@ -128,11 +137,8 @@ struct QuantTile {
           for (int p = 0; p < kPairs; ++p) {
             const XB& x0 = reinterpret_cast<const XB*>(x + (2 * p) * x_stride)[b];
             const XB& x1 = reinterpret_cast<const XB*>(x + (2 * p + 1) * x_stride)[b];
-            __m256i u0, s0, u1, s1;
-            Format::operands(wq, x0, &u0, &s0);
-            Format::operands(wq, x1, &u1, &s1);
             const __m512 scale = join_scales(dw * half_to_float(x0.d), dw * half_to_float(x1.d));
-            acc[p] = _mm512_fmadd_ps(scale, lane_dot2(u0, s0, u1, s1), acc[p]);
+            acc[p] = _mm512_fmadd_ps(scale, pair_dot(wq, x0, x1), acc[p]);
             if constexpr (Format::kHasMin) {
               mins[2 * p] += Format::min_term(wb[b], x0);
               mins[2 * p + 1] += Format::min_term(wb[b], x1);
@@ -188,11 +194,7 @@ struct QuantTile {
             for (int p = 0; p < kPairs; ++p) {
               const XB& x0 = reinterpret_cast<const XB*>(x + (2 * p) * x_stride)[b];
               const XB& x1 = reinterpret_cast<const XB*>(x + (2 * p + 1) * x_stride)[b];
-              __m256i u0, s0, u1, s1;
-              Format::operands(wq, x0, &u0, &s0);
-              Format::operands(wq, x1, &u1, &s1);
-              acc[p] =
-                  _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[p][b]), lane_dot2(u0, s0, u1, s1), acc[p]);
+              acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[p][b]), pair_dot(wq, x0, x1), acc[p]);
             }
             if constexpr (Format::kHasMin) {
               const __m256 mw = _mm256_set1_ps(half_to_float(wb[b].m));
