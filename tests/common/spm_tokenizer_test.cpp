@@ -21,11 +21,15 @@
 #include "common/text/tokenizer.h"
 #include "common/text/tokenizer_gguf.h"
 #include "common/text/unicode.h"
+#include "tests/common/token_ids.h"
+#include "tests/error_kind.h"
 #include "tests/golden_file.h"
 #include "tests/test_paths.h"
 
 namespace duet {
 namespace {
+
+using testing::error_kind_of;
 
 // ---------------------------------------------------------------------------
 // A hand-built vocabulary: <unk>, <s>, </s>, optionally the 256 byte tokens
@@ -84,29 +88,12 @@ TokenizerSpec spm_spec(const std::vector<Piece>& pieces, bool with_byte_tokens =
 
 // Token ids of readable pieces.
 std::vector<TokenId> ids_of(const Tokenizer& tokenizer, const std::vector<std::string>& pieces) {
-  std::vector<TokenId> ids;
-  for (const std::string& piece : pieces) {
-    const std::optional<TokenId> id = tokenizer.find_token(sp(piece));
-    EXPECT_TRUE(id.has_value()) << "no token for '" << piece << "'";
-    ids.push_back(id.value_or(-1));
-  }
-  return ids;
+  return testing::token_ids(tokenizer, pieces, sp);
 }
 
 std::vector<TokenId> concat(std::vector<TokenId> a, const std::vector<TokenId>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
-}
-
-template <typename F>
-ErrorKind error_kind_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.kind();
-  }
-  ADD_FAILURE() << "no duet::Error thrown";
-  return ErrorKind::kInternal;
 }
 
 // Streams ids through an IncrementalDecoder; every part must be valid UTF-8.

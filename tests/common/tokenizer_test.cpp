@@ -15,9 +15,13 @@
 #include "common/error.h"
 #include "common/text/incremental_decoder.h"
 #include "common/text/unicode.h"
+#include "tests/common/token_ids.h"
+#include "tests/error_kind.h"
 
 namespace duet {
 namespace {
+
+using testing::error_kind_of;
 
 // ---------------------------------------------------------------------------
 // A tiny vocabulary: three control tokens, the 256 byte-alphabet characters,
@@ -73,24 +77,7 @@ const std::vector<RawMerge> kMerges = {{"h", "e"},    {"l", "l"},    {"he", "ll"
 
 // Token ids of raw pieces, for readable expectations.
 std::vector<TokenId> ids_of(const Tokenizer& tokenizer, const std::vector<std::string>& pieces) {
-  std::vector<TokenId> ids;
-  for (const std::string& piece : pieces) {
-    const std::optional<TokenId> id = tokenizer.find_token(bpe(piece));
-    EXPECT_TRUE(id.has_value()) << "no token for '" << piece << "'";
-    ids.push_back(id.value_or(-1));
-  }
-  return ids;
-}
-
-template <typename F>
-ErrorKind error_kind_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.kind();
-  }
-  ADD_FAILURE() << "no duet::Error thrown";
-  return ErrorKind::kInternal;
+  return testing::token_ids(tokenizer, pieces, bpe);
 }
 
 // ---------------------------------------------------------------------------

@@ -6,10 +6,15 @@
   every golden (flash attention disabled, F16 KV cache, logits for every position).
 - write_json(): deterministic JSON writer that keeps lists of numbers on one line,
   so fixture files stay small and diffable.
+- golden_arguments(), golden_header(), write_golden(): the command line, the
+  versioned header and the writing every golden file shares;
+  write_tokenizer_golden() the layout of the tokenizer goldens.
 """
+import argparse
 import hashlib
 import json
 import os
+import sys
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 REFERENCE = "llama-cpp-python 0.3.36"
@@ -32,6 +37,59 @@ REFERENCE_SETTINGS = {
 def repo_path(p):
     """Resolve a command-line path relative to the repository root."""
     return p if os.path.isabs(p) else os.path.join(REPO, p)
+
+
+def golden_arguments(description, default_model, default_out):
+    """An ArgumentParser with --model and --out (both relative to the repository
+    root unless absolute); a generator adds its own options."""
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=default_model,
+                    help="GGUF model (relative to the repository root unless absolute)")
+    ap.add_argument("--out", default=default_out,
+                    help="output JSON (relative to the repository root unless absolute)")
+    return ap
+
+
+def golden_header(generator, model_path):
+    """The versioned header a golden file starts with: its format, what made it,
+    the reference and its version, and the model (name and SHA-256)."""
+    import llama_cpp
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "generator": generator,
+        "reference": REFERENCE,
+        "reference_version": llama_cpp.__version__,
+        "model": os.path.basename(model_path),
+        "model_sha256": sha256_file(model_path),
+    }
+
+
+def check_unique_names(cases):
+    """Asserts that no two (name, ...) cases share a name."""
+    names = set()
+    for name, *_ in cases:
+        assert name not in names, name
+        names.add(name)
+
+
+def write_golden(out, doc, summary=""):
+    """Writes doc to `out` (a --out argument) and says so on stderr, with `summary`."""
+    write_json(repo_path(out), doc)
+    print(f"wrote {out}{summary}", file=sys.stderr)
+
+
+def write_tokenizer_golden(out, generator, model_path, llm, calls, cases):
+    """Writes a tokenizer golden: the header, `calls` (how the reference was
+    called), the vocabulary's size and the cases, each with its "ids"."""
+    doc = {
+        **golden_header(generator, model_path),
+        **calls,
+        "n_vocab": int(llm.n_vocab()),
+        "cases": cases,
+    }
+    write_golden(out, doc, f": {len(cases)} cases, {sum(len(c['ids']) for c in cases)} tokens")
 
 
 def sha256_file(path):

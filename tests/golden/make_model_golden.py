@@ -34,14 +34,12 @@ Run (paths default relative to the repository root):
 Deterministic and rerunnable on the same machine; llama.cpp's CPU kernels may
 pick different SIMD paths on other CPUs, so compare with tolerances.
 """
-import argparse
-import os
 import sys
 
 import numpy as np
 
-from golden_util import (FORMAT_VERSION, REFERENCE, eog_ids, reference_llama, repo_path,
-                         round5, sha256_file, write_json)
+from golden_util import (eog_ids, golden_arguments, golden_header, reference_llama, repo_path,
+                         round5, write_golden)
 
 GENERATOR = "tests/golden/make_model_golden.py"
 N_TOP = 32
@@ -80,14 +78,11 @@ def top_order(row, k):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--out", default="tests/golden/smollm2_greedy.json")
+    ap = golden_arguments(__doc__, "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "tests/golden/smollm2_greedy.json")
     ap.add_argument("--max-new", type=int, default=64)
     args = ap.parse_args()
     model = repo_path(args.model)
-
-    import llama_cpp
 
     llm, settings = reference_llama(model)
     n_vocab = llm.n_vocab()
@@ -175,12 +170,7 @@ def main():
                         sum(m < 0.05 for m in margins), len(margins), min(margins)))
 
     doc = {
-        "format_version": FORMAT_VERSION,
-        "generator": GENERATOR,
-        "reference": REFERENCE,
-        "reference_version": llama_cpp.__version__,
-        "model": os.path.basename(model),
-        "model_sha256": sha256_file(model),
+        **golden_header(GENERATOR, model),
         "settings": settings,
         "add_bos": add_bos,
         "tokenize": "llm.tokenize(prompt.encode('utf-8'), add_bos=add_bos, special=True)",
@@ -200,8 +190,7 @@ def main():
         "logit_decimals": 5,
         "cases": cases,
     }
-    write_json(repo_path(args.out), doc)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_golden(args.out, doc)
     print("case prompt_len gen_len mismatches max_abs_incr_vs_batch margins<0.05/positions min_margin", file=sys.stderr)
     for s in summary:
         print("%s %d %d %d %.5f %d/%d %.5f" % s, file=sys.stderr)

@@ -35,11 +35,7 @@ Run from anywhere (paths default relative to the repository root):
 
 Deterministic and rerunnable: the same model gives a byte-identical file.
 """
-import argparse
-import os
-import sys
-
-from golden_util import FORMAT_VERSION, REFERENCE, repo_path, sha256_file, write_json
+from golden_util import check_unique_names, golden_arguments, repo_path, write_tokenizer_golden
 
 GENERATOR = "tests/golden/make_spm_tokenizer_golden.py"
 
@@ -98,14 +94,9 @@ CASES = [
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="../shared/models/stories260K.gguf",
-                    help="GGUF model (relative to the repository root unless absolute)")
-    ap.add_argument("--out", default="tests/golden/tokenizer_stories260k.json",
-                    help="output JSON (relative to the repository root unless absolute)")
-    args = ap.parse_args()
+    args = golden_arguments(__doc__, "../shared/models/stories260K.gguf",
+                            "tests/golden/tokenizer_stories260k.json").parse_args()
     model = repo_path(args.model)
-    out = repo_path(args.out)
 
     import llama_cpp
     from llama_cpp import Llama
@@ -115,11 +106,9 @@ def main():
     assert llama_cpp.llama_vocab_get_add_bos(vocab), "stories260K adds BOS"
     bos = int(llama_cpp.llama_vocab_bos(vocab))
 
+    check_unique_names(CASES)
     cases = []
-    names = set()
     for name, text in CASES:
-        assert name not in names, name
-        names.add(name)
         data = text.encode("utf-8")
         ids = [int(i) for i in llm.tokenize(data, add_bos=True, special=True)]
         ids_unparsed = [int(i) for i in llm.tokenize(data, add_bos=True, special=False)]
@@ -133,24 +122,13 @@ def main():
             "detokenized_special": llm.detokenize(ids, special=True).decode("utf-8"),
         })
 
-    doc = {
-        "format_version": FORMAT_VERSION,
-        "generator": GENERATOR,
-        "reference": REFERENCE,
-        "reference_version": llama_cpp.__version__,
-        "model": os.path.basename(model),
-        "model_sha256": sha256_file(model),
+    write_tokenizer_golden(args.out, GENERATOR, model, llm, {
         "tokenize_call": "Llama(model_path, vocab_only=True).tokenize(text.encode('utf-8'), add_bos=True, special=True)",
         "tokenize_unparsed_call": "Llama(model_path, vocab_only=True).tokenize(text.encode('utf-8'), add_bos=True, special=False)",
         "detokenize_call": "Llama(model_path, vocab_only=True).detokenize(ids) and .detokenize(ids, special=True)",
         "add_bos": True,
         "bos_id": bos,
-        "n_vocab": int(llm.n_vocab()),
-        "cases": cases,
-    }
-    write_json(out, doc)
-    print(f"wrote {args.out}: {len(cases)} cases, "
-          f"{sum(len(c['ids']) for c in cases)} tokens", file=sys.stderr)
+    }, cases)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,7 @@ Run from anywhere (paths default relative to the repository root):
 
 Deterministic and rerunnable: the same model gives a byte-identical file.
 """
-import argparse
-import os
-import sys
-
-from golden_util import FORMAT_VERSION, REFERENCE, repo_path, sha256_file, write_json
+from golden_util import check_unique_names, golden_arguments, repo_path, write_tokenizer_golden
 
 GENERATOR = "tests/golden/make_tokenizer_golden.py"
 
@@ -87,41 +83,22 @@ CASES = [
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf",
-                    help="GGUF model (relative to the repository root unless absolute)")
-    ap.add_argument("--out", default="tests/golden/tokenizer_smollm2.json",
-                    help="output JSON (relative to the repository root unless absolute)")
-    args = ap.parse_args()
+    args = golden_arguments(__doc__, "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                            "tests/golden/tokenizer_smollm2.json").parse_args()
     model = repo_path(args.model)
-    out = repo_path(args.out)
 
-    import llama_cpp
     from llama_cpp import Llama
 
     llm = Llama(model_path=model, vocab_only=True, verbose=False)
+    check_unique_names(CASES)
     cases = []
-    names = set()
     for name, text in CASES:
-        assert name not in names, name
-        names.add(name)
         ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         cases.append({"name": name, "text": text, "ids": [int(i) for i in ids]})
 
-    doc = {
-        "format_version": FORMAT_VERSION,
-        "generator": GENERATOR,
-        "reference": REFERENCE,
-        "reference_version": llama_cpp.__version__,
-        "model": os.path.basename(model),
-        "model_sha256": sha256_file(model),
+    write_tokenizer_golden(args.out, GENERATOR, model, llm, {
         "tokenize_call": "Llama(model_path, vocab_only=True).tokenize(text.encode('utf-8'), add_bos=False, special=True)",
-        "n_vocab": int(llm.n_vocab()),
-        "cases": cases,
-    }
-    write_json(out, doc)
-    print(f"wrote {args.out}: {len(cases)} cases, "
-          f"{sum(len(c['ids']) for c in cases)} tokens", file=sys.stderr)
+    }, cases)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/backend.h"
+#include "tests/gpu/backend_check.h"
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 
@@ -242,24 +243,22 @@ void graph_replay(const Config& c, cuda::CudaBackend& backend) {
 
 int main() {
   using namespace duet;
-  if (gpu_check::no_gpu()) return gpu_check::kSkipped;
-  cuda::CudaBackend backend(0);
-  std::printf("device: %s\n", backend.name().c_str());
-  const Config configs[] = {
-      {64, 8, 2},   {128, 8, 2},  // GQA, 4 query heads per KV head
-      {64, 4, 4},   {128, 4, 4},  // MHA
-      {128, 12, 2},               // 6 per KV head (a block of 8 with 2 idle)
-      {64, 32, 2},                // 16 per KV head (two blocks per KV head)
-  };
-  for (const Config& c : configs) {
-    char name[96];
-    std::snprintf(name, sizeof(name), "mixed batch, head_dim %lld, %lld heads / %lld KV heads",
-                  static_cast<long long>(c.head_dim), static_cast<long long>(c.n_heads),
-                  static_cast<long long>(c.n_kv_heads));
-    gpu_check::run_case(name, [&] { mixed_batch(c, backend); });
-  }
-  gpu_check::run_case("decode step replayed from a CUDA graph", [&] {
-    graph_replay({128, 8, 2}, backend);
+  return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
+    const Config configs[] = {
+        {64, 8, 2},   {128, 8, 2},  // GQA, 4 query heads per KV head
+        {64, 4, 4},   {128, 4, 4},  // MHA
+        {128, 12, 2},               // 6 per KV head (a block of 8 with 2 idle)
+        {64, 32, 2},                // 16 per KV head (two blocks per KV head)
+    };
+    for (const Config& c : configs) {
+      char name[96];
+      std::snprintf(name, sizeof(name), "mixed batch, head_dim %lld, %lld heads / %lld KV heads",
+                    static_cast<long long>(c.head_dim), static_cast<long long>(c.n_heads),
+                    static_cast<long long>(c.n_kv_heads));
+      gpu_check::run_case(name, [&] { mixed_batch(c, backend); });
+    }
+    gpu_check::run_case("decode step replayed from a CUDA graph", [&] {
+      graph_replay({128, 8, 2}, backend);
+    });
   });
-  return gpu_check::finish();
 }

@@ -21,6 +21,7 @@
 #include "common/model/kv_layout.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/kv_rows.h"
+#include "tests/gpu/backend_check.h"
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 #include "worker/kv/kv_rows.h"
@@ -241,23 +242,22 @@ void argument_checks(cuda::CudaBackend& backend) {
 
 int main() {
   using namespace duet;
-  if (gpu_check::no_gpu()) return gpu_check::kSkipped;
-  cuda::CudaBackend backend(0);
-  std::printf("device: %s\n", backend.name().c_str());
-  // {n_layers, n_kv_heads, head_dim, block_size, n_blocks}
-  const KvLayout layouts[] = {
-      {3, 8, 128, 16, 40}, {2, 2, 64, 16, 40}, {2, 1, 64, 8, 48}, {2, 2, 256, 32, 24},
-      {2, 4, 8, 8, 48},    {2, 3, 12, 16, 40}, {2, 2, 6, 8, 48},  {2, 5, 5, 4, 100},
-  };
-  for (const KvLayout& layout : layouts) {
-    char name[128];
-    std::snprintf(name, sizeof(name), "head_dim %lld, %lld KV heads, block size %lld",
-                  static_cast<long long>(layout.head_dim),
-                  static_cast<long long>(layout.n_kv_heads),
-                  static_cast<long long>(layout.block_size));
-    gpu_check::run_case(name, [&] { check_layout(layout, backend); });
-  }
-  gpu_check::run_case("pack and unpack replayed from a CUDA graph", [&] { graph_replay(backend); });
-  gpu_check::run_case("bad arguments throw", [&] { argument_checks(backend); });
-  return gpu_check::finish();
+  return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
+    // {n_layers, n_kv_heads, head_dim, block_size, n_blocks}
+    const KvLayout layouts[] = {
+        {3, 8, 128, 16, 40}, {2, 2, 64, 16, 40}, {2, 1, 64, 8, 48}, {2, 2, 256, 32, 24},
+        {2, 4, 8, 8, 48},    {2, 3, 12, 16, 40}, {2, 2, 6, 8, 48},  {2, 5, 5, 4, 100},
+    };
+    for (const KvLayout& layout : layouts) {
+      char name[128];
+      std::snprintf(name, sizeof(name), "head_dim %lld, %lld KV heads, block size %lld",
+                    static_cast<long long>(layout.head_dim),
+                    static_cast<long long>(layout.n_kv_heads),
+                    static_cast<long long>(layout.block_size));
+      gpu_check::run_case(name, [&] { check_layout(layout, backend); });
+    }
+    gpu_check::run_case("pack and unpack replayed from a CUDA graph",
+                        [&] { graph_replay(backend); });
+    gpu_check::run_case("bad arguments throw", [&] { argument_checks(backend); });
+  });
 }

@@ -18,6 +18,7 @@
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/matmul.h"
+#include "tests/gpu/backend_check.h"
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 
@@ -100,18 +101,16 @@ void check_type(const Case& c, cuda::CudaBackend& backend, cpu::ThreadPool& pool
 
 int main() {
   using namespace duet;
-  if (gpu_check::no_gpu()) return gpu_check::kSkipped;
-  cuda::CudaBackend backend(0);
-  cpu::ThreadPool pool(4);
-  std::printf("device: %s\n", backend.name().c_str());
-  const Case cases[] = {
-      {DType::kQ4_0, 576, 1536}, {DType::kQ4_1, 576, 1536}, {DType::kQ8_0, 1536, 576},
-      {DType::kF16, 576, 1000},  {DType::kQ4_1, 4096, 256}, {DType::kF32, 256, 300},
-      {DType::kBF16, 256, 300},  {DType::kQ4_K, 512, 300},  {DType::kQ6_K, 512, 300},
-  };
-  for (const Case& c : cases) {
-    const std::string name = std::string("matmul ") + std::string(dtype_name(c.type));
-    gpu_check::run_case(name.c_str(), [&] { check_type(c, backend, pool); });
-  }
-  return gpu_check::finish();
+  return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
+    cpu::ThreadPool pool(4);
+    const Case cases[] = {
+        {DType::kQ4_0, 576, 1536}, {DType::kQ4_1, 576, 1536}, {DType::kQ8_0, 1536, 576},
+        {DType::kF16, 576, 1000},  {DType::kQ4_1, 4096, 256}, {DType::kF32, 256, 300},
+        {DType::kBF16, 256, 300},  {DType::kQ4_K, 512, 300},  {DType::kQ6_K, 512, 300},
+    };
+    for (const Case& c : cases) {
+      const std::string name = std::string("matmul ") + std::string(dtype_name(c.type));
+      gpu_check::run_case(name.c_str(), [&] { check_type(c, backend, pool); });
+    }
+  });
 }

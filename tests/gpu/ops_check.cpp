@@ -13,6 +13,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cuda/ops.h"
+#include "tests/gpu/backend_check.h"
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 
@@ -202,16 +203,15 @@ void check_silu_mul_and_add(cuda::CudaBackend& backend) {
 
 int main() {
   using namespace duet;
-  if (gpu_check::no_gpu()) return gpu_check::kSkipped;
-  cuda::CudaBackend backend(0);
-  std::printf("device: %s\n", backend.name().c_str());
-  gpu_check::run_case("embedding rows, every weight type", [&] { check_embedding(backend); });
-  gpu_check::run_case("embedding rows of a vocabulary slice",
-                      [&] { check_embedding_slice(backend); });
-  gpu_check::run_case("logit slices assembled", [&] { check_assemble_slices(backend); });
-  gpu_check::run_case("column parts assembled", [&] { check_assemble_parts(backend); });
-  gpu_check::run_case("rms_norm", [&] { check_rms_norm(backend); });
-  gpu_check::run_case("rope", [&] { check_rope(backend); });
-  gpu_check::run_case("silu_mul, add_in_place, add_bias", [&] { check_silu_mul_and_add(backend); });
-  return gpu_check::finish();
+  return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
+    gpu_check::run_case("embedding rows, every weight type", [&] { check_embedding(backend); });
+    gpu_check::run_case("embedding rows of a vocabulary slice",
+                        [&] { check_embedding_slice(backend); });
+    gpu_check::run_case("logit slices assembled", [&] { check_assemble_slices(backend); });
+    gpu_check::run_case("column parts assembled", [&] { check_assemble_parts(backend); });
+    gpu_check::run_case("rms_norm", [&] { check_rms_norm(backend); });
+    gpu_check::run_case("rope", [&] { check_rope(backend); });
+    gpu_check::run_case("silu_mul, add_in_place, add_bias",
+                        [&] { check_silu_mul_and_add(backend); });
+  });
 }

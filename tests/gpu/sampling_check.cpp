@@ -16,6 +16,7 @@
 #include "common/sampling.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/sampling.h"
+#include "tests/gpu/backend_check.h"
 #include "tests/gpu/gpu_check.h"
 
 namespace duet {
@@ -136,28 +137,28 @@ void check_case(const Case& c, int64_t n_vocab, cuda::CudaBackend& backend) {
 
 int main() {
   using namespace duet;
-  if (gpu_check::no_gpu()) return gpu_check::kSkipped;
-  cuda::CudaBackend backend(0);
-  std::printf("device: %s\n", backend.name().c_str());
-  const Case cases[] = {
-      {"greedy", params(0.0f, 0, 1.0f)},
-      {"temperature 1", params(1.0f, 0, 1.0f)},
-      {"temperature 0.7", params(0.7f, 0, 1.0f)},
-      {"top_k 40", params(1.0f, 40, 1.0f)},
-      {"top_k 1000 at temperature 1.3", params(1.3f, 1000, 1.0f)},
-      {"top_p 0.9", params(1.0f, 0, 0.9f)},
-      {"top_p 0.5 at temperature 1.5", params(1.5f, 0, 0.5f)},
-      {"top_k 40 + top_p 0.9 at temperature 0.8", params(0.8f, 40, 0.9f)},
-      {"top_k 5000 + top_p 0.95", params(1.0f, 5000, 0.95f)},
-      {"top_k above the vocabulary", params(1.0f, 200000, 1.0f)},
-  };
-  // The default model's vocabulary, a small one, Llama 3's and Qwen2's.
-  for (const int64_t n_vocab : {int64_t{49152}, int64_t{1000}, int64_t{128256}, int64_t{152064}}) {
-    for (const Case& c : cases) {
-      char name[128];
-      std::snprintf(name, sizeof(name), "%s, vocab %lld", c.name, static_cast<long long>(n_vocab));
-      gpu_check::run_case(name, [&] { check_case(c, n_vocab, backend); });
+  return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
+    const Case cases[] = {
+        {"greedy", params(0.0f, 0, 1.0f)},
+        {"temperature 1", params(1.0f, 0, 1.0f)},
+        {"temperature 0.7", params(0.7f, 0, 1.0f)},
+        {"top_k 40", params(1.0f, 40, 1.0f)},
+        {"top_k 1000 at temperature 1.3", params(1.3f, 1000, 1.0f)},
+        {"top_p 0.9", params(1.0f, 0, 0.9f)},
+        {"top_p 0.5 at temperature 1.5", params(1.5f, 0, 0.5f)},
+        {"top_k 40 + top_p 0.9 at temperature 0.8", params(0.8f, 40, 0.9f)},
+        {"top_k 5000 + top_p 0.95", params(1.0f, 5000, 0.95f)},
+        {"top_k above the vocabulary", params(1.0f, 200000, 1.0f)},
+    };
+    // The default model's vocabulary, a small one, Llama 3's and Qwen2's.
+    for (const int64_t n_vocab :
+         {int64_t{49152}, int64_t{1000}, int64_t{128256}, int64_t{152064}}) {
+      for (const Case& c : cases) {
+        char name[128];
+        std::snprintf(name, sizeof(name), "%s, vocab %lld", c.name,
+                      static_cast<long long>(n_vocab));
+        gpu_check::run_case(name, [&] { check_case(c, n_vocab, backend); });
+      }
     }
-  }
-  return gpu_check::finish();
+  });
 }

@@ -23,20 +23,13 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/thread_pool.h"
+#include "tests/kernels/matmul_checks.h"
 #include "tests/kernels/matmul_reference.h"
 
 namespace duet::cpu {
 namespace {
 
-using test_support::make_weights_with;
-using test_support::packed_values;
-using test_support::random_activations;
-using test_support::reference_matmul;
-using test_support::Weights;
-
-bool bitwise_equal(const float* a, const float* b, size_t n) {
-  return std::memcmp(a, b, n * sizeof(float)) == 0;
-}
+using namespace test_support;
 
 // ---------------------------------------------------------------------------
 // Hand-built blocks.
@@ -277,20 +270,6 @@ Weights make_weights(DType type, int64_t k, int64_t n_out, std::mt19937& rng) {
   });
 }
 
-std::vector<float> run_matmul(const KernelTable& kernels, const WeightMatrix& w,
-                              const std::vector<float>& x, int64_t n_x, ThreadPool& pool) {
-  PackedActivations packed;
-  packed.pack(kernels, x.data(), n_x, w.k, {w.type}, pool);
-  std::vector<float> y(static_cast<size_t>(n_x * w.n_out), NAN);
-  matmul(kernels, w, packed, y.data(), w.n_out, pool);
-  return y;
-}
-
-std::string shape_name(DType type, int64_t k, int64_t n_out, int64_t n_x) {
-  return std::string(dtype_name(type)) + " k=" + std::to_string(k) +
-         " n_out=" + std::to_string(n_out) + " n_x=" + std::to_string(n_x);
-}
-
 std::vector<int64_t> test_ks(DType type) {
   if (type == DType::kBF16) return {32, 64, 256, 576, 7, 40, 100};  // and tails past 32-chunks
   return {256, 512, 1536};
@@ -311,41 +290,10 @@ TEST_P(KQuantMatmulTest, MatchesReferenceAndScalarOnEveryIsa) {
         const std::vector<float> x = random_activations(n_x, k, rng);
         PackedActivations scalar_packed;
         scalar_packed.pack(scalar_kernel_table(), x.data(), n_x, k, {type}, pool);
-        const std::vector<double> ref =
-            reference_matmul(w.values, packed_values(scalar_packed, type), k, n_out, n_x);
-        double ref_max = 0.0;
-        for (double v : ref) ref_max = std::max(ref_max, std::fabs(v));
-        ASSERT_GT(ref_max, 0.0);
-        std::vector<float> scalar_y;
-        for (Isa isa : supported_isas()) {
-          SCOPED_TRACE(std::string(isa_name(isa)));
-          const KernelTable& kernels = kernel_table(isa);
-          PackedActivations packed;
-          packed.pack(kernels, x.data(), n_x, k, {type}, pool);
-          size_t rb = 0, scalar_rb = 0;
-          const uint8_t* rows = packed.rows(type, &rb);
-          const uint8_t* scalar_rows = scalar_packed.rows(type, &scalar_rb);
-          ASSERT_EQ(rb, scalar_rb);
-          ASSERT_EQ(std::memcmp(rows, scalar_rows, rb * n_x), 0) << "packed activations differ";
-          std::vector<float> y(static_cast<size_t>(n_x * n_out), NAN);
-          matmul(kernels, w.matrix(), packed, y.data(), n_out, pool);
-          double max_diff = 0.0;
-          for (size_t e = 0; e < y.size(); ++e) {
-            max_diff = std::max(max_diff, std::fabs(static_cast<double>(y[e]) - ref[e]));
-          }
-          EXPECT_LT(max_diff / ref_max, 1e-5)
-              << "max |diff| " << max_diff << " max |ref| " << ref_max;
-          if (isa == Isa::kScalar) {
-            scalar_y = y;
-          } else {
-            for (size_t e = 0; e < y.size(); ++e) {
-              ASSERT_EQ(std::bit_cast<uint32_t>(y[e]), std::bit_cast<uint32_t>(scalar_y[e]))
-                  << "differs from the scalar path at row " << e / n_out << " column " << e % n_out
-                  << ": " << y[e] << " vs " << scalar_y[e];
-            }
-          }
-          ++n_cases;
-        }
+        ASSERT_NO_FATAL_FAILURE(check_matches_reference_on_every_isa(
+            w, x, n_x, scalar_packed, reference_matmul(w, scalar_packed), /*bit_identical=*/true,
+            pool));
+        n_cases += static_cast<int>(supported_isas().size());
       }
     }
   }
@@ -359,13 +307,7 @@ class KQuantExtremeTest : public ::testing::TestWithParam<DType> {};
 TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
   const DType type = GetParam();
   const int64_t k = 4 * kSuperBlock, n_out = 4, n_x = 3;
-  Weights w;
-  w.type = type;
-  w.k = k;
-  w.n_out = n_out;
-  w.row_bytes = dtype_row_bytes(type, k);
-  w.bytes.resize(w.row_bytes * n_out);
-  w.values.resize(static_cast<size_t>(k * n_out));
+  Weights w = zeroed_weights(type, k, n_out);
   for (int64_t j = 0; j < n_out; ++j) {
     uint8_t* row = w.bytes.data() + j * w.row_bytes;
     for (int64_t b = 0; b < k / kSuperBlock; ++b) {
@@ -395,10 +337,8 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
   ThreadPool pool(1);
   PackedActivations scalar_packed;
   scalar_packed.pack(scalar_kernel_table(), x.data(), n_x, k, {type}, pool);
-  const std::vector<double> ref =
-      reference_matmul(w.values, packed_values(scalar_packed, type), k, n_out, n_x);
-  double ref_max = 0.0;
-  for (double v : ref) ref_max = std::max(ref_max, std::fabs(v));
+  const std::vector<double> ref = reference_matmul(w, scalar_packed);
+  const double ref_max = max_abs(ref);
   std::vector<float> scalar_y;
   for (Isa isa : supported_isas()) {
     const std::vector<float> y = run_matmul(kernel_table(isa), w.matrix(), x, n_x, pool);
@@ -414,10 +354,7 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
 }
 
 INSTANTIATE_TEST_SUITE_P(KQuantTypes, KQuantExtremeTest,
-                         ::testing::Values(DType::kQ4_K, DType::kQ6_K),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(dtype_name(info.param));
-                         });
+                         ::testing::Values(DType::kQ4_K, DType::kQ6_K), dtype_param_name);
 
 // Row i of a batch is bitwise the row computed alone or in any smaller batch
 // at any position, with any thread count; any split of the weight rows gives
@@ -428,53 +365,12 @@ TEST_P(KQuantMatmulTest, BatchInvariantOnEveryIsa) {
   const int64_t n_x = 70;    // two activation tasks (64 + 6)
   const int64_t n_out = 75;  // three weight tasks (32 + 32 + 11)
   const int64_t k = type == DType::kBF16 ? 100 : 512;
-  ThreadPool pool1(1), pool2(2), pool3(3);
-  ThreadPool* pools[] = {&pool1, &pool2, &pool3};
   const Weights w = make_weights(type, k, n_out, rng);
   const std::vector<float> x = random_activations(n_x, k, rng);
-  for (Isa isa : supported_isas()) {
-    SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
-    const KernelTable& kernels = kernel_table(isa);
-    const std::vector<float> full = run_matmul(kernels, w.matrix(), x, n_x, pool1);
-    for (ThreadPool* pool : pools) {
-      for (int64_t i = 0; i < n_x; ++i) {
-        const std::vector<float> xi(x.begin() + i * k, x.begin() + (i + 1) * k);
-        const std::vector<float> yi = run_matmul(kernels, w.matrix(), xi, 1, *pool);
-        ASSERT_TRUE(bitwise_equal(yi.data(), full.data() + i * n_out, n_out))
-            << "row " << i << " alone, " << pool->size() << " threads";
-      }
-    }
-    for (int64_t n = 1; n <= 9; ++n) {
-      for (int64_t start : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{13}, n_x - n}) {
-        const std::vector<float> xs(x.begin() + start * k, x.begin() + (start + n) * k);
-        for (ThreadPool* pool : pools) {
-          const std::vector<float> ys = run_matmul(kernels, w.matrix(), xs, n, *pool);
-          ASSERT_TRUE(bitwise_equal(ys.data(), full.data() + start * n_out, n * n_out))
-              << "rows [" << start << ", " << start + n << "), " << pool->size() << " threads";
-        }
-      }
-    }
-    std::vector<float> reversed(x.size());
-    for (int64_t i = 0; i < n_x; ++i) {
-      std::copy_n(x.begin() + i * k, k, reversed.begin() + (n_x - 1 - i) * k);
-    }
-    for (ThreadPool* pool : pools) {
-      const std::vector<float> yr = run_matmul(kernels, w.matrix(), reversed, n_x, *pool);
-      for (int64_t i = 0; i < n_x; ++i) {
-        ASSERT_TRUE(
-            bitwise_equal(yr.data() + (n_x - 1 - i) * n_out, full.data() + i * n_out, n_out))
-            << "row " << i << " at position " << n_x - 1 - i << ", " << pool->size() << " threads";
-      }
-    }
-    for (int64_t split : {1, 7, 32, 33, 50}) {
-      PackedActivations packed;
-      packed.pack(kernels, x.data(), n_x, k, {type}, pool2);
-      std::vector<float> y(full.size(), NAN);
-      matmul(kernels, w.rows(0, split), packed, y.data(), n_out, pool2);
-      matmul(kernels, w.rows(split, n_out - split), packed, y.data() + split, n_out, pool3);
-      ASSERT_TRUE(bitwise_equal(y.data(), full.data(), full.size())) << "split at " << split;
-    }
-  }
+  const BatchLayouts layouts{.sub_batch_sizes = {1, 2, 3, 4, 5, 6, 7, 8, 9},
+                             .starts = {0, 1, 3, 13},
+                             .weight_splits = {1, 7, 32, 33, 50}};
+  ASSERT_NO_FATAL_FAILURE(check_batch_invariance(w, x, n_x, layouts));
 }
 
 // The dot tile functions called directly: any tiling writes the same bits
@@ -487,42 +383,13 @@ TEST_P(KQuantMatmulTest, DotTileSplitsAreBitIdentical) {
   const int64_t n_out = 37, n_x = 11;
   const Weights w = make_weights(type, k, n_out, rng);
   const std::vector<float> x = random_activations(n_x, k, rng);
-  for (Isa isa : supported_isas()) {
-    SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
-    const KernelTable& kernels = kernel_table(isa);
-    const DotTileFn dot = dot_tile_fn(kernels, type);
-    PackedActivations packed;
-    packed.pack(kernels, x.data(), n_x, k, {type}, pool);
-    size_t x_stride = 0;
-    const uint8_t* xr = packed.rows(type, &x_stride);
-    const int64_t ldy = n_out + 5;
-    std::vector<float> whole(static_cast<size_t>(n_x * ldy), NAN);
-    dot(w.bytes.data(), w.row_bytes, n_out, xr, x_stride, n_x, k, whole.data(), ldy);
-    for (int64_t tile_w : {1, 2, 5, 37}) {
-      for (int64_t tile_x : {1, 2, 3, 4, 7, 8, 9, 11}) {
-        std::vector<float> y(whole.size(), NAN);
-        for (int64_t j0 = 0; j0 < n_out; j0 += tile_w) {
-          for (int64_t i0 = 0; i0 < n_x; i0 += tile_x) {
-            const int64_t nw = std::min(tile_w, n_out - j0), nx = std::min(tile_x, n_x - i0);
-            dot(w.bytes.data() + j0 * w.row_bytes, w.row_bytes, nw, xr + i0 * x_stride, x_stride,
-                nx, k, y.data() + i0 * ldy + j0, ldy);
-          }
-        }
-        for (int64_t i = 0; i < n_x; ++i) {
-          ASSERT_TRUE(bitwise_equal(y.data() + i * ldy, whole.data() + i * ldy, n_out))
-              << "tiles of " << tile_w << " x " << tile_x << ", row " << i;
-          for (int64_t j = n_out; j < ldy; ++j) ASSERT_TRUE(std::isnan(y[i * ldy + j]));
-        }
-      }
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      check_dot_tile_splits(w, x, n_x, {1, 2, 5, 37}, {1, 2, 3, 4, 7, 8, 9, 11}, pool));
 }
 
 INSTANTIATE_TEST_SUITE_P(WeightTypes, KQuantMatmulTest,
                          ::testing::Values(DType::kBF16, DType::kQ4_K, DType::kQ6_K),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(dtype_name(info.param));
-                         });
+                         dtype_param_name);
 
 TEST(KQuantMatmul, OnePackServesEveryWeightType) {
   std::mt19937 rng(400);
@@ -539,12 +406,7 @@ TEST(KQuantMatmul, OnePackServesEveryWeightType) {
                  DType::kF32},
                 pool);
     for (DType type : types) {
-      const Weights w = make_weights(type, k, n_out, rng);
-      std::vector<float> y(static_cast<size_t>(n_x * n_out));
-      matmul(kernels, w.matrix(), shared, y.data(), n_out, pool);
-      const std::vector<float> alone = run_matmul(kernels, w.matrix(), x, n_x, pool);
-      EXPECT_TRUE(bitwise_equal(y.data(), alone.data(), y.size()))
-          << isa_name(isa) << " " << dtype_name(type);
+      expect_shared_pack_serves(isa, make_weights(type, k, n_out, rng), shared, x, n_x, pool);
     }
   }
 }

@@ -30,10 +30,8 @@ struct Weights {
   }
 };
 
-// fill_row(j, row) writes the k float values of weight row j before quantization.
-inline Weights make_weights_with(
-    DType type, int64_t k, int64_t n_out,
-    const std::function<void(int64_t, std::vector<float>&)>& fill_row) {
+// Zeroed bytes and values of the right sizes, for the caller to fill.
+inline Weights zeroed_weights(DType type, int64_t k, int64_t n_out) {
   Weights w;
   w.type = type;
   w.k = k;
@@ -41,6 +39,14 @@ inline Weights make_weights_with(
   w.row_bytes = dtype_row_bytes(type, k);
   w.bytes.resize(w.row_bytes * n_out);
   w.values.resize(static_cast<size_t>(k * n_out));
+  return w;
+}
+
+// fill_row(j, row) writes the k float values of weight row j before quantization.
+inline Weights make_weights_with(
+    DType type, int64_t k, int64_t n_out,
+    const std::function<void(int64_t, std::vector<float>&)>& fill_row) {
+  Weights w = zeroed_weights(type, k, n_out);
   std::vector<float> row(static_cast<size_t>(k));
   for (int64_t j = 0; j < n_out; ++j) {
     fill_row(j, row);
@@ -84,6 +90,12 @@ inline std::vector<double> reference_matmul(const std::vector<float>& w,
     }
   }
   return y;
+}
+
+// The reference for exactly what a kernel multiplies: w's dequantized values
+// by the packed activations, dequantized. (packed.n_rows(), w.n_out)
+inline std::vector<double> reference_matmul(const Weights& w, const PackedActivations& packed) {
+  return reference_matmul(w.values, packed_values(packed, w.type), w.k, w.n_out, packed.n_rows());
 }
 
 }  // namespace duet::cpu::test_support

@@ -9,10 +9,7 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <bit>
 #include <cmath>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,16 +21,13 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/thread_pool.h"
+#include "tests/kernels/matmul_checks.h"
 #include "tests/kernels/matmul_reference.h"
 
 namespace duet::cpu {
 namespace {
 
-using test_support::make_weights_with;
-using test_support::packed_values;
-using test_support::random_activations;
-using test_support::reference_matmul;
-using test_support::Weights;
+using namespace test_support;
 
 bool is_quantized(DType type) { return type != DType::kF32 && type != DType::kF16; }
 
@@ -74,25 +68,6 @@ std::vector<double> reference_matmul_q4_1(const Weights& w, const PackedActivati
   return y;
 }
 
-// Runs matmul for x (n_x, k) into a fresh (n_x, n_out) buffer.
-std::vector<float> run_matmul(const KernelTable& kernels, const WeightMatrix& w,
-                              const std::vector<float>& x, int64_t n_x, ThreadPool& pool) {
-  PackedActivations packed;
-  packed.pack(kernels, x.data(), n_x, w.k, {w.type}, pool);
-  std::vector<float> y(static_cast<size_t>(n_x * w.n_out), NAN);
-  matmul(kernels, w, packed, y.data(), w.n_out, pool);
-  return y;
-}
-
-bool bitwise_equal(const float* a, const float* b, size_t n) {
-  return std::memcmp(a, b, n * sizeof(float)) == 0;
-}
-
-std::string shape_name(DType type, int64_t k, int64_t n_out, int64_t n_x) {
-  return std::string(dtype_name(type)) + " k=" + std::to_string(k) +
-         " n_out=" + std::to_string(n_out) + " n_x=" + std::to_string(n_x);
-}
-
 class MatmulTest : public ::testing::TestWithParam<DType> {};
 
 // matmul against the double reference on every ISA, and the quantized types
@@ -114,45 +89,12 @@ TEST_P(MatmulTest, MatchesReferenceOnEveryIsa) {
         // path must pack them identically.
         PackedActivations scalar_packed;
         scalar_packed.pack(scalar_kernel_table(), x.data(), n_x, k, {type}, pool);
-        const std::vector<double> ref =
-            type == DType::kQ4_1
-                ? reference_matmul_q4_1(w, scalar_packed)
-                : reference_matmul(w.values, packed_values(scalar_packed, type), k, n_out, n_x);
-        double ref_max = 0.0;
-        for (double v : ref) ref_max = std::max(ref_max, std::fabs(v));
-        ASSERT_GT(ref_max, 0.0);
-
-        std::vector<float> scalar_y;
-        for (Isa isa : supported_isas()) {
-          SCOPED_TRACE(std::string(isa_name(isa)));
-          const KernelTable& kernels = kernel_table(isa);
-          PackedActivations packed;
-          packed.pack(kernels, x.data(), n_x, k, {type}, pool);
-          size_t rb = 0, scalar_rb = 0;
-          const uint8_t* rows = packed.rows(type, &rb);
-          const uint8_t* scalar_rows = scalar_packed.rows(type, &scalar_rb);
-          ASSERT_EQ(rb, scalar_rb);
-          ASSERT_EQ(std::memcmp(rows, scalar_rows, rb * n_x), 0) << "packed activations differ";
-
-          std::vector<float> y(static_cast<size_t>(n_x * n_out), NAN);
-          matmul(kernels, w.matrix(), packed, y.data(), n_out, pool);
-          double max_diff = 0.0;
-          for (size_t e = 0; e < y.size(); ++e) {
-            max_diff = std::max(max_diff, std::fabs(static_cast<double>(y[e]) - ref[e]));
-          }
-          EXPECT_LT(max_diff / ref_max, 1e-5)
-              << "max |diff| " << max_diff << " max |ref| " << ref_max;
-          if (isa == Isa::kScalar) {
-            scalar_y = y;
-          } else if (is_quantized(type)) {
-            for (size_t e = 0; e < y.size(); ++e) {
-              ASSERT_EQ(std::bit_cast<uint32_t>(y[e]), std::bit_cast<uint32_t>(scalar_y[e]))
-                  << "differs from the scalar path at row " << e / n_out << " column " << e % n_out
-                  << ": " << y[e] << " vs " << scalar_y[e];
-            }
-          }
-          ++n_cases;
-        }
+        const std::vector<double> ref = type == DType::kQ4_1
+                                            ? reference_matmul_q4_1(w, scalar_packed)
+                                            : reference_matmul(w, scalar_packed);
+        ASSERT_NO_FATAL_FAILURE(check_matches_reference_on_every_isa(
+            w, x, n_x, scalar_packed, ref, /*bit_identical=*/is_quantized(type), pool));
+        n_cases += static_cast<int>(supported_isas().size());
       }
     }
   }
@@ -166,63 +108,17 @@ TEST_P(MatmulTest, BatchInvariantOnEveryIsa) {
   const DType type = GetParam();
   std::mt19937 rng(static_cast<uint32_t>(type) + 200);
   const int64_t n_x = 70;  // two activation tasks (64 + 6)
-  ThreadPool pool1(1), pool2(2), pool3(3);
-  ThreadPool* pools[] = {&pool1, &pool2, &pool3};
   std::vector<int64_t> ks = {64, 576};
   if (!is_quantized(type)) ks.push_back(100);  // the scalar tail after the 8-lane loop
+  // Sub-batches of every tile remainder at several offsets.
+  const BatchLayouts layouts{.sub_batch_sizes = {2, 3, 4, 5, 6, 7, 8, 9, 63, 64, 65},
+                             .starts = {0, 1, 3},
+                             .weight_splits = {1, 2, 7, 31, 32, 33, 50}};
   for (int64_t k : ks) {
     const int64_t n_out = 75;  // three weight tasks (32 + 32 + 11)
     const Weights w = make_weights(type, k, n_out, rng);
     const std::vector<float> x = random_activations(n_x, k, rng);
-    for (Isa isa : supported_isas()) {
-      SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
-      const KernelTable& kernels = kernel_table(isa);
-      const std::vector<float> full = run_matmul(kernels, w.matrix(), x, n_x, pool1);
-
-      // Each row alone (decode shape), with every pool.
-      for (ThreadPool* pool : pools) {
-        for (int64_t i = 0; i < n_x; ++i) {
-          const std::vector<float> xi(x.begin() + i * k, x.begin() + (i + 1) * k);
-          const std::vector<float> yi = run_matmul(kernels, w.matrix(), xi, 1, *pool);
-          ASSERT_TRUE(bitwise_equal(yi.data(), full.data() + i * n_out, n_out))
-              << "row " << i << " alone, " << pool->size() << " threads";
-        }
-      }
-      // Sub-batches of every tile remainder at several offsets.
-      for (int64_t n : {2, 3, 4, 5, 6, 7, 8, 9, 63, 64, 65}) {
-        for (int64_t start : {int64_t{0}, int64_t{1}, int64_t{3}, n_x - n}) {
-          const std::vector<float> xs(x.begin() + start * k, x.begin() + (start + n) * k);
-          for (ThreadPool* pool : pools) {
-            const std::vector<float> ys = run_matmul(kernels, w.matrix(), xs, n, *pool);
-            ASSERT_TRUE(bitwise_equal(ys.data(), full.data() + start * n_out, n * n_out))
-                << "rows [" << start << ", " << start + n << "), " << pool->size() << " threads";
-          }
-        }
-      }
-      // The whole batch reversed: every row at another position.
-      std::vector<float> reversed(x.size());
-      for (int64_t i = 0; i < n_x; ++i) {
-        std::copy_n(x.begin() + i * k, k, reversed.begin() + (n_x - 1 - i) * k);
-      }
-      for (ThreadPool* pool : pools) {
-        const std::vector<float> yr = run_matmul(kernels, w.matrix(), reversed, n_x, *pool);
-        for (int64_t i = 0; i < n_x; ++i) {
-          ASSERT_TRUE(
-              bitwise_equal(yr.data() + (n_x - 1 - i) * n_out, full.data() + i * n_out, n_out))
-              << "row " << i << " at position " << n_x - 1 - i << ", " << pool->size()
-              << " threads";
-        }
-      }
-      // Weight rows split into ranges, written into the full output with ldy.
-      for (int64_t split : {1, 2, 7, 31, 32, 33, 50}) {
-        PackedActivations packed;
-        packed.pack(kernels, x.data(), n_x, k, {type}, pool2);
-        std::vector<float> y(full.size(), NAN);
-        matmul(kernels, w.rows(0, split), packed, y.data(), n_out, pool2);
-        matmul(kernels, w.rows(split, n_out - split), packed, y.data() + split, n_out, pool3);
-        ASSERT_TRUE(bitwise_equal(y.data(), full.data(), full.size())) << "split at " << split;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(check_batch_invariance(w, x, n_x, layouts));
   }
 }
 
@@ -238,51 +134,15 @@ TEST_P(MatmulTest, DotTileSplitsAreBitIdentical) {
     const int64_t n_out = 37, n_x = 11;
     const Weights w = make_weights(type, k, n_out, rng);
     const std::vector<float> x = random_activations(n_x, k, rng);
-    for (Isa isa : supported_isas()) {
-      SCOPED_TRACE(std::string(isa_name(isa)) + " " + shape_name(type, k, n_out, n_x));
-      const KernelTable& kernels = kernel_table(isa);
-      const DotTileFn dot = type == DType::kF32    ? kernels.dot_f32
-                            : type == DType::kF16  ? kernels.dot_f16
-                            : type == DType::kQ8_0 ? kernels.dot_q8_0
-                            : type == DType::kQ4_0 ? kernels.dot_q4_0
-                                                   : kernels.dot_q4_1;
-      PackedActivations packed;
-      packed.pack(kernels, x.data(), n_x, k, {type}, pool);
-      size_t x_stride = 0;
-      const uint8_t* xr = packed.rows(type, &x_stride);
-      const int64_t ldy = n_out + 5;  // a padded output stride
-      std::vector<float> whole(static_cast<size_t>(n_x * ldy), NAN);
-      dot(w.bytes.data(), w.row_bytes, n_out, xr, x_stride, n_x, k, whole.data(), ldy);
-      for (int64_t tile_w : {1, 2, 3, 5, 16, 37}) {
-        for (int64_t tile_x : {1, 2, 3, 4, 5, 11}) {
-          std::vector<float> y(whole.size(), NAN);
-          for (int64_t j0 = 0; j0 < n_out; j0 += tile_w) {
-            for (int64_t i0 = 0; i0 < n_x; i0 += tile_x) {
-              const int64_t nw = std::min(tile_w, n_out - j0), nx = std::min(tile_x, n_x - i0);
-              dot(w.bytes.data() + j0 * w.row_bytes, w.row_bytes, nw, xr + i0 * x_stride, x_stride,
-                  nx, k, y.data() + i0 * ldy + j0, ldy);
-            }
-          }
-          for (int64_t i = 0; i < n_x; ++i) {
-            ASSERT_TRUE(bitwise_equal(y.data() + i * ldy, whole.data() + i * ldy, n_out))
-                << "tiles of " << tile_w << " weight rows x " << tile_x << " activation rows, row "
-                << i;
-            for (int64_t j = n_out; j < ldy; ++j) {
-              ASSERT_TRUE(std::isnan(y[i * ldy + j])) << "wrote past n_w at row " << i;
-            }
-          }
-        }
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        check_dot_tile_splits(w, x, n_x, {1, 2, 3, 5, 16, 37}, {1, 2, 3, 4, 5, 11}, pool));
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(WeightTypes, MatmulTest,
                          ::testing::Values(DType::kF32, DType::kF16, DType::kQ8_0, DType::kQ4_0,
                                            DType::kQ4_1),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(dtype_name(info.param));
-                         });
+                         dtype_param_name);
 
 TEST(Matmul, OnePackServesSeveralWeightTypes) {
   std::mt19937 rng(400);
@@ -295,12 +155,7 @@ TEST(Matmul, OnePackServesSeveralWeightTypes) {
     shared.pack(kernels, x.data(), n_x, k,
                 {DType::kQ4_1, DType::kQ8_0, DType::kQ4_0, DType::kF16, DType::kF32}, pool);
     for (DType type : {DType::kF32, DType::kF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
-      const Weights w = make_weights(type, k, n_out, rng);
-      std::vector<float> y(static_cast<size_t>(n_x * n_out));
-      matmul(kernels, w.matrix(), shared, y.data(), n_out, pool);
-      const std::vector<float> alone = run_matmul(kernels, w.matrix(), x, n_x, pool);
-      EXPECT_TRUE(bitwise_equal(y.data(), alone.data(), y.size()))
-          << isa_name(isa) << " " << dtype_name(type);
+      expect_shared_pack_serves(isa, make_weights(type, k, n_out, rng), shared, x, n_x, pool);
     }
   }
 }

@@ -12,6 +12,8 @@ DUET_MPIEXEC names mpirun (ctest sets it; default "mpirun").
 
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -74,6 +76,56 @@ class MpirunServe(ServeProcess):
         return list(self._log)
 
 
+def start_cluster(ranks, args):
+    """A cluster a test module shares, started (its setUpModule); SkipTest without the model."""
+    cluster = MpirunServe(ranks, args)
+    cluster.start()
+    return cluster
+
+
+def stop_cluster(cluster):
+    """For tearDownModule: stops the cluster unless it never started or a test stopped it."""
+    if cluster is not None and cluster.process.poll() is None:
+        cluster.stop(check=False)
+
+
+def stop_every_rank(cluster, timeout):
+    """SIGTERM to the coordinator; asserts that mpirun and every rank exited 0. The log."""
+    code = cluster.stop(timeout=timeout, check=False)
+    log = "\n".join(cluster.log_lines())
+    if code != 0:
+        raise AssertionError(f"mpirun exited with code {code}:\n{log}")
+    for rank in range(cluster.ranks):
+        if f"rank {rank}: exiting with code 0" not in log:
+            raise AssertionError(f"rank {rank} did not exit with code 0:\n{log}")
+    return log
+
+
+def requests_routed(log):
+    """{instance: requests} the coordinator logged at shutdown."""
+    return {int(i): int(n) for i, n in
+            re.findall(r"instance (\d) \(rank \d\): (\d+) requests routed", log)}
+
+
+def words(n, seed):
+    """n words drawn from a small vocabulary: a prompt of a chosen length."""
+    rng = random.Random(seed)
+    vocab = ["river", "stone", "quiet", "north", "lamp", "seven", "bright", "window", "garden",
+             "copper", "winter", "echo", "harbor", "paper", "violet", "engine"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def greedy_and_seeded(prompts, max_tokens):
+    """Two completion bodies a prompt: greedy, and sampled with a seed of its own."""
+    bodies = []
+    for i, p in enumerate(prompts):
+        bodies.append({"prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True})
+        bodies.append({"prompt": p, "max_tokens": max_tokens, "temperature": 0.9,
+                       "seed": 100 + i, "top_p": 0.95, "ignore_eos": True})
+    return bodies
+
+
 def complete(server, body, expect=200, timeout=300):
     """POST /v1/completions; asserts the status and returns the parsed reply."""
     status, _, reply = http_request(server.http_url + "/v1/completions", "POST", body,
@@ -119,6 +171,31 @@ def open_stream(server, body, timeout=60):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
+
+
+def read_events(sock, n):
+    """Reads a stream until it delivered n events; raises if it ends first."""
+    received = b""
+    while received.count(b"data: ") < n:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise AssertionError("the stream ended early")
+        received += chunk
+
+
+def cancel_after(server, body, delays):
+    """A stream of `body` opened and closed after each delay (in seconds)."""
+    for delay in delays:
+        sock = open_stream(server, body)
+        time.sleep(delay)
+        sock.close()
+
+
+def expect_serving(server, prompt):
+    """A short greedy completion of `prompt` that must come back whole."""
+    r = complete(server, {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    if r["usage"]["completion_tokens"] != 4:
+        raise AssertionError(f"{prompt!r}: {r}")
 
 
 def wait_until(predicate, timeout, what):

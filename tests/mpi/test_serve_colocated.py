@@ -18,16 +18,15 @@ DUET_MPIEXEC set.
 
 import json
 import os
-import re
-import socket
 import sys
 import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MpirunServe, ServeProcess, complete, http_request, metrics,  # noqa: E402
-                          run, serve_environment, wait_until)
+from mpirun_serve import (ServeProcess, complete, http_request, metrics, open_stream,  # noqa: E402
+                          read_events, requests_routed, run, serve_environment, start_cluster,
+                          stop_cluster, stop_every_rank, wait_until)
 
 CLUSTER = ["--mode", "colocated", "--prefill", "1", "--decode", "1", "--kv-cache-mem", "256MiB"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,",
@@ -37,14 +36,11 @@ cluster = None
 
 def setUpModule():
     global cluster
-    serve_environment()  # skips the module without the model
-    cluster = MpirunServe(3, CLUSTER)
-    cluster.start()
+    cluster = start_cluster(3, CLUSTER)
 
 
 def tearDownModule():
-    if cluster is not None and cluster.process.poll() is None:
-        cluster.stop(check=False)
+    stop_cluster(cluster)
 
 
 def tokenize(server, text):
@@ -93,20 +89,11 @@ class ColocatedClusterTest(unittest.TestCase):
         # is checked at shutdown (test_4), where the coordinator logs it.
 
     def test_3_client_disconnect_frees_every_block_on_every_rank(self):
-        data = json.dumps({"prompt": "Write a long story.", "max_tokens": 2000,
-                           "ignore_eos": True, "stream": True, "temperature": 0}).encode()
-        socks = []
-        for _ in range(4):  # lands on both instances
-            sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
-                         + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-            socks.append(sock)
+        body = {"prompt": "Write a long story.", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        socks = [open_stream(cluster, body, timeout=30) for _ in range(4)]  # on both instances
         for sock in socks:
-            received = b""
-            while received.count(b"data: ") < 3:
-                chunk = sock.recv(4096)
-                self.assertTrue(chunk, "the stream ended early")
-                received += chunk
+            read_events(sock, 3)
         wait_until(lambda: metrics(cluster)["duet_running_sequences"] == 4, 30, "4 running")
         m = metrics(cluster)
         self.assertLess(m["duet_kv_blocks_free"], m["duet_kv_blocks_total"])
@@ -124,16 +111,10 @@ class ColocatedClusterTest(unittest.TestCase):
         pids = cluster.rank_pids()
         self.assertEqual(sorted(pids), [0, 1, 2])
         start = time.monotonic()
-        code = cluster.stop(timeout=30, check=False)
-        elapsed = time.monotonic() - start
-        log = "\n".join(cluster.log_lines())
-        self.assertEqual(code, 0, log)
-        self.assertLess(elapsed, 10, log)
-        for rank in range(3):
-            self.assertIn(f"rank {rank}: exiting with code 0", log)
+        log = stop_every_rank(cluster, timeout=30)
+        self.assertLess(time.monotonic() - start, 10, log)
         # Where the coordinator sent the requests: both instances got some.
-        routed = {int(i): int(n) for i, n in
-                  re.findall(r"instance (\d) \(rank \d\): (\d+) requests routed", log)}
+        routed = requests_routed(log)
         self.assertEqual(sorted(routed), [0, 1], log)
         self.assertGreaterEqual(min(routed.values()), 4, routed)
 

@@ -21,13 +21,14 @@ import os
 import random
 import re
 import sys
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpirun_serve  # noqa: E402
-from mpirun_serve import (MpirunServe, ServeProcess, complete, complete_all,  # noqa: E402
-                          http_request, open_stream, serve_environment, wait_until)
+from mpirun_serve import (ServeProcess, cancel_after, complete, complete_all,  # noqa: E402
+                          expect_serving, greedy_and_seeded, http_request, open_stream,
+                          read_events, requests_routed, start_cluster, stop_cluster,
+                          stop_every_rank, wait_until, words)
 
 # 128 MiB of KV per instance: 5825 tokens of the default model, under its
 # 8192-token context, so a request can be too big for the KV cache alone.
@@ -38,25 +39,15 @@ cluster = None
 
 def setUpModule():
     global cluster
-    serve_environment()  # skips the module without the model
-    cluster = MpirunServe(4, CLUSTER)
-    cluster.start()
+    cluster = start_cluster(4, CLUSTER)
 
 
 def tearDownModule():
-    if cluster is not None and cluster.process.poll() is None:
-        cluster.stop(check=False)
+    stop_cluster(cluster)
 
 
 def every_block_free():
     return mpirun_serve.every_block_free(cluster)
-
-
-def words(n, seed):
-    rng = random.Random(seed)
-    vocab = ["river", "stone", "quiet", "north", "lamp", "seven", "bright", "window", "garden",
-             "copper", "winter", "echo", "harbor", "paper", "violet", "engine"]
-    return " ".join(rng.choice(vocab) for _ in range(n))
 
 
 class DisaggregatedClusterTest(unittest.TestCase):
@@ -64,11 +55,7 @@ class DisaggregatedClusterTest(unittest.TestCase):
         prompts = ["The capital of France is", "def fibonacci(n):",
                    "Summarize: " + words(300, 1),  # several 128-token chunks
                    "List the words: " + words(700, 2)]
-        bodies = []
-        for i, p in enumerate(prompts):
-            bodies.append({"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-            bodies.append({"prompt": p, "max_tokens": 20, "temperature": 0.9, "seed": 100 + i,
-                           "top_p": 0.95, "ignore_eos": True})
+        bodies = greedy_and_seeded(prompts, max_tokens=20)
         with ServeProcess(ENGINE) as single:
             expected = [complete(single, b)["choices"][0]["text"] for b in bodies]
         for body, text in zip(bodies, expected):
@@ -99,29 +86,16 @@ class DisaggregatedClusterTest(unittest.TestCase):
         long_prompt = "Translate: " + words(1500, 3)  # 12+ prefill chunks
         body = {"prompt": long_prompt, "max_tokens": 500, "ignore_eos": True, "stream": True,
                 "temperature": 0}
-
-        def start():
-            return open_stream(cluster, body)
-
         # Before the first token: while the prompt is prefilled and shipped.
-        for delay in (0.02, 0.1, 0.25, 0.5, 0.8):
-            sock = start()
-            time.sleep(delay)
-            sock.close()
+        cancel_after(cluster, body, (0.02, 0.1, 0.25, 0.5, 0.8))
         # During decode: after a few streamed tokens.
-        socks = [start() for _ in range(2)]
+        socks = [open_stream(cluster, body) for _ in range(2)]
         for sock in socks:
-            received = b""
-            while received.count(b"data: ") < 3:
-                chunk = sock.recv(4096)
-                self.assertTrue(chunk, "the stream ended early")
-                received += chunk
+            read_events(sock, 3)
         for sock in socks:
             sock.close()
         wait_until(every_block_free, 60, "every KV block free after the cancels")
-        # And the cluster still answers.
-        r = complete(cluster, {"prompt": "After the cancels:", "max_tokens": 4, "temperature": 0})
-        self.assertEqual(r["usage"]["completion_tokens"], 4)
+        expect_serving(cluster, "After the cancels:")
 
     def test_4_a_prompt_no_decode_instance_can_hold_is_a_clear_error(self):
         # Within the model's context (8192), over every instance's KV cache (5825 tokens).
@@ -131,17 +105,11 @@ class DisaggregatedClusterTest(unittest.TestCase):
             message = reply["error"]["message"]
             self.assertRegex(message, r"limit of 58\d\d|over the 58\d\d tokens a sequence can hold")
             print(f"  refused: {message}", file=sys.stderr)
-        r = complete(cluster, {"prompt": "Still serving:", "max_tokens": 4, "temperature": 0})
-        self.assertEqual(r["usage"]["completion_tokens"], 4)
+        expect_serving(cluster, "Still serving:")
 
     def test_5_sigterm_ends_every_rank_with_exit_0(self):
-        code = cluster.stop(timeout=30, check=False)
-        log = "\n".join(cluster.log_lines())
-        self.assertEqual(code, 0, log)
-        for rank in range(4):
-            self.assertIn(f"rank {rank}: exiting with code 0", log)
-        routed = {int(i): int(n) for i, n in
-                  re.findall(r"instance (\d) \(rank \d\): (\d+) requests routed", log)}
+        log = stop_every_rank(cluster, timeout=30)
+        routed = requests_routed(log)
         self.assertEqual(sorted(routed), [0, 1, 2], log)
         self.assertGreaterEqual(min(routed[1], routed[2]), 10, routed)  # both decode instances
         self.assertEqual(routed[0], routed[1] + routed[2])  # every prompt went through prefill

@@ -29,14 +29,13 @@ DUET_MPIEXEC and DUET_TP_LAYOUT set.
 import os
 import re
 import sys
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpirun_serve  # noqa: E402
-from mpirun_serve import (MpirunServe, ServeProcess, complete, complete_all,  # noqa: E402
-                          open_stream, serve_environment, wait_until)
-from test_serve_disaggregated import words  # noqa: E402
+from mpirun_serve import (ServeProcess, cancel_after, complete, complete_all,  # noqa: E402
+                          expect_serving, greedy_and_seeded, open_stream, read_events,
+                          start_cluster, stop_cluster, stop_every_rank, wait_until, words)
 
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
 LAYOUTS = {
@@ -52,14 +51,11 @@ cluster = None
 
 def setUpModule():
     global cluster
-    serve_environment()  # skips the module without the model
-    cluster = MpirunServe(RANKS, [*FLAGS, *ENGINE])
-    cluster.start()
+    cluster = start_cluster(RANKS, [*FLAGS, *ENGINE])
 
 
 def tearDownModule():
-    if cluster is not None and cluster.process.poll() is None:
-        cluster.stop(check=False)
+    stop_cluster(cluster)
 
 
 def every_block_free():
@@ -82,11 +78,7 @@ class TensorParallelClusterTest(unittest.TestCase):
                    "Summarize: " + words(300, 1),  # several 128-token chunks
                    "List the words: " + words(700, 2), "The three primary colors are",
                    "Question: what is 12 times 12? Answer:"]
-        bodies = []
-        for i, p in enumerate(prompts):
-            bodies.append({"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-            bodies.append({"prompt": p, "max_tokens": 24, "temperature": 0.9, "seed": 100 + i,
-                           "top_p": 0.95, "ignore_eos": True})
+        bodies = greedy_and_seeded(prompts, max_tokens=24)
         with ServeProcess(ENGINE) as single:
             expected = [text_of(single, b) for b in bodies]
         for body, want in zip(bodies, expected):
@@ -115,31 +107,15 @@ class TensorParallelClusterTest(unittest.TestCase):
     def test_3_cancels_in_every_phase_free_every_block(self):
         body = {"prompt": "Translate: " + words(1200, 3), "max_tokens": 400, "ignore_eos": True,
                 "stream": True, "temperature": 0}
-
-        def start():
-            return open_stream(cluster, body)
-
-        for delay in (0.05, 0.3, 0.8):  # while the prompt is computed and shipped
-            sock = start()
-            time.sleep(delay)
-            sock.close()
-        sock = start()  # during decode, after a few tokens
-        received = b""
-        while received.count(b"data: ") < 3:
-            chunk = sock.recv(4096)
-            self.assertTrue(chunk, "the stream ended early")
-            received += chunk
+        cancel_after(cluster, body, (0.05, 0.3, 0.8))  # while the prompt is computed and shipped
+        sock = open_stream(cluster, body)  # during decode, after a few tokens
+        read_events(sock, 3)
         sock.close()
         wait_until(every_block_free, 90, "every KV block free after the cancels")
-        r = complete(cluster, {"prompt": "After the cancels:", "max_tokens": 4, "temperature": 0})
-        self.assertEqual(r["usage"]["completion_tokens"], 4)
+        expect_serving(cluster, "After the cancels:")
 
     def test_4_every_rank_takes_part_and_exits_0(self):
-        code = cluster.stop(timeout=60, check=False)
-        log = "\n".join(cluster.log_lines())
-        self.assertEqual(code, 0, log)
-        for rank in range(RANKS):
-            self.assertIn(f"rank {rank}: exiting with code 0", log)
+        log = stop_every_rank(cluster, timeout=60)
         followers = re.findall(r"tensor-parallel follower (\d) of (\d)", log)
         self.assertEqual(len(followers), 1 if LAYOUT == "colocated" else 2, log)
         shares = [float(s) for s in re.findall(r"weight bytes of its own \(([\d.]+)% of", log)]

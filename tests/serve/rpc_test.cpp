@@ -248,11 +248,29 @@ class RpcTest : public ::testing::Test {
     EXPECT_EQ(s.record->completion_tokens, 2u);
   }
 
-  // A request long enough to cancel while it runs.
-  static void long_request(rpc::GenerateRequest::Builder r) {
-    r.initPrompt().setText("Tell me a very long story about a dragon.");
-    r.setMaxTokens(1000);
-    r.setIgnoreEos(true);
+  // After a request ended early: its KV is freed and the server still serves.
+  void expect_recovered(Client& client) {
+    expect_kv_free(client);
+    expect_serving(client);
+  }
+
+  // Once the server is gone: the instance runs nothing and holds no KV.
+  void expect_instance_idle() {
+    const InstanceStats stats = instance_->stats();
+    EXPECT_EQ(stats.running, 0);
+    EXPECT_EQ(stats.kv_blocks_free, stats.kv_blocks_total);
+  }
+
+  // Sends a request long enough to cancel while it runs into `s`, and waits
+  // for its first write.
+  static void start_long_request(Client& client, Stream& s) {
+    s = client.generate([](rpc::GenerateRequest::Builder r) {
+      r.initPrompt().setText("Tell me a very long story about a dragon.");
+      r.setMaxTokens(1000);
+      r.setIgnoreEos(true);
+    });
+    ASSERT_FALSE(s.refused);
+    client.wait(kj::mv(s.first_write));
   }
 
   static inline LlamaModel* model_ = nullptr;
@@ -345,31 +363,42 @@ TEST_F(RpcTest, QueriesAnswer) {
   }
 }
 
-TEST_F(RpcTest, CancelEndsTheRequestAndFreesTheKv) {
-  start();
-  Client& client = connect();
-  Stream s = client.generate(long_request);
-  ASSERT_FALSE(s.refused);
-  client.wait(kj::mv(s.first_write));
-  client.wait(s.handle.cancelRequest().send());
-  client.wait(kj::mv(s.done));
-  EXPECT_EQ(s.record->reason, rpc::FinishReason::CANCELLED);
-  EXPECT_LT(s.record->completion_tokens, 1000u);
-  expect_kv_free(client);
-  expect_serving(client);
+// The server started and a long request running on client_, past its first
+// write: the tests end it in each way a request can end early.
+class RpcRunningTest : public RpcTest {
+ protected:
+  void SetUp() override {
+    RpcTest::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_NO_FATAL_FAILURE(start());
+    client_ = &connect();
+    running_ = std::make_unique<Stream>();
+    ASSERT_NO_FATAL_FAILURE(start_long_request(*client_, *running_));
+  }
+
+  void TearDown() override {
+    running_.reset();  // before the loop its promises live on
+    RpcTest::TearDown();
+  }
+
+  Client* client_ = nullptr;  // owned by clients_
+  // Behind a pointer: a fixture's destructor may not throw, and kj's may.
+  std::unique_ptr<Stream> running_;
+};
+
+TEST_F(RpcRunningTest, CancelEndsTheRequestAndFreesTheKv) {
+  client_->wait(running_->handle.cancelRequest().send());
+  client_->wait(kj::mv(running_->done));
+  EXPECT_EQ(running_->record->reason, rpc::FinishReason::CANCELLED);
+  EXPECT_LT(running_->record->completion_tokens, 1000u);
+  expect_recovered(*client_);
 }
 
-TEST_F(RpcTest, DroppingTheHandleCancels) {
-  start();
-  Client& client = connect();
-  Stream s = client.generate(long_request);
-  ASSERT_FALSE(s.refused);
-  client.wait(kj::mv(s.first_write));
-  s.handle = nullptr;  // the release reaches the server; it cancels
-  client.wait(kj::mv(s.done));
-  EXPECT_EQ(s.record->reason, rpc::FinishReason::CANCELLED);
-  expect_kv_free(client);
-  expect_serving(client);
+TEST_F(RpcRunningTest, DroppingTheHandleCancels) {
+  running_->handle = nullptr;  // the release reaches the server; it cancels
+  client_->wait(kj::mv(running_->done));
+  EXPECT_EQ(running_->record->reason, rpc::FinishReason::CANCELLED);
+  expect_recovered(*client_);
 }
 
 TEST_F(RpcTest, DisconnectingCancels) {
@@ -378,43 +407,27 @@ TEST_F(RpcTest, DisconnectingCancels) {
   {
     auto leaving = std::make_unique<Client>(*io_, rpc_->port());
     ASSERT_TRUE(leaving->login(""));
-    Stream s = leaving->generate(long_request);
-    ASSERT_FALSE(s.refused);
-    leaving->wait(kj::mv(s.first_write));
+    Stream s;
+    ASSERT_NO_FATAL_FAILURE(start_long_request(*leaving, s));
   }  // the connection closes with the request running
-  expect_kv_free(observer);
-  expect_serving(observer);
+  expect_recovered(observer);
 }
 
-TEST_F(RpcTest, StoppingCancelsWhatRunsAndTellsTheClient) {
-  start();
-  Client& client = connect();
-  Stream s = client.generate(long_request);
-  ASSERT_FALSE(s.refused);
-  client.wait(kj::mv(s.first_write));
+TEST_F(RpcRunningTest, StoppingCancelsWhatRunsAndTellsTheClient) {
   rpc_->stop();
-  client.wait(kj::mv(s.done));
-  EXPECT_EQ(s.record->reason, rpc::FinishReason::CANCELLED);
+  client_->wait(kj::mv(running_->done));
+  EXPECT_EQ(running_->record->reason, rpc::FinishReason::CANCELLED);
   sleep_ms(50);  // the answer to done() goes out; the server's drain ends with it
   rpc_.reset();
-  const InstanceStats stats = instance_->stats();
-  EXPECT_EQ(stats.running, 0);
-  EXPECT_EQ(stats.kv_blocks_free, stats.kv_blocks_total);
+  expect_instance_idle();
 }
 
-TEST_F(RpcTest, DestroyingTheServerCancelsWhatRuns) {
-  start();
-  Client& client = connect();
-  Stream s = client.generate(long_request);
-  ASSERT_FALSE(s.refused);
-  client.wait(kj::mv(s.first_write));
+TEST_F(RpcRunningTest, DestroyingTheServerCancelsWhatRuns) {
   // This thread's client cannot answer done() while it waits here: the
   // destructor gives up on it after its drain timeout, then returns once the
   // request's final update arrived.
   rpc_.reset();
-  const InstanceStats stats = instance_->stats();
-  EXPECT_EQ(stats.running, 0);
-  EXPECT_EQ(stats.kv_blocks_free, stats.kv_blocks_total);
+  expect_instance_idle();
 }
 
 TEST_F(RpcTest, SixtyFourConcurrentStreamsComplete) {

@@ -149,6 +149,20 @@ class ServeProcess:
             self._log.append(line.rstrip("\n"))
 
 
+def start_shared(args=()):
+    """The server a whole test module shares, started (for its setUpModule)."""
+    server = ServeProcess(args)
+    server.start()
+    return server
+
+
+def stop_shared(server):
+    """For tearDownModule: stops the shared server if it was made; raises
+    unless it exits with code 0."""
+    if server is not None:
+        server.stop()
+
+
 def http_request(url, method="GET", body=None, headers=None, timeout=60.0):
     """One HTTP request on a new connection: (status, headers dict, body bytes).
 

@@ -17,7 +17,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serve_process import ServeProcess  # noqa: E402
+from serve_process import start_shared, stop_shared  # noqa: E402
 
 server = None
 client_binary = None
@@ -28,15 +28,11 @@ def setUpModule():
     client_binary = os.environ.get("DUET_CLIENT")
     if not client_binary or not os.path.exists(client_binary):
         raise RuntimeError(f"DUET_CLIENT must name the duet-client binary (got {client_binary!r})")
-    server = ServeProcess(["--kv-cache-mem", "256MiB"])
-    server.start()
+    server = start_shared(["--kv-cache-mem", "256MiB"])
 
 
 def tearDownModule():
-    if server is not None:
-        code = server.stop()
-        if code != 0:
-            raise AssertionError(f"duet serve exited with {code}:\n{server.log_tail()}")
+    stop_shared(server)
 
 
 def rpc_address():

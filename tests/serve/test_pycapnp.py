@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import capnp  # noqa: E402
 
-from serve_process import ServeProcess  # noqa: E402
+from serve_process import start_shared, stop_shared  # noqa: E402
 
 SOURCE_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # "/capnp/c++.capnp" resolves against pycapnp's bundled copy or the system's.
@@ -28,15 +28,11 @@ server = None
 
 def setUpModule():
     global server
-    server = ServeProcess(["--kv-cache-mem", "256MiB"])
-    server.start()
+    server = start_shared(["--kv-cache-mem", "256MiB"])
 
 
 def tearDownModule():
-    if server is not None:
-        code = server.stop()
-        if code != 0:
-            raise AssertionError(f"duet serve exited with {code}:\n{server.log_tail()}")
+    stop_shared(server)
 
 
 class Sink(schema.TokenSink.Server):

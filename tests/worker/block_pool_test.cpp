@@ -19,6 +19,20 @@ BlockId take(BlockPool& pool) {
   return block.value_or(BlockId{});
 }
 
+// A block taken and registered as full under `hash`.
+BlockId take_full(BlockPool& pool, uint64_t hash) {
+  const BlockId block = take(pool);
+  pool.register_full_block(block, hash);
+  return block;
+}
+
+// A full block under `hash` that nobody holds any more: cached.
+BlockId cached_block(BlockPool& pool, uint64_t hash) {
+  const BlockId block = take_full(pool, hash);
+  pool.release(block);
+  return block;
+}
+
 TEST(BlockPoolTest, StartsAllFree) {
   BlockPool pool(8);
   EXPECT_EQ(pool.n_blocks(), 8);
@@ -97,8 +111,7 @@ TEST(BlockPoolTest, CallerBugsAssert) {
 
 TEST(BlockPoolTest, HashedBlockStaysCachedAfterRelease) {
   BlockPool pool(4);
-  const BlockId a = take(pool);
-  pool.register_full_block(a, 42);
+  const BlockId a = take_full(pool, 42);
   EXPECT_EQ(pool.block_hash(a), 42u);
   pool.release(a);
   EXPECT_EQ(pool.n_free(), 3);
@@ -111,9 +124,7 @@ TEST(BlockPoolTest, HashedBlockStaysCachedAfterRelease) {
 
 TEST(BlockPoolTest, LookupRevivesACachedBlock) {
   BlockPool pool(4);
-  const BlockId a = take(pool);
-  pool.register_full_block(a, 42);
-  pool.release(a);
+  const BlockId a = cached_block(pool, 42);
   const std::optional<BlockId> hit = pool.lookup(42);
   ASSERT_TRUE(hit.has_value());
   EXPECT_EQ(*hit, a);
@@ -128,8 +139,7 @@ TEST(BlockPoolTest, LookupRevivesACachedBlock) {
 
 TEST(BlockPoolTest, LookupSharesABlockInUse) {
   BlockPool pool(4);
-  const BlockId a = take(pool);
-  pool.register_full_block(a, 42);
+  const BlockId a = take_full(pool, 42);
   EXPECT_EQ(pool.lookup(42), a);
   EXPECT_EQ(pool.ref_count(a), 2);
   pool.release(a);
@@ -140,9 +150,7 @@ TEST(BlockPoolTest, LookupSharesABlockInUse) {
 
 TEST(BlockPoolTest, FreeBlocksGoBeforeCachedOnes) {
   BlockPool pool(3);
-  const BlockId a = take(pool);
-  pool.register_full_block(a, 1);
-  pool.release(a);
+  const BlockId a = cached_block(pool, 1);
   const BlockId b = take(pool);
   const BlockId c = take(pool);
   EXPECT_NE(b, a);
@@ -155,10 +163,7 @@ TEST(BlockPoolTest, FreeBlocksGoBeforeCachedOnes) {
 TEST(BlockPoolTest, EvictsLeastRecentlyReleasedFirst) {
   BlockPool pool(4);
   std::vector<BlockId> blocks;
-  for (int i = 0; i < 4; ++i) {
-    blocks.push_back(take(pool));
-    pool.register_full_block(blocks.back(), 100 + i);
-  }
+  for (int i = 0; i < 4; ++i) blocks.push_back(take_full(pool, 100 + i));
   // Release order 2, 0, 3, 1: that is the eviction order.
   for (const int i : {2, 0, 3, 1}) pool.release(blocks[i]);
   EXPECT_EQ(pool.n_cached(), 4);

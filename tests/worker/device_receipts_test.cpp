@@ -135,6 +135,36 @@ TEST(DeviceReceiptsProtocol, LoopbackTrafficEndsCleanly) {
     }
     ends.clear();
   };
+  // The receiver takes the next header and starts a receipt for it (unless
+  // its import ended: the payload is drained), landing after `delay` tries.
+  const auto take_header = [&](int delay) {
+    const Header h = wire.front();
+    wire.pop_front();
+    const uint64_t receipt = next_receipt++;
+    if (!imports.at(h.id).closing) book.add(receipt, h.id, 0, h.n);  // else drained
+    in_flight.push_back({receipt, h.offset, delay});
+  };
+  // The front receipt lands: its staging is acked, and its rows count, which
+  // may complete the import.
+  const auto land_front = [&](std::vector<End>& ends) {
+    const auto rows = book.finish(in_flight.front().receipt, true, ends);
+    acks.push_back(in_flight.front().offset);
+    in_flight.pop_front();
+    if (!rows) return;
+    Import& import = imports.at(rows->id);
+    if (import.closing) ++counted_after_end;
+    import.received += rows->n;
+    if (import.received == import.expected) {
+      import.closing = true;
+      book.end(rows->id, {rows->id, "complete"}, ends);
+    }
+  };
+  // The sender frees the staging of the oldest ack.
+  const auto free_acked = [&] {
+    staging.release(acks.front());
+    live.erase(acks.front());
+    acks.pop_front();
+  };
 
   for (int step = 0; step < 30000; ++step) {
     std::vector<End> ends;
@@ -160,31 +190,13 @@ TEST(DeviceReceiptsProtocol, LoopbackTrafficEndsCleanly) {
         wire.push_back({it->first, *offset, n});
         if ((it->second -= n) == 0) to_send.erase(it);
       }
-    } else if (action <= 5 && !wire.empty()) {  // the receiver takes a header
-      const Header h = wire.front();
-      wire.pop_front();
-      const uint64_t receipt = next_receipt++;
-      if (!imports.at(h.id).closing) book.add(receipt, h.id, 0, h.n);  // else drained
-      in_flight.push_back({receipt, h.offset, static_cast<int>(rng() % 4)});
-    } else if (action <= 7 && !in_flight.empty()) {  // the front receipt lands
-      Landing& front = in_flight.front();
-      if (front.delay-- > 0) continue;
-      const auto rows = book.finish(front.receipt, true, ends);
-      acks.push_back(front.offset);
-      in_flight.pop_front();
-      if (rows) {
-        Import& import = imports.at(rows->id);
-        if (import.closing) ++counted_after_end;
-        import.received += rows->n;
-        if (import.received == import.expected) {
-          import.closing = true;
-          book.end(rows->id, {rows->id, "complete"}, ends);
-        }
-      }
-    } else if (action == 8 && !acks.empty()) {  // the sender frees acked staging
-      staging.release(acks.front());
-      live.erase(acks.front());
-      acks.pop_front();
+    } else if (action <= 5 && !wire.empty()) {
+      take_header(static_cast<int>(rng() % 4));
+    } else if (action <= 7 && !in_flight.empty()) {
+      if (in_flight.front().delay-- > 0) continue;
+      land_front(ends);
+    } else if (action == 8 && !acks.empty()) {
+      free_acked();
     } else if (action == 9 && !imports.empty()) {  // a cancel or a failure
       auto it = imports.begin();
       std::advance(it, static_cast<long>(rng() % imports.size()));
@@ -200,28 +212,11 @@ TEST(DeviceReceiptsProtocol, LoopbackTrafficEndsCleanly) {
   while (!wire.empty() || !in_flight.empty() || !acks.empty()) {
     std::vector<End> ends;
     if (!wire.empty()) {
-      const Header h = wire.front();
-      wire.pop_front();
-      const uint64_t receipt = next_receipt++;
-      if (!imports.at(h.id).closing) book.add(receipt, h.id, 0, h.n);
-      in_flight.push_back({receipt, h.offset, 0});
+      take_header(0);
     } else if (!in_flight.empty()) {
-      const auto rows = book.finish(in_flight.front().receipt, true, ends);
-      acks.push_back(in_flight.front().offset);
-      in_flight.pop_front();
-      if (rows) {
-        Import& import = imports.at(rows->id);
-        if (import.closing) ++counted_after_end;
-        import.received += rows->n;
-        if (import.received == import.expected) {
-          import.closing = true;
-          book.end(rows->id, {rows->id, "complete"}, ends);
-        }
-      }
+      land_front(ends);
     } else {
-      staging.release(acks.front());
-      live.erase(acks.front());
-      acks.pop_front();
+      free_acked();
     }
     deliver(ends);
   }

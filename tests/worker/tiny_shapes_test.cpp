@@ -23,6 +23,7 @@
 #include "kernels/cpu/isa.h"
 #include "tests/golden_file.h"
 #include "tests/test_paths.h"
+#include "tests/worker/tiny_model_golden.h"
 #include "worker/generator.h"
 
 namespace duet {
@@ -70,21 +71,14 @@ TEST(TinyShapes, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
     EXPECT_EQ(model->rope_freqs(), freqs) << file;
 
     const auto ids = m["ids"].get<std::vector<int32_t>>();
-    const auto ref = m["logits"].get<std::vector<std::vector<float>>>();
     for (const auto& [feature, effect] : m["feature_effect"].items()) {
       // The fixture tells its feature apart: without it, llama.cpp's logits move this much.
       EXPECT_GT(effect.get<float>(), 10 * kLogitTolerance) << file << " " << feature;
     }
     for (cpu::Isa isa : cpu::supported_isas()) {
       Generator generator(*model, cpu::kernel_table(isa), pool);
-      const std::vector<float> logits = generator.logits_all(ids);
-      float worst = 0.0f;
-      for (size_t pos = 0; pos < ref.size(); ++pos) {
-        ASSERT_EQ(static_cast<int64_t>(ref[pos].size()), c.n_vocab);
-        for (int64_t v = 0; v < c.n_vocab; ++v) {
-          worst = std::max(worst, std::fabs(logits[pos * c.n_vocab + v] - ref[pos][v]));
-        }
-      }
+      const float worst =
+          testing::max_logit_diff(generator.logits_all(ids), m["logits"], c.n_vocab);
       std::printf("  %-30s %-7s max |dlogit| %.1e\n", file.c_str(),
                   std::string(cpu::isa_name(isa)).c_str(), worst);
       EXPECT_LE(worst, kLogitTolerance) << file << " on " << cpu::isa_name(isa);
