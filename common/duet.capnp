@@ -85,6 +85,7 @@ struct Timings {
   promptTokens @4 :UInt32;
   completionTokens @5 :UInt32;
   cachedTokens @6 :UInt32;  # prompt tokens served from the prefix cache
+  retries @7 :UInt32;       # re-runs after an instance it was on was lost
 }
 
 struct Finish {

@@ -161,6 +161,21 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
          static_cast<double>(s.preemptions));
   scalar(out, "duet_engine_steps_total", "counter", "Engine steps run.",
          static_cast<double>(s.steps));
+  const InstanceClient::Health& h = stats.health;
+  scalar(out, "duet_instances", "gauge", "Instances behind the coordinator.",
+         static_cast<double>(h.n_instances));
+  scalar(out, "duet_instances_lost", "gauge",
+         "Instances lost (dead or stalled past their lease); they get no work.",
+         static_cast<double>(h.n_lost));
+  scalar(out, "duet_request_reruns_total", "counter",
+         "Requests re-run on another instance after the one they were on was lost.",
+         static_cast<double>(h.reruns));
+  scalar(out, "duet_requests_failed_after_retries_total", "counter",
+         "Requests ended unavailable by losses: out of re-runs, or of live instances.",
+         static_cast<double>(h.failed_after_retries));
+  scalar(out, "duet_kv_blocks_quarantined", "gauge",
+         "KV blocks a lost rank may still write; never reused.",
+         static_cast<double>(s.kv_blocks_quarantined));
   return out;
 }
 

@@ -31,6 +31,9 @@ std::optional<size_t> roomiest(std::span<const InstanceLoad> loads, InstanceRole
   return best;
 }
 
+// Attempt ids of re-runs: above any id the service gives (it counts from 1).
+constexpr uint64_t kRerunIdBase = uint64_t{1} << 62;
+
 // Tokens per KV block of an instance: its stats', else the engine's default.
 int64_t tokens_per_block(const InstanceStats& stats) {
   return stats.kv_block_tokens > 0 ? stats.kv_block_tokens : KvLayout::kDefaultBlockSize;
@@ -60,8 +63,7 @@ Route DisaggregatedPolicy::pick(std::span<const InstanceLoad> loads, const Insta
         (a.queued_prompt_tokens == b.queued_prompt_tokens && a.prefix_tokens > b.prefix_tokens))
       prefill = i;
   }
-  DUET_ASSERT(prefill.has_value(), "a disaggregated policy needs a prefill instance");
-  return {*decode, prefill};
+  return {*decode, prefill};  // no prefill instance: the decode instance computes the prompt
 }
 
 std::unique_ptr<RoutingPolicy> make_routing_policy(ClusterMode mode) {
@@ -85,12 +87,12 @@ std::vector<RoutedInstance> colocated(const std::vector<InstanceClient*>& client
 }  // namespace
 
 RoutedInstances::RoutedInstances(const std::vector<InstanceClient*>& instances,
-                                 std::unique_ptr<RoutingPolicy> policy)
-    : RoutedInstances(colocated(instances), std::move(policy)) {}
+                                 std::unique_ptr<RoutingPolicy> policy, int max_retries)
+    : RoutedInstances(colocated(instances), std::move(policy), max_retries) {}
 
 RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
-                                 std::unique_ptr<RoutingPolicy> policy)
-    : instances_(std::move(instances)), policy_(std::move(policy)) {
+                                 std::unique_ptr<RoutingPolicy> policy, int max_retries)
+    : instances_(std::move(instances)), policy_(std::move(policy)), max_retries_(max_retries) {
   DUET_REQUIRE(!instances_.empty(), "the router needs at least one instance");
   DUET_ASSERT(policy_ != nullptr, "the router needs a policy");
   info_ = instances_.front().client->info();
@@ -116,6 +118,7 @@ RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
   pending_blocks_.assign(n, 0);
   routed_.assign(n, 0);
   queued_prompt_.assign(n, 0);
+  lost_.assign(n, false);
   prefixes_.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     // Keyed by the engine's own block size, which an instance reports from its start.
@@ -140,120 +143,307 @@ void RoutedInstances::set_event_handler(EventHandler handler) {
   handler_ = std::move(handler);
 }
 
-void RoutedInstances::submit(InstanceRequest request) {
-  // Stats first, outside the lock: an instance's stats() takes its own lock.
-  std::vector<InstanceLoad> loads(instances_.size());
-  std::vector<int64_t> block_tokens(instances_.size());
+std::vector<InstanceStats> RoutedInstances::all_stats() const {
+  // Outside the lock: an instance's stats() takes its own lock.
+  std::vector<InstanceStats> stats;
+  for (const RoutedInstance& instance : instances_) stats.push_back(instance.client->stats());
+  return stats;
+}
+
+std::optional<RoutedInstances::Attempt> RoutedInstances::place(
+    RequestId id, InstanceRequest request, Placement& placement,
+    std::span<const InstanceStats> stats) {
+  // The policy sees the live instances only; `live[k]` is the k-th one's index.
+  std::vector<InstanceLoad> loads;
+  std::vector<size_t> live;
+  size_t n_prefill = 0;
   for (size_t i = 0; i < instances_.size(); ++i) {
-    const InstanceStats s = instances_[i].client->stats();
-    loads[i].role = instances_[i].role;
-    loads[i].kv_blocks_free = s.kv_blocks_free;
-    loads[i].kv_blocks_total = s.kv_blocks_total;
-    block_tokens[i] = tokens_per_block(s);
+    if (lost_[i]) continue;
+    InstanceLoad load;
+    load.role = instances_[i].role;
+    load.kv_blocks_free = stats[i].kv_blocks_free - pending_blocks_[i];
+    load.kv_blocks_total = stats[i].kv_blocks_total;
+    load.sequences = sequences_[i];
+    load.queued_prompt_tokens = queued_prompt_[i];
+    n_prefill += load.role == InstanceRole::kPrefill ? 1 : 0;
+    loads.push_back(load);
+    live.push_back(i);
   }
-  size_t target = 0;
+  const bool has_target = std::any_of(loads.begin(), loads.end(), [](const InstanceLoad& load) {
+    return load.role != InstanceRole::kPrefill;
+  });
+  if (!has_target) return std::nullopt;
+  if (n_prefill > 1) {
+    for (size_t k = 0; k < loads.size(); ++k) {
+      if (loads[k].role == InstanceRole::kPrefill)
+        loads[k].prefix_tokens = prefixes_[live[k]].cached_tokens(request.prompt);
+    }
+  }
+  const Route route = policy_->pick(loads, request);
+  DUET_ASSERT(route.target < loads.size() && (!route.prefill || *route.prefill < loads.size()),
+              "the policy picked an instance outside the {}", loads.size());
+  const size_t target = live[route.target];
   std::optional<size_t> prefill;
+  if (route.prefill) prefill = live[*route.prefill];
+  const int64_t block_tokens = tokens_per_block(stats[target]);
   const auto prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  // The prompt and the first generated token.
+  placement.instance = target;
+  placement.pending_blocks = (prompt_tokens + 1 + block_tokens - 1) / block_tokens;
+  placement.prefill = prefill;
+  placement.prompt_tokens = prompt_tokens;
+  placement.attempt = request.id;
+  attempts_[request.id] = id;
+  ++sequences_[target];
+  pending_blocks_[target] += placement.pending_blocks;
+  ++routed_[target];
+  request.prefill_peer = -1;
+  if (prefill) {
+    queued_prompt_[*prefill] += prompt_tokens;
+    ++routed_[*prefill];
+    if (n_prefill > 1) prefixes_[*prefill].remember(request.prompt);
+    request.prefill_peer = instances_[*prefill].peer;
+  }
+  return Attempt{std::move(request), target};
+}
+
+void RoutedInstances::unbook(const Placement& placement) {
+  attempts_.erase(placement.attempt);
+  --sequences_[placement.instance];
+  pending_blocks_[placement.instance] -= placement.pending_blocks;
+  if (placement.prefill) queued_prompt_[*placement.prefill] -= placement.prompt_tokens;
+}
+
+void RoutedInstances::submit(InstanceRequest request) {
+  const std::vector<InstanceStats> stats = all_stats();
+  const RequestId id = request.id;
+  std::optional<Attempt> attempt;
   {
     std::lock_guard lock(mutex_);
-    size_t n_prefill = 0;
-    for (size_t i = 0; i < instances_.size(); ++i) {
-      loads[i].kv_blocks_free -= pending_blocks_[i];
-      loads[i].sequences = sequences_[i];
-      loads[i].queued_prompt_tokens = queued_prompt_[i];
-      n_prefill += instances_[i].role == InstanceRole::kPrefill ? 1 : 0;
+    DUET_ASSERT(!placements_.contains(id), "request {} submitted twice", id.value);
+    Placement placement;
+    placement.request = request;
+    placement.arrival = next_arrival_++;
+    // The first attempt goes by the request's own id.
+    attempt = place(id, std::move(request), placement, stats);
+    if (!attempt) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "no live instance can take it: every instance it needs was lost");
     }
-    if (n_prefill > 1) {
-      for (size_t i = 0; i < instances_.size(); ++i) {
-        if (instances_[i].role == InstanceRole::kPrefill)
-          loads[i].prefix_tokens = prefixes_[i].cached_tokens(request.prompt);
-      }
-    }
-    const Route route = policy_->pick(loads, request);
-    target = route.target;
-    prefill = route.prefill;
-    DUET_ASSERT(target < instances_.size() && (!prefill || *prefill < instances_.size()),
-                "the policy picked an instance outside the {}", instances_.size());
-    // The prompt and the first generated token.
-    const int64_t blocks = (prompt_tokens + 1 + block_tokens[target] - 1) / block_tokens[target];
-    placements_[request.id] = Placement{target, blocks, prefill, prompt_tokens};
-    ++sequences_[target];
-    pending_blocks_[target] += blocks;
-    ++routed_[target];
-    if (prefill) {
-      queued_prompt_[*prefill] += prompt_tokens;
-      ++routed_[*prefill];
-      if (n_prefill > 1) prefixes_[*prefill].remember(request.prompt);
-      request.prefill_peer = instances_[*prefill].peer;
-    }
+    placements_.emplace(id, std::move(placement));
   }
-  const RequestId id = request.id;
   try {
-    instances_[target].client->submit(std::move(request));
+    instances_[attempt->target].client->submit(std::move(attempt->request));
   } catch (...) {
     // Not placed after all: undo the bookkeeping, and let the caller refuse it.
     std::lock_guard lock(mutex_);
-    Placement placement = placements_.at(id);
-    placements_.erase(id);
-    --sequences_[target];
-    pending_blocks_[target] -= placement.pending_blocks;
-    --routed_[target];
+    const Placement& placement = placements_.at(id);
+    unbook(placement);
+    --routed_[placement.instance];
     if (placement.prefill) --routed_[*placement.prefill];
-    handed_over(placement);
+    placements_.erase(id);
     throw;
   }
 }
 
 void RoutedInstances::cancel(RequestId id) {
   size_t target = 0;
+  RequestId attempt;
   {
     std::lock_guard lock(mutex_);
     const auto it = placements_.find(id);
     if (it == placements_.end()) return;  // finished or unknown
     target = it->second.instance;
+    attempt = it->second.attempt;
   }
-  instances_[target].client->cancel(id);
+  instances_[target].client->cancel(attempt);
+}
+
+void RoutedInstances::instance_lost(size_t instance) {
+  DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
+  const std::vector<InstanceStats> stats = all_stats();
+  std::vector<std::pair<size_t, RequestId>> withdrawn;  // old attempts on live decode instances
+  std::vector<Attempt> reruns;
+  std::vector<InstanceEvent> ended;
+  EventHandler handler;
+  {
+    std::lock_guard lock(mutex_);
+    if (lost_[instance]) return;
+    lost_[instance] = true;
+    sequences_[instance] = 0;  // its counters start again (it gets no work)
+    pending_blocks_[instance] = 0;
+    queued_prompt_[instance] = 0;
+    // Its requests, and those whose prompt it was computing, by arrival.
+    std::vector<std::pair<uint64_t, RequestId>> hit;
+    for (const auto& [id, placement] : placements_) {
+      if (placement.instance == instance || placement.prefill == instance)
+        hit.emplace_back(placement.arrival, id);
+    }
+    std::sort(hit.begin(), hit.end());
+    for (const auto& [arrival, id] : hit) {
+      Placement& placement = placements_.at(id);
+      if (placement.instance != instance)
+        withdrawn.emplace_back(placement.instance, placement.attempt);
+      unbook(placement);
+      const InstanceRequest& original = placement.request;
+      const auto n_delivered = static_cast<int64_t>(placement.delivered.size());
+      // Ended already, though the end was lost with the instance?
+      const bool ended_by_token =
+          n_delivered > 0 && !original.ignore_eos &&
+          std::find(info_.end_of_generation.begin(), info_.end_of_generation.end(),
+                    placement.delivered.back()) != info_.end_of_generation.end();
+      if (ended_by_token || n_delivered >= original.max_tokens) {
+        ended.push_back(
+            {.id = id,
+             .finished = true,
+             .finish = ended_by_token ? InstanceFinish::kEndOfGeneration : InstanceFinish::kLength,
+             .retries = placement.retries});
+        placements_.erase(id);
+        continue;
+      }
+      std::optional<Attempt> attempt;
+      if (placement.retries < max_retries_) {
+        InstanceRequest request = original;
+        request.id = RequestId{kRerunIdBase + next_attempt_++};
+        request.prompt.insert(request.prompt.end(), placement.delivered.begin(),
+                              placement.delivered.end());
+        request.max_tokens = original.max_tokens - n_delivered;
+        request.n_prompt = static_cast<int64_t>(original.prompt.size());
+        attempt = place(id, std::move(request), placement, stats);
+      }
+      if (!attempt) {
+        ++failover_.failed_after_retries;
+        ended.push_back(
+            {.id = id,
+             .finished = true,
+             .finish = InstanceFinish::kFailed,
+             .error = ServeError{ServeErrorKind::kUnavailable,
+                                 placement.retries < max_retries_
+                                     ? std::string("its instance was lost, and no live instance "
+                                                   "can take it")
+                                     : fmt::format("its instance was lost again after {} re-run(s)",
+                                                   placement.retries)},
+             .retries = placement.retries});
+        placements_.erase(id);
+        continue;
+      }
+      ++placement.retries;
+      ++failover_.reruns;
+      reruns.push_back(std::move(*attempt));
+    }
+    handler = handler_;
+  }
+  for (const auto& [target, attempt] : withdrawn) instances_[target].client->cancel(attempt);
+  for (Attempt& attempt : reruns) {
+    const RequestId attempt_id = attempt.request.id;
+    try {
+      instances_[attempt.target].client->submit(std::move(attempt.request));
+    } catch (const std::exception& e) {
+      std::lock_guard lock(mutex_);
+      const auto it = attempts_.find(attempt_id);
+      if (it == attempts_.end()) continue;
+      const RequestId id = it->second;
+      Placement& placement = placements_.at(id);
+      unbook(placement);
+      ++failover_.failed_after_retries;
+      ended.push_back({.id = id,
+                       .finished = true,
+                       .finish = InstanceFinish::kFailed,
+                       .error = ServeError{ServeErrorKind::kUnavailable,
+                                           fmt::format("its instance was lost, and the re-run "
+                                                       "was refused: {}",
+                                                       e.what())},
+                       .retries = placement.retries});
+      placements_.erase(id);
+    }
+  }
+  if (handler && !ended.empty()) handler(ended);
+}
+
+bool RoutedInstances::lost(size_t instance) const {
+  std::lock_guard lock(mutex_);
+  return lost_[instance];
+}
+
+RoutedInstances::FailoverCounters RoutedInstances::failover_counters() const {
+  std::lock_guard lock(mutex_);
+  return failover_;
+}
+
+InstanceClient::Health RoutedInstances::health() const {
+  std::lock_guard lock(mutex_);
+  Health health;
+  health.n_instances = static_cast<int>(instances_.size());
+  bool target = false;  // an instance that can take a request (decode or colocated)
+  for (size_t i = 0; i < instances_.size(); ++i) {
+    if (lost_[i]) {
+      ++health.n_lost;
+      continue;
+    }
+    target = target || instances_[i].role != InstanceRole::kPrefill;
+  }
+  health.serving = target;
+  health.reruns = failover_.reruns;
+  health.failed_after_retries = failover_.failed_after_retries;
+  return health;
 }
 
 void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> events) {
   EventHandler handler;
+  std::vector<InstanceEvent> out;
+  out.reserve(events.size());
   {
     std::lock_guard lock(mutex_);
+    if (lost_[instance]) return;  // a lost instance's late events: its requests run elsewhere
     for (const InstanceEvent& event : events) {
-      const auto it = placements_.find(event.id);
-      if (it == placements_.end()) continue;
-      Placement& placement = it->second;
+      const auto attempt = attempts_.find(event.id);
+      if (attempt == attempts_.end()) continue;  // an old attempt's, or unknown
+      const RequestId id = attempt->second;
+      Placement& placement = placements_.at(id);
       DUET_ASSERT(placement.instance == instance, "request {} sent to instance {}, events from {}",
-                  event.id.value, placement.instance, instance);
+                  id.value, placement.instance, instance);
       if (event.admitted || event.finished) {
         pending_blocks_[instance] -= placement.pending_blocks;
         placement.pending_blocks = 0;
       }
       if (event.token >= 0 || event.finished) handed_over(placement);
+      if (event.token >= 0) placement.delivered.push_back(event.token);
+      InstanceEvent translated = event;
+      translated.id = id;
       if (event.finished) {
+        translated.retries = placement.retries;
         --sequences_[instance];
-        placements_.erase(it);
+        attempts_.erase(attempt);
+        placements_.erase(id);
       }
+      out.push_back(std::move(translated));
     }
     handler = handler_;
   }
-  if (handler) handler(events);
+  if (handler && !out.empty()) handler(out);
 }
 
 InstanceStats RoutedInstances::stats() const {
+  std::vector<bool> lost;
+  {
+    std::lock_guard lock(mutex_);
+    lost = lost_;
+  }
   InstanceStats sum;
   for (size_t i = 0; i < instances_.size(); ++i) {
+    if (lost[i]) continue;
     const InstanceStats s = instances_[i].client->stats();
     sum.running += s.running;
     sum.waiting += s.waiting;
     sum.kv_blocks_total += s.kv_blocks_total;
     sum.kv_blocks_free += s.kv_blocks_free;
-    if (i == 0) sum.kv_block_tokens = s.kv_block_tokens;
+    if (sum.kv_block_tokens == 0) sum.kv_block_tokens = s.kv_block_tokens;
     sum.steps += s.steps;
     sum.prompt_tokens += s.prompt_tokens;
     sum.prefix_hit_tokens += s.prefix_hit_tokens;
     sum.generated_tokens += s.generated_tokens;
     sum.preemptions += s.preemptions;
+    sum.kv_blocks_quarantined += s.kv_blocks_quarantined;
   }
   return sum;
 }

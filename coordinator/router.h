@@ -18,6 +18,18 @@
 // computes its prompt (named in the request, InstanceRequest::prefill_peer).
 // A prefill instance's load is the prompt tokens sent its way whose first
 // token has not come back yet.
+//
+// Lost instances (instance_lost, from coordinator/cluster/liveness.h) get no
+// new work, and every request on one is re-run elsewhere, in order of
+// arrival: the request goes again, as a new attempt with an id of its own,
+// with its prompt followed by the tokens already delivered as the prompt and
+// max_tokens less those tokens. Because sampling is keyed by (seed,
+// position) and the CPU kernels are batch-invariant, the attempt continues
+// with exactly the tokens the first would have produced. A request lost in
+// prefill (its prefill instance lost before its first token) has its old
+// attempt cancelled on its decode instance, then goes again the same way.
+// After max_retries re-runs, or with no live instance that can take it, it
+// ends with a kUnavailable error. Events of an old attempt are dropped.
 #pragma once
 
 #include <cstddef>
@@ -81,6 +93,8 @@ class DisaggregatedPolicy final : public RoutingPolicy {
   std::string_view name() const override { return "disaggregated"; }
   Route pick(std::span<const InstanceLoad> loads, const InstanceRequest& request) const override;
 };
+// (Disaggregated with no prefill instance among `loads`: the decode instance
+// computes the prompt itself, Route::prefill empty.)
 
 std::unique_ptr<RoutingPolicy> make_routing_policy(ClusterMode mode);
 
@@ -98,10 +112,12 @@ class RoutedInstances final : public InstanceClient {
   // (kInvalidArgument) names the first difference. info() is the first
   // instance's, with the smallest kv_capacity_tokens of all (a sequence must
   // fit wherever it goes). Installs an event handler on every instance.
-  RoutedInstances(std::vector<RoutedInstance> instances, std::unique_ptr<RoutingPolicy> policy);
+  // `max_retries`: re-runs of one request after losses, at most.
+  RoutedInstances(std::vector<RoutedInstance> instances, std::unique_ptr<RoutingPolicy> policy,
+                  int max_retries = 2);
   // Colocated instances.
   RoutedInstances(const std::vector<InstanceClient*>& instances,
-                  std::unique_ptr<RoutingPolicy> policy);
+                  std::unique_ptr<RoutingPolicy> policy, int max_retries = 2);
   ~RoutedInstances() override;  // removes the instances' handlers
   RoutedInstances(const RoutedInstances&) = delete;
   RoutedInstances& operator=(const RoutedInstances&) = delete;
@@ -112,8 +128,20 @@ class RoutedInstances final : public InstanceClient {
   void set_event_handler(EventHandler handler) override;
   void submit(InstanceRequest request) override;
   void cancel(RequestId id) override;
-  // The sum over the instances (kv_block_tokens: the first instance's).
+  // The sum over the live instances (kv_block_tokens: the first instance's).
   InstanceStats stats() const override;
+  Health health() const override;
+
+  // Instance `instance` is lost (any thread; once is enough, again is a
+  // no-op): no new work goes there, and its requests are re-run (above).
+  void instance_lost(size_t instance);
+  bool lost(size_t instance) const;
+
+  struct FailoverCounters {
+    int64_t reruns = 0;                // attempts submitted again after a loss
+    int64_t failed_after_retries = 0;  // ended kUnavailable: out of retries or of instances
+  };
+  FailoverCounters failover_counters() const;
 
   size_t size() const { return instances_.size(); }
   const RoutingPolicy& policy() const { return *policy_; }
@@ -128,24 +156,48 @@ class RoutedInstances final : public InstanceClient {
     int64_t pending_blocks = 0;  // until admitted
     std::optional<size_t> prefill;
     int64_t prompt_tokens = 0;  // queued at `prefill` until the first token
+    // For a re-run: the request as the client sent it, the tokens delivered.
+    InstanceRequest request;  // its prompt is the original one
+    std::vector<int32_t> delivered;
+    RequestId attempt;  // the id the instance knows this attempt by
+    int32_t retries = 0;
+    uint64_t arrival = 0;  // order of arrival at the router
+  };
+  struct Attempt {
+    InstanceRequest request;  // to submit (attempt id, prefill peer set)
+    size_t target = 0;
   };
 
   void on_events(size_t instance,
                  std::span<const InstanceEvent> events);  // instance's event thread
   // Under mutex_: the prompt's handover from its prefill instance is over.
   void handed_over(Placement& placement);
+  // Under mutex_: routes `request` (attempt id set) for `id` over the live
+  // instances and books it; nullopt when no live instance can take it.
+  std::optional<Attempt> place(RequestId id, InstanceRequest request, Placement& placement,
+                               std::span<const InstanceStats> stats);
+  // Under mutex_: the bookkeeping of placement's current attempt undone.
+  void unbook(const Placement& placement);
+  std::vector<InstanceStats> all_stats() const;  // outside mutex_
 
   const std::vector<RoutedInstance> instances_;
   const std::unique_ptr<RoutingPolicy> policy_;
   InstanceInfo info_;
 
+  const int max_retries_;
+
   mutable std::mutex mutex_;  // guards the members below
   EventHandler handler_;
   std::map<RequestId, Placement> placements_;  // submitted, not finished
-  std::vector<int64_t> sequences_;             // per instance: placements there
-  std::vector<int64_t> pending_blocks_;        // per instance: sum of pending_blocks
-  std::vector<int64_t> routed_;                // per instance: cumulative submits
-  std::vector<int64_t> queued_prompt_;         // per instance: prompt tokens not handed over
+  std::map<RequestId, RequestId> attempts_;    // live attempt id -> request id
+  std::vector<bool> lost_;                     // per instance
+  uint64_t next_arrival_ = 0;
+  uint64_t next_attempt_ = 1;
+  FailoverCounters failover_;
+  std::vector<int64_t> sequences_;       // per instance: placements there
+  std::vector<int64_t> pending_blocks_;  // per instance: sum of pending_blocks
+  std::vector<int64_t> routed_;          // per instance: cumulative submits
+  std::vector<int64_t> queued_prompt_;   // per instance: prompt tokens not handed over
   // Per instance: the prompts sent there to prefill (prefill instances only).
   std::vector<PrefixMemory> prefixes_;
 };

@@ -52,11 +52,13 @@ struct Service::Live {
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;
   int64_t completion_tokens = 0;
+  int32_t retries = 0;
 
   RequestTimings timings(Clock::time_point now) const {
     RequestTimings t;
     t.prompt_tokens = prompt_tokens;
     t.completion_tokens = completion_tokens;
+    t.retries = retries;
     t.cached_tokens = cached_tokens;
     t.queue_s = seconds((is_admitted ? admitted : now) - arrival);
     t.ttft_s = completion_tokens > 0 ? seconds(first_token - arrival) : 0.0;
@@ -294,6 +296,7 @@ void Service::on_events(std::span<const InstanceEvent> events) {
         }
       }
       if (event.finished) {
+        live.retries = event.retries;
         switch (event.finish) {
           case InstanceFinish::kEndOfGeneration:
             finish = ServeFinish::kStop;
@@ -336,6 +339,7 @@ void Service::on_events(std::span<const InstanceEvent> events) {
 ServiceStats Service::stats() const {
   ServiceStats s;
   s.instance = instance_.stats();
+  s.health = instance_.health();
   std::lock_guard lock(mutex_);
   s.active_requests = static_cast<int64_t>(live_.size());
   s.waiting_requests = n_waiting_;
@@ -344,9 +348,22 @@ ServiceStats Service::stats() const {
   return s;
 }
 
-bool Service::healthy() const {
-  std::lock_guard lock(mutex_);
-  return !shut_down_;
+bool Service::healthy() const { return health().state != HealthState::kUnavailable; }
+
+Service::Health Service::health() const {
+  Health health;
+  health.instances = instance_.health();
+  bool shut_down = false;
+  {
+    std::lock_guard lock(mutex_);
+    shut_down = shut_down_;
+  }
+  if (shut_down || !health.instances.serving) {
+    health.state = HealthState::kUnavailable;
+  } else if (health.instances.n_lost > 0) {
+    health.state = HealthState::kDegraded;
+  }
+  return health;
 }
 
 std::string Service::metrics_text() const { return metrics_.render(stats(), Clock::now()); }

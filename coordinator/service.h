@@ -78,6 +78,7 @@ struct RequestTimings {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t cached_tokens = 0;
+  int32_t retries = 0;  // re-runs after an instance it was on was lost
 };
 
 // New output of one request. The text is safe to show: it is valid UTF-8 and
@@ -118,6 +119,7 @@ struct ModelSummary {
 
 struct ServiceStats {
   InstanceStats instance;
+  InstanceClient::Health health;
   int64_t active_requests = 0;   // started, not finished
   int64_t waiting_requests = 0;  // started, not yet admitted by the instance
   int64_t finished_requests = 0;
@@ -153,6 +155,14 @@ class Service final {
   Result<std::string> detokenize(std::span<const int32_t> ids) const;
   ServiceStats stats() const;
   bool healthy() const;
+  // ok: serving with every instance; degraded: serving with some lost;
+  // unavailable: shutting down, or no live instance a request needs.
+  enum class HealthState { kOk, kDegraded, kUnavailable };
+  struct Health {
+    HealthState state = HealthState::kOk;
+    InstanceClient::Health instances;
+  };
+  Health health() const;
   // The Prometheus text exposition of every metric.
   std::string metrics_text() const;
   const Metrics& metrics() const { return metrics_; }

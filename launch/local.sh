@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Starts a Duet cluster and keeps it in the foreground until Ctrl-C:
-#   mpirun -np 1+P+D duet serve --prefill P --decode D [ARGS...]
+#   mpirun --enable-recovery -np 1+P+D duet serve --prefill P --decode D [ARGS...]
 # with the default model: the coordinator on rank 0, then P prefill and D
 # decode instances of one rank each (of T ranks each with `--tp T`,
 # `--prefill-tp T`, `--decode-tp T` among the arguments). Both fronts take free ports; the
@@ -69,7 +69,9 @@ model=${DUET_MODEL:-${DUET_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.g
 [ -x "$duet" ] || { say "no $duet: build first (launch/build.sh) or unset DUET_SKIP_BUILD"; exit 1; }
 [ -f "$model" ] || { say "no model $model: run launch/setup.sh or set DUET_MODEL"; exit 1; }
 
-mpirun_args=(--bind-to none -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1)
+# --enable-recovery: one rank's death does not end the job; the coordinator
+# counts its instance lost and re-runs its requests (docs/FAILURES.md).
+mpirun_args=(--enable-recovery --bind-to none -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1)
 [ "$(id -u)" -ne 0 ] || mpirun_args+=(--allow-run-as-root)
 if [ -n "${DUET_HOSTFILE:-}" ]; then
   mpirun_args+=(--hostfile "$DUET_HOSTFILE")

@@ -28,7 +28,7 @@ cleanup() {
 trap cleanup EXIT
 
 # Ports 0: the coordinator picks free ones and prints them on stdout.
-mpirun --allow-run-as-root --oversubscribe -np 3 \
+mpirun --allow-run-as-root --oversubscribe --enable-recovery -np 3 \
   "$bin/duet" serve --model "$model" --prefill 1 --decode 1 --threads "$threads" \
   --rpc-port 0 --http-port 0 >"$work/ports" 2>"$work/log" &
 cluster=$!

@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 
 #include "common/error.h"
@@ -50,6 +51,13 @@ constexpr auto kCloseTimeout = std::chrono::milliseconds(30'000);
 // The spec of this run: the cluster flags or file, or without any under
 // mpirun, one colocated instance on every rank but the coordinator's.
 // Throws on every rank alike for a layout the model cannot take.
+// Whether mpirun was told to keep the job going when a rank dies
+// (--enable-recovery sets this variable for every rank).
+bool recovery_enabled() {
+  const char* value = std::getenv("OMPI_MCA_orte_enable_recovery");
+  return value != nullptr && (std::string(value) == "1" || std::string(value) == "true");
+}
+
 ClusterSpec serving_spec(const ClusterFlags& flags, int world_size, const std::string& model) {
   ClusterSpec spec = flags.any()
                          ? cluster_spec_from_flags(flags, world_size)
@@ -83,7 +91,12 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   // Declared before the service: the cluster's shut_down (which joins the
   // thread calling into the router and the service) comes before the
   // service is destroyed.
-  ClusterCoordinator cluster(channel, spec, kReadyTimeout, kCloseTimeout);
+  ClusterCoordinatorOptions options;
+  options.ready_timeout = kReadyTimeout;
+  options.close_timeout = kCloseTimeout;
+  options.instance_lease = serve::instance_lease(args);
+  options.max_retries = args.max_retries;
+  ClusterCoordinator cluster(channel, spec, options);
   Service service(cluster.router(), *tokenizer, chat, serve::model_name(args),
                   serve::service_limits(args));
   serve::run_fronts_until_signal(service, args, signals);
@@ -95,9 +108,9 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
 }
 
 // This rank's part of its instance, with the serve flags as its options.
-int serve_instance(ControlChannel& channel, MpiKvTransfer& transfer, Collective& collective,
-                   const ClusterSpec& spec, std::span<const RankPlacement> placements,
-                   const ServeArgs& args, int device) {
+int serve_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& transfer,
+                   Collective& collective, const ClusterSpec& spec,
+                   std::span<const RankPlacement> placements, const ServeArgs& args, int device) {
   ClusterInstanceOptions options;
   options.model_path = args.model;
   options.model_name = serve::model_name(args);
@@ -105,10 +118,11 @@ int serve_instance(ControlChannel& channel, MpiKvTransfer& transfer, Collective&
   options.device = device;
   options.kv_transfer_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(args.kv_transfer_timeout_s * 1000.0));
+  options.heartbeat_interval = std::max(serve::instance_lease(args) / 6, 1ms);
   options.engine_config = [&](const LlamaModel& shard, std::vector<int32_t> end_of_generation) {
     return serve::engine_config(args, shard, std::move(end_of_generation), device);
   };
-  return serve_cluster_instance(channel, transfer, collective, spec, placements, options);
+  return serve_cluster_instance(mpi, channel, transfer, collective, spec, placements, options);
 }
 
 }  // namespace
@@ -145,11 +159,19 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       channel.close(10s);  // so that the verdict reaches every rank
       throw;
     }
+    if (mpi.rank() == kCoordinatorRank && !recovery_enabled()) {
+      spdlog::warn(
+          "mpirun was started without --enable-recovery: the job is one failure domain (one "
+          "rank's death ends every rank); with it, a lost instance costs a pause");
+    }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(channel, *transfer, collective, spec, placements, args,
-                                          placement.device);
-    spdlog::info("rank {}: exiting with code {}", mpi.rank().value, code);
+                         : serve_instance(mpi, channel, *transfer, collective, spec, placements,
+                                          args, placement.device);
+    // After a loss MPI_Finalize could wait on a dead rank forever.
+    if (channel.forgot_any()) mpi.leave_without_finalize();
+    spdlog::info("rank {}: exiting with code {}{}", mpi.rank().value, code,
+                 channel.forgot_any() ? " (without MPI_Finalize: ranks were lost)" : "");
     return code;
   } catch (const Error& e) {
     std::fprintf(stderr, "duet: %s: %s\n", std::string(error_kind_name(e.kind())).c_str(),

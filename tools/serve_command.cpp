@@ -112,6 +112,17 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--instance-lease", args.instance_lease_s,
+                  "Seconds an instance may be silent, or inside one engine step, before the "
+                  "coordinator counts it lost and re-runs its requests elsewhere")
+      ->check(CLI::Range(0.05, 3600.0))
+      ->capture_default_str()
+      ->group(group);
+  cmd->add_option("--max-retries", args.max_retries,
+                  "Re-runs of one request after the instances it was on were lost")
+      ->check(CLI::Range(0, 100))
+      ->capture_default_str()
+      ->group(group);
   cmd->add_option("--kv-same-host", args.kv_same_host,
                   "How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl "
                   "(one GPU shared by two ranks is always ipc; other hosts nccl)")

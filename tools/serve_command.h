@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -47,6 +48,10 @@ struct ServeArgs {
   double kv_transfer_timeout_s = 120.0;
   // How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl.
   std::string kv_same_host = "ipc";
+  // Failure domains: an instance silent (or stuck in one step) this long is
+  // lost; its requests are re-run at most max_retries times.
+  double instance_lease_s = 3.0;
+  int max_retries = 2;
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);
@@ -56,6 +61,10 @@ int run_serve(const ServeArgs& args);
 
 // The pieces both shapes share.
 namespace serve {
+
+inline std::chrono::milliseconds instance_lease(const ServeArgs& args) {
+  return std::chrono::milliseconds(static_cast<int64_t>(args.instance_lease_s * 1000.0));
+}
 
 // Blocks SIGINT and SIGTERM in this thread and every thread started after it
 // (they are taken by sigwait) and ignores SIGPIPE. Call first, before any

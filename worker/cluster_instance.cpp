@@ -13,6 +13,7 @@
 #include "worker/local_instance.h"
 #include "worker/model/model_forward.h"
 #include "worker/parallel/device_collective.h"
+#include "worker/rank_liveness.h"
 #include "worker/tensor_parallel.h"
 
 namespace duet {
@@ -112,7 +113,7 @@ LoadedShard load_shard(ControlChannel& channel, Collective& collective, const In
 
 // The leader: the engine behind an InstanceServer until Shutdown, then the
 // followers are told to stop.
-void lead_instance(ControlChannel& channel, Collective& collective,
+void lead_instance(ControlChannel& channel, RankLiveness& liveness, Collective& collective,
                    DeviceCollective* device_collective, const InstanceSpec& self,
                    const LlamaModel& model, const EngineConfig& config, cpu::ThreadPool& pool,
                    const PeerLinks& peers, const std::string& model_name) {
@@ -124,11 +125,13 @@ void lead_instance(ControlChannel& channel, Collective& collective,
     LocalInstance instance(model, cpu::kernel_table(cpu::isa_from_environment()), pool, config,
                            model_name, peers, tp ? &*tp : nullptr);
     InstanceServer server(channel, instance, self.id);
+    liveness.watch([&instance] { return instance.progress(); });
     spdlog::info("instance {} (rank {}, {}, tp {}): serving {} with {} compute threads", self.id,
                  channel.rank().value, instance_role_name(self.role), self.tp, model_name,
                  pool.size());
     reason = server.serve();
     stats = instance.stats();
+    liveness.watch({});
   }  // the engine thread has stopped: the followers may go
   if (tp) tp->stop();
   spdlog::info("instance {} (rank {}): {} ({} steps, {} tokens generated)", self.id,
@@ -137,10 +140,14 @@ void lead_instance(ControlChannel& channel, Collective& collective,
 
 }  // namespace
 
-int serve_cluster_instance(ControlChannel& channel, MpiKvTransfer& transfer, Collective& collective,
-                           const ClusterSpec& spec, std::span<const RankPlacement> placements,
+int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& transfer,
+                           Collective& collective, const ClusterSpec& spec,
+                           std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
+  // Heartbeats from the start: loading the model takes seconds.
+  RankLiveness liveness(channel, self.role != InstanceRole::kBoth ? &transfer : nullptr, mpi, self,
+                        options.heartbeat_interval);
   EngineConfig config;
   // Outlives the engine (whose CUDA graphs captured the communicator's operations).
   const LoadedShard shard = load_shard(channel, collective, self, placements, options, config);
@@ -159,8 +166,8 @@ int serve_cluster_instance(ControlChannel& channel, MpiKvTransfer& transfer, Col
       peers.instance_ranks = ranks_by_leader(spec);
     }
     if (collective.rank() == 0) {
-      lead_instance(channel, collective, shard.device_collective.get(), self, *model, config, pool,
-                    peers, options.model_name);
+      lead_instance(channel, liveness, collective, shard.device_collective.get(), self, *model,
+                    config, pool, peers, options.model_name);
     } else {
       spdlog::info("instance {} (rank {}): tensor-parallel follower {} of {}", self.id,
                    channel.rank().value, collective.rank(), self.tp);

@@ -37,6 +37,8 @@ struct ClusterInstanceOptions {
   // Disaggregated: the longest a decode instance waits for a prompt's KV
   // (the prefill side's queue included).
   std::chrono::milliseconds kv_transfer_timeout{120'000};
+  // How often every rank heartbeats to the coordinator (its lease / 6).
+  std::chrono::milliseconds heartbeat_interval{500};
   // The engine's configuration for this rank's loaded shard and the model's
   // end-of-generation ids (every rank of an instance must count the same KV
   // blocks). May throw: the rank then reports it could not load.
@@ -47,11 +49,14 @@ struct ClusterInstanceOptions {
 // This rank's part of its instance in `spec`, until the coordinator's
 // Shutdown. `channel`, `transfer` (every rank has one: its communicator is
 // collective) and `collective` (the instance's ranks) are the rank's, wired
-// by the caller; `placements`: every rank's, by world rank. Closes the
-// channel before returning. Returns the exit code: 0, 1 when not every rank
-// closed in time, 2 when the instance could not start.
-int serve_cluster_instance(ControlChannel& channel, MpiKvTransfer& transfer, Collective& collective,
-                           const ClusterSpec& spec, std::span<const RankPlacement> placements,
+// by the caller; `placements`: every rank's, by world rank. Heartbeats to
+// the coordinator from the start (worker/rank_liveness.h): a rank whose
+// instance is lost leaves the process from there. Closes the channel before
+// returning. Returns the exit code: 0, 1 when not every rank closed in
+// time, 2 when the instance could not start.
+int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& transfer,
+                           Collective& collective, const ClusterSpec& spec,
+                           std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options);
 
 }  // namespace duet

@@ -59,6 +59,11 @@ void Engine::validate(std::span<const int32_t> prompt, const RequestOptions& opt
   validate_sampling_params(options.sampling);
 }
 
+int64_t Engine::token_order_from(std::span<const int32_t> prompt, const RequestOptions& options) {
+  const auto n = static_cast<int64_t>(prompt.size());
+  return one_token_from(options.n_prompt > 0 ? std::min(options.n_prompt, n) : n);
+}
+
 SequenceId Engine::add_live(std::vector<int32_t>& prompt, const RequestOptions& options,
                             TokenSink sink, AdmitSink on_admitted) {
   const SequenceId id{next_id_++};
@@ -74,7 +79,8 @@ SequenceId Engine::submit(std::vector<int32_t> prompt, const RequestOptions& opt
                           TokenSink sink, AdmitSink on_admitted) {
   validate(prompt, options);
   const SequenceId id = add_live(prompt, options, std::move(sink), std::move(on_admitted));
-  scheduler_.add(id, std::move(prompt), options.max_tokens);
+  const int64_t order_from = token_order_from(prompt, options);
+  scheduler_.add(id, std::move(prompt), options.max_tokens, order_from);
   return id;
 }
 
@@ -85,7 +91,8 @@ SequenceId Engine::submit_export(std::vector<int32_t> prompt, const RequestOptio
                "export from position {} of a {}-token prompt", send_from, prompt.size());
   const SequenceId id = add_live(prompt, options, {}, std::move(on_admitted));
   live_.at(id).exporting = Export{std::move(sink), send_from, 0};
-  scheduler_.add(id, std::move(prompt), 1);
+  const int64_t order_from = token_order_from(prompt, options);
+  scheduler_.add(id, std::move(prompt), 1, order_from);
   return id;
 }
 
@@ -93,7 +100,8 @@ SequenceId Engine::submit_import(std::vector<int32_t> prompt, const RequestOptio
                                  TokenSink sink, ImportHooks hooks) {
   validate(prompt, options);
   const SequenceId id = add_live(prompt, options, std::move(sink), {});
-  imports_.emplace(id, Import{std::move(prompt), std::move(hooks)});
+  const int64_t order_from = token_order_from(prompt, options);
+  imports_.emplace(id, Import{std::move(prompt), order_from, std::move(hooks)});
   import_queue_.push_back(id);
   reserve_imports();
   return id;
@@ -110,8 +118,8 @@ void Engine::reserve_imports() {
         (static_cast<int64_t>(import.prompt.size()) + kv_.block_size()) / kv_.block_size();
     if (scheduler_.n_running() + in_flight >= max_running_) return;
     if (kv_.n_free_blocks() - blocks < scheduler_.n_running()) return;
-    const std::optional<int64_t> cached = kv_.begin_sequence(
-        id, import.prompt, one_token_from(static_cast<int64_t>(import.prompt.size())));
+    const std::optional<int64_t> cached =
+        kv_.begin_sequence(id, import.prompt, import.one_token_from);
     if (!cached) return;
     import_queue_.pop_front();
     import.reserved = true;
@@ -125,6 +133,7 @@ void Engine::complete_import(SequenceId id, int32_t first_token) {
   DUET_REQUIRE(it != imports_.end() && it->second.reserved && !it->second.aborted,
                "sequence {} is not an import in transfer", id.value);
   std::vector<int32_t> prompt = std::move(it->second.prompt);
+  const int64_t order_from = it->second.one_token_from;
   const int64_t cached_tokens = it->second.cached_tokens;
   const bool device_rows = it->second.hooks.device_rows;
   imports_.erase(it);
@@ -138,7 +147,7 @@ void Engine::complete_import(SequenceId id, int32_t first_token) {
   const int64_t position = static_cast<int64_t>(prompt.size());
   Live& live = live_.at(id);
   if (live.max_tokens >= 2) {
-    scheduler_.add_running(id, std::move(prompt), first_token, live.max_tokens);
+    scheduler_.add_running(id, std::move(prompt), first_token, live.max_tokens, order_from);
   } else {
     kv_.free_sequence(id);  // emit() ends it at once: max_tokens 1
   }

@@ -54,6 +54,10 @@ struct RequestOptions {
   int64_t max_tokens = 128;
   SamplingParams sampling;
   bool ignore_eos = false;  // end-of-generation tokens do not end it: exactly max_tokens
+  // The prompt's first n_prompt tokens are prompt, the rest were generated
+  // earlier (a re-run): they keep the generated tokens' order
+  // (common/model/token_order.h). 0: all of it is prompt.
+  int64_t n_prompt = 0;
 };
 
 struct TokenEvent {
@@ -222,6 +226,7 @@ class Engine final {
   }
   EngineStats stats() const;
   int64_t n_free_kv_blocks() const { return kv_.n_free_blocks(); }
+  int64_t n_kv_blocks_of(SequenceId id) const { return kv_.n_blocks(id); }
   int64_t n_kv_blocks() const { return pool_.n_blocks(); }
 
  private:
@@ -242,6 +247,7 @@ class Engine final {
   };
   struct Import {
     std::vector<int32_t> prompt;
+    int64_t one_token_from = 0;  // common/model/token_order.h
     ImportHooks hooks;
     bool reserved = false;
     int64_t cached_tokens = 0;  // prompt rows the prefix cache held (not transferred)
@@ -251,6 +257,8 @@ class Engine final {
   SequenceId add_live(std::vector<int32_t>& prompt, const RequestOptions& options, TokenSink sink,
                       AdmitSink on_admitted);
   void validate(std::span<const int32_t> prompt, const RequestOptions& options) const;
+  // Where the one-token order starts for this prompt (its role: options.n_prompt).
+  static int64_t token_order_from(std::span<const int32_t> prompt, const RequestOptions& options);
   void reserve_imports();
   void export_layer(int64_t layer);
   // Whether the step's logit rows are sampled on the device: the forward

@@ -51,6 +51,7 @@ LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& ke
       post(ImportFailed{id, error});
     };
     handlers.on_released = [this](RequestId id) { post(Released{id}); };
+    handlers.on_quarantined = [this](RequestId id) { post(Quarantined{id}); };
     peers_.transfer->set_handlers(std::move(handlers));
   }
   thread_ = std::thread([this] { run(); });
@@ -132,6 +133,26 @@ void LocalInstance::apply(Command& command) {
     if (it == releasing_.end()) return;
     release_import(released->id, it->second);
     releasing_.erase(it);
+  } else if (const auto* quarantined = std::get_if<Quarantined>(&command)) {
+    // Never released: the engine keeps the sequence, and its blocks, for good.
+    SequenceId sid;
+    if (auto it = releasing_.find(quarantined->id); it != releasing_.end()) {
+      sid = it->second;  // cancelled already: its finish was reported
+      releasing_.erase(it);
+    } else if (auto live = sequences_.find(quarantined->id); live != sequences_.end()) {
+      sid = live->second;
+      requests_.erase(sid);
+      sequences_.erase(live);
+      fail(quarantined->id, {ServeErrorKind::kUnavailable,
+                             "its prefill instance was lost while its KV was arriving"});
+    } else {
+      return;
+    }
+    ++n_quarantined_;
+    quarantined_blocks_ += engine_.n_kv_blocks_of(sid);
+    spdlog::warn(
+        "instance: request {}: {} KV blocks quarantined (a lost rank may still write them)",
+        quarantined->id.value, engine_.n_kv_blocks_of(sid));
   }
 }
 
@@ -163,6 +184,7 @@ void LocalInstance::apply_submit(InstanceRequest& request) {
   options.max_tokens = request.max_tokens;
   options.sampling = request.sampling;
   options.ignore_eos = request.ignore_eos;
+  options.n_prompt = request.n_prompt;
   auto on_token = [this, rid](const TokenEvent& e) {
     InstanceEvent event{.id = rid, .token = e.token, .finished = e.finished};
     if (e.finished) {
@@ -259,6 +281,7 @@ void LocalInstance::apply_order(Order& order) {
   options.max_tokens = 1;  // this side samples the first token only
   options.sampling = request.sampling;
   options.ignore_eos = request.ignore_eos;
+  options.n_prompt = request.n_prompt;
   ExportSink sink;
   sink.layer = [this, rid](SequenceId, int64_t layer, int64_t pos0, int64_t n,
                            std::span<const int32_t> block_table, const KvCache& cache) {
@@ -300,7 +323,8 @@ InstanceStats LocalInstance::publish_stats() {
   const EngineStats e = engine_.stats();
   InstanceStats s;
   s.running = engine_.n_running();
-  s.waiting = engine_.n_waiting();
+  s.waiting = engine_.n_waiting() - n_quarantined_;
+  s.kv_blocks_quarantined = quarantined_blocks_;
   s.kv_blocks_total = engine_.n_kv_blocks();
   s.kv_blocks_free = engine_.n_free_kv_blocks();
   s.kv_block_tokens = KvLayout::kDefaultBlockSize;
@@ -328,9 +352,13 @@ void LocalInstance::run() {
     // An imported prompt's first token (or a refusal) leaves now, not after
     // the next step: it is the request's time to first token.
     if (!events_.empty()) publish();
+    ++steps_begun_;
+    in_step_ = true;
     try {
       engine_.step();
+      in_step_ = false;
     } catch (const std::exception& e) {
+      in_step_ = false;
       // A broken invariant in the engine: fail every live request, keep the thread.
       const std::string e_what = e.what();
       for (const auto& [rid, sid] : sequences_) {

@@ -24,6 +24,7 @@
 // the id maps and the per-step event buffer belong to the engine thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -39,6 +40,13 @@
 #include "worker/transfer/kv_transfer.h"
 
 namespace duet {
+
+// What a heartbeat says of an engine: the steps it began, and whether it is
+// inside one now (worker/rank_liveness.h).
+struct EngineProgress {
+  int64_t steps = 0;
+  bool busy = false;
+};
 
 // How an instance takes part in disaggregated serving.
 struct PeerLinks {
@@ -80,6 +88,8 @@ class LocalInstance final : public InstanceClient {
   void submit(InstanceRequest request) override;
   void cancel(RequestId id) override;
   InstanceStats stats() const override;
+  // Any thread.
+  EngineProgress progress() const { return {steps_begun_.load(), in_step_.load()}; }
 
  private:
   // From the transfer (the peers' side of a transfer).
@@ -101,9 +111,12 @@ class LocalInstance final : public InstanceClient {
   struct Released {
     RequestId id;
   };
+  struct Quarantined {
+    RequestId id;
+  };
   // submit, cancel, then the transfer's.
-  using Command =
-      std::variant<InstanceRequest, RequestId, Order, Withdrawn, Imported, ImportFailed, Released>;
+  using Command = std::variant<InstanceRequest, RequestId, Order, Withdrawn, Imported, ImportFailed,
+                               Released, Quarantined>;
   // A prompt this (prefill) instance computes for a decode peer.
   struct Export {
     SequenceId sequence;
@@ -137,6 +150,9 @@ class LocalInstance final : public InstanceClient {
   std::map<RequestId, SequenceId> sequences_;
   std::map<SequenceId, RequestId> requests_;
   std::map<RequestId, SequenceId> releasing_;  // cancelled imports waiting for on_released
+  // Imports whose blocks a lost rank's rows may still land in: kept forever.
+  int64_t n_quarantined_ = 0;
+  int64_t quarantined_blocks_ = 0;
   std::map<RequestId, Export> exports_;
   std::vector<InstanceEvent> events_;  // of the current step
   std::vector<TpExport> tp_exports_;   // of the current step
@@ -147,6 +163,8 @@ class LocalInstance final : public InstanceClient {
   std::deque<Command> commands_;
   bool stopping_ = false;
   InstanceStats stats_;
+  std::atomic<int64_t> steps_begun_{0};  // written by the engine thread
+  std::atomic<bool> in_step_{false};     // written by the engine thread
 
   // Held by the engine thread while it calls the observer and the handler,
   // and by their setters: once a setter returns, the old callback is not

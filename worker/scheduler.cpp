@@ -14,7 +14,8 @@ Scheduler::Scheduler(KvCacheManager& kv, SchedulerConfig config) : kv_(kv), conf
                config.max_step_tokens, config.max_running);
 }
 
-void Scheduler::add(SequenceId id, std::vector<int32_t> prompt, int64_t max_tokens) {
+void Scheduler::add(SequenceId id, std::vector<int32_t> prompt, int64_t max_tokens,
+                    int64_t order_from) {
   DUET_REQUIRE(!prompt.empty(), "sequence {}: the prompt is empty", id.value);
   DUET_REQUIRE(max_tokens >= 1, "sequence {}: max_tokens must be >= 1, got {}", id.value,
                max_tokens);
@@ -22,7 +23,7 @@ void Scheduler::add(SequenceId id, std::vector<int32_t> prompt, int64_t max_toke
   Sequence seq;
   seq.arrival = next_arrival_++;
   seq.n_prompt = static_cast<int64_t>(prompt.size());
-  seq.one_token_from = one_token_from(seq.n_prompt);
+  seq.one_token_from = order_from >= 0 ? order_from : one_token_from(seq.n_prompt);
   seq.tokens = std::move(prompt);
   seq.max_tokens = max_tokens;
   sequences_.emplace(id, std::move(seq));
@@ -30,7 +31,7 @@ void Scheduler::add(SequenceId id, std::vector<int32_t> prompt, int64_t max_toke
 }
 
 void Scheduler::add_running(SequenceId id, std::vector<int32_t> prompt, int32_t first_token,
-                            int64_t max_tokens) {
+                            int64_t max_tokens, int64_t order_from) {
   DUET_REQUIRE(!prompt.empty() && max_tokens >= 2,
                "sequence {}: an imported sequence needs a prompt and max_tokens >= 2", id.value);
   DUET_REQUIRE(!sequences_.contains(id), "sequence {} already exists", id.value);
@@ -39,7 +40,7 @@ void Scheduler::add_running(SequenceId id, std::vector<int32_t> prompt, int32_t 
   Sequence seq;
   seq.arrival = next_arrival_++;
   seq.n_prompt = static_cast<int64_t>(prompt.size());
-  seq.one_token_from = one_token_from(seq.n_prompt);
+  seq.one_token_from = order_from >= 0 ? order_from : one_token_from(seq.n_prompt);
   seq.n_computed = seq.n_prompt;
   seq.tokens = std::move(prompt);
   seq.tokens.push_back(first_token);

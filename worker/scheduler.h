@@ -66,14 +66,16 @@ class Scheduler final {
   // Queues a request; it generates at most max_tokens tokens. The caller
   // keeps prompt + max_tokens within the KV cache's capacity (a request that
   // can never fit would wait forever).
-  void add(SequenceId id, std::vector<int32_t> prompt, int64_t max_tokens);
+  // `order_from`: the first position computed in the one-token order
+  // (common/model/token_order.h); -1: one_token_from(the prompt's length).
+  void add(SequenceId id, std::vector<int32_t> prompt, int64_t max_tokens, int64_t order_from = -1);
 
   // Adds a sequence whose prompt KV is already written and committed (the KV
   // cache manager holds it under `id`, all of `prompt` committed), with its
   // first generated token: it runs from the next step on, decoding that token.
   // Counts as running; its arrival is now. max_tokens counts the first token.
   void add_running(SequenceId id, std::vector<int32_t> prompt, int32_t first_token,
-                   int64_t max_tokens);
+                   int64_t max_tokens, int64_t order_from = -1);
 
   // Ends a sequence at once (cancelled, or stopped by its caller), freeing its KV.
   void finish(SequenceId id);

@@ -140,6 +140,7 @@ void fill(control::SubmitRequest::Builder out, const InstanceRequest& in) {
   sampling.setPenaltyLastN(s.penalty_last_n);
   out.setIgnoreEos(in.ignore_eos);
   out.setPrefillRank(in.prefill_peer);
+  out.setNPrompt(in.n_prompt);
 }
 
 InstanceRequest read(control::SubmitRequest::Reader in) {
@@ -162,6 +163,7 @@ InstanceRequest read(control::SubmitRequest::Reader in) {
   s.penalty_last_n = sampling.getPenaltyLastN();
   out.ignore_eos = in.getIgnoreEos();
   out.prefill_peer = in.getPrefillRank();
+  out.n_prompt = in.getNPrompt();
   return out;
 }
 
@@ -217,6 +219,7 @@ void fill(control::Stats::Builder out, int32_t instance_id, const InstanceStats&
   out.setPrefixHitTokens(s.prefix_hit_tokens);
   out.setGeneratedTokens(s.generated_tokens);
   out.setPreemptions(s.preemptions);
+  out.setKvBlocksQuarantined(s.kv_blocks_quarantined);
 }
 
 InstanceStats read(control::Stats::Reader in) {
@@ -231,6 +234,7 @@ InstanceStats read(control::Stats::Reader in) {
   s.prefix_hit_tokens = in.getPrefixHitTokens();
   s.generated_tokens = in.getGeneratedTokens();
   s.preemptions = in.getPreemptions();
+  s.kv_blocks_quarantined = in.getKvBlocksQuarantined();
   return s;
 }
 
@@ -290,6 +294,22 @@ struct Filler {
   void operator()(const StatsReport& m) { fill(out.initStats(), m.instance_id, m.stats); }
   void operator()(const Shutdown& m) { out.initShutdown().setReason(m.reason); }
   void operator()(const InstanceReady& m) { fill(out.initReady(), m); }
+  void operator()(const Heartbeat& m) {
+    auto beat = out.initHeartbeat();
+    beat.setInstanceId(m.instance_id);
+    beat.setRank(m.rank.value);
+    beat.setEpoch(m.epoch);
+    beat.setStep(m.step);
+    beat.setBusy(m.busy);
+  }
+  void operator()(const RanksLost& m) {
+    auto lost = out.initRanksLost();
+    lost.setEpoch(m.epoch);
+    auto ranks = lost.initRanks(static_cast<unsigned>(m.ranks.size()));
+    for (size_t i = 0; i < m.ranks.size(); ++i)
+      ranks.set(static_cast<unsigned>(i), m.ranks[i].value);
+    lost.setReason(m.reason);
+  }
   void operator()(const PrefillOrder& m) {
     auto order = out.initPrefillOrder();
     fill(order.initRequest(), m.request);
@@ -364,6 +384,17 @@ ControlMessage read(control::Message::Reader in) {
       }
       return out;
     }
+    case control::Message::HEARTBEAT: {
+      auto beat = in.getHeartbeat();
+      return Heartbeat{beat.getInstanceId(), Rank{beat.getRank()}, beat.getEpoch(), beat.getStep(),
+                       beat.getBusy()};
+    }
+    case control::Message::RANKS_LOST: {
+      auto lost = in.getRanksLost();
+      RanksLost out{lost.getEpoch(), {}, to_string(lost.getReason())};
+      for (int32_t rank : lost.getRanks()) out.ranks.push_back(Rank{rank});
+      return out;
+    }
   }
   corrupt(fmt::format("unknown message kind {} (a newer protocol?)", static_cast<int>(in.which())));
 }
@@ -372,8 +403,8 @@ ControlMessage read(control::Message::Reader in) {
 
 std::string_view control_message_name(const ControlMessage& message) {
   static constexpr std::string_view kNames[] = {
-      "hello", "hello_reply", "submit",         "cancel",        "step_events",
-      "stats", "shutdown",    "instance_ready", "prefill_order", "kv_handoff"};
+      "hello",    "hello_reply",    "submit",        "cancel",     "step_events", "stats",
+      "shutdown", "instance_ready", "prefill_order", "kv_handoff", "heartbeat",   "ranks_lost"};
   static_assert(std::size(kNames) == std::variant_size_v<ControlMessage>);
   return kNames[message.index()];
 }

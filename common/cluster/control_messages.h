@@ -23,7 +23,7 @@
 namespace duet {
 
 // Equals `protocolVersion` in control.capnp (checked at compile time).
-inline constexpr uint32_t kControlProtocolVersion = 4;
+inline constexpr uint32_t kControlProtocolVersion = 5;
 
 // Leader -> coordinator, first message (see control.capnp).
 struct Hello {
@@ -78,13 +78,33 @@ struct InstanceReady {
   std::string error;
 };
 
+// Every instance rank -> coordinator, every heartbeat interval, also when
+// idle (the coordinator's lease on the instance, coordinator/cluster/liveness.h).
+struct Heartbeat {
+  int32_t instance_id = 0;
+  Rank rank;
+  uint64_t epoch = 0;  // the newest RanksLost epoch this rank has applied
+  int64_t step = -1;   // the engine's step counter; -1 on a tensor-parallel follower
+  bool busy = false;   // inside an engine step
+};
+
+// Coordinator -> every rank: `ranks` are lost (dead, stalled, or in a lost
+// instance). A rank that finds itself, or a rank of its own instance, in the
+// list drops what it holds and leaves; every other rank stops waiting on them.
+struct RanksLost {
+  uint64_t epoch = 0;  // the cluster's loss count: one more with every loss
+  std::vector<Rank> ranks;
+  std::string reason;
+};
+
 // PrefillOrder and KvHandoff (common/serving.h) travel between instances, on
 // the KV transfer's communicator.
-using ControlMessage = std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents,
-                                    StatsReport, Shutdown, InstanceReady, PrefillOrder, KvHandoff>;
+using ControlMessage =
+    std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents, StatsReport, Shutdown,
+                 InstanceReady, PrefillOrder, KvHandoff, Heartbeat, RanksLost>;
 
 // "hello", "hello_reply", "submit", "cancel", "step_events", "stats", "shutdown",
-// "instance_ready", "prefill_order", "kv_handoff".
+// "instance_ready", "prefill_order", "kv_handoff", "heartbeat", "ranks_lost".
 std::string_view control_message_name(const ControlMessage& message);
 
 // The message's Cap'n Proto flat-array form; its size is a multiple of 8.

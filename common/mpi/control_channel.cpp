@@ -36,6 +36,8 @@ ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions opti
                "control channel: max_receives_per_pass must be positive");
   DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
   closed_by_.assign(static_cast<size_t>(world_size_), false);
+  forgotten_.assign(static_cast<size_t>(world_size_), false);
+  forgotten_seen_.assign(static_cast<size_t>(world_size_), false);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -46,7 +48,14 @@ ControlChannel::~ControlChannel() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
-  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  // Receives from lost ranks never finish: their buffers stay MPI's, and the
+  // communicator, which they still name, is not freed.
+  if (abandoned_receives_.empty() && abandoned_sends_.empty() && comm_ != MPI_COMM_NULL)
+    MPI_Comm_free(&comm_);
+  for (Incoming& incoming : abandoned_receives_)
+    static_cast<void>(new std::vector<std::byte>(std::move(incoming.bytes)));  // leaked
+  for (Outgoing& outgoing : abandoned_sends_)
+    static_cast<void>(new std::vector<std::byte>(std::move(outgoing.bytes)));  // leaked
 }
 
 void ControlChannel::send(Rank destination, const ControlMessage& message) {
@@ -111,6 +120,31 @@ std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds
   ReceivedMessage message = std::move(inbox_.front());
   inbox_.pop_front();
   return message;
+}
+
+void ControlChannel::set_intercept(Intercept intercept) {
+  std::lock_guard pass(pass_mutex_);
+  intercept_ = std::move(intercept);
+}
+
+void ControlChannel::forget(std::span<const Rank> ranks) {
+  {
+    std::lock_guard lock(mutex_);
+    for (Rank rank : ranks) {
+      if (rank.value < 0 || rank.value >= world_size_ || rank == rank_) continue;
+      if (forgotten_[static_cast<size_t>(rank.value)]) continue;
+      forgotten_[static_cast<size_t>(rank.value)] = true;
+      forget_pending_ = true;
+      woken_ = true;
+    }
+  }
+  wake_.notify_one();
+  inbox_ready_.notify_all();
+}
+
+bool ControlChannel::forgot_any() const {
+  std::lock_guard lock(mutex_);
+  return std::find(forgotten_.begin(), forgotten_.end(), true) != forgotten_.end();
 }
 
 bool ControlChannel::receiving() const {
@@ -193,6 +227,7 @@ void ControlChannel::run() {
         std::lock_guard lock(mutex_);
         stop = stop_;
         woken_ = false;
+        if (forget_pending_) apply_forgotten();
         if (closing_ && !close_markers_queued_) queue_close_markers();
         queue_.take(fresh);
       }
@@ -212,11 +247,12 @@ void ControlChannel::run() {
         active = endpoint->progress() || active;
         transferring = endpoint->in_flight() || transferring;
       }
-      const bool sends_in_flight = !in_flight_.empty();
+      const bool sends_in_flight = !in_flight_.empty() || !incoming_.empty();
       pass.unlock();
 
       std::unique_lock lock(mutex_);
-      if (close_markers_queued_ && own_pending_ == 0 && n_closed_peers_ == world_size_ - 1) {
+      if (forget_pending_) apply_forgotten();
+      if (close_markers_queued_ && own_pending_ == 0 && peers_settled()) {
         closed_ = true;
         closed = true;
         inbox_ready_.notify_all();
@@ -257,16 +293,73 @@ void ControlChannel::run() {
 // messages: MPI does not let messages from one rank overtake.
 void ControlChannel::queue_close_markers() {
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_.value) continue;
+    if (r == rank_.value || forgotten_[static_cast<size_t>(r)]) continue;
     queue_.push(Outgoing{comm_, r, kCloseTag, SendLane::kControl, {}});
     ++own_pending_;
   }
   close_markers_queued_ = true;
 }
 
+// Under mutex_, on the communication thread: the channel's own messages to
+// newly forgotten ranks stop counting as pending (queued ones are caught as
+// they are posted), and receives from them that had begun are given up.
+void ControlChannel::apply_forgotten() {
+  forget_pending_ = false;
+  std::erase_if(in_flight_, [&](Outgoing& outgoing) {
+    if (!forgotten_[static_cast<size_t>(outgoing.destination)]) return false;
+    abandon(outgoing);
+    return true;
+  });
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    if (forgotten_[static_cast<size_t>(it->source.value)]) {
+      abandoned_receives_.push_back(std::move(*it));
+      it = incoming_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (int r = 0; r < world_size_; ++r) {
+    if (!forgotten_[static_cast<size_t>(r)] || forgotten_seen_[static_cast<size_t>(r)]) continue;
+    forgotten_seen_[static_cast<size_t>(r)] = true;
+    spdlog::warn("control channel: rank {} no longer waits on rank {}", rank_.value, r);
+  }
+}
+
+bool ControlChannel::peers_settled() const {
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_.value) continue;
+    if (!closed_by_[static_cast<size_t>(r)] && !forgotten_[static_cast<size_t>(r)]) return false;
+  }
+  return true;
+}
+
+// Under mutex_, on the communication thread: a send to a forgotten rank
+// stops counting (own_pending_, the endpoints' sends in flight) and moves to
+// abandoned_sends_, tested on each pass but waited on by nothing.
+void ControlChannel::abandon(Outgoing& outgoing) {
+  if (outgoing.request != MPI_REQUEST_NULL && outgoing.from != nullptr)
+    --n_endpoint_sends_in_flight_;
+  if (outgoing.from == nullptr) --own_pending_;
+  abandoned_sends_.push_back(std::move(outgoing));
+}
+
 bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
   const bool any = !fresh.empty();
   int64_t n_messages = 0;
+  {
+    // To a forgotten rank: the channel's own messages (a RanksLost to a
+    // stalled rank) still leave, unwaited; the endpoints' (KV) are dropped.
+    std::lock_guard lock(mutex_);
+    std::erase_if(fresh, [&](Outgoing& outgoing) {
+      if (!forgotten_[static_cast<size_t>(outgoing.destination)]) return false;
+      if (outgoing.from == nullptr) {
+        MPI_Isend(outgoing.bytes.data(), static_cast<int>(outgoing.bytes.size()), MPI_BYTE,
+                  outgoing.destination, outgoing.tag, outgoing.comm, &outgoing.request);
+        abandon(outgoing);
+      }
+      return true;
+    });
+  }
   for (Outgoing& outgoing : fresh) {
     in_flight_.push_back(std::move(outgoing));
     Outgoing& posted = in_flight_.back();
@@ -295,6 +388,13 @@ void ControlChannel::flush_for(std::chrono::milliseconds limit) {
 }
 
 bool ControlChannel::test_sends() {
+  // Sends to lost ranks: freed if they ever finish (a stalled rank woke);
+  // an error on one is expected and ends it.
+  std::erase_if(abandoned_sends_, [](Outgoing& outgoing) {
+    int finished = 0;
+    return MPI_Test(&outgoing.request, &finished, MPI_STATUS_IGNORE) != MPI_SUCCESS ||
+           finished != 0;
+  });
   std::vector<Outgoing> done;
   std::erase_if(in_flight_, [&](Outgoing& outgoing) {
     int finished = 0;
@@ -318,35 +418,59 @@ bool ControlChannel::test_sends() {
 }
 
 bool ControlChannel::receive_some() {
+  const bool started = start_receives();
+  return finish_receives() || started;
+}
+
+bool ControlChannel::start_receives() {
   int n = 0;
-  std::vector<ReceivedMessage> received;
-  int64_t malformed = 0;
   for (; n < options_.max_receives_per_pass; ++n) {
     int flag = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
     MPI_Status status;
-    DUET_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, &status));
+    DUET_MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, &message, &status));
     if (!flag) break;
     int count = 0;
     DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-    // Only this thread receives on comm_, so the probed message is the one
-    // this receive matches (the first from that source with that tag).
-    std::vector<std::byte> bytes(static_cast<size_t>(count));
-    DUET_MPI_CHECK(MPI_Recv(bytes.data(), count, MPI_BYTE, status.MPI_SOURCE, status.MPI_TAG, comm_,
-                            MPI_STATUS_IGNORE));
-    const Rank source{status.MPI_SOURCE};
-    if (status.MPI_TAG == kCloseTag) {
-      if (!closed_by_[static_cast<size_t>(source.value)]) {
-        closed_by_[static_cast<size_t>(source.value)] = true;
-        ++n_closed_peers_;
-      }
+    incoming_.push_back(Incoming{Rank{status.MPI_SOURCE}, status.MPI_TAG,
+                                 std::vector<std::byte>(static_cast<size_t>(count))});
+    Incoming& incoming = incoming_.back();
+    DUET_MPI_CHECK(MPI_Imrecv(incoming.bytes.data(), count, MPI_BYTE, &message, &incoming.request));
+  }
+  return n > 0;
+}
+
+bool ControlChannel::finish_receives() {
+  if (incoming_.empty()) return false;
+  std::vector<ReceivedMessage> received;
+  int64_t malformed = 0;
+  bool any = false;
+  // A source whose oldest receive is unfinished delivers nothing after it.
+  std::vector<bool> held(static_cast<size_t>(world_size_), false);
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    const auto source = static_cast<size_t>(it->source.value);
+    int done = 0;
+    if (!held[source]) DUET_MPI_CHECK(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE));
+    if (!done) {
+      held[source] = true;
+      ++it;
+      continue;
+    }
+    any = true;
+    Incoming incoming = std::move(*it);
+    it = incoming_.erase(it);
+    if (incoming.tag == kCloseTag) {
+      closed_by_[source] = true;
       continue;
     }
     try {
-      received.push_back(ReceivedMessage{source, decode_control_message(bytes)});
+      ReceivedMessage message{incoming.source, decode_control_message(incoming.bytes)};
+      if (intercept_ && intercept_(message)) continue;
+      received.push_back(std::move(message));
     } catch (const Error& e) {
       ++malformed;
       spdlog::error("control channel: rank {}: dropped a message from rank {}: {}", rank_.value,
-                    source.value, e.what());
+                    incoming.source.value, e.what());
     }
   }
   if (!received.empty() || malformed > 0) {
@@ -356,7 +480,7 @@ bool ControlChannel::receive_some() {
     for (ReceivedMessage& message : received) inbox_.push_back(std::move(message));
   }
   if (!received.empty()) inbox_ready_.notify_all();
-  return n > 0;
+  return any;
 }
 
 void ControlChannel::abandon_in_flight() {

@@ -19,10 +19,19 @@
 //   closed stops without that agreement (after an error), giving what was
 //   already queued a moment (200 ms) to leave.
 //
+// - forget(ranks): those ranks are lost (dead or stalled, coordinator/
+//   cluster/liveness.h). Nothing waits on them from then on: close() agrees
+//   with the other ranks alone, messages to them still leave if they can but
+//   hold nothing up, and a receive from them that had begun is given up.
+//
 // The communication thread is the only one that calls MPI on the channel's
-// communicator: MPI_Isend with buffers the channel owns until MPI_Test says
-// they are done, MPI_Iprobe then MPI_Recv of the probed size, MPI_Test on the
-// sends in flight (non-blocking operations progress only inside MPI calls).
+// communicator, and it never blocks in MPI: MPI_Isend with buffers the
+// channel owns until MPI_Test says they are done, MPI_Improbe then
+// MPI_Imrecv of the probed size (a large message from a rank that dies
+// half-way never completes, and must not hold the thread), MPI_Test on the
+// sends and receives in flight (non-blocking operations progress only
+// inside MPI calls). Messages from one rank reach the inbox in the order
+// they were sent, whichever of their receives finishes first.
 // It never spins while idle: with nothing to do it sleeps on a condition
 // variable for a pause that doubles from min_idle_sleep to max_idle_sleep,
 // back to the minimum on any activity, and a local send() wakes it at once.
@@ -44,8 +53,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -142,10 +153,25 @@ class ControlChannel final {
   // when receive() returns nullopt and this is false.
   bool receiving() const;
 
-  // Collective (see above). Returns true when every rank closed within
-  // `timeout`; false otherwise, and then the channel is stopped regardless
-  // (sends still in flight are abandoned). Call once, from one thread.
+  // Collective (see above) over the ranks not forgotten. Returns true when
+  // every such rank closed within `timeout`; false otherwise, and then the
+  // channel is stopped regardless (sends still in flight are abandoned).
+  // Call once, from one thread.
   bool close(std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+  // Any thread. `intercept` sees every message received from then on, on
+  // the communication thread, before it would enter the inbox; a message it
+  // returns true for is consumed there (a RanksLost, which must be applied
+  // even while this rank's main thread is busy elsewhere). It must be quick
+  // and may call forget() and send(); an empty function removes it.
+  using Intercept = std::function<bool(const ReceivedMessage&)>;
+  void set_intercept(Intercept intercept);
+
+  // Any thread: stop waiting on `ranks` (see above); this rank is ignored.
+  void forget(std::span<const Rank> ranks);
+  // Whether any rank was forgotten: MPI_Finalize may then wait on it forever
+  // (tests/mpi/failure_probe_main.cpp), so the process leaves without it.
+  bool forgot_any() const;
 
   struct Counters {
     int64_t sent = 0;       // messages handed to MPI
@@ -164,12 +190,24 @@ class ControlChannel final {
     const CommEndpoint* from = nullptr;  // null: the channel's own message
     MPI_Request request = MPI_REQUEST_NULL;
   };
+  // A message being received: its buffer is MPI's until the request is done.
+  struct Incoming {
+    Rank source;
+    int tag = 0;
+    std::vector<std::byte> bytes;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
 
   void run();                  // the communication thread
   void queue_close_markers();  // under mutex_
   bool post_sends(std::vector<Outgoing>& fresh);
   bool test_sends();
   bool receive_some();
+  bool start_receives();             // probed messages into incoming_
+  bool finish_receives();            // finished ones, in order per source, into the inbox
+  void apply_forgotten();            // under mutex_: new forget() calls
+  void abandon(Outgoing& outgoing);  // under mutex_
+  bool peers_settled() const;        // under mutex_: every other rank closed or forgotten
   void flush_for(std::chrono::milliseconds limit);
   void abandon_in_flight();
 
@@ -181,14 +219,20 @@ class ControlChannel final {
   // Communication thread only.
   std::vector<Outgoing> in_flight_;
   int64_t n_endpoint_sends_in_flight_ = 0;
-  std::vector<bool> closed_by_;  // by rank: its close marker arrived
-  int n_closed_peers_ = 0;
+  std::vector<bool> closed_by_;    // by rank: its close marker arrived
+  std::deque<Incoming> incoming_;  // receives begun, in the order they were matched
+  // Receives from forgotten ranks that may never finish: kept (and at the
+  // end leaked) because MPI may still write their buffers.
+  std::vector<Incoming> abandoned_receives_;
+  std::vector<Outgoing> abandoned_sends_;  // to forgotten ranks; see abandon()
+  std::vector<bool> forgotten_seen_;       // by rank: apply_forgotten ran for it
 
   // Held by the communication thread through each pass's MPI work (taking
   // from the queue and posting, testing, receiving, driving the endpoints):
   // whoever holds it knows that no message is between the queue and MPI.
   std::mutex pass_mutex_;
   std::vector<CommEndpoint*> endpoints_;  // guarded by pass_mutex_
+  Intercept intercept_;                   // guarded by pass_mutex_
 
   mutable std::mutex mutex_;                    // guards the members below
   std::condition_variable wake_;                // the communication thread waits here
@@ -204,6 +248,8 @@ class ControlChannel final {
   bool closed_ = false;                // every rank closed; the thread has ended
   bool stop_ = false;                  // end the thread now, without the closing agreement
   bool thread_done_ = false;           // nothing queued will be posted any more
+  std::vector<bool> forgotten_;        // by rank: forget() named it
+  bool forget_pending_ = false;        // forget() since the thread last applied it
   Counters counters_;
 
   std::thread thread_;  // last: starts after everything above exists

@@ -71,7 +71,9 @@ MpiRuntime::MpiRuntime() {
   processor_name_.assign(name, static_cast<size_t>(length));
 }
 
-MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
+MpiRuntime::~MpiRuntime() {
+  if (!leave_without_finalize_) MPI_Finalize();
+}
 
 std::vector<std::byte> MpiRuntime::all_gather(std::span<const std::byte> mine) const {
   std::vector<std::byte> all(mine.size() * static_cast<size_t>(world_size_));

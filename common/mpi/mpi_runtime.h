@@ -16,6 +16,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <cstddef>
 #include <span>
 #include <string>
@@ -52,6 +53,11 @@ class MpiRuntime final {
   // The host name MPI reports for this rank (logs, and which ranks share a host).
   const std::string& processor_name() const { return processor_name_; }
 
+  // After a rank of the job was lost: MPI_Finalize waits on every rank and
+  // may never return (tests/mpi/failure_probe_main.cpp), so the destructor
+  // leaves MPI as it is and the process exits without it. Any thread.
+  void leave_without_finalize() { leave_without_finalize_ = true; }
+
   // Every rank's `mine` (the same size on all), in rank order: a collective
   // over MPI_COMM_WORLD, for start-up exchanges (placements, handles).
   std::vector<std::byte> all_gather(std::span<const std::byte> mine) const;
@@ -60,6 +66,7 @@ class MpiRuntime final {
   Rank rank_;
   int world_size_ = 0;
   std::string processor_name_;
+  std::atomic<bool> leave_without_finalize_{false};
 };
 
 }  // namespace duet

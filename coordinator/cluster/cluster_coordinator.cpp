@@ -41,12 +41,17 @@ void abort_cluster(ControlChannel& channel, const ClusterSpec& spec, const std::
 }
 
 ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpec& spec,
-                                       std::chrono::milliseconds ready_timeout,
-                                       std::chrono::milliseconds close_timeout)
+                                       const ClusterCoordinatorOptions& options)
     : spec_(spec),
-      cluster_(channel, spec, await_ready(channel, spec, ready_timeout, close_timeout)),
-      routed_(routed_instances(cluster_, spec), make_routing_policy(spec.mode)) {
-  spdlog::info("cluster: {}; routing: {}", spec.describe(), routed_.policy().name());
+      cluster_(channel, spec,
+               await_ready(channel, spec, options.ready_timeout, options.close_timeout),
+               options.instance_lease),
+      routed_(routed_instances(cluster_, spec), make_routing_policy(spec.mode),
+              options.max_retries) {
+  cluster_.set_loss_handler([this](size_t instance) { routed_.instance_lost(instance); });
+  spdlog::info("cluster: {}; routing: {}; instance lease {} ms, up to {} re-run(s) per request",
+               spec.describe(), routed_.policy().name(), options.instance_lease.count(),
+               options.max_retries);
 }
 
 bool ClusterCoordinator::shut_down(const std::string& reason, std::chrono::milliseconds timeout) {

@@ -29,20 +29,29 @@ namespace duet {
 void abort_cluster(ControlChannel& channel, const ClusterSpec& spec, const std::string& reason,
                    std::chrono::milliseconds timeout);
 
+struct ClusterCoordinatorOptions {
+  std::chrono::milliseconds ready_timeout{300'000};
+  std::chrono::milliseconds close_timeout{30'000};
+  std::chrono::milliseconds instance_lease{3'000};  // coordinator/cluster/liveness.h
+  int max_retries = 2;  // re-runs of one request after losses (coordinator/router.h)
+};
+
 class ClusterCoordinator final {
  public:
   // `channel` outlives the coordinator. Waits up to `ready_timeout` for
   // every instance's InstanceReady; when one cannot start or does not
   // answer, aborts the cluster (abort_cluster, waiting up to `close_timeout`)
-  // and throws duet::Error naming it.
+  // and throws duet::Error naming it. Then holds a lease on every instance
+  // and re-runs the requests of any it loses.
   ClusterCoordinator(ControlChannel& channel, const ClusterSpec& spec,
-                     std::chrono::milliseconds ready_timeout,
-                     std::chrono::milliseconds close_timeout);
+                     const ClusterCoordinatorOptions& options);
   ClusterCoordinator(const ClusterCoordinator&) = delete;
   ClusterCoordinator& operator=(const ClusterCoordinator&) = delete;
 
   // Every instance behind the router; owned by the coordinator.
   RoutedInstances& router() { return routed_; }
+  // Each instance's liveness, in spec order (any thread).
+  std::vector<Liveness::InstanceView> liveness() const { return cluster_.liveness(); }
 
   // Logs the requests routed to each instance and its generated tokens, then
   // ends the cluster (RemoteCluster::shut_down). Returns whether every rank

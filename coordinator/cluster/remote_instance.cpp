@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -34,12 +35,28 @@ void RemoteInstance::set_event_handler(EventHandler handler) {
 }
 
 void RemoteInstance::submit(InstanceRequest request) {
+  {
+    std::lock_guard lock(mutex_);
+    if (lost_) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  fmt::format("the instance led by rank {} is lost", leader_.value));
+    }
+  }
   // Throws when the channel is closing: the service then refuses the request
   // (kUnavailable) instead of waiting for events that will never come.
   channel_.send(leader_, SubmitRequest{std::move(request)});
 }
 
+void RemoteInstance::mark_lost() {
+  std::lock_guard lock(mutex_);
+  lost_ = true;
+}
+
 void RemoteInstance::cancel(RequestId id) {
+  {
+    std::lock_guard lock(mutex_);
+    if (lost_) return;  // it holds nothing any more
+  }
   try {
     channel_.send(leader_, Cancel{id});
   } catch (const Error& e) {
@@ -87,6 +104,7 @@ std::vector<InstanceReady> await_instances_ready(ControlChannel& channel, const 
       throw Error(ErrorKind::kInternal,
                   fmt::format("{} did not report ready within {} ms", silent, timeout.count()));
     }
+    if (std::holds_alternative<Heartbeat>(received->message)) continue;  // leases start later
     const auto it = by_leader.find(received->source);
     auto* message = std::get_if<InstanceReady>(&received->message);
     if (it == by_leader.end() || message == nullptr) {
@@ -116,8 +134,9 @@ void shut_down_leaders(ControlChannel& channel, const ClusterSpec& spec,
 // ---------------------------------------------------------------- RemoteCluster
 
 RemoteCluster::RemoteCluster(ControlChannel& channel, const ClusterSpec& spec,
-                             const std::vector<InstanceReady>& ready)
-    : channel_(channel) {
+                             const std::vector<InstanceReady>& ready,
+                             std::chrono::milliseconds lease)
+    : channel_(channel), spec_(spec), liveness_(spec, lease, Clock::now()) {
   DUET_ASSERT(channel.rank() == kCoordinatorRank, "remote instances live on rank 0");
   DUET_ASSERT(ready.size() == spec.instances.size(), "one InstanceReady per instance");
   for (const InstanceSpec& instance : spec.instances) {
@@ -131,6 +150,21 @@ RemoteCluster::~RemoteCluster() {
   if (!shut_down_) shut_down("the coordinator is stopping");
 }
 
+void RemoteCluster::set_loss_handler(LossHandler handler) {
+  std::lock_guard lock(mutex_);
+  on_lost_ = std::move(handler);
+}
+
+std::vector<Liveness::InstanceView> RemoteCluster::liveness() const {
+  std::lock_guard lock(mutex_);
+  return liveness_.view();
+}
+
+uint64_t RemoteCluster::epoch() const {
+  std::lock_guard lock(mutex_);
+  return liveness_.epoch();
+}
+
 std::vector<InstanceClient*> RemoteCluster::instances() const {
   std::vector<InstanceClient*> out;
   for (const auto& instance : instances_) out.push_back(instance.get());
@@ -138,9 +172,17 @@ std::vector<InstanceClient*> RemoteCluster::instances() const {
 }
 
 bool RemoteCluster::shut_down(const std::string& reason, std::chrono::milliseconds timeout) {
-  DUET_ASSERT(!shut_down_, "RemoteCluster::shut_down called twice");
-  shut_down_ = true;
+  {
+    std::lock_guard lock(mutex_);
+    DUET_ASSERT(!shut_down_, "RemoteCluster::shut_down called twice");
+    shut_down_ = true;
+  }
+  const std::vector<Rank> lost = [&] {
+    std::lock_guard lock(mutex_);
+    return liveness_.lost_ranks();
+  }();
   for (const auto& instance : instances_) {
+    if (std::find(lost.begin(), lost.end(), instance->leader()) != lost.end()) continue;
     try {
       channel_.send(instance->leader(), Shutdown{reason});
     } catch (const Error& e) {
@@ -155,12 +197,45 @@ bool RemoteCluster::shut_down(const std::string& reason, std::chrono::millisecon
 void RemoteCluster::dispatch() {
   std::map<Rank, RemoteInstance*> by_leader;
   for (const auto& instance : instances_) by_leader[instance->leader()] = instance.get();
+  std::chrono::milliseconds tick;
+  {
+    std::lock_guard lock(mutex_);
+    tick = std::max(liveness_.lease() / 4, std::chrono::milliseconds(1));
+  }
   for (;;) {
-    std::optional<ReceivedMessage> received = channel_.receive(kIdleReceive);
+    std::optional<ReceivedMessage> received = channel_.receive(tick);
+    check_leases();
     if (!received) {
       if (!channel_.receiving()) return;
       continue;
     }
+    bool from_lost = false;
+    uint64_t epoch = 0;
+    {
+      std::lock_guard lock(mutex_);
+      from_lost = liveness_.rank_lost(received->source);
+      epoch = liveness_.epoch();
+      if (!from_lost) {
+        if (const auto* beat = std::get_if<Heartbeat>(&received->message)) {
+          liveness_.on_heartbeat(*beat, Clock::now());
+        } else {
+          liveness_.heard_from(received->source, Clock::now());
+        }
+      }
+    }
+    if (from_lost) {
+      // A lost rank that speaks again was stalled, not dead: tell it again
+      // (it leaves), and drop what it says.
+      if (std::holds_alternative<Heartbeat>(received->message)) {
+        try {
+          channel_.send(received->source,
+                        RanksLost{epoch, {received->source}, "this rank's instance was lost"});
+        } catch (const Error&) {
+        }
+      }
+      continue;
+    }
+    if (std::holds_alternative<Heartbeat>(received->message)) continue;
     const auto it = by_leader.find(received->source);
     if (it == by_leader.end()) {
       spdlog::error("dropped a {} message from rank {}, which leads no instance",
@@ -183,6 +258,44 @@ void RemoteCluster::dispatch() {
                     control_message_name(received->message), e.what());
     }
   }
+}
+
+void RemoteCluster::check_leases() {
+  std::vector<InstanceLoss> losses;
+  {
+    std::lock_guard lock(mutex_);
+    if (shut_down_) return;  // the end of the cluster is not a loss
+    losses = liveness_.check(Clock::now());
+  }
+  for (const InstanceLoss& loss : losses) lose(loss);
+}
+
+void RemoteCluster::lose(const InstanceLoss& loss) {
+  const InstanceSpec& instance = spec_.instances[static_cast<size_t>(loss.instance_id)];
+  spdlog::error("instance {} ({}, rank {}) lost at epoch {}: {}; its requests go elsewhere",
+                instance.id, instance_role_name(instance.role), instance.leader().value, loss.epoch,
+                loss.reason);
+  instances_[static_cast<size_t>(loss.instance_id)]->mark_lost();
+  // Every rank hears of it: the lost ones leave should they wake, the
+  // others stop waiting on them. Sent before the channel forgets them.
+  const RanksLost message{loss.epoch, loss.ranks,
+                          fmt::format("instance {}: {}", instance.id, loss.reason)};
+  for (const InstanceSpec& other : spec_.instances) {
+    for (Rank rank : other.ranks) {
+      try {
+        channel_.send(rank, message);
+      } catch (const Error& e) {
+        spdlog::warn("RanksLost to rank {} not sent: {}", rank.value, e.what());
+      }
+    }
+  }
+  channel_.forget(loss.ranks);
+  LossHandler handler;
+  {
+    std::lock_guard lock(mutex_);
+    handler = on_lost_;
+  }
+  if (handler) handler(static_cast<size_t>(loss.instance_id));
 }
 
 }  // namespace duet

@@ -14,12 +14,23 @@
 //   -> ... serve ... -> shut_down (Shutdown to every leader, channel closed
 //   collectively, dispatcher joined)
 //
+// Liveness: the dispatcher also holds the coordinator's lease on every
+// instance (coordinator/cluster/liveness.h), fed by the ranks' heartbeats
+// and every other message, and checked at least four times per lease. When
+// an instance is lost, every rank is told (RanksLost: the lost ones leave,
+// the others stop waiting on them), the channel forgets its ranks, its
+// RemoteInstance refuses new requests, and the loss handler runs (the
+// router re-runs its requests). A lost instance's late messages are dropped;
+// a lost rank that speaks again (it was stopped, not dead) is told again.
+//
 // Thread affinity: submit, cancel, stats and info from any thread (the
-// fronts', the dispatcher's). Event handlers run on the dispatcher thread.
-// Construct, shut_down and destroy RemoteCluster on the main thread.
+// fronts', the dispatcher's). Event handlers and the loss handler run on
+// the dispatcher thread. Construct, shut_down and destroy RemoteCluster on
+// the main thread.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,6 +41,7 @@
 #include "common/cluster/control_messages.h"
 #include "common/mpi/control_channel.h"
 #include "common/serving.h"
+#include "coordinator/cluster/liveness.h"
 
 namespace duet {
 
@@ -52,6 +64,8 @@ class RemoteInstance final : public InstanceClient {
   // The dispatcher thread.
   void on_step_events(std::span<const InstanceEvent> events);
   void on_stats(const InstanceStats& stats);
+  // From then on submit throws and cancel is dropped.
+  void mark_lost();
 
  private:
   ControlChannel& channel_;
@@ -61,6 +75,7 @@ class RemoteInstance final : public InstanceClient {
   mutable std::mutex mutex_;  // guards the members below
   EventHandler handler_;
   InstanceStats stats_;
+  bool lost_ = false;
 };
 
 // Rank 0, right after the handshake: waits for every leader's InstanceReady.
@@ -77,9 +92,9 @@ void shut_down_leaders(ControlChannel& channel, const ClusterSpec& spec, const s
 class RemoteCluster final {
  public:
   // `channel` outlives the cluster; `ready` from await_instances_ready.
-  // Starts the dispatcher thread.
+  // Starts the dispatcher thread; the leases start now.
   RemoteCluster(ControlChannel& channel, const ClusterSpec& spec,
-                const std::vector<InstanceReady>& ready);
+                const std::vector<InstanceReady>& ready, std::chrono::milliseconds lease);
   // Shuts down (as shut_down) if that was not done.
   ~RemoteCluster();
   RemoteCluster(const RemoteCluster&) = delete;
@@ -87,6 +102,14 @@ class RemoteCluster final {
 
   // In spec order; owned by the cluster.
   std::vector<InstanceClient*> instances() const;
+
+  // Called on the dispatcher thread with the index of each instance lost,
+  // after its ranks were told and forgotten. Set it before serving.
+  using LossHandler = std::function<void(size_t instance)>;
+  void set_loss_handler(LossHandler handler);
+  // Each instance's liveness, in spec order (any thread).
+  std::vector<Liveness::InstanceView> liveness() const;
+  uint64_t epoch() const;
 
   // Sends Shutdown to every leader, closes the channel (collective: every
   // rank closes) and joins the dispatcher, which delivers what arrived
@@ -97,10 +120,17 @@ class RemoteCluster final {
 
  private:
   void dispatch();  // the dispatcher thread
+  // The dispatcher thread: the losses the leases found, acted on.
+  void check_leases();
+  void lose(const InstanceLoss& loss);
 
   ControlChannel& channel_;
+  const ClusterSpec spec_;
   std::vector<std::unique_ptr<RemoteInstance>> instances_;  // immutable after construction
-  bool shut_down_ = false;                                  // main thread
+  mutable std::mutex mutex_;                                // guards the members below
+  Liveness liveness_;
+  LossHandler on_lost_;
+  bool shut_down_ = false;  // guarded by mutex_
   std::thread dispatcher_;  // last: starts after everything above exists
 };
 

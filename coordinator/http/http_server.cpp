@@ -201,10 +201,25 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
                                 "application/json");
     }
     if (path == "/health") {
-      if (service_.healthy())
-        return connection.respond(http::status::ok, R"({"status":"ok"})", "application/json");
-      return connection.respond(http::status::service_unavailable, R"({"status":"unavailable"})",
-                                "application/json", {{http::field::retry_after, "5"}});
+      const Service::Health health = service_.health();
+      const int lost = health.instances.n_lost;
+      switch (health.state) {
+        case Service::HealthState::kOk:
+          return connection.respond(http::status::ok, R"({"status":"ok"})", "application/json");
+        case Service::HealthState::kDegraded:
+          return connection.respond(
+              http::status::ok,
+              fmt::format(R"({{"status":"degraded","lost_instances":{},"instances":{}}})", lost,
+                          health.instances.n_instances),
+              "application/json");
+        case Service::HealthState::kUnavailable:
+          break;
+      }
+      return connection.respond(
+          http::status::service_unavailable,
+          fmt::format(R"({{"status":"unavailable","lost_instances":{},"instances":{}}})", lost,
+                      health.instances.n_instances),
+          "application/json", {{http::field::retry_after, "5"}});
     }
     if (path == "/metrics") {
       return connection.respond(http::status::ok, service_.metrics_text(),

@@ -30,7 +30,7 @@ json timings_json(const RequestTimings& timings) {
       {"queue_ms", timings.queue_s * 1e3},      {"ttft_ms", timings.ttft_s * 1e3},
       {"tpot_ms", timings.tpot_s * 1e3},        {"e2e_ms", timings.e2e_s * 1e3},
       {"prompt_tokens", timings.prompt_tokens}, {"completion_tokens", timings.completion_tokens},
-      {"cached_tokens", timings.cached_tokens}};
+      {"cached_tokens", timings.cached_tokens}, {"retries", timings.retries}};
 }
 
 json model_json(const ModelSummary& model, int64_t created) {

@@ -87,6 +87,7 @@ void fill_finish(rpc::Finish::Builder out, ServeFinish finish, const RequestTimi
   t.setPromptTokens(clamp_u32(timings.prompt_tokens));
   t.setCompletionTokens(clamp_u32(timings.completion_tokens));
   t.setCachedTokens(clamp_u32(timings.cached_tokens));
+  t.setRetries(clamp_u32(timings.retries));
   if (error) fill_error(out.initError(), error->kind, error->message);
 }
 

@@ -224,6 +224,25 @@ TEST(ControlMessages, NamesFollowTheVariant) {
   EXPECT_EQ(control_message_name(InstanceReady{}), "instance_ready");
   EXPECT_EQ(control_message_name(PrefillOrder{}), "prefill_order");
   EXPECT_EQ(control_message_name(KvHandoff{}), "kv_handoff");
+  EXPECT_EQ(control_message_name(Heartbeat{}), "heartbeat");
+  EXPECT_EQ(control_message_name(RanksLost{}), "ranks_lost");
+}
+
+TEST(ControlMessages, LivenessMessagesRoundTrip) {
+  const Heartbeat beat{3, Rank{7}, 2, 123'456, true};
+  const Heartbeat b = round_trip_as(beat);
+  EXPECT_EQ(b.instance_id, 3);
+  EXPECT_EQ(b.rank, Rank{7});
+  EXPECT_EQ(b.epoch, 2u);
+  EXPECT_EQ(b.step, 123'456);
+  EXPECT_TRUE(b.busy);
+  EXPECT_EQ(round_trip_as(Heartbeat{}).step, -1);  // a follower's
+
+  const RanksLost lost{4, {Rank{2}, Rank{3}}, "instance 1 (rank 2): lease expired"};
+  const RanksLost l = round_trip_as(lost);
+  EXPECT_EQ(l.epoch, 4u);
+  EXPECT_EQ(l.ranks, (std::vector<Rank>{Rank{2}, Rank{3}}));
+  EXPECT_EQ(l.reason, lost.reason);
 }
 
 TEST(ControlMessages, PrefillOrderAndHandoffRoundTrip) {

@@ -245,6 +245,83 @@ TEST_F(RoutedInstancesTest, CancelReachesTheInstanceThatHoldsTheRequest) {
   expect_all_free(*b);
 }
 
+// An instance lost mid-stream: its requests go again to the other one, with
+// the tokens already delivered as part of the prompt, and continue with
+// exactly the tokens one instance alone gives them, greedy and seeded; the
+// finished event counts the re-run. Lost twice (no instance left): a
+// kUnavailable error.
+TEST_F(RoutedInstancesTest, ALostInstancesRequestsContinueWithTheSameTokens) {
+  auto seeded = [](uint64_t id, int32_t first_token) {
+    InstanceRequest r = request(id, first_token, 24);
+    r.sampling.temperature = 0.9f;
+    r.sampling.seed = 1000 + id;
+    r.sampling.top_p = 0.95f;
+    return r;
+  };
+  const std::vector<InstanceRequest> requests = {request(1, 40, 24), seeded(2, 41),
+                                                 request(3, 42, 24), seeded(4, 43)};
+  std::map<RequestId, std::vector<int32_t>> expected;
+  {
+    std::unique_ptr<LocalInstance> alone = make_instance();
+    Collector collector;
+    alone->set_event_handler([&](auto events) { collector.on_events(events); });
+    for (const InstanceRequest& r : requests) alone->submit(r);
+    for (const InstanceRequest& r : requests) expected[r.id] = collector.wait(r.id).tokens;
+    alone->set_event_handler({});
+  }
+
+  std::unique_ptr<LocalInstance> a = make_instance();
+  std::unique_ptr<LocalInstance> b = make_instance();
+  RoutedInstances routed(std::vector<InstanceClient*>{a.get(), b.get()},
+                         std::make_unique<ColocatedPolicy>(), /*max_retries=*/1);
+  std::map<RequestId, int32_t> retries;
+  std::mutex retries_mutex;
+  Collector collector;
+  routed.set_event_handler([&](std::span<const InstanceEvent> events) {
+    {
+      std::lock_guard lock(retries_mutex);
+      for (const InstanceEvent& e : events)
+        if (e.finished) retries[e.id] = e.retries;
+    }
+    collector.on_events(events);
+  });
+  collector.hold();
+  for (const InstanceRequest& r : requests) routed.submit(r);
+  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 2}));
+  for (const InstanceRequest& r : requests) collector.wait_for_token(r.id);
+  routed.instance_lost(0);  // between two steps: what a delivered stays delivered
+  EXPECT_TRUE(routed.lost(0));
+  EXPECT_EQ(routed.health().n_lost, 1);
+  EXPECT_TRUE(routed.health().serving);
+  collector.release();
+  for (const InstanceRequest& r : requests) {
+    const Collector::Output out = collector.wait(r.id);
+    EXPECT_EQ(out.finish, InstanceFinish::kLength) << "request " << r.id.value;
+    EXPECT_EQ(out.tokens, expected[r.id]) << "request " << r.id.value;
+  }
+  EXPECT_EQ(routed.failover_counters().reruns, 2);
+  {
+    std::lock_guard lock(retries_mutex);
+    EXPECT_EQ(retries[RequestId{1}] + retries[RequestId{2}] + retries[RequestId{3}] +
+                  retries[RequestId{4}],
+              2);
+  }
+  EXPECT_EQ(routed.routed_counts()[1], 4);  // the two re-runs went to b
+  expect_all_free(*b);
+
+  // The last instance lost: what runs ends kUnavailable, and nothing more is taken.
+  collector.hold();
+  routed.submit(request(5, 44, 200));
+  collector.wait_for_token(RequestId{5});
+  routed.instance_lost(1);
+  collector.release();
+  const Collector::Output out = collector.wait(RequestId{5});
+  EXPECT_EQ(out.finish, InstanceFinish::kFailed);
+  EXPECT_EQ(routed.failover_counters().failed_after_retries, 1);
+  EXPECT_FALSE(routed.health().serving);
+  EXPECT_THROW(routed.submit(request(6, 45, 4)), Error);
+}
+
 // Disaggregated: among prefill instances with equal queues, the prompt goes
 // where a prompt with its prefix went (whole blocks of the engine's size).
 // The prefill instances only report stats here; the decode instance computes

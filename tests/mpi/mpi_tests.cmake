@@ -39,7 +39,7 @@ duet_add_mpi_test(mpi_idle_cpu 3 90 "mpi;slow" --scenario idle --prefill 1 --dec
 # Failures: every rank exits non-zero with the same line, and nothing hangs.
 add_test(NAME mpi_version_mismatch
   COMMAND ${DUET_EXPECT_SAME_ERROR} 3
-    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 4"
+    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 5"
     60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
     --prefill 1 --decode 1 --bad-version-rank 2)
 add_test(NAME mpi_world_size_mismatch
@@ -132,3 +132,14 @@ foreach(btl vader tcp)
       ${DUET_MPIRUN})
   set_tests_properties(mpi_failure_probe_${btl} PROPERTIES LABELS mpi TIMEOUT 240)
 endforeach()
+
+# Failure domains end to end (tests/mpi/test_failover.py): under mpirun
+# --enable-recovery, a decode rank SIGKILLed or SIGSTOPped while 12 streams
+# run costs a pause and not one different token; both decode instances
+# lost end the streams with `unavailable` and /health says 503.
+add_test(NAME mpi_failover_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_failover.py)
+set_tests_properties(mpi_failover_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)

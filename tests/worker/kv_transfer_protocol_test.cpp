@@ -309,5 +309,86 @@ TEST_F(KvTransferPeer, AnOrderReachesThePrefillSide) {
   EXPECT_EQ(orders[0].order.send_from, 3);
 }
 
+// ---------------------------------------------------------------- lost peers
+
+TEST_F(KvTransferPeer, ALostPrefillLeaderFailsItsImportUnavailable) {
+  start();
+  send_rows(kLeader, 0, 0, kPrompt);
+  EXPECT_TRUE(land(kLeader));
+  send_rows(kLeader, 1, 0, kPrompt);  // announced, never to come
+  sends();
+  const std::vector<int> lost = {kLeader};
+  protocol_.peers_lost(lost, now_, out_);
+  const std::vector<KvTransferCall> failed = calls();
+  ASSERT_EQ(kinds(failed), std::vector<Kind>{Kind::kFailed});
+  EXPECT_EQ(failed[0].error.kind, ServeErrorKind::kUnavailable);
+  EXPECT_NE(failed[0].error.message.find("rank(s) 1 lost"), std::string::npos);
+  EXPECT_FALSE(protocol_.importing(kId));
+  EXPECT_FALSE(protocol_.payload_place(kLeader).has_value());  // nothing more expected
+  EXPECT_EQ(protocol_.imports_quarantined(), 0);
+}
+
+TEST_F(KvTransferPeer, AnotherRanksLossLeavesTheImportAlone) {
+  start();
+  const std::vector<int> lost = {5};
+  protocol_.peers_lost(lost, now_, out_);
+  EXPECT_TRUE(calls().empty());
+  EXPECT_TRUE(protocol_.importing(kId));
+}
+
+TEST_F(KvTransferPeer, ALostRowsSourceOfATensorParallelImportFailsIt) {
+  start(plan({{kLeader, 0, 1}, {kOther, 1, 2}}));
+  const std::vector<int> lost = {kOther};
+  protocol_.peers_lost(lost, now_, out_);
+  EXPECT_EQ(kinds(calls()), std::vector<Kind>{Kind::kFailed});
+  EXPECT_EQ(cancels_sent(), std::vector<int>{kLeader});  // the live leader stops too
+}
+
+TEST_F(KvTransferPeer, AnImportStartedTowardALostRankFailsAtTheNextExpire) {
+  const std::vector<int> lost = {kLeader};
+  protocol_.peers_lost(lost, now_, out_);
+  start();
+  EXPECT_TRUE(calls().empty());
+  advance(std::chrono::milliseconds(1));
+  EXPECT_EQ(kinds(calls()), std::vector<Kind>{Kind::kFailed});
+}
+
+TEST_F(KvTransferPeer, APayloadHalfReceivedFromALostRankQuarantinesTheImport) {
+  start();
+  send_rows(kLeader, 0, 0, kPrompt);
+  protocol_.payload_receiving(kLeader);  // MPI is writing the blocks...
+  const std::vector<int> lost = {kLeader};
+  protocol_.peers_lost(lost, now_, out_);  // ...and never will finish
+  EXPECT_EQ(kinds(calls()), std::vector<Kind>{Kind::kQuarantined});
+  EXPECT_EQ(protocol_.imports_quarantined(), 1);
+  protocol_.abort_import(kId, now_, out_);  // the engine's cancel: no release, ever
+  advance(std::chrono::minutes(10));
+  EXPECT_TRUE(calls().empty());
+}
+
+TEST_F(KvTransferPeer, AnAbortWhileAPayloadArrivesReleasesOnceItLands) {
+  start();
+  send_rows(kLeader, 0, 0, kPrompt);
+  protocol_.payload_receiving(kLeader);
+  protocol_.abort_import(kId, now_, out_);
+  EXPECT_TRUE(calls().empty());  // MPI still writes its blocks
+  advance(std::chrono::seconds(5));  // past its deadline: still held, not failed
+  EXPECT_TRUE(calls().empty());
+  EXPECT_FALSE(land(kLeader));  // landed (drained: nobody wants it now)
+  EXPECT_EQ(kinds(calls()), std::vector<Kind>{Kind::kReleased});
+}
+
+TEST_F(KvTransferPeer, AFailureWhileAPayloadArrivesIsReportedOnceItLands) {
+  start();
+  send_rows(kLeader, 0, 0, kPrompt);
+  protocol_.payload_receiving(kLeader);
+  advance(kPatience);  // the deadline passes with the payload still arriving
+  EXPECT_TRUE(calls().empty());
+  EXPECT_FALSE(land(kLeader));
+  const std::vector<KvTransferCall> failed = calls();
+  ASSERT_EQ(kinds(failed), std::vector<Kind>{Kind::kFailed});
+  EXPECT_NE(failed[0].error.message.find("did not complete in time"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace duet

@@ -80,6 +80,9 @@ class KvTransfer {
     std::function<void(RequestId id, const ServeError& error)> on_failed;
     // Decode side: after abort_import, nothing more is written.
     std::function<void(RequestId id)> on_released;
+    // Decode side: the transfer is over without its KV, and rows from a lost
+    // rank may still be written into its blocks at any time: never free them.
+    std::function<void(RequestId id)> on_quarantined;
   };
 
   virtual ~KvTransfer() = default;

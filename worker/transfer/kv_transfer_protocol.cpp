@@ -80,7 +80,50 @@ void KvTransferProtocol::start_import(int leader, std::optional<PrefillOrder> or
   if (order) out.sends.push_back({leader, kv_wire::control_bytes(*order)});
 }
 
+void KvTransferProtocol::fail_if_lost(RequestId id, Clock::time_point now, Actions& out) {
+  const Import& import = imports_.at(id);
+  std::set<int> waited_on;  // the leader and every source, once each
+  if (import.leader >= 0) waited_on.insert(import.leader);
+  for (const Source& source : import.sources) waited_on.insert(source.heads.rank);
+  std::string lost;
+  for (int rank : waited_on) {
+    if (lost_.contains(rank)) lost += fmt::format("{}{}", lost.empty() ? "" : ", ", rank);
+  }
+  if (lost.empty()) return;
+  fail(id,
+       {ServeErrorKind::kUnavailable,
+        fmt::format("KV transfer: rank(s) {} lost before the rows came", lost)},
+       now, out);
+}
+
+void KvTransferProtocol::peers_lost(std::span<const int> ranks, Clock::time_point now,
+                                    Actions& out) {
+  for (int rank : ranks) {
+    lost_.insert(rank);
+    payloads_.erase(rank);  // nothing more comes from it
+    const auto r = receiving_.find(rank);
+    if (r == receiving_.end()) continue;
+    // Its payload was being received into an import's blocks and never
+    // lands: the blocks stay MPI's, so the import ends quarantined, whatever
+    // end it had or was holding.
+    const RequestId id = r->second;
+    receiving_.erase(r);
+    spdlog::warn(
+        "kv transfer: request {}: rows from lost rank {} half-received; its blocks are "
+        "quarantined",
+        id.value, rank);
+    if (const auto it = imports_.find(id); it != imports_.end()) withdraw(it, now, out);
+    held_ends_.erase(id);
+    quarantined_.insert(id);
+    out.calls.push_back(call_of(KvTransferCall::Kind::kQuarantined, id));
+  }
+  std::vector<RequestId> live_imports;
+  for (const auto& [id, import] : imports_) live_imports.push_back(id);
+  for (RequestId id : live_imports) fail_if_lost(id, now, out);
+}
+
 void KvTransferProtocol::abort_import(RequestId id, Clock::time_point now, Actions& out) {
+  if (quarantined_.contains(id)) return;  // its blocks are never released
   auto it = imports_.find(id);
   if (it != imports_.end()) withdraw(it, now, out);
   // Nothing writes its blocks any more once no device receipt of it is in
@@ -294,6 +337,22 @@ std::vector<int> KvTransferProtocol::payload_sources() const {
 
 void KvTransferProtocol::payload_landed(int source, bool whole, Clock::time_point now,
                                         Actions& out) {
+  // An end held for this payload is reported once it is handled.
+  std::optional<RequestId> receiving;
+  if (const auto r = receiving_.find(source); r != receiving_.end()) {
+    receiving = r->second;
+    receiving_.erase(r);
+  }
+  land(source, whole, now, out);
+  if (!receiving) return;
+  if (const auto held = held_ends_.find(*receiving); held != held_ends_.end()) {
+    KvTransferCall call = std::move(held->second);
+    held_ends_.erase(held);
+    receipts_.end(*receiving, std::move(call), out.calls);
+  }
+}
+
+void KvTransferProtocol::land(int source, bool whole, Clock::time_point now, Actions& out) {
   auto it = payloads_.find(source);
   DUET_ASSERT(it != payloads_.end(), "a payload from rank {} that no header announced", source);
   const ExpectedPayload payload = it->second.front();
@@ -388,7 +447,20 @@ void KvTransferProtocol::complete_if_done(RequestId id, Actions& out) {
 }
 
 void KvTransferProtocol::end_import(RequestId id, KvTransferCall call, Actions& out) {
+  for (const auto& [source, receiving] : receiving_) {
+    if (receiving == id) {  // MPI is writing its blocks: the end waits for the payload
+      held_ends_[id] = std::move(call);
+      return;
+    }
+  }
   receipts_.end(id, std::move(call), out.calls);
+}
+
+void KvTransferProtocol::payload_receiving(int source) {
+  const auto it = payloads_.find(source);
+  DUET_ASSERT(it != payloads_.end() && !it->second.empty(),
+              "a payload receive from rank {} that no header announced", source);
+  if (live(it->second.front()) != nullptr) receiving_[source] = it->second.front().id;
 }
 
 void KvTransferProtocol::fail(RequestId id, ServeError error, Clock::time_point now, Actions& out) {
@@ -408,6 +480,13 @@ void KvTransferProtocol::expire(Clock::time_point now, Actions& out) {
   for (const auto& [id, import] : imports_) {
     if (now >= import.plan.deadline) late.push_back(id);
   }
+  // Imports started since a loss toward a lost rank.
+  if (!lost_.empty()) {
+    std::vector<RequestId> all;
+    for (const auto& [id, import] : imports_) all.push_back(id);
+    for (RequestId id : all) fail_if_lost(id, now, out);
+  }
+  std::erase_if(late, [&](RequestId id) { return !imports_.contains(id); });
   for (RequestId id : late) {
     // Device payloads still in flight keep the import's end held until they
     // land (DeviceReceipts); a connection that never delivers them is given up by

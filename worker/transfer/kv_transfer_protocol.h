@@ -44,6 +44,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -60,7 +61,9 @@ namespace duet {
 
 // A handler of KvTransfer::Handlers to call, with its arguments.
 struct KvTransferCall {
-  enum class Kind { kOrder, kCancel, kComplete, kFailed, kReleased };
+  // kQuarantined: the import failed with rows from a lost rank half-received
+  // into its blocks; MPI may write them at any time, so they are never freed.
+  enum class Kind { kOrder, kCancel, kComplete, kFailed, kReleased, kQuarantined };
   Kind kind = Kind::kComplete;
   RequestId id;
   int peer = -1;       // kOrder, kCancel: the rank the message came from
@@ -149,6 +152,11 @@ class KvTransferProtocol {
   std::optional<PayloadPlace> payload_place(int source) const;
   // The ranks payloads are expected from, in rank order.
   std::vector<int> payload_sources() const;
+  // The payload payload_place(source) placed is being received into its
+  // import's blocks (a receive MPI finishes later): until payload_landed,
+  // the import's end (failed, released) is held, so that nothing frees the
+  // blocks while MPI may write them.
+  void payload_receiving(int source);
   // The payload payload_place(source) placed has been received: into the
   // blocks (`whole`), or drained (not whole: not the size its header said,
   // or nobody wanted it).
@@ -161,6 +169,16 @@ class KvTransferProtocol {
   void device_receipt_failed(const Actions::DeviceReceive& receive, const std::string& why,
                              Clock::time_point now, Actions& out);
   void device_receipt_done(const DeviceKvTransfer::Done& done, Clock::time_point now, Actions& out);
+
+  // ---------------------------------------------------------------- lost peers
+  // `ranks` are lost (the coordinator's word, coordinator/cluster/liveness.h):
+  // every import that waits on one of them (its prefill leader, or a source
+  // of its rows) fails kUnavailable (now, or for an import started later, at
+  // the next expire), and no payload is expected from them any more. An
+  // import whose payload from one of them was being received
+  // (payload_receiving) ends kQuarantined instead: MPI may still write its
+  // blocks, so they are never released (abort_import does nothing for it).
+  void peers_lost(std::span<const int> ranks, Clock::time_point now, Actions& out);
 
   // ---------------------------------------------------------------- time
   // Fails the imports whose deadline has passed; forgets gone requests after
@@ -180,6 +198,7 @@ class KvTransferProtocol {
   bool importing(RequestId id) const { return imports_.contains(id); }
   // Rows messages for no live import (aborted, failed, or never known).
   int64_t rows_dropped() const { return rows_dropped_; }
+  int64_t imports_quarantined() const { return static_cast<int64_t>(quarantined_.size()); }
 
  private:
   struct Source {
@@ -215,6 +234,7 @@ class KvTransferProtocol {
   };
 
   void on_rows(int source, const kv_wire::Header& header, Clock::time_point now, Actions& out);
+  void land(int source, bool whole, Clock::time_point now, Actions& out);  // payload_landed's work
   void on_control(int source, std::span<const std::byte> payload, Clock::time_point now,
                   Actions& out);
   void on_handoff(int source, const KvHandoff& handoff, Clock::time_point now, Actions& out);
@@ -230,6 +250,8 @@ class KvTransferProtocol {
   // Ends import `id` with `call` now, or once its device receipts are done.
   void end_import(RequestId id, KvTransferCall call, Actions& out);
   void fail(RequestId id, ServeError error, Clock::time_point now, Actions& out);
+  // Fails import `id` when it waits on a lost rank.
+  void fail_if_lost(RequestId id, Clock::time_point now, Actions& out);
   // Removes a live import: its prefill leader is told, its late rows dropped.
   void withdraw(std::map<RequestId, Import>::iterator it, Clock::time_point now, Actions& out);
   bool device_transfer(int rank) const;
@@ -243,6 +265,10 @@ class KvTransferProtocol {
   std::vector<KvElement> check_rows_;        // rows repacked to verify a checksum
   DeviceReceipts<KvTransferCall> receipts_;  // device payloads in flight, ends held for them
   int64_t rows_dropped_ = 0;
+  std::set<int> lost_;                  // ranks the coordinator said are lost
+  std::set<RequestId> quarantined_;     // imports whose blocks are never released
+  std::map<int, RequestId> receiving_;  // by source: the import its payload is being received into
+  std::map<RequestId, KvTransferCall> held_ends_;  // ends waiting for such a payload
 };
 
 }  // namespace duet

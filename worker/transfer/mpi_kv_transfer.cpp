@@ -47,7 +47,47 @@ MpiKvTransfer::~MpiKvTransfer() {
   const size_t dropped = channel_.detach(*this, kFlushOnDestroy);
   if (dropped > 0) spdlog::warn("kv transfer: dropped {} unposted send(s)", dropped);
   // Sends still in flight on the communicator complete normally after this.
+  // Receives from lost ranks never do: their buffers stay MPI's, and the
+  // communicator they name is not freed.
+  if (abandoned_any_) {
+    for (std::vector<std::byte>& bytes : abandoned_buffers_)
+      static_cast<void>(new std::vector<std::byte>(std::move(bytes)));  // leaked
+    return;
+  }
   MPI_Comm_free(&comm_);
+}
+
+void MpiKvTransfer::peers_lost(std::span<const Rank> ranks) {
+  {
+    std::lock_guard lock(mutex_);
+    for (Rank rank : ranks) lost_.push_back(rank.value);
+  }
+  channel_.wake();
+}
+
+void MpiKvTransfer::apply_losses(std::vector<KvTransferCall>& calls) {
+  std::vector<int> lost;
+  {
+    std::lock_guard lock(mutex_);
+    lost.swap(lost_);
+  }
+  if (lost.empty()) return;
+  for (int rank : lost) {
+    if (auto it = header_receives_.find(rank); it != header_receives_.end()) {
+      for (HeaderReceive& receive : it->second)
+        abandoned_buffers_.push_back(std::move(receive.bytes));
+      abandoned_any_ = abandoned_any_ || !it->second.empty();
+      header_receives_.erase(it);
+    }
+    if (auto it = payload_receives_.find(rank); it != payload_receives_.end()) {
+      abandoned_buffers_.push_back(std::move(it->second.scratch));
+      abandoned_any_ = true;
+      payload_receives_.erase(it);
+    }
+  }
+  KvTransferActions actions;
+  protocol_.peers_lost(lost, Clock::now(), actions);
+  act(actions, calls);
 }
 
 void MpiKvTransfer::set_handlers(Handlers handlers) {
@@ -186,6 +226,7 @@ bool MpiKvTransfer::progress() {
   bool active = false;
   {
     std::lock_guard state(state_mutex_);
+    apply_losses(calls);
     active = take_commands(calls) || active;
     active = receive_headers(calls) || active;
     active = receive_payloads(calls) || active;
@@ -230,19 +271,32 @@ bool MpiKvTransfer::receive_headers(std::vector<KvTransferCall>& calls) {
     any = true;
     int count = 0;
     DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-    receive_buffer_.resize(static_cast<size_t>(count));
-    DUET_MPI_CHECK(MPI_Mrecv(receive_buffer_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE));
-    {
-      std::lock_guard lock(mutex_);
-      ++counters_.messages_received;
-      counters_.bytes_received += count;
+    std::deque<HeaderReceive>& from = header_receives_[status.MPI_SOURCE];
+    from.push_back(HeaderReceive{std::vector<std::byte>(static_cast<size_t>(count))});
+    DUET_MPI_CHECK(
+        MPI_Imrecv(from.back().bytes.data(), count, MPI_BYTE, &message, &from.back().request));
+  }
+  // Each source's headers in the order they were sent: its oldest first.
+  for (auto& [source, from] : header_receives_) {
+    while (!from.empty()) {
+      int done = 0;
+      DUET_MPI_CHECK(MPI_Test(&from.front().request, &done, MPI_STATUS_IGNORE));
+      if (!done) break;
+      any = true;
+      const std::vector<std::byte> bytes = std::move(from.front().bytes);
+      from.pop_front();
+      {
+        std::lock_guard lock(mutex_);
+        ++counters_.messages_received;
+        counters_.bytes_received += static_cast<int64_t>(bytes.size());
+      }
+      // A follower's import may have been registered after this pass began
+      // (its leader told it just before the order left): take it first.
+      take_commands(calls);
+      KvTransferActions actions;
+      protocol_.on_message(source, bytes, Clock::now(), actions);
+      act(actions, calls);
     }
-    // A follower's import may have been registered after this pass began
-    // (its leader told it just before the order left): take it first.
-    take_commands(calls);
-    KvTransferActions actions;
-    protocol_.on_message(status.MPI_SOURCE, receive_buffer_, Clock::now(), actions);
-    act(actions, calls);
   }
   return any;
 }
@@ -253,27 +307,38 @@ bool MpiKvTransfer::receive_payloads(std::vector<KvTransferCall>& calls) {
     while (received < kMaxReceivesPerPass) {
       const std::optional<KvTransferProtocol::PayloadPlace> place = protocol_.payload_place(source);
       if (!place) break;
-      int flag = 0;
-      MPI_Message message;
-      MPI_Status status;
-      DUET_MPI_CHECK(MPI_Improbe(source, kv_wire::kPayloadTag, comm_, &flag, &message, &status));
-      if (!flag) break;  // not sent yet: it is received on a later pass
+      auto pending = payload_receives_.find(source);
+      if (pending == payload_receives_.end()) {
+        int flag = 0;
+        MPI_Message message;
+        MPI_Status status;
+        DUET_MPI_CHECK(MPI_Improbe(source, kv_wire::kPayloadTag, comm_, &flag, &message, &status));
+        if (!flag) break;  // not sent yet: it is received on a later pass
+        int count = 0;
+        DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+        {
+          std::lock_guard lock(mutex_);
+          ++counters_.messages_received;
+          counters_.bytes_received += count;
+        }
+        PayloadReceive receive;
+        receive.whole = place->into != nullptr && count == place->bytes;
+        if (receive.whole) {
+          receive.request = receive_into_blocks(message, *place);
+          protocol_.payload_receiving(source);
+        } else {  // not wanted, or not the size its header says: into scratch, dropped
+          receive.scratch.resize(static_cast<size_t>(count));
+          DUET_MPI_CHECK(
+              MPI_Imrecv(receive.scratch.data(), count, MPI_BYTE, &message, &receive.request));
+        }
+        pending = payload_receives_.emplace(source, std::move(receive)).first;
+      }
+      int done = 0;
+      DUET_MPI_CHECK(MPI_Test(&pending->second.request, &done, MPI_STATUS_IGNORE));
+      if (!done) break;  // still arriving: a later pass finishes it
       ++received;
-      int count = 0;
-      DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-      {
-        std::lock_guard lock(mutex_);
-        ++counters_.messages_received;
-        counters_.bytes_received += count;
-      }
-      const bool whole = place->into != nullptr && count == place->bytes;
-      if (whole) {
-        receive_into_blocks(message, *place);
-      } else {  // not wanted, or not the size its header says: into scratch, dropped
-        receive_buffer_.resize(static_cast<size_t>(count));
-        DUET_MPI_CHECK(
-            MPI_Mrecv(receive_buffer_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE));
-      }
+      const bool whole = pending->second.whole;
+      payload_receives_.erase(pending);
       KvTransferActions actions;
       protocol_.payload_landed(source, whole, Clock::now(), actions);
       act(actions, calls);
@@ -282,8 +347,8 @@ bool MpiKvTransfer::receive_payloads(std::vector<KvTransferCall>& calls) {
   return received > 0;
 }
 
-void MpiKvTransfer::receive_into_blocks(MPI_Message& message,
-                                        const KvTransferProtocol::PayloadPlace& place) {
+MPI_Request MpiKvTransfer::receive_into_blocks(MPI_Message& message,
+                                               const KvTransferProtocol::PayloadPlace& place) {
   const ImportPlan& plan = *place.into;
   const KvLayout& layout = plan.cache->layout();
   // The packed order (K then V, head, position, dim) as runs of the blocks.
@@ -312,9 +377,11 @@ void MpiKvTransfer::receive_into_blocks(MPI_Message& message,
                                           type_lengths_.data(), type_addresses_.data(), MPI_BYTE,
                                           &rows));
   DUET_MPI_CHECK(MPI_Type_commit(&rows));
-  const int code = MPI_Mrecv(MPI_BOTTOM, 1, rows, &message, MPI_STATUS_IGNORE);
-  MPI_Type_free(&rows);
+  MPI_Request request = MPI_REQUEST_NULL;
+  const int code = MPI_Imrecv(MPI_BOTTOM, 1, rows, &message, &request);
+  MPI_Type_free(&rows);  // the receive keeps what it needs of it
   DUET_MPI_CHECK(code);
+  return request;
 }
 
 bool MpiKvTransfer::poll_device(std::vector<KvTransferCall>& calls) {
@@ -393,6 +460,7 @@ void MpiKvTransfer::deliver(std::vector<KvTransferCall>& calls) {
     for (const KvTransferCall& call : calls) {
       if (call.kind == KvTransferCall::Kind::kComplete) ++counters_.imports_completed;
       if (call.kind == KvTransferCall::Kind::kFailed) ++counters_.imports_failed;
+      if (call.kind == KvTransferCall::Kind::kQuarantined) ++counters_.imports_quarantined;
     }
   }
   std::lock_guard lock(handlers_mutex_);
@@ -412,6 +480,9 @@ void MpiKvTransfer::deliver(std::vector<KvTransferCall>& calls) {
         break;
       case KvTransferCall::Kind::kReleased:
         if (handlers_.on_released) handlers_.on_released(call.id);
+        break;
+      case KvTransferCall::Kind::kQuarantined:
+        if (handlers_.on_quarantined) handlers_.on_quarantined(call.id);
         break;
     }
   }

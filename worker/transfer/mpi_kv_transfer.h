@@ -50,9 +50,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "common/mpi/control_channel.h"
@@ -92,6 +94,10 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
                  const KvSource& heads) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
   bool device_transfer(int peer) const override;
+  // Any thread: `ranks` are lost (KvTransferProtocol::peers_lost). Receives
+  // from them that had begun are given up (their buffers kept: MPI may still
+  // write them), and nothing sent to them is waited on.
+  void peers_lost(std::span<const Rank> ranks);
 
   struct Counters {
     int64_t messages_sent = 0;
@@ -101,7 +107,8 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
     int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
     int64_t imports_completed = 0;
     int64_t imports_failed = 0;
-    int64_t device_bytes_sent = 0;  // rows payloads through the device transfer
+    int64_t imports_quarantined = 0;  // failed with rows from a lost rank half-received
+    int64_t device_bytes_sent = 0;    // rows payloads through the device transfer
     int64_t device_bytes_received = 0;
   };
   Counters counters() const;
@@ -130,8 +137,11 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   void start_receipt(const KvTransferActions::DeviceReceive& receive, KvTransferActions& actions);
   // A device payload nobody takes: the device transfer drain it (or give the connection up).
   void drain_device(const KvTransferActions::DeviceReceive& receive);
-  // Receives the payload `message` straight into the blocks `place` names.
-  void receive_into_blocks(MPI_Message& message, const KvTransferProtocol::PayloadPlace& place);
+  // Starts receiving the payload `message` straight into the blocks `place` names.
+  MPI_Request receive_into_blocks(MPI_Message& message,
+                                  const KvTransferProtocol::PayloadPlace& place);
+  // The communication thread: lost ranks' receives given up, the protocol told.
+  void apply_losses(std::vector<KvTransferCall>& calls);
   void deliver(std::vector<KvTransferCall>& calls);
 
   ControlChannel& channel_;
@@ -143,7 +153,23 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   // works on it; forget_imports takes it from another thread.
   mutable std::mutex state_mutex_;
   KvTransferProtocol protocol_;
-  std::vector<std::byte> receive_buffer_;
+  // Headers being received, by source, oldest first (handled in that order).
+  struct HeaderReceive {
+    std::vector<std::byte> bytes;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  std::map<int, std::deque<HeaderReceive>> header_receives_;
+  // The payload being received from each source (one at a time, in order).
+  struct PayloadReceive {
+    MPI_Request request = MPI_REQUEST_NULL;
+    bool whole = false;              // into its import's blocks; else into scratch
+    std::vector<std::byte> scratch;  // a drained payload's bytes
+  };
+  std::map<int, PayloadReceive> payload_receives_;
+  // Receives from lost ranks that may never finish: kept (and at the end
+  // leaked), because MPI may still write them.
+  std::vector<std::vector<std::byte>> abandoned_buffers_;
+  bool abandoned_any_ = false;
   std::vector<int> type_lengths_;  // the receive datatype's runs, reused
   std::vector<MPI_Aint> type_addresses_;
 
@@ -155,6 +181,7 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   mutable std::mutex mutex_;  // guards the members below
   std::deque<Start> starts_;
   std::deque<RequestId> aborts_;
+  std::vector<int> lost_;  // ranks lost since the last pass
   Counters counters_;
 };
 

@@ -1,0 +1,227 @@
+"""Failure domains under mpirun --enable-recovery: a lost instance costs a
+pause, never a request and never a different answer.
+
+A coordinator (rank 0), one prefill instance (rank 1) and two decode
+instances (ranks 2 and 3), one thread a rank, a 1 s instance lease. Each
+case runs 12 concurrent streaming completions (6 greedy, 6 seeded), then
+- SIGKILLs a decode rank: every stream completes with the text that
+  single-process `duet generate` gives for its prompt, the ones that were on
+  the dead instance carry a retry count, /health says "degraded" (200), a
+  new request succeeds, and every block of the surviving ranks is free;
+- SIGSTOPs a decode rank, and SIGCONTs it after the lease: the same, and
+  the stalled rank, told it was lost when it wakes, leaves;
+- SIGKILLs both decode ranks: what was running ends with an `unavailable`
+  error event (never a reset, never a hang), /health answers 503, and a new
+  request is refused with 503.
+
+Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
+DUET_MPIEXEC set.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpirun_serve import (MpirunServe, http_request, metrics, serve_environment,  # noqa: E402
+                          wait_until)
+
+LEASE_S = 1.0
+CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-cache-mem", "64MiB",
+           "--instance-lease", str(LEASE_S)]
+MAX_TOKENS = 48
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "The three primary colors are", "A haiku about the sea:", "To make bread, first"]
+expected = {}  # (prompt, seed or None) -> text, from `duet generate`
+
+
+def bodies():
+    """6 greedy and 6 seeded streaming completions."""
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        out.append({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        out.append({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.8,
+                    "seed": 7 + i, "top_p": 0.9})
+    for body in out:
+        body["stream"] = True
+    return out
+
+
+def generate(body):
+    """The text single-process `duet generate` gives for `body`."""
+    binary, model = serve_environment()
+    command = [binary, "generate", "--model", model, "--prompt", body["prompt"],
+               "-n", str(body["max_tokens"]), "--threads", "1",
+               "--temp", str(body["temperature"])]
+    if "seed" in body:
+        command += ["--seed", str(body["seed"]), "--top-p", str(body["top_p"])]
+    result = subprocess.run(command, capture_output=True, timeout=120, check=True)
+    text = result.stdout.decode()
+    return text[:-1] if text.endswith("\n") else text  # generate ends its output with a newline
+
+
+def setUpModule():
+    serve_environment()  # SkipTest without the model
+    for body in bodies():
+        expected[(body["prompt"], body.get("seed"))] = generate(body)
+
+
+class Stream(threading.Thread):
+    """One streaming completion read to its end: text, finish reason, error, retries."""
+
+    def __init__(self, server, body):
+        super().__init__()
+        self.server, self.body = server, body
+        self.text, self.finish, self.error, self.retries = "", None, None, None
+        self.events = 0
+        self.done = False
+        self.failure = None
+
+    def run(self):
+        try:
+            data = json.dumps(self.body).encode()
+            with socket.create_connection(("127.0.0.1", self.server.http_port), timeout=120) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
+                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                buffer = b""
+                while not self.done:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        raise AssertionError("the stream ended without [DONE]")
+                    buffer += chunk
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        self.on_event(event.decode())
+        except Exception as e:  # reported by the test
+            self.failure = e
+
+    def on_event(self, event):
+        for line in event.splitlines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                self.done = True
+                return
+            message = json.loads(payload)
+            self.events += 1
+            if "error" in message:
+                self.error = message["error"]
+                continue
+            choice = message["choices"][0]
+            self.text += choice.get("text", "")
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+            if "duet" in message:
+                self.retries = message["duet"].get("retries")
+
+
+def start_streams(server):
+    streams = [Stream(server, body) for body in bodies()]
+    for stream in streams:
+        stream.start()
+    # Tokens flow on every stream before anything fails.
+    wait_until(lambda: all(s.events >= 2 or s.done for s in streams), 60, "tokens on every stream")
+    return streams
+
+
+def join(streams, timeout=120):
+    for stream in streams:
+        stream.join(timeout)
+        if stream.is_alive():
+            raise AssertionError(f"a stream hung: {stream.body['prompt']!r}")
+
+
+def health(server):
+    status, _, body = http_request(server.http_url + "/health")
+    return status, json.loads(body)
+
+
+class FailoverTest(unittest.TestCase):
+    def cluster(self):
+        server = MpirunServe(4, CLUSTER, mpirun_args=["--enable-recovery"])
+        server.start()
+        self.addCleanup(server.stop, 30.0, False)
+        return server
+
+    def expect_same_answers(self, streams):
+        wrong = []
+        for stream in streams:
+            body = stream.body
+            self.assertIsNone(stream.failure, body["prompt"])
+            self.assertIsNone(stream.error, body["prompt"])
+            want = expected[(body["prompt"], body.get("seed"))]
+            if stream.text != want:
+                wrong.append(f"{body['prompt']!r} seed {body.get('seed')} retries "
+                             f"{stream.retries}:\n  got  {stream.text!r}\n  want {want!r}")
+        self.assertEqual(wrong, [], "\n".join(wrong))
+
+    def expect_degraded_and_serving(self, server):
+        status, reply = health(server)
+        self.assertEqual((status, reply["status"], reply["lost_instances"]), (200, "degraded", 1))
+        r = http_request(server.http_url + "/v1/completions", "POST",
+                         {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        self.assertEqual(r[0], 200, r[2][:300])
+        # No block in use on a surviving rank once idle (the lost one no longer counts).
+        wait_until(lambda: metrics(server)["duet_running_sequences"] == 0 and
+                   metrics(server)["duet_waiting_sequences"] == 0, 30, "idle")
+        m = metrics(server)
+        self.assertEqual(m["duet_kv_blocks_free"] + m["duet_kv_blocks_quarantined"],
+                         m["duet_kv_blocks_total"])
+        self.assertEqual(m["duet_instances_lost"], 1)
+        return m
+
+    def test_1_a_killed_decode_rank_costs_a_pause(self):
+        server = self.cluster()
+        streams = start_streams(server)
+        os.kill(server.rank_pids()[2], signal.SIGKILL)
+        join(streams)
+        self.expect_same_answers(streams)
+        m = self.expect_degraded_and_serving(server)
+        rerun = [s for s in streams if s.retries]
+        self.assertGreater(len(rerun), 0, "no stream was on the killed instance")
+        self.assertEqual(m["duet_request_reruns_total"], len(rerun))
+        self.assertEqual(m["duet_requests_failed_after_retries_total"], 0)
+
+    def test_2_a_stopped_decode_rank_is_fenced_and_leaves(self):
+        server = self.cluster()
+        streams = start_streams(server)
+        stopped = server.rank_pids()[3]
+        os.kill(stopped, signal.SIGSTOP)
+        join(streams)
+        self.expect_same_answers(streams)
+        os.kill(stopped, signal.SIGCONT)  # after the lease: it hears it was lost, and leaves
+        wait_until(lambda: 3 not in server.rank_pids(), 30, "the stalled rank to leave")
+        wait_until(lambda: any("(rank 3): lost at epoch 1" in line and "leaving" in line
+                               for line in server.log_lines()), 10,
+                   "the stalled rank's last words:\n" + "\n".join(server.log_lines()[-30:]))
+        self.expect_degraded_and_serving(server)
+
+    def test_3_the_last_decode_instance_lost_ends_requests_unavailable(self):
+        server = self.cluster()
+        streams = start_streams(server)
+        pids = server.rank_pids()
+        os.kill(pids[2], signal.SIGKILL)
+        os.kill(pids[3], signal.SIGKILL)
+        join(streams)
+        for stream in streams:
+            self.assertIsNone(stream.failure, stream.body["prompt"])
+            if stream.error is None:  # finished before the losses
+                continue
+            self.assertEqual(stream.error["type"], "service_unavailable", stream.error)
+        self.assertTrue(any(s.error for s in streams), "no stream was cut")
+        status, reply = health(server)
+        self.assertEqual((status, reply["status"], reply["lost_instances"]), (503, "unavailable", 2))
+        status, _, reply = http_request(server.http_url + "/v1/completions", "POST",
+                                        {"prompt": "Hello", "max_tokens": 4})
+        self.assertEqual(status, 503, reply[:300])
+
+
+if __name__ == "__main__":
+    unittest.main()

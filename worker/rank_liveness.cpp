@@ -1,0 +1,89 @@
+#include "worker/rank_liveness.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "common/error.h"
+
+namespace duet {
+
+RankLiveness::RankLiveness(ControlChannel& channel, MpiKvTransfer* transfer, MpiRuntime& mpi,
+                           const InstanceSpec& instance, std::chrono::milliseconds interval)
+    : channel_(channel),
+      transfer_(transfer),
+      mpi_(mpi),
+      instance_(instance),
+      rank_(channel.rank()),
+      interval_(interval) {
+  channel_.set_intercept([this](const ReceivedMessage& message) { return apply(message); });
+  thread_ = std::thread([this] { beat_until_stopped(); });
+}
+
+RankLiveness::~RankLiveness() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+  channel_.set_intercept({});
+}
+
+void RankLiveness::watch(std::function<EngineProgress()> progress) {
+  std::lock_guard lock(mutex_);
+  progress_ = std::move(progress);
+}
+
+void RankLiveness::beat_until_stopped() {
+  std::unique_lock lock(mutex_);
+  while (!stop_) {
+    Heartbeat beat{instance_.id, rank_, epoch_.load(), -1, false};
+    if (progress_) {
+      const EngineProgress progress = progress_();
+      beat.step = progress.steps;
+      beat.busy = progress.busy;
+    }
+    lock.unlock();
+    try {
+      channel_.send(kCoordinatorRank, beat);
+    } catch (const Error&) {
+      // The channel is closing: the cluster is ending, nobody counts beats.
+      lock.lock();
+      return;
+    }
+    lock.lock();
+    wake_.wait_for(lock, interval_, [&] { return stop_; });
+  }
+}
+
+bool RankLiveness::apply(const ReceivedMessage& message) {
+  const auto* lost = std::get_if<RanksLost>(&message.message);
+  if (lost == nullptr || message.source != kCoordinatorRank) return false;
+  mpi_.leave_without_finalize();
+  const auto ours = std::find_if(lost->ranks.begin(), lost->ranks.end(), [&](Rank rank) {
+    return std::find(instance_.ranks.begin(), instance_.ranks.end(), rank) != instance_.ranks.end();
+  });
+  if (ours != lost->ranks.end()) {
+    // This instance is lost (this rank stalled, or another of its ranks is
+    // gone): what it holds is the coordinator's to re-run elsewhere.
+    spdlog::warn("instance {} (rank {}): lost at epoch {} ({}); leaving", instance_.id, rank_.value,
+                 lost->epoch, lost->reason);
+    spdlog::default_logger()->flush();
+    std::fflush(nullptr);
+    std::_Exit(0);
+  }
+  std::string names;
+  for (Rank rank : lost->ranks) names += (names.empty() ? "" : ", ") + std::to_string(rank.value);
+  spdlog::warn("instance {} (rank {}): rank(s) {} lost at epoch {} ({}); no longer waiting on them",
+               instance_.id, rank_.value, names, lost->epoch, lost->reason);
+  channel_.forget(lost->ranks);
+  if (transfer_ != nullptr) transfer_->peers_lost(lost->ranks);
+  epoch_ = std::max(epoch_.load(), lost->epoch);
+  return true;
+}
+
+}  // namespace duet

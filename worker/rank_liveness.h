@@ -1,0 +1,70 @@
+// An instance rank's side of liveness (coordinator/cluster/liveness.h):
+// heartbeats to the coordinator, and the coordinator's RanksLost applied.
+//
+// - Heartbeats: a thread of its own sends one every `interval` (lease / 6),
+//   also while the rank loads its model or idles, carrying the engine's step
+//   counter and whether it is inside a step (the leader's; a follower sends
+//   -1), and the newest loss epoch this rank applied.
+// - RanksLost is taken on the control channel's communication thread (an
+//   intercept), so it is applied even while this rank's main thread waits
+//   in a collective: the lost ranks are forgotten by the channel and the KV
+//   transfer, MPI will not be finalized (it could wait on them forever), and
+//   when the list names this rank or another rank of its instance, the rank
+//   leaves at once (exit code 0): its instance is lost, and whatever it
+//   holds goes with the process.
+//
+// Thread affinity: construct and destroy on the rank's main thread; watch()
+// from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/cluster/cluster_spec.h"
+#include "common/mpi/control_channel.h"
+#include "common/mpi/mpi_runtime.h"
+#include "worker/local_instance.h"
+#include "worker/transfer/mpi_kv_transfer.h"
+
+namespace duet {
+
+class RankLiveness final {
+ public:
+  // `transfer` may be null (a colocated instance moves no KV). All outlive this.
+  RankLiveness(ControlChannel& channel, MpiKvTransfer* transfer, MpiRuntime& mpi,
+               const InstanceSpec& instance, std::chrono::milliseconds interval);
+  ~RankLiveness();  // stops the heartbeats and removes the intercept
+  RankLiveness(const RankLiveness&) = delete;
+  RankLiveness& operator=(const RankLiveness&) = delete;
+
+  // The leader: where its heartbeats read the engine's progress (an empty
+  // function: none, as before the engine exists and after it stops).
+  void watch(std::function<EngineProgress()> progress);
+
+ private:
+  void beat_until_stopped();                   // the heartbeat thread
+  bool apply(const ReceivedMessage& message);  // the communication thread
+
+  ControlChannel& channel_;
+  MpiKvTransfer* const transfer_;
+  MpiRuntime& mpi_;
+  const InstanceSpec instance_;
+  const Rank rank_;
+  const std::chrono::milliseconds interval_;
+  std::atomic<uint64_t> epoch_{0};
+
+  std::mutex mutex_;  // guards the members below
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::function<EngineProgress()> progress_;
+
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+}  // namespace duet
