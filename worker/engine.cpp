@@ -268,10 +268,20 @@ bool Engine::step() {
   // Rows sampled on the device leave their logits there.
   const bool on_device = samples_on_device(plan);
   if (!on_device) logits_.resize(logit_rows_.size() * static_cast<size_t>(n_vocab_));
-  forward_->run(
-      batch_tokens_, batch_sequences_, cache_, logit_rows_, on_device ? nullptr : logits_.data(),
-      export_rows_.empty() ? ModelForward::LayerStored{}
-                           : [this](int64_t layer) { export_layer(layer); });
+  // A step with prompt rows may take seconds: its layers count as progress.
+  // (Decode steps pass no callback: a GPU forward replays them as one graph.)
+  ModelForward::LayerStored layer_stored;
+  if (!export_rows_.empty()) {
+    layer_stored = [this](int64_t layer) {
+      export_layer(layer);
+      progress_.fetch_add(1, std::memory_order_relaxed);
+    };
+  } else if (plan.n_tokens > static_cast<int64_t>(plan.chunks.size())) {
+    layer_stored = [this](int64_t) { progress_.fetch_add(1, std::memory_order_relaxed); };
+  }
+  forward_->run(batch_tokens_, batch_sequences_, cache_, logit_rows_,
+                on_device ? nullptr : logits_.data(), layer_stored);
+  progress_.fetch_add(1, std::memory_order_relaxed);
   ++stats_.steps;
   stats_.computed_tokens += plan.n_tokens;
   sample(plan, on_device);

@@ -23,6 +23,7 @@
 // freed by release_import, after the transfer said it stopped writing.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -216,6 +217,10 @@ class Engine final {
 
   // Runs one step; false when there was nothing to do.
   bool step();
+  // Moves on with every step, and with every layer of a step that computes
+  // prompt rows: what a heartbeat shows of a long step that is not stuck
+  // (worker/rank_liveness.h). Any thread.
+  int64_t progress() const { return progress_.load(std::memory_order_relaxed); }
   void run_until_idle();
 
   bool idle() const { return scheduler_.idle(); }
@@ -284,6 +289,7 @@ class Engine final {
   std::vector<ForwardBatch::Export> export_rows_;  // of the running step
   int64_t next_id_ = 0;
   EngineStats stats_;
+  std::atomic<int64_t> progress_{0};  // written by the engine thread
   BeforeForward before_forward_;
   // Per-step buffers, reused.
   std::vector<int32_t> batch_tokens_;

@@ -352,7 +352,6 @@ void LocalInstance::run() {
     // An imported prompt's first token (or a refusal) leaves now, not after
     // the next step: it is the request's time to first token.
     if (!events_.empty()) publish();
-    ++steps_begun_;
     in_step_ = true;
     try {
       engine_.step();

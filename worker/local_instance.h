@@ -41,8 +41,9 @@
 
 namespace duet {
 
-// What a heartbeat says of an engine: the steps it began, and whether it is
-// inside one now (worker/rank_liveness.h).
+// What a heartbeat says of an engine: its progress counter (steps, and
+// layers of long steps: Engine::progress), and whether it is inside a step
+// now (worker/rank_liveness.h).
 struct EngineProgress {
   int64_t steps = 0;
   bool busy = false;
@@ -89,7 +90,7 @@ class LocalInstance final : public InstanceClient {
   void cancel(RequestId id) override;
   InstanceStats stats() const override;
   // Any thread.
-  EngineProgress progress() const { return {steps_begun_.load(), in_step_.load()}; }
+  EngineProgress progress() const { return {engine_.progress(), in_step_.load()}; }
 
  private:
   // From the transfer (the peers' side of a transfer).
@@ -163,7 +164,6 @@ class LocalInstance final : public InstanceClient {
   std::deque<Command> commands_;
   bool stopping_ = false;
   InstanceStats stats_;
-  std::atomic<int64_t> steps_begun_{0};  // written by the engine thread
   std::atomic<bool> in_step_{false};     // written by the engine thread
 
   // Held by the engine thread while it calls the observer and the handler,

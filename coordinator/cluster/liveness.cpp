@@ -66,8 +66,8 @@ std::vector<InstanceLoss> Liveness::check(Clock::time_point now) {
       }
     }
     if (reason.empty() && watched.busy && now - watched.step_moved_at > lease_) {
-      reason = fmt::format("stalled: inside engine step {} for {} ms (lease {} ms)",
-                           watched.step + 1, ms(now - watched.step_moved_at), lease_.count());
+      reason = fmt::format("stalled: no progress inside an engine step for {} ms (lease {} ms)",
+                           ms(now - watched.step_moved_at), lease_.count());
     }
     if (reason.empty()) continue;
     watched.lost = true;

@@ -8,9 +8,10 @@
 // heartbeat. An instance is lost, once and for good, when
 // - any of its ranks has been silent for longer than the lease (a dead
 //   process, a SIGSTOP, a host gone), or
-// - its leader has been inside one engine step for longer than the lease
-//   (its step counter has not moved while busy: a hung collective, a wedged
-//   GPU, a follower that died under it).
+// - its leader has been inside an engine step, with no progress, for longer
+//   than the lease (its progress counter, which moves with every step and
+//   every layer of a long one, stood still while busy: a hung collective, a
+//   wedged GPU, a follower that died under it).
 // Each loss raises the cluster's epoch by one. Ranks told of a loss apply it
 // and report the epoch they have applied in their heartbeats; a lost rank
 // that wakes up (SIGCONT) is told again, and leaves.

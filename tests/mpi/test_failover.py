@@ -10,6 +10,10 @@ case runs 12 concurrent streaming completions (6 greedy, 6 seeded), then
   new request succeeds, and every block of the surviving ranks is free;
 - SIGSTOPs a decode rank, and SIGCONTs it after the lease: the same, and
   the stalled rank, told it was lost when it wakes, leaves;
+- SIGKILLs the prefill rank while a long prompt is being computed and sent:
+  that request is computed by a decode instance instead, with the same text;
+- SIGKILLs the follower of a TP=2 decode instance: its leader leaves too,
+  and its requests continue on the other decode instance;
 - SIGKILLs both decode ranks: what was running ends with an `unavailable`
   error event (never a reset, never a hang), /health answers 503, and a new
   request is refused with 503.
@@ -39,6 +43,9 @@ MAX_TOKENS = 48
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "The three primary colors are", "A haiku about the sea:", "To make bread, first"]
 expected = {}  # (prompt, seed or None) -> text, from `duet generate`
+# About 1,500 tokens: its prefill takes about a second on one thread.
+LONG_PROMPT = "Summarize the following list of words. " + " ".join(
+    ["river", "stone", "quiet", "north", "lamp", "seven", "bright", "window"] * 190)
 
 
 def bodies():
@@ -144,8 +151,8 @@ def health(server):
 
 
 class FailoverTest(unittest.TestCase):
-    def cluster(self):
-        server = MpirunServe(4, CLUSTER, mpirun_args=["--enable-recovery"])
+    def cluster(self, ranks=4, args=CLUSTER):
+        server = MpirunServe(ranks, args, mpirun_args=["--enable-recovery"])
         server.start()
         self.addCleanup(server.stop, 30.0, False)
         return server
@@ -203,7 +210,34 @@ class FailoverTest(unittest.TestCase):
                    "the stalled rank's last words:\n" + "\n".join(server.log_lines()[-30:]))
         self.expect_degraded_and_serving(server)
 
-    def test_3_the_last_decode_instance_lost_ends_requests_unavailable(self):
+    def test_3_a_killed_prefill_rank_mid_transfer_leaves_decode_to_compute(self):
+        server = self.cluster()
+        streams = start_streams(server)
+        long_body = {"prompt": LONG_PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+        long_stream = Stream(server, long_body)
+        long_stream.start()
+        time.sleep(0.3)  # its prefill (about a second on one thread) is under way
+        os.kill(server.rank_pids()[1], signal.SIGKILL)
+        join(streams + [long_stream])
+        self.expect_same_answers(streams)
+        self.assertIsNone(long_stream.failure)
+        self.assertIsNone(long_stream.error)
+        self.assertEqual(long_stream.text, generate(long_body))
+        self.assertEqual(long_stream.retries, 1)
+        self.expect_degraded_and_serving(server)
+
+    def test_4_a_tensor_parallel_instance_losing_its_follower_is_lost_whole(self):
+        # Ranks: 0 coordinator, 1 prefill, 2-3 and 4-5 two TP=2 decode instances.
+        server = self.cluster(6, CLUSTER + ["--decode-tp", "2"])
+        streams = start_streams(server)
+        pids = server.rank_pids()
+        os.kill(pids[3], signal.SIGKILL)  # instance 1's follower
+        join(streams)
+        self.expect_same_answers(streams)
+        wait_until(lambda: 2 not in server.rank_pids(), 30, "the leader of the lost instance to leave")
+        self.expect_degraded_and_serving(server)
+
+    def test_5_the_last_decode_instance_lost_ends_requests_unavailable(self):
         server = self.cluster()
         streams = start_streams(server)
         pids = server.rank_pids()
