@@ -132,11 +132,23 @@ struct Stats {
   generatedTokens @10 :UInt64;
   steps @11 :UInt64;
   preemptions @12 :UInt64;
+  instances @13 :List(InstanceState);  # each instance behind the coordinator
+  kvBlocksQuarantined @14 :UInt32;
+}
+
+# One instance as the coordinator sees it.
+struct InstanceState {
+  role @0 :Text;        # "prefill", "decode" or "both"
+  leaderRank @1 :Int32;  # -1: in the coordinator's process
+  lost @2 :Bool;
+  epoch @3 :UInt64;     # the cluster epoch its loss made; 0 while alive
+  reason @4 :Text;      # why it was lost
 }
 
 enum HealthStatus {
   serving @0;
-  shuttingDown @1;
+  shuttingDown @1;  # or no instance left that takes requests
+  degraded @2;      # serving, with some instances lost
 }
 
 interface Inference {

@@ -173,7 +173,15 @@ class InstanceClient {
   // Whether the instances behind this client can serve (a router over
   // several instances, some of which may be lost; one instance is always
   // whole).
+  struct InstanceState {
+    std::string role = "both";  // "prefill", "decode" or "both"
+    int32_t leader = -1;        // its leader's rank (-1: in this process)
+    bool lost = false;
+    uint64_t epoch = 0;  // the cluster epoch its loss made; 0 while alive
+    std::string reason;  // why it was lost
+  };
   struct Health {
+    std::vector<InstanceState> instances;  // each instance behind the client, in order
     int n_instances = 1;
     int n_lost = 0;
     bool serving = true;               // every kind of instance a request needs has a live one

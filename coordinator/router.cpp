@@ -119,6 +119,7 @@ RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
   routed_.assign(n, 0);
   queued_prompt_.assign(n, 0);
   lost_.assign(n, false);
+  lost_why_.resize(n);
   prefixes_.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     // Keyed by the engine's own block size, which an instance reports from its start.
@@ -259,7 +260,7 @@ void RoutedInstances::cancel(RequestId id) {
   instances_[target].client->cancel(attempt);
 }
 
-void RoutedInstances::instance_lost(size_t instance) {
+void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string reason) {
   DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
   const std::vector<InstanceStats> stats = all_stats();
   std::vector<std::pair<size_t, RequestId>> withdrawn;  // old attempts on live decode instances
@@ -270,6 +271,7 @@ void RoutedInstances::instance_lost(size_t instance) {
     std::lock_guard lock(mutex_);
     if (lost_[instance]) return;
     lost_[instance] = true;
+    lost_why_[instance] = {epoch, std::move(reason)};
     sequences_[instance] = 0;  // its counters start again (it gets no work)
     pending_blocks_[instance] = 0;
     queued_prompt_[instance] = 0;
@@ -376,6 +378,9 @@ InstanceClient::Health RoutedInstances::health() const {
   health.n_instances = static_cast<int>(instances_.size());
   bool target = false;  // an instance that can take a request (decode or colocated)
   for (size_t i = 0; i < instances_.size(); ++i) {
+    health.instances.push_back({std::string(instance_role_name(instances_[i].role)),
+                                instances_[i].peer, lost_[i], lost_why_[i].first,
+                                lost_why_[i].second});
     if (lost_[i]) {
       ++health.n_lost;
       continue;

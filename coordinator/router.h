@@ -134,7 +134,8 @@ class RoutedInstances final : public InstanceClient {
 
   // Instance `instance` is lost (any thread; once is enough, again is a
   // no-op): no new work goes there, and its requests are re-run (above).
-  void instance_lost(size_t instance);
+  // `epoch` and `reason` are reported in health().
+  void instance_lost(size_t instance, uint64_t epoch = 0, std::string reason = {});
   bool lost(size_t instance) const;
 
   struct FailoverCounters {
@@ -188,9 +189,10 @@ class RoutedInstances final : public InstanceClient {
 
   mutable std::mutex mutex_;  // guards the members below
   EventHandler handler_;
-  std::map<RequestId, Placement> placements_;  // submitted, not finished
-  std::map<RequestId, RequestId> attempts_;    // live attempt id -> request id
-  std::vector<bool> lost_;                     // per instance
+  std::map<RequestId, Placement> placements_;               // submitted, not finished
+  std::map<RequestId, RequestId> attempts_;                 // live attempt id -> request id
+  std::vector<bool> lost_;                                  // per instance
+  std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
   uint64_t next_arrival_ = 0;
   uint64_t next_attempt_ = 1;
   FailoverCounters failover_;

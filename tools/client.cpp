@@ -193,6 +193,14 @@ int run_stats(Session& session) {
       static_cast<unsigned long long>(s.getGeneratedTokens()),
       static_cast<unsigned long long>(s.getSteps()),
       static_cast<unsigned long long>(s.getPreemptions()));
+  std::printf("kv_blocks_quarantined %u\n", s.getKvBlocksQuarantined());
+  unsigned i = 0;
+  for (auto instance : s.getInstances()) {
+    std::printf("instance %u %s rank %d %s epoch %llu%s%s\n", i++, instance.getRole().cStr(),
+                instance.getLeaderRank(), instance.getLost() ? "lost" : "live",
+                static_cast<unsigned long long>(instance.getEpoch()),
+                instance.getLost() ? ": " : "", instance.getReason().cStr());
+  }
   return 0;
 }
 

@@ -48,7 +48,9 @@ ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpe
                options.instance_lease),
       routed_(routed_instances(cluster_, spec), make_routing_policy(spec.mode),
               options.max_retries) {
-  cluster_.set_loss_handler([this](size_t instance) { routed_.instance_lost(instance); });
+  cluster_.set_loss_handler([this](const InstanceLoss& loss) {
+    routed_.instance_lost(static_cast<size_t>(loss.instance_id), loss.epoch, loss.reason);
+  });
   spdlog::info("cluster: {}; routing: {}; instance lease {} ms, up to {} re-run(s) per request",
                spec.describe(), routed_.policy().name(), options.instance_lease.count(),
                options.max_retries);

@@ -295,7 +295,7 @@ void RemoteCluster::lose(const InstanceLoss& loss) {
     std::lock_guard lock(mutex_);
     handler = on_lost_;
   }
-  if (handler) handler(static_cast<size_t>(loss.instance_id));
+  if (handler) handler(loss);
 }
 
 }  // namespace duet

@@ -105,7 +105,7 @@ class RemoteCluster final {
 
   // Called on the dispatcher thread with the index of each instance lost,
   // after its ranks were told and forgotten. Set it before serving.
-  using LossHandler = std::function<void(size_t instance)>;
+  using LossHandler = std::function<void(const InstanceLoss& loss)>;
   void set_loss_handler(LossHandler handler);
   // Each instance's liveness, in spec order (any thread).
   std::vector<Liveness::InstanceView> liveness() const;

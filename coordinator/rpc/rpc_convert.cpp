@@ -115,6 +115,17 @@ void fill_stats(rpc::Stats::Builder out, const ServiceStats& stats) {
   out.setGeneratedTokens(static_cast<uint64_t>(std::max<int64_t>(instance.generated_tokens, 0)));
   out.setSteps(static_cast<uint64_t>(std::max<int64_t>(instance.steps, 0)));
   out.setPreemptions(static_cast<uint64_t>(std::max<int64_t>(instance.preemptions, 0)));
+  out.setKvBlocksQuarantined(clamp_u32(instance.kv_blocks_quarantined));
+  const auto& states = stats.health.instances;
+  auto list = out.initInstances(static_cast<unsigned>(states.size()));
+  for (size_t i = 0; i < states.size(); ++i) {
+    auto state = list[static_cast<unsigned>(i)];
+    state.setRole(states[i].role);
+    state.setLeaderRank(states[i].leader);
+    state.setLost(states[i].lost);
+    state.setEpoch(states[i].epoch);
+    state.setReason(states[i].reason);
+  }
 }
 
 Result<ServeRequest> to_serve_request(rpc::GenerateRequest::Reader in) {

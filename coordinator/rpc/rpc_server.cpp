@@ -163,9 +163,14 @@ class InferenceImpl final : public rpc::Inference::Server {
 
   kj::Promise<void> health(HealthContext context) override {
     rethrow_as_kj([&] {
-      const bool serving = front_.service.healthy() && !front_.table->closed();
-      context.getResults().setStatus(serving ? rpc::HealthStatus::SERVING
-                                             : rpc::HealthStatus::SHUTTING_DOWN);
+      const Service::Health health = front_.service.health();
+      rpc::HealthStatus status = rpc::HealthStatus::SERVING;
+      if (health.state == Service::HealthState::kUnavailable || front_.table->closed()) {
+        status = rpc::HealthStatus::SHUTTING_DOWN;
+      } else if (health.state == Service::HealthState::kDegraded) {
+        status = rpc::HealthStatus::DEGRADED;
+      }
+      context.getResults().setStatus(status);
     });
     return kj::READY_NOW;
   }

@@ -193,6 +193,15 @@ class FailoverTest(unittest.TestCase):
         m = self.expect_degraded_and_serving(server)
         rerun = [s for s in streams if s.retries]
         self.assertGreater(len(rerun), 0, "no stream was on the killed instance")
+        # duet-client stats: each instance's state and epoch.
+        binary, _ = serve_environment()
+        stats = subprocess.run(
+            [os.path.join(os.path.dirname(binary), "duet-client"), "--connect",
+             f"{server.rpc_host}:{server.rpc_port}", "stats"],
+            capture_output=True, text=True, timeout=30, check=True).stdout
+        self.assertIn("instance 0 prefill rank 1 live epoch 0", stats)
+        self.assertIn("instance 1 decode rank 2 lost epoch 1: ", stats)
+        self.assertIn("instance 2 decode rank 3 live epoch 0", stats)
         self.assertEqual(m["duet_request_reruns_total"], len(rerun))
         self.assertEqual(m["duet_requests_failed_after_retries_total"], 0)
 
