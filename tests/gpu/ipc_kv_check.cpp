@@ -1,5 +1,5 @@
 // A prefill process and a decode process on one GPU, moving a prompt's KV
-// through the real CudaIpcKvTransfer (worker/transfer/cuda_ipc_kv_transfer.h), as two
+// through the real CudaIpcKvTransfer (worker/transfer/device/cuda_ipc_kv_transfer.h), as two
 // ranks of one host do under mpirun. The check forks both itself (no
 // mpirun); the IPC handles, the rows headers and the acks travel over a
 // socketpair, as they would over MPI.
@@ -40,7 +40,7 @@
 #include "worker/kv/kv_cache.h"
 #include "worker/model/cuda_forward.h"
 #include "worker/model/llama_model.h"
-#include "worker/transfer/cuda_ipc_kv_transfer.h"
+#include "worker/transfer/device/cuda_ipc_kv_transfer.h"
 
 namespace duet {
 namespace {

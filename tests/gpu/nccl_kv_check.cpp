@@ -1,4 +1,4 @@
-// NcclKvTransfer (worker/transfer/nccl_kv_transfer.h) on one GPU: a one-rank NCCL
+// NcclKvTransfer (worker/transfer/device/nccl_kv_transfer.h) on one GPU: a one-rank NCCL
 // communicator whose only peer is the rank itself, so the real transfer
 // packs, posts ncclSend and ncclRecv in one group, unpacks and signals, as
 // between two hosts. (Two ranks on one GPU are refused by NCCL; the multi-GPU
@@ -26,7 +26,7 @@
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/nccl_kv_transfer.h"
+#include "worker/transfer/device/nccl_kv_transfer.h"
 
 namespace duet {
 namespace {

@@ -6,7 +6,7 @@
 # ranks (a coordinator and two leaders) with --oversubscribe. The idle-CPU
 # measurement idles 10 s and also carries the label `slow`; it still runs in CI.
 duet_add_test(cluster_spec_test SOURCES common/cluster_spec_test.cpp LIBS duet_control)
-duet_add_test(transfer_kind_test SOURCES worker/transfer_kind_test.cpp LIBS duet_transfer_kind)
+duet_add_test(transfer_kind_test SOURCES worker/transfer/transfer_kind_test.cpp LIBS duet_transfer_kind)
 duet_add_test(control_messages_test SOURCES common/control_messages_test.cpp LIBS duet_control)
 duet_add_test(mpi_runtime_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/mpi_runtime_test.cpp LIBS duet_mpi)
 

@@ -52,8 +52,8 @@
 
 #include "common/serving.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/device_kv_transfer.h"
-#include "worker/transfer/device_receipts.h"
+#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_receipts.h"
 #include "worker/transfer/kv_transfer.h"
 #include "worker/transfer/kv_transfer_wire.h"
 

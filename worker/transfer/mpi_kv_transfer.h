@@ -1,6 +1,6 @@
 // KvTransfer over MPI point-to-point (worker/transfer/kv_transfer.h), for CPU
 // instances on one host (shared memory) or across hosts (TCP), and for GPU
-// instances with a DeviceKvTransfer (worker/transfer/device_kv_transfer.h) for the
+// instances with a DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) for the
 // pairs whose KV moves device to device (worker/transfer/transfer_kind.h): their rows
 // headers and every control message still go over MPI, their payloads
 // through the device transfer (NCCL or CUDA IPC). Any other pair with a GPU side
@@ -58,7 +58,7 @@
 #include <vector>
 
 #include "common/mpi/control_channel.h"
-#include "worker/transfer/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_transfer.h"
 #include "worker/transfer/kv_transfer.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 

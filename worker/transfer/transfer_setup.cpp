@@ -11,9 +11,9 @@
 #include "worker/model/model_forward.h"
 #ifdef DUET_HAVE_CUDA
 #include "kernels/cuda/device.h"
-#include "worker/transfer/cuda_ipc_kv_transfer.h"
-#include "worker/transfer/mixed_device_kv_transfer.h"
-#include "worker/transfer/nccl_kv_transfer.h"
+#include "worker/transfer/device/cuda_ipc_kv_transfer.h"
+#include "worker/transfer/device/mixed_device_kv_transfer.h"
+#include "worker/transfer/device/nccl_kv_transfer.h"
 #endif
 
 namespace duet {

@@ -13,7 +13,7 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/mpi/mpi_runtime.h"
-#include "worker/transfer/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_transfer.h"
 #include "worker/transfer/transfer_kind.h"
 
 namespace duet {

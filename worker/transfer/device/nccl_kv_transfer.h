@@ -1,4 +1,4 @@
-// DeviceKvTransfer (worker/transfer/device_kv_transfer.h) between GPUs of different
+// DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) between GPUs of different
 // hosts (or of one host, by choice), over NCCL point-to-point.
 //
 // Each peer has its own two-rank communicator (made at start, in the one
@@ -30,8 +30,8 @@
 #include <span>
 #include <vector>
 
-#include "worker/transfer/device_rows_staging.h"
-#include "worker/transfer/staged_device_kv_transfer.h"
+#include "worker/transfer/device/device_rows_staging.h"
+#include "worker/transfer/device/staged_device_kv_transfer.h"
 
 namespace duet {
 

@@ -1,4 +1,4 @@
-#include "worker/transfer/device_rows_staging.h"
+#include "worker/transfer/device/device_rows_staging.h"
 
 #include <cuda_runtime.h>
 

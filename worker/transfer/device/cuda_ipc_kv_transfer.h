@@ -1,4 +1,4 @@
-// DeviceKvTransfer (worker/transfer/device_kv_transfer.h) between ranks whose GPUs are
+// DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) between ranks whose GPUs are
 // in one host (NCCL refuses two ranks on one GPU; between two GPUs of a host
 // a peer copy needs no communicator), over CUDA IPC.
 //
@@ -28,8 +28,8 @@
 #include <span>
 #include <vector>
 
-#include "worker/transfer/device_rows_staging.h"
-#include "worker/transfer/staged_device_kv_transfer.h"
+#include "worker/transfer/device/device_rows_staging.h"
+#include "worker/transfer/device/staged_device_kv_transfer.h"
 
 namespace duet {
 

@@ -1,5 +1,5 @@
 // KvTransferProtocol (worker/transfer/kv_transfer_protocol.h) without MPI,
-// rows over MPI (the fixture, tests/worker/kv_transfer_peer.h, plays the
+// rows over MPI (the fixture, tests/worker/transfer/kv_transfer_peer.h, plays the
 // prefill ranks, the adapter and the clock). Every failure path of an
 // import: a deadline passing with rows missing, rows for an import already
 // over, a checksum mismatch, a payload of the wrong size, cancels from either
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/worker/kv_transfer_peer.h"
+#include "tests/worker/transfer/kv_transfer_peer.h"
 #include "worker/kv/kv_rows.h"
 
 namespace duet {

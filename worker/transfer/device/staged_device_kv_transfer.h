@@ -1,4 +1,4 @@
-// What the two GPU device transfers (worker/transfer/device_kv_transfer.h),
+// What the two GPU device transfers (worker/transfer/device/device_kv_transfer.h),
 // CudaIpcKvTransfer and NcclKvTransfer, share: each side's staging on one
 // CUDA device, the sending half (send() waits up to the patience for room in
 // the send staging and packs the rows there on the compute stream), the front
@@ -27,8 +27,8 @@
 #include "common/model/kv_layout.h"
 #include "worker/kv/kv_cache.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/device_kv_transfer.h"
-#include "worker/transfer/device_rows_staging.h"
+#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_rows_staging.h"
 
 namespace duet {
 

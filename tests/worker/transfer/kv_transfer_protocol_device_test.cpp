@@ -1,6 +1,6 @@
 // KvTransferProtocol (worker/transfer/kv_transfer_protocol.h) with rows that
 // move through device transfer (rank 1 has one; the fixture,
-// tests/worker/kv_transfer_peer.h, plays the device transfer's receipts): rows count
+// tests/worker/transfer/kv_transfer_peer.h, plays the device transfer's receipts): rows count
 // when their receipt finishes, and an import that ends with a receipt in
 // flight (aborted, failed, expired, forgotten) reports its end only once the
 // receipt is done, so nothing writes its blocks after on_failed or
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/worker/kv_transfer_peer.h"
+#include "tests/worker/transfer/kv_transfer_peer.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 
 namespace duet {

@@ -1,12 +1,12 @@
-// The state machine of device payloads in flight (worker/transfer/device_receipts.h)
+// The state machine of device payloads in flight (worker/transfer/device/device_receipts.h)
 // and, over a loopback wire, the protocol a device transfer runs with it: the
-// sender takes staging (worker/transfer/staging_ring.h) for each payload and sends a
+// sender takes staging (worker/transfer/device/staging_ring.h) for each payload and sends a
 // header; the receiver starts a receipt per header, receipts land in order,
 // each landed payload's staging goes back to the sender; imports complete,
 // fail or are cancelled at any point. Checked: no rows count after an
 // import ended, no end is reported while a receipt of it is in flight,
 // every staging region comes back, and the ring never hands out live bytes.
-#include "worker/transfer/device_receipts.h"
+#include "worker/transfer/device/device_receipts.h"
 
 #include <gtest/gtest.h>
 
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "worker/transfer/staging_ring.h"
+#include "worker/transfer/device/staging_ring.h"
 
 namespace duet {
 namespace {

@@ -1,6 +1,6 @@
 // StagingRing: regions handed out in order, given back in any order, never
 // overlapping a live one; against a model that tracks every byte.
-#include "worker/transfer/staging_ring.h"
+#include "worker/transfer/device/staging_ring.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "worker/transfer/staging_ring.h"
+#include "worker/transfer/device/staging_ring.h"
 
 #include <algorithm>
 

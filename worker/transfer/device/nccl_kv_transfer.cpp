@@ -1,4 +1,4 @@
-#include "worker/transfer/nccl_kv_transfer.h"
+#include "worker/transfer/device/nccl_kv_transfer.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>

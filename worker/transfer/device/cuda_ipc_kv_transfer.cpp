@@ -1,4 +1,4 @@
-#include "worker/transfer/cuda_ipc_kv_transfer.h"
+#include "worker/transfer/device/cuda_ipc_kv_transfer.h"
 
 #include <cuda_runtime.h>
 

@@ -1,4 +1,4 @@
-#include "worker/transfer/staged_device_kv_transfer.h"
+#include "worker/transfer/device/staged_device_kv_transfer.h"
 
 #include <cuda_runtime.h>
 

@@ -3,10 +3,10 @@
 // handoffs, cancels, deadlines) stays with the KvTransfer that owns the
 // device transfer (worker/transfer/mpi_kv_transfer.h): it sends each rows header over MPI as
 // always, and the payload goes through the device transfer instead of a second MPI
-// message. Two implementations: NcclKvTransfer (worker/transfer/nccl_kv_transfer.h;
-// GPUs of different hosts) and CudaIpcKvTransfer (worker/transfer/cuda_ipc_kv_transfer.h;
+// message. Two implementations: NcclKvTransfer (worker/transfer/device/nccl_kv_transfer.h;
+// GPUs of different hosts) and CudaIpcKvTransfer (worker/transfer/device/cuda_ipc_kv_transfer.h;
 // GPUs of one host, or one GPU shared by two ranks), both on the staging, the
-// send and the receive front they share (worker/transfer/staged_device_kv_transfer.h).
+// send and the receive front they share (worker/transfer/device/staged_device_kv_transfer.h).
 //
 // A payload is the packed rows of worker/kv/kv_rows.h, made on the sender's GPU
 // in staging memory the device transfer owns: the sender's blocks may be reused as

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/error.h"
-#include "worker/transfer/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_transfer.h"
 
 namespace duet {
 
