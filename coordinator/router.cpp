@@ -1,6 +1,7 @@
 #include "coordinator/router.h"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <utility>
@@ -260,6 +261,98 @@ void RoutedInstances::cancel(RequestId id) {
   instances_[target].client->cancel(attempt);
 }
 
+// Under mutex_: `id`'s attempt is over without its end (its instance lost,
+// or a transfer that failed there): the request is booked again as a new
+// attempt (into `reruns`), or ended (into `ended`) when it had in fact
+// finished, is out of re-runs, or no live instance can take it. `avoid`: an
+// instance not to use when another can take it.
+void RoutedInstances::again(RequestId id, std::optional<size_t> avoid,
+                            std::span<const InstanceStats> stats, std::vector<Attempt>& reruns,
+                            std::vector<InstanceEvent>& ended) {
+  Placement& placement = placements_.at(id);
+  const InstanceRequest& original = placement.request;
+  const auto n_delivered = static_cast<int64_t>(placement.delivered.size());
+  // Ended already, though the end was lost with the instance?
+  const bool ended_by_token =
+      n_delivered > 0 && !original.ignore_eos &&
+      std::find(info_.end_of_generation.begin(), info_.end_of_generation.end(),
+                placement.delivered.back()) != info_.end_of_generation.end();
+  if (ended_by_token || n_delivered >= original.max_tokens) {
+    ended.push_back(
+        {.id = id,
+         .finished = true,
+         .finish = ended_by_token ? InstanceFinish::kEndOfGeneration : InstanceFinish::kLength,
+         .retries = placement.retries});
+    placements_.erase(id);
+    return;
+  }
+  std::optional<Attempt> attempt;
+  if (placement.retries < max_retries_) {
+    InstanceRequest request = original;
+    request.id = RequestId{kRerunIdBase + next_attempt_++};
+    request.prompt.insert(request.prompt.end(), placement.delivered.begin(),
+                          placement.delivered.end());
+    request.max_tokens = original.max_tokens - n_delivered;
+    request.n_prompt = static_cast<int64_t>(original.prompt.size());
+    // Away from `avoid` when another instance can take it.
+    const bool avoiding = avoid && !lost_[*avoid] &&
+                          std::any_of(instances_.begin(), instances_.end(), [&](const auto& i) {
+                            const size_t k = static_cast<size_t>(&i - instances_.data());
+                            return k != *avoid && !lost_[k] && i.role == instances_[*avoid].role;
+                          });
+    if (avoiding) lost_[*avoid] = true;
+    attempt = place(id, std::move(request), placement, stats);
+    if (avoiding) lost_[*avoid] = false;
+  }
+  if (!attempt) {
+    ++failover_.failed_after_retries;
+    ended.push_back({.id = id,
+                     .finished = true,
+                     .finish = InstanceFinish::kFailed,
+                     .error = ServeError{ServeErrorKind::kUnavailable,
+                                         placement.retries < max_retries_
+                                             ? std::string("its instance was lost, and no live "
+                                                           "instance can take it")
+                                             : fmt::format("its instance was lost again after {} "
+                                                           "re-run(s)",
+                                                           placement.retries)},
+                     .retries = placement.retries});
+    placements_.erase(id);
+    return;
+  }
+  ++placement.retries;
+  ++failover_.reruns;
+  reruns.push_back(std::move(*attempt));
+}
+
+// Outside mutex_: submits the re-runs; one refused ends its request (into `ended`).
+void RoutedInstances::submit_reruns(std::vector<Attempt>& reruns,
+                                    std::vector<InstanceEvent>& ended) {
+  for (Attempt& attempt : reruns) {
+    const RequestId attempt_id = attempt.request.id;
+    try {
+      instances_[attempt.target].client->submit(std::move(attempt.request));
+    } catch (const std::exception& e) {
+      std::lock_guard lock(mutex_);
+      const auto it = attempts_.find(attempt_id);
+      if (it == attempts_.end()) continue;
+      const RequestId id = it->second;
+      Placement& placement = placements_.at(id);
+      unbook(placement);
+      ++failover_.failed_after_retries;
+      ended.push_back({.id = id,
+                       .finished = true,
+                       .finish = InstanceFinish::kFailed,
+                       .error = ServeError{ServeErrorKind::kUnavailable,
+                                           fmt::format("its instance was lost, and the re-run "
+                                                       "was refused: {}",
+                                                       e.what())},
+                       .retries = placement.retries});
+      placements_.erase(id);
+    }
+  }
+}
+
 void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string reason) {
   DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
   const std::vector<InstanceStats> stats = all_stats();
@@ -287,78 +380,12 @@ void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string
       if (placement.instance != instance)
         withdrawn.emplace_back(placement.instance, placement.attempt);
       unbook(placement);
-      const InstanceRequest& original = placement.request;
-      const auto n_delivered = static_cast<int64_t>(placement.delivered.size());
-      // Ended already, though the end was lost with the instance?
-      const bool ended_by_token =
-          n_delivered > 0 && !original.ignore_eos &&
-          std::find(info_.end_of_generation.begin(), info_.end_of_generation.end(),
-                    placement.delivered.back()) != info_.end_of_generation.end();
-      if (ended_by_token || n_delivered >= original.max_tokens) {
-        ended.push_back(
-            {.id = id,
-             .finished = true,
-             .finish = ended_by_token ? InstanceFinish::kEndOfGeneration : InstanceFinish::kLength,
-             .retries = placement.retries});
-        placements_.erase(id);
-        continue;
-      }
-      std::optional<Attempt> attempt;
-      if (placement.retries < max_retries_) {
-        InstanceRequest request = original;
-        request.id = RequestId{kRerunIdBase + next_attempt_++};
-        request.prompt.insert(request.prompt.end(), placement.delivered.begin(),
-                              placement.delivered.end());
-        request.max_tokens = original.max_tokens - n_delivered;
-        request.n_prompt = static_cast<int64_t>(original.prompt.size());
-        attempt = place(id, std::move(request), placement, stats);
-      }
-      if (!attempt) {
-        ++failover_.failed_after_retries;
-        ended.push_back(
-            {.id = id,
-             .finished = true,
-             .finish = InstanceFinish::kFailed,
-             .error = ServeError{ServeErrorKind::kUnavailable,
-                                 placement.retries < max_retries_
-                                     ? std::string("its instance was lost, and no live instance "
-                                                   "can take it")
-                                     : fmt::format("its instance was lost again after {} re-run(s)",
-                                                   placement.retries)},
-             .retries = placement.retries});
-        placements_.erase(id);
-        continue;
-      }
-      ++placement.retries;
-      ++failover_.reruns;
-      reruns.push_back(std::move(*attempt));
+      again(id, std::nullopt, stats, reruns, ended);
     }
     handler = handler_;
   }
   for (const auto& [target, attempt] : withdrawn) instances_[target].client->cancel(attempt);
-  for (Attempt& attempt : reruns) {
-    const RequestId attempt_id = attempt.request.id;
-    try {
-      instances_[attempt.target].client->submit(std::move(attempt.request));
-    } catch (const std::exception& e) {
-      std::lock_guard lock(mutex_);
-      const auto it = attempts_.find(attempt_id);
-      if (it == attempts_.end()) continue;
-      const RequestId id = it->second;
-      Placement& placement = placements_.at(id);
-      unbook(placement);
-      ++failover_.failed_after_retries;
-      ended.push_back({.id = id,
-                       .finished = true,
-                       .finish = InstanceFinish::kFailed,
-                       .error = ServeError{ServeErrorKind::kUnavailable,
-                                           fmt::format("its instance was lost, and the re-run "
-                                                       "was refused: {}",
-                                                       e.what())},
-                       .retries = placement.retries});
-      placements_.erase(id);
-    }
-  }
+  submit_reruns(reruns, ended);
   if (handler && !ended.empty()) handler(ended);
 }
 
@@ -397,6 +424,13 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
   EventHandler handler;
   std::vector<InstanceEvent> out;
   out.reserve(events.size());
+  std::vector<RequestId> retry;
+  std::vector<Attempt> reruns;
+  bool any_failed = false;
+  for (const InstanceEvent& event : events)
+    any_failed = any_failed || event.finish == InstanceFinish::kFailed;
+  // Stats outside the lock (for a re-run's placement), only when one may be needed.
+  const std::vector<InstanceStats> stats = any_failed ? all_stats() : std::vector<InstanceStats>{};
   {
     std::lock_guard lock(mutex_);
     if (lost_[instance]) return;  // a lost instance's late events: its requests run elsewhere
@@ -413,6 +447,15 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
       }
       if (event.token >= 0 || event.finished) handed_over(placement);
       if (event.token >= 0) placement.delivered.push_back(event.token);
+      if (event.finished && event.finish == InstanceFinish::kFailed && event.error &&
+          event.error->kind == ServeErrorKind::kUnavailable) {
+        // The instance could not get the request's KV (a transfer that timed
+        // out, a peer lost): the request goes again, elsewhere if it can.
+        spdlog::warn("request {}: {}; re-running it", id.value, event.error->message);
+        unbook(placement);
+        retry.push_back(id);
+        continue;
+      }
       InstanceEvent translated = event;
       translated.id = id;
       if (event.finished) {
@@ -423,8 +466,10 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
       }
       out.push_back(std::move(translated));
     }
+    for (RequestId id : retry) again(id, instance, stats, reruns, out);
     handler = handler_;
   }
+  submit_reruns(reruns, out);
   if (handler && !out.empty()) handler(out);
 }
 

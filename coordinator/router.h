@@ -28,8 +28,11 @@
 // with exactly the tokens the first would have produced. A request lost in
 // prefill (its prefill instance lost before its first token) has its old
 // attempt cancelled on its decode instance, then goes again the same way.
-// After max_retries re-runs, or with no live instance that can take it, it
-// ends with a kUnavailable error. Events of an old attempt are dropped.
+// A request whose instance fails it kUnavailable (its KV transfer timed out,
+// a peer was lost) goes again the same way, on another instance when one
+// can take it. After max_retries re-runs, or with no live instance that can
+// take it, it ends with a kUnavailable error. Events of an old attempt are
+// dropped.
 #pragma once
 
 #include <cstddef>
@@ -179,6 +182,9 @@ class RoutedInstances final : public InstanceClient {
                                std::span<const InstanceStats> stats);
   // Under mutex_: the bookkeeping of placement's current attempt undone.
   void unbook(const Placement& placement);
+  void again(RequestId id, std::optional<size_t> avoid, std::span<const InstanceStats> stats,
+             std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended);
+  void submit_reruns(std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended);
   std::vector<InstanceStats> all_stats() const;  // outside mutex_
 
   const std::vector<RoutedInstance> instances_;

@@ -140,8 +140,11 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     const RankPlacement placement = own_placement(mpi, spec, args.device);
     const std::vector<RankPlacement> placements = gather_placements(mpi, placement);
     std::optional<MpiKvTransfer> transfer;  // every rank: its communicator is collective
+    MpiKvTransferOptions transfer_options{args.kv_checksums};
+    if (const char* drop = std::getenv("DUET_TEST_DROP_KV_ROWS_OF"))  // tests only
+      transfer_options.drop_rows_of = std::strtoull(drop, nullptr, 10);
     transfer.emplace(
-        channel, MpiKvTransferOptions{args.kv_checksums},
+        channel, transfer_options,
         make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
     // Every rank too (MPI_Comm_split); the coordinator's is empty.
     const InstanceSpec* own = spec.instance_of(mpi.rank());

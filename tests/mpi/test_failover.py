@@ -14,6 +14,10 @@ case runs 12 concurrent streaming completions (6 greedy, 6 seeded), then
   that request is computed by a decode instance instead, with the same text;
 - SIGKILLs the follower of a TP=2 decode instance: its leader leaves too,
   and its requests continue on the other decode instance;
+- has the prefill rank never send one request's KV (a test-only switch):
+  that import fails at --kv-transfer-timeout and the request goes again
+  with the same text, while every other stream's inter-token gaps stay
+  under 500 ms;
 - SIGKILLs both decode ranks: what was running ends with an `unavailable`
   error event (never a reset, never a hang), /health answers 503, and a new
   request is refused with 503.
@@ -87,6 +91,7 @@ class Stream(threading.Thread):
         self.server, self.body = server, body
         self.text, self.finish, self.error, self.retries = "", None, None, None
         self.events = 0
+        self.times = []  # when each piece of text arrived
         self.done = False
         self.failure = None
 
@@ -122,6 +127,8 @@ class Stream(threading.Thread):
                 self.error = message["error"]
                 continue
             choice = message["choices"][0]
+            if choice.get("text"):
+                self.times.append(time.monotonic())
             self.text += choice.get("text", "")
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
@@ -246,7 +253,30 @@ class FailoverTest(unittest.TestCase):
         wait_until(lambda: 2 not in server.rank_pids(), 30, "the leader of the lost instance to leave")
         self.expect_degraded_and_serving(server)
 
-    def test_5_the_last_decode_instance_lost_ends_requests_unavailable(self):
+    def test_5_an_import_that_never_completes_fails_over_without_stalling_others(self):
+        # The prefill rank never sends request 3's rows nor its handoff: its
+        # import fails at the 2 s deadline and goes again, on the other
+        # decode instance; every other stream keeps its inter-token gaps short.
+        server = MpirunServe(4, CLUSTER + ["--kv-transfer-timeout", "2"],
+                             mpirun_args=["--enable-recovery", "-x",
+                                          "DUET_TEST_DROP_KV_ROWS_OF=3"])
+        server.start()
+        self.addCleanup(server.stop, 30.0, False)
+        streams = [Stream(server, body) for body in bodies()]
+        for stream in streams:
+            stream.start()
+        join(streams)
+        self.expect_same_answers(streams)
+        rerun = [s for s in streams if s.retries]
+        self.assertEqual(len(rerun), 1, [s.retries for s in streams])
+        self.assertGreaterEqual(rerun[0].times[0] - min(s.times[0] for s in streams), 2.0)
+        gaps = [b - a for s in streams if not s.retries for a, b in zip(s.times, s.times[1:])]
+        self.assertLess(max(gaps), 0.5, f"longest inter-token gap {max(gaps):.3f} s")
+        self.assertEqual(metrics(server)["duet_request_reruns_total"], 1)
+        status, reply = health(server)
+        self.assertEqual((status, reply["status"]), (200, "ok"))  # nothing was lost
+
+    def test_6_the_last_decode_instance_lost_ends_requests_unavailable(self):
         server = self.cluster()
         streams = start_streams(server)
         pids = server.rank_pids()

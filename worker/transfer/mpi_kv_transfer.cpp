@@ -138,6 +138,7 @@ void MpiKvTransfer::abort_import(RequestId id) {
 void MpiKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
                               const KvCache& cache, std::span<const int32_t> block_table,
                               int64_t head_offset, const KvSource& heads) {
+  if (id.value == options_.drop_rows_of && options_.drop_rows_of != 0) return;  // tests only
   const KvLayout& layout = cache.layout();
   const KvHeads local{heads.head_begin - head_offset, heads.head_end - heads.head_begin};
   kv_wire::Header header{kv_wire::kMagic,  kv_wire::kRows, id.value, layer, pos0, n, 0,
@@ -175,6 +176,11 @@ void MpiKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int6
 }
 
 void MpiKvTransfer::send_handoff(int decode_peer, const KvHandoff& handoff) {
+  if (handoff.id.value == options_.drop_rows_of && options_.drop_rows_of != 0) {
+    spdlog::warn("kv transfer: request {}: rows and handoff dropped (DUET_TEST_DROP_KV_ROWS_OF)",
+                 handoff.id.value);
+    return;
+  }
   queue(decode_peer, kv_wire::kHeaderTag, kv_wire::control_bytes(handoff), SendLane::kControl);
 }
 

@@ -68,6 +68,10 @@ struct MpiKvTransferOptions {
   // Checksum every rows message on the sender, verify it on the receiver; a
   // mismatch fails the import.
   bool checksums = false;
+  // Tests only: this rank never sends the rows nor the handoff of request
+  // `drop_rows_of` (0: none), so its import never completes and fails at its
+  // deadline. `duet serve` sets it from DUET_TEST_DROP_KV_ROWS_OF.
+  uint64_t drop_rows_of = 0;
 };
 
 class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
