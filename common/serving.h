@@ -116,6 +116,9 @@ struct InstanceStats {
   // MPI may still write them, so they are never reused (counted in neither
   // free nor running).
   int64_t kv_blocks_quarantined = 0;
+  // Bytes of sends to lost ranks that never finished (KV payloads, mostly):
+  // memory MPI keeps for good, bounded by the bulk window per lost rank.
+  int64_t send_bytes_abandoned = 0;
 };
 
 // What the coordinator needs to know of the model to validate requests.

@@ -176,6 +176,9 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   scalar(out, "duet_kv_blocks_quarantined", "gauge",
          "KV blocks a lost rank may still write; never reused.",
          static_cast<double>(s.kv_blocks_quarantined));
+  scalar(out, "duet_send_bytes_abandoned", "gauge",
+         "Bytes of unfinished sends to lost ranks, which MPI keeps for good.",
+         static_cast<double>(s.send_bytes_abandoned));
   return out;
 }
 

@@ -494,6 +494,7 @@ InstanceStats RoutedInstances::stats() const {
     sum.generated_tokens += s.generated_tokens;
     sum.preemptions += s.preemptions;
     sum.kv_blocks_quarantined += s.kv_blocks_quarantined;
+    sum.send_bytes_abandoned += s.send_bytes_abandoned;
   }
   return sum;
 }

@@ -20,7 +20,9 @@ InstanceServer::InstanceServer(ControlChannel& channel, LocalInstance& instance,
     : channel_(channel), instance_(instance), instance_id_(instance_id) {
   // Both run on the engine thread once per step: the stats first, then the events.
   instance_.set_step_observer([this](const InstanceStats& stats) {
-    send(StatsReport{instance_id_, stats});
+    InstanceStats report = stats;
+    report.send_bytes_abandoned = channel_.counters().abandoned_bytes;
+    send(StatsReport{instance_id_, report});
   });
   instance_.set_event_handler([this](std::span<const InstanceEvent> events) {
     StepEvents step;

@@ -138,6 +138,7 @@ struct Stats {
   generatedTokens @9 :Int64;
   preemptions @10 :Int64;
   kvBlocksQuarantined @11 :Int64;
+  sendBytesAbandoned @12 :Int64;
 }
 
 # Leader -> coordinator, once after the handshake, when the instance has

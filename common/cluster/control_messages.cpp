@@ -220,6 +220,7 @@ void fill(control::Stats::Builder out, int32_t instance_id, const InstanceStats&
   out.setGeneratedTokens(s.generated_tokens);
   out.setPreemptions(s.preemptions);
   out.setKvBlocksQuarantined(s.kv_blocks_quarantined);
+  out.setSendBytesAbandoned(s.send_bytes_abandoned);
 }
 
 InstanceStats read(control::Stats::Reader in) {
@@ -235,6 +236,7 @@ InstanceStats read(control::Stats::Reader in) {
   s.generated_tokens = in.getGeneratedTokens();
   s.preemptions = in.getPreemptions();
   s.kv_blocks_quarantined = in.getKvBlocksQuarantined();
+  s.send_bytes_abandoned = in.getSendBytesAbandoned();
   return s;
 }
 

@@ -340,6 +340,8 @@ void ControlChannel::abandon(Outgoing& outgoing) {
   if (outgoing.request != MPI_REQUEST_NULL && outgoing.from != nullptr)
     --n_endpoint_sends_in_flight_;
   if (outgoing.from == nullptr) --own_pending_;
+  ++counters_.abandoned_sends;
+  counters_.abandoned_bytes += static_cast<int64_t>(outgoing.bytes.size());
   abandoned_sends_.push_back(std::move(outgoing));
 }
 
@@ -390,11 +392,18 @@ void ControlChannel::flush_for(std::chrono::milliseconds limit) {
 bool ControlChannel::test_sends() {
   // Sends to lost ranks: freed if they ever finish (a stalled rank woke);
   // an error on one is expected and ends it.
-  std::erase_if(abandoned_sends_, [](Outgoing& outgoing) {
+  int64_t freed = 0;
+  std::erase_if(abandoned_sends_, [&](Outgoing& outgoing) {
     int finished = 0;
-    return MPI_Test(&outgoing.request, &finished, MPI_STATUS_IGNORE) != MPI_SUCCESS ||
-           finished != 0;
+    const bool over =
+        MPI_Test(&outgoing.request, &finished, MPI_STATUS_IGNORE) != MPI_SUCCESS || finished != 0;
+    if (over) freed += static_cast<int64_t>(outgoing.bytes.size());
+    return over;
   });
+  if (freed > 0) {
+    std::lock_guard lock(mutex_);
+    counters_.abandoned_bytes -= freed;
+  }
   std::vector<Outgoing> done;
   std::erase_if(in_flight_, [&](Outgoing& outgoing) {
     int finished = 0;

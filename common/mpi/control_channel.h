@@ -177,6 +177,10 @@ class ControlChannel final {
     int64_t sent = 0;       // messages handed to MPI
     int64_t received = 0;   // messages decoded into the inbox
     int64_t malformed = 0;  // received but not a control message (logged, dropped)
+    // Sends to forgotten (lost) ranks that had not finished: their buffers
+    // stay MPI's for good (a bounded leak: at most the bulk window per rank).
+    int64_t abandoned_sends = 0;
+    int64_t abandoned_bytes = 0;
   };
   Counters counters() const;
 

@@ -189,6 +189,7 @@ class FailoverTest(unittest.TestCase):
         self.assertEqual(m["duet_kv_blocks_free"] + m["duet_kv_blocks_quarantined"],
                          m["duet_kv_blocks_total"])
         self.assertEqual(m["duet_instances_lost"], 1)
+        self.assertGreaterEqual(m["duet_send_bytes_abandoned"], 0)
         return m
 
     def test_1_a_killed_decode_rank_costs_a_pause(self):
