@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <set>
 
 #include "common/error.h"
 #include "common/mpi/control_channel.h"
@@ -166,6 +167,16 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       spdlog::warn(
           "mpirun was started without --enable-recovery: the job is one failure domain (one "
           "rank's death ends every rank); with it, a lost instance costs a pause");
+    } else if (mpi.rank() == kCoordinatorRank) {
+      std::set<std::string> hosts;
+      for (const RankPlacement& p : placements) hosts.insert(p.host);
+      if (hosts.size() > 1) {
+        spdlog::warn(
+            "ranks on {} hosts: between hosts MPI runs over TCP, where Open MPI 4.1 can deadlock "
+            "a survivor that was moving KV to or from a lost rank (docs/FAILURES.md); count on "
+            "a lost instance costing only a pause on one host",
+            hosts.size());
+      }
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
