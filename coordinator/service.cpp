@@ -136,7 +136,8 @@ Result<std::vector<int32_t>> Service::prompt_tokens(const PromptInput& prompt) c
       if (!is_valid_utf8(m.content))
         return error(ServeErrorKind::kInvalidArgument, "message content is not valid UTF-8");
     }
-    text = apply_chat_template(*chat_template_, messages);
+    // The template's markers are special tokens; message content is text.
+    return encode_chat(tokenizer_, *chat_template_, messages);
   }
   if (!is_valid_utf8(text))
     return error(ServeErrorKind::kInvalidArgument, "prompt is not valid UTF-8");

@@ -63,8 +63,8 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   std::vector<std::vector<int32_t>> prompt_ids;
   int64_t needed_tokens = 0;
   for (const std::string& p : prompts) {
-    const std::string text = chat ? apply_chat_template(*chat, {{"user", p}}) : p;
-    prompt_ids.push_back(tokenizer.encode(text, /*add_special=*/true, /*parse_special=*/args.chat));
+    prompt_ids.push_back(chat ? encode_chat(tokenizer, *chat, {{"user", p}})
+                              : tokenizer.encode(p, /*add_special=*/true, /*parse_special=*/false));
     needed_tokens += static_cast<int64_t>(prompt_ids.back().size()) + options.max_tokens + 16;
   }
 

@@ -124,7 +124,7 @@ int run_generate(const GenerateArgs& args) {
   spdlog::info("kernels: {}, threads: {}, KV cache: {}", cpu::isa_name(isa), n_threads,
                args.no_kv_cache ? "off (recompute)" : "on");
 
-  std::string prompt = args.prompt;
+  std::vector<TokenId> prompt_ids;
   if (args.chat) {
     const std::optional<std::string> template_text =
         model->file().get_string("tokenizer.chat_template");
@@ -133,11 +133,12 @@ int run_generate(const GenerateArgs& args) {
           duet::ErrorKind::kUnsupported,
           fmt::format("{}: --chat: the model has no chat template", model->file().name()));
     }
-    prompt = apply_chat_template(detect_chat_template(*template_text), {{"user", args.prompt}});
+    // Special-token text is parsed only where the template put it.
+    prompt_ids =
+        encode_chat(tokenizer, detect_chat_template(*template_text), {{"user", args.prompt}});
+  } else {
+    prompt_ids = tokenizer.encode(args.prompt, /*add_special=*/true, /*parse_special=*/false);
   }
-  // Special-token text is parsed only where the template put it.
-  const std::vector<TokenId> prompt_ids =
-      tokenizer.encode(prompt, /*add_special=*/true, /*parse_special=*/args.chat);
 
   cpu::ThreadPool pool(n_threads);
   Generator generator(*model, kernels, pool, parse_device(args.device));

@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "common/text/tokenizer.h"
+
 namespace duet {
 
 struct ChatMessage {
@@ -25,5 +27,12 @@ ChatTemplateKind detect_chat_template(std::string_view template_text);
 
 // The prompt text, ending with the assistant's turn opened.
 std::string apply_chat_template(ChatTemplateKind kind, const std::vector<ChatMessage>& messages);
+
+// The prompt's token ids: the template's own markers are special tokens, each
+// message's content is text, whatever it holds ("<|im_start|>system" in a
+// user message stays those characters, as in OpenAI's API), so content
+// cannot forge a turn. Every door that takes chat messages encodes them so.
+std::vector<TokenId> encode_chat(const Tokenizer& tokenizer, ChatTemplateKind kind,
+                                 const std::vector<ChatMessage>& messages);
 
 }  // namespace duet

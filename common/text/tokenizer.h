@@ -81,6 +81,16 @@ class Tokenizer {
   // llama.cpp does (SmolLM2 lacks 21 of them, e.g. 0x06 and 0xF5..0xFF), so
   // decode(encode(text)) can be shorter than text.
   std::vector<TokenId> encode(std::string_view text, bool add_special, bool parse_special) const;
+  // The same with special-token text parsed only outside `as_text`: byte
+  // ranges [begin, end) of `text` (a chat message's content) in which
+  // "<|im_start|>" stays text, so that content cannot forge a turn. Outside
+  // them, and for text with no such token inside them, the ids are encode's.
+  struct TextRange {
+    size_t begin = 0;
+    size_t end = 0;
+  };
+  std::vector<TokenId> encode(std::string_view text, bool add_special, bool parse_special,
+                              std::span<const TextRange> as_text) const;
 
   // Concatenated token_to_piece; skip_special drops control and unknown
   // tokens. No "clean up spaces". SentencePiece with add_space_prefix: when
@@ -157,7 +167,8 @@ class Tokenizer {
   bool strips_space_after_bos(std::span<const TokenId> ids) const;
   // llama.cpp's tokenizer_st_partition: the text cut into special tokens and
   // the text between them.
-  std::vector<Fragment> split_special(std::string_view text, bool parse_special) const;
+  std::vector<Fragment> split_special(std::string_view text, bool parse_special,
+                                      std::span<const TextRange> as_text = {}) const;
   // Appends the tokens of one pre-tokenized word (raw bytes) to `out`.
   void encode_word(std::string_view word, BpeScratch& scratch, std::vector<TokenId>& out) const;
   void encode_bpe(std::string_view text, const std::vector<Fragment>& fragments,

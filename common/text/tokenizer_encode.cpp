@@ -102,8 +102,13 @@ void Tokenizer::encode_word(std::string_view word, BpeScratch& scratch,
   }
 }
 
-std::vector<Tokenizer::Fragment> Tokenizer::split_special(std::string_view text,
-                                                          bool parse_special) const {
+std::vector<Tokenizer::Fragment> Tokenizer::split_special(
+    std::string_view text, bool parse_special, std::span<const TextRange> as_text) const {
+  // Whether [begin, end) reaches into a range that stays text.
+  auto in_text = [&](size_t begin, size_t end) {
+    return std::any_of(as_text.begin(), as_text.end(),
+                       [&](const TextRange& r) { return begin < r.end && r.begin < end; });
+  };
   // Token by token, longest first, every occurrence in every remaining text
   // fragment becomes a token fragment.
   std::vector<Fragment> fragments;
@@ -120,12 +125,18 @@ std::vector<Tokenizer::Fragment> Tokenizer::split_special(std::string_view text,
         continue;
       }
       const std::string_view scope = text.substr(0, fragment.end);
+      const bool control = types_[special] != TokenType::kUserDefined;
       size_t pos = fragment.begin;
-      for (size_t match = scope.find(needle, pos); match != std::string_view::npos;
-           match = scope.find(needle, pos)) {
+      size_t search = fragment.begin;
+      for (size_t match = scope.find(needle, search); match != std::string_view::npos;
+           match = scope.find(needle, search)) {
+        if (control && in_text(match, match + needle.size())) {
+          search = match + 1;  // content: the token's text stays text
+          continue;
+        }
         if (match > pos) next.push_back({-1, pos, match});
         next.push_back({special, match, match + needle.size()});
-        pos = match + needle.size();
+        pos = search = match + needle.size();
       }
       if (pos < fragment.end) next.push_back({-1, pos, fragment.end});
     }
@@ -176,11 +187,16 @@ void Tokenizer::encode_spm(std::string_view text, const std::vector<Fragment>& f
 
 std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special,
                                        bool parse_special) const {
+  return encode(text, add_special, parse_special, {});
+}
+
+std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special, bool parse_special,
+                                       std::span<const TextRange> as_text) const {
   std::vector<TokenId> out;
   out.reserve(text.size() / 3 + 2);
   if (add_special && add_bos_) out.push_back(*bos_id_);
   // Special tokens come out of the text first (llama.cpp's tokenizer_st_partition).
-  const std::vector<Fragment> fragments = split_special(text, parse_special);
+  const std::vector<Fragment> fragments = split_special(text, parse_special, as_text);
   if (sentencepiece_) {
     encode_spm(text, fragments, out);
   } else {
