@@ -164,7 +164,7 @@ class LocalInstance final : public InstanceClient {
   std::deque<Command> commands_;
   bool stopping_ = false;
   InstanceStats stats_;
-  std::atomic<bool> in_step_{false};     // written by the engine thread
+  std::atomic<bool> in_step_{false};  // written by the engine thread
 
   // Held by the engine thread while it calls the observer and the handler,
   // and by their setters: once a setter returns, the old callback is not

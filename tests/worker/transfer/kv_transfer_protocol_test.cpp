@@ -371,7 +371,7 @@ TEST_F(KvTransferPeer, AnAbortWhileAPayloadArrivesReleasesOnceItLands) {
   send_rows(kLeader, 0, 0, kPrompt);
   protocol_.payload_receiving(kLeader);
   protocol_.abort_import(kId, now_, out_);
-  EXPECT_TRUE(calls().empty());  // MPI still writes its blocks
+  EXPECT_TRUE(calls().empty());      // MPI still writes its blocks
   advance(std::chrono::seconds(5));  // past its deadline: still held, not failed
   EXPECT_TRUE(calls().empty());
   EXPECT_FALSE(land(kLeader));  // landed (drained: nobody wants it now)
