@@ -295,11 +295,10 @@ void RoutedInstances::again(RequestId id, std::optional<size_t> avoid,
     request.max_tokens = original.max_tokens - n_delivered;
     request.n_prompt = static_cast<int64_t>(original.prompt.size());
     // Away from `avoid` when another instance can take it.
-    const bool avoiding = avoid && !lost_[*avoid] &&
-                          std::any_of(instances_.begin(), instances_.end(), [&](const auto& i) {
-                            const size_t k = static_cast<size_t>(&i - instances_.data());
-                            return k != *avoid && !lost_[k] && i.role == instances_[*avoid].role;
-                          });
+    bool avoiding = false;
+    for (size_t k = 0; avoid && !lost_[*avoid] && k < instances_.size(); ++k)
+      avoiding =
+          avoiding || (k != *avoid && !lost_[k] && instances_[k].role == instances_[*avoid].role);
     if (avoiding) lost_[*avoid] = true;
     attempt = place(id, std::move(request), placement, stats);
     if (avoiding) lost_[*avoid] = false;
@@ -426,11 +425,12 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
   out.reserve(events.size());
   std::vector<RequestId> retry;
   std::vector<Attempt> reruns;
-  bool any_failed = false;
-  for (const InstanceEvent& event : events)
-    any_failed = any_failed || event.finish == InstanceFinish::kFailed;
   // Stats outside the lock (for a re-run's placement), only when one may be needed.
-  const std::vector<InstanceStats> stats = any_failed ? all_stats() : std::vector<InstanceStats>{};
+  const bool may_rerun = std::any_of(events.begin(), events.end(), [](const InstanceEvent& e) {
+    return e.finished && e.finish == InstanceFinish::kFailed && e.error &&
+           e.error->kind == ServeErrorKind::kUnavailable;
+  });
+  const std::vector<InstanceStats> stats = may_rerun ? all_stats() : std::vector<InstanceStats>{};
   {
     std::lock_guard lock(mutex_);
     if (lost_[instance]) return;  // a lost instance's late events: its requests run elsewhere

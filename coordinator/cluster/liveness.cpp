@@ -21,18 +21,17 @@ Liveness::Liveness(const ClusterSpec& spec, std::chrono::milliseconds lease, Clo
     watched.ranks = instance.ranks;
     watched.last_heard.assign(instance.ranks.size(), now);
     watched.step_moved_at = now;
+    for (size_t i = 0; i < instance.ranks.size(); ++i)
+      where_[instance.ranks[i]] = {instances_.size(), i};
     instances_.push_back(std::move(watched));
   }
 }
 
 Liveness::Watched* Liveness::find(Rank rank, size_t* position) {
-  for (Watched& watched : instances_) {
-    const auto it = std::find(watched.ranks.begin(), watched.ranks.end(), rank);
-    if (it == watched.ranks.end()) continue;
-    *position = static_cast<size_t>(it - watched.ranks.begin());
-    return &watched;
-  }
-  return nullptr;
+  const auto it = where_.find(rank);
+  if (it == where_.end()) return nullptr;
+  *position = it->second.second;
+  return &instances_[it->second.first];
 }
 
 void Liveness::heard_from(Rank rank, Clock::time_point now) {
@@ -86,12 +85,8 @@ bool Liveness::lost(int32_t instance_id) const {
 }
 
 bool Liveness::rank_lost(Rank rank) const {
-  for (const Watched& watched : instances_) {
-    if (watched.lost &&
-        std::find(watched.ranks.begin(), watched.ranks.end(), rank) != watched.ranks.end())
-      return true;
-  }
-  return false;
+  const auto it = where_.find(rank);
+  return it != where_.end() && instances_[it->second.first].lost;
 }
 
 std::vector<Rank> Liveness::lost_ranks() const {

@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,9 @@ class Liveness final {
 
   const std::chrono::milliseconds lease_;
   std::vector<Watched> instances_;
+  // Every instance rank's instance (index) and position in it: each message
+  // is looked up here, so a cluster of thousands of ranks costs no scan.
+  std::map<Rank, std::pair<size_t, size_t>> where_;
   uint64_t epoch_ = 0;
 };
 
