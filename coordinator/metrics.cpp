@@ -179,6 +179,17 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   scalar(out, "duet_send_bytes_abandoned", "gauge",
          "Bytes of unfinished sends to lost ranks, which MPI keeps for good.",
          static_cast<double>(s.send_bytes_abandoned));
+  header(out, "duet_instance_up", "gauge",
+         "Per instance: 1 while it serves, 0 once lost (labels: its index, role and leader rank).");
+  // No per-instance list: one instance, in this process, up while it serves.
+  const std::vector<InstanceClient::InstanceState> in_process(1);
+  const auto& instances = h.instances.empty() ? in_process : h.instances;
+  for (size_t i = 0; i < instances.size(); ++i) {
+    const InstanceClient::InstanceState& state = instances[i];
+    fmt::format_to(std::back_inserter(out),
+                   "duet_instance_up{{instance=\"{}\",role=\"{}\",leader=\"{}\"}} {}\n", i,
+                   state.role, state.leader, state.lost ? 0 : 1);
+  }
   return out;
 }
 

