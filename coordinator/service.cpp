@@ -273,6 +273,11 @@ Result<Admitted> Service::admit(PreparedRequest request, UpdateSink& sink) {
   return Admitted{id, n_prompt};
 }
 
+bool Service::waiting_full() const {
+  std::lock_guard lock(mutex_);
+  return n_waiting_ >= limits_.max_waiting;
+}
+
 void Service::cancel(RequestId id) { instance_.cancel(id); }
 
 void Service::record_refused(ServeErrorKind kind) {

@@ -161,6 +161,10 @@ class Service final {
   // The cheap half: admits a prepared request (or refuses it: overloaded,
   // shutting down) and submits it to the instance.
   Result<Admitted> admit(PreparedRequest request, UpdateSink& sink);
+  // Whether admit() would now refuse for a full waiting queue: a hint that
+  // lets a front refuse (overloaded) before it reads or parses a request; the
+  // answer may change at once, and admit() decides.
+  bool waiting_full() const;
   // Ends a request at once and frees its KV; its final update says kCancelled.
   void cancel(RequestId id);
   // Counts a request a front refused before it reached start() (bad JSON,

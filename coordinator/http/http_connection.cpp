@@ -28,17 +28,17 @@ void HttpServer::Impl::Connection::on_header(beast::error_code ec) {
   keep_alive_ = parser_->get().keep_alive() && !server_.stopping();
   version_ = parser_->get().version() >= 11 ? 11 : 10;
   const std::string_view target = to_std(parser_->get().target());
-  if (!server_.admit_header(target.substr(0, target.find('?')), parser_->get())) {
-    // Refused before a byte of the body is read: a client with a wrong key
-    // cannot make the server read (or buffer) its body. The unread body
-    // means the connection cannot carry another request.
+  if (auto refusal = server_.refuse_header(target.substr(0, target.find('?')), parser_->get())) {
+    // Refused before a byte of the body is read: a client with a wrong key,
+    // or one the server has no room for, cannot make it read (or parse) a
+    // body. The unread body means the connection cannot carry another request.
     const bool body_pending = !parser_->is_done();
     if (body_pending) keep_alive_ = false;
-    openai::ApiError error = openai::api_error(
-        ServeError{ServeErrorKind::kUnauthenticated,
-                   "missing or wrong API key: send the header 'Authorization: Bearer KEY'"});
-    return send(response_bytes(static_cast<http::status>(error.status), openai::error_body(error),
-                               "application/json", {}),
+    Headers headers;
+    if (refusal->retry_after_s > 0)
+      headers.emplace_back(http::field::retry_after, std::to_string(refusal->retry_after_s));
+    return send(response_bytes(static_cast<http::status>(refusal->status),
+                               openai::error_body(*refusal), "application/json", headers),
                 body_pending  ? AfterWrite::kLingerClose
                 : keep_alive_ ? AfterWrite::kNextRequest
                               : AfterWrite::kClose);

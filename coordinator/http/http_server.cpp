@@ -131,11 +131,25 @@ openai::ApiError HttpServer::Impl::too_many_connections() const {
       .retry_after_s = 1};
 }
 
-bool HttpServer::Impl::admit_header(std::string_view path, const Request& header) {
+std::optional<openai::ApiError> HttpServer::Impl::refuse_header(std::string_view path,
+                                                                const Request& header) {
   // Probes (the /health routes) need no key.
-  if (path == "/health" || path.starts_with("/health/") || authorized(header)) return true;
-  service_.record_refused(ServeErrorKind::kUnauthenticated);
-  return false;
+  const bool probe = path == "/health" || path.starts_with("/health/");
+  if (!probe && !authorized(header)) {
+    service_.record_refused(ServeErrorKind::kUnauthenticated);
+    return openai::api_error(
+        ServeError{ServeErrorKind::kUnauthenticated,
+                   "missing or wrong API key: send the header 'Authorization: Bearer KEY'"});
+  }
+  // Shed load before the body is read and parsed: with the waiting queue
+  // full, admit() would refuse it anyway.
+  if ((path == "/v1/completions" || path == "/v1/chat/completions") &&
+      header.method() == http::verb::post && service_.waiting_full()) {
+    service_.record_refused(ServeErrorKind::kOverloaded);
+    return openai::api_error(
+        ServeError{ServeErrorKind::kOverloaded, "the waiting queue is full; retry later"});
+  }
+  return std::nullopt;
 }
 
 void HttpServer::Impl::release(Connection* connection) {

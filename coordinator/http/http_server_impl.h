@@ -111,9 +111,10 @@ class HttpServer::Impl {
   bool stopping() const { return stopping_; }
   size_t max_body_bytes() const { return options_.max_body_bytes; }
   std::chrono::milliseconds idle_timeout() const { return options_.idle_timeout; }
-  // Whether a request for `path` with these header fields may be served; a
-  // refusal is counted. Checked before the body is read.
-  bool admit_header(std::string_view path, const Request& header);
+  // Checked from the header fields, before the body is read: the refusal of a
+  // request for `path` (a missing or wrong API key; a completion while the
+  // service's waiting queue is full), counted; nullopt to go on.
+  std::optional<openai::ApiError> refuse_header(std::string_view path, const Request& header);
   class Connection;
   void on_request(Connection& connection, Request request);
   // The connection went away while `id` generated: cancel it and drop its updates.
