@@ -10,10 +10,12 @@
 // (openai_api.h); a wrong method is 405, a body over max_body_bytes 413 (and
 // the connection is closed). With an API key, every route but /health needs
 // `Authorization: Bearer KEY` (else 401, decided from the header fields before
-// the body is read). Past max_connections open connections, a new one gets
-// 503 {"error": {"type": "overloaded", ...}} and is closed without its request
-// being read (counted in duet_connections_refused_total); a connection idle
-// for idle_timeout between requests is closed.
+// the body is read). A completion that arrives while the service's waiting
+// queue is full gets its 429 from the header fields too. Past max_connections
+// open connections, a new one gets 503 {"error": {"type": "overloaded", ...}}
+// and is closed without its request being read (counted in
+// duet_connections_refused_total); a connection idle for idle_timeout between
+// requests is closed.
 //
 // A client that goes away while its request generates (its socket reaches
 // end-of-file or a write fails) gets the request cancelled, so its KV is
