@@ -1,11 +1,12 @@
 // How the RPC front streams a request's output to its client.
 //
 // UpdateRelay is the front's UpdateSink: the service calls it on the
-// instance's event thread once per step, and it carries that step's updates
-// into the front's kj event loop in one crossing. StreamTable, on the loop
+// instance's event thread once per step, and it queues that step's updates
+// for the front's kj event loop, never waiting for it. StreamTable, on the loop
 // thread, turns each request's updates into TokenSink.write() chunks (one in
 // flight at a time, so tokens batch up behind a slow client) and a final
 // done(); when a client is gone it cancels the request, freeing its KV.
+// ConnectionActivity tells a connection's idle timeout whether it streams.
 #pragma once
 
 #include <kj/async.h>
