@@ -18,7 +18,11 @@ machine of two cores the clients' own CPU would otherwise come out of the
 engine's share, which is no stall of the fronts: the flood runs in its own
 process at the lowest priority, which also keeps its Python threads from
 delaying the measuring ones. A shared machine's noise can spoil one
-measurement, so the test takes up to three.
+measurement, so the test takes up to three (see meets()).
+
+A second test holds the Cap'n Proto loop busy instead (tokenizing 2 MB texts
+a third of the time, with a stream of its own): the engine hands it each step's
+updates without waiting, so the HTTP streams must not slow down.
 
 Run by ctest (tests/serve/http_tests.cmake) with DUET_BINARY and DUET_MODEL set.
 """
@@ -172,6 +176,14 @@ def run_streams(port, while_running=None):
     return gaps
 
 
+def meets(bases, loads):
+    """The criterion over the attempts so far: the best loaded p99 under
+    GAP_FACTOR times the best unloaded one. Noise only ever lengthens gaps, so
+    the best of each is the truest, and a noisy unloaded run cannot loosen
+    the bound."""
+    return min(loads) < GAP_FACTOR * min(bases)
+
+
 def p99(values):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -202,15 +214,17 @@ class IsolationTest(unittest.TestCase):
             self.assertGreaterEqual(n_prompt, MAX_PROMPT_TOKENS - 4)
 
             run_streams(port)  # warm-up
-            figures = []
+            figures, bases, loads = [], [], []
             for _ in range(ATTEMPTS):
                 base, loaded = self.measure(port, request)
+                bases.append(base)
+                loads.append(loaded)
                 figures.append(f"unloaded {base * 1000:.1f} ms, flooded {loaded * 1000:.1f} ms "
                                f"({loaded / base:.2f}x)")
-                if loaded < GAP_FACTOR * base:
+                if meets(bases, loads):
                     break
             print("p99 gap between events: " + "; ".join(figures), flush=True)
-            self.assertLess(loaded, GAP_FACTOR * base, figures)
+            self.assertTrue(meets(bases, loads), figures)
 
     def measure(self, port, request):
         """(unloaded, flooded) p99 gaps of one attempt."""
@@ -238,6 +252,91 @@ class IsolationTest(unittest.TestCase):
         self.assertGreater(sum(replies.values()), N_FLOODERS, "no flood to speak of")
         self.assertGreater(len(flooded), N_STREAMS * STREAM_TOKENS // 2)
         return p99(unloaded), p99(flooded)
+
+
+def busy_rpc_client(host, port, text_bytes, ready, stop):
+    """Its own process: one Cap'n Proto stream that runs throughout (so the RPC
+    front gets updates every engine step), and tokenize() calls of
+    `text_bytes` of text, each followed by a pause twice as long, that keep
+    the RPC loop busy a third of the time (the rest leaves the engine the CPU
+    a machine of two cores has)."""
+    os.nice(19)
+    import asyncio
+
+    import capnp
+    source_dir = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    schema = capnp.load(os.path.join(source_dir, "common", "duet.capnp"),
+                        imports=[os.path.dirname(os.path.dirname(capnp.__file__)),
+                                 "/usr/include"])
+
+    class Sink(schema.TokenSink.Server):
+        async def write(self, chunk, **kwargs):
+            pass
+
+        async def done(self, finish, **kwargs):
+            pass
+
+    async def main():
+        async with capnp.kj_loop():
+            stream = await capnp.AsyncIoStream.create_connection(host, port)
+            gateway = capnp.TwoPartyClient(stream).bootstrap().cast_as(schema.Gateway)
+            inference = (await gateway.login(apiKey="")).result.inference
+            request = inference.generate_request()
+            request.request.prompt.text = "Once upon a time"
+            request.request.maxTokens = 4000
+            request.request.ignoreEos = True
+            request.sink = Sink()
+            started = (await request.send()).result.started
+            handle = started.handle  # held: dropping it would cancel
+            text = ("The quick brown fox jumps over the lazy dog. " * (text_bytes // 45 + 1))
+            text = text[:text_bytes]
+            ready.set()
+            while not stop.is_set():
+                began = time.monotonic()
+                await inference.tokenize(text=text, addSpecial=False)
+                await asyncio.sleep(2 * (time.monotonic() - began))
+            del handle
+
+    asyncio.run(main())
+
+
+class EngineNeverWaitsForTheRpcLoopTest(unittest.TestCase):
+    """The engine hands each step's updates to the RPC front without waiting
+    for its loop: while that loop is busy (tokenizing 2 MB texts, a third of
+    the time) and holds a stream of its own, the HTTP streams' p99 gap stays under
+    3x its value without the busy client."""
+
+    def test_busy_rpc_loop_does_not_stall_http_streams(self):
+        with ServeProcess(["--kv-cache-mem", "128MiB"]) as server:
+            port = server.http_port
+            run_streams(port)  # warm-up
+            figures, bases, loads = [], [], []
+            for _ in range(ATTEMPTS):
+                unloaded = run_streams(port)
+                context = multiprocessing.get_context("fork")
+                ready, stop = context.Event(), context.Event()
+                process = context.Process(target=busy_rpc_client,
+                                          args=(server.rpc_host, server.rpc_port, 2 << 20,
+                                                ready, stop))
+                process.start()
+                try:
+                    self.assertTrue(ready.wait(60), "the RPC client did not start")
+                    loaded = run_streams(port)
+                finally:
+                    stop.set()
+                    process.join(30)
+                    if process.is_alive():
+                        process.kill()
+                self.assertEqual(process.exitcode, 0)
+                base, busy = p99(unloaded), p99(loaded)
+                bases.append(base)
+                loads.append(busy)
+                figures.append(f"unloaded {base * 1000:.1f} ms, RPC loop busy "
+                               f"{busy * 1000:.1f} ms ({busy / base:.2f}x)")
+                if meets(bases, loads):
+                    break
+            print("p99 gap between events: " + "; ".join(figures), flush=True)
+            self.assertTrue(meets(bases, loads), figures)
 
 
 def server_detokenize(server, tokens):
