@@ -67,6 +67,7 @@ Metrics::Metrics()
         ServeErrorKind::kUnauthenticated, ServeErrorKind::kOverloaded, ServeErrorKind::kUnavailable,
         ServeErrorKind::kInternal})
     outcomes_.emplace(fmt::format("refused_{}", serve_error_kind_name(k)), 0);
+  for (std::string_view front : {"http", "rpc"}) connections_refused_.emplace(front, 0);
 }
 
 void Metrics::record_finished(ServeFinish finish, const RequestTimings& t) {
@@ -97,6 +98,13 @@ void Metrics::record_tokens(int64_t n_tokens, Clock::time_point now) {
     recent_tokens_.pop_front();
 }
 
+void Metrics::record_connection_refused(std::string_view front) {
+  std::lock_guard lock(mutex_);
+  auto it = connections_refused_.find(front);
+  if (it == connections_refused_.end()) it = connections_refused_.emplace(front, 0).first;
+  ++it->second;
+}
+
 double Metrics::tokens_per_second(Clock::time_point now) const {
   int64_t n = 0;
   for (const auto& [when, count] : recent_tokens_)
@@ -122,6 +130,11 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   for (const auto& [outcome, n] : outcomes_)
     fmt::format_to(std::back_inserter(out), "duet_requests_total{{outcome=\"{}\"}} {}\n", outcome,
                    n);
+  header(out, "duet_connections_refused_total", "counter",
+         "Connections a front refused because it had max_connections open.");
+  for (const auto& [front, n] : connections_refused_)
+    fmt::format_to(std::back_inserter(out), "duet_connections_refused_total{{front=\"{}\"}} {}\n",
+                   front, n);
   histogram(out, "duet_queue_time_seconds", "Arrival to first compute.", queue_);
   histogram(out, "duet_time_to_first_token_seconds", "Arrival to first token.", ttft_);
   histogram(out, "duet_time_per_output_token_seconds", "Mean gap between later tokens.", tpot_);

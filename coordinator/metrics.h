@@ -49,6 +49,8 @@ class Metrics final {
   void record_finished(ServeFinish finish, const RequestTimings& timings);
   void record_refused(ServeErrorKind kind);
   void record_tokens(int64_t n_tokens, Clock::time_point now);
+  // A front ("http", "rpc") refused a connection: it had max_connections open.
+  void record_connection_refused(std::string_view front);
 
   // Prometheus text exposition (version 0.0.4) of the counters, histograms
   // and the gauges of `stats`.
@@ -70,6 +72,7 @@ class Metrics final {
   int64_t completion_tokens_ = 0;
   int64_t cached_tokens_ = 0;
   int64_t generated_tokens_ = 0;
+  std::map<std::string, int64_t, std::less<>> connections_refused_;  // by front
   std::deque<std::pair<Clock::time_point, int64_t>> recent_tokens_;  // the last window's steps
   Clock::time_point first_tokens_{};  // of the first record_tokens (the rate's window starts there)
 };

@@ -120,14 +120,27 @@ Result<std::vector<int32_t>> Service::prompt_tokens(const PromptInput& prompt) c
     }
     return *ids;
   }
+  // A text that cannot fit in max_prompt_tokens is refused before it is
+  // tokenized: min_tokens() is a sound lower bound in one cheap pass, so no
+  // prompt that would fit is refused here.
+  auto too_long = [&](int64_t n_at_least) -> std::optional<ServeError> {
+    if (n_at_least <= model_.max_prompt_tokens) return std::nullopt;
+    return error(ServeErrorKind::kTooLong,
+                 fmt::format("the prompt has at least {} tokens, over the limit of {}", n_at_least,
+                             model_.max_prompt_tokens));
+  };
   std::string text;
   if (const auto* s = std::get_if<std::string>(&prompt)) {
+    if (auto refusal = too_long(tokenizer_.min_tokens(*s))) return *refusal;
     text = *s;
   } else {
     const auto& messages = std::get<std::vector<ChatMessage>>(prompt);
     if (!chat_template_)
       return error(ServeErrorKind::kInvalidArgument, "this model has no chat template");
     if (messages.empty()) return error(ServeErrorKind::kInvalidArgument, "messages is empty");
+    int64_t n_at_least = 0;
+    for (const ChatMessage& m : messages) n_at_least += tokenizer_.min_tokens(m.content);
+    if (auto refusal = too_long(n_at_least)) return *refusal;
     for (const ChatMessage& m : messages) {
       if (m.role != "system" && m.role != "user" && m.role != "assistant")
         return error(ServeErrorKind::kInvalidArgument,
@@ -144,9 +157,9 @@ Result<std::vector<int32_t>> Service::prompt_tokens(const PromptInput& prompt) c
   return tokenizer_.encode(text, /*add_special=*/true, /*parse_special=*/true);
 }
 
-Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
+Result<PreparedRequest> Service::prepare(ServeRequest request) {
   const Clock::time_point arrival = Clock::now();
-  auto refuse = [&](ServeErrorKind kind, std::string message) -> Result<Admitted> {
+  auto refuse = [&](ServeErrorKind kind, std::string message) -> Result<PreparedRequest> {
     metrics_.record_refused(kind);
     std::lock_guard lock(mutex_);
     ++n_refused_;
@@ -205,10 +218,27 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
                               "a sequence can hold",
                               n_prompt, max_tokens, n_prompt + room));
 
+  return PreparedRequest{.prompt = std::move(prompt),
+                         .max_tokens = max_tokens,
+                         .sampling = request.sampling,
+                         .stop = std::move(request.stop),
+                         .ignore_eos = request.ignore_eos,
+                         .include_token_ids = request.include_token_ids,
+                         .arrival = arrival};
+}
+
+Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
+  Result<PreparedRequest> prepared = prepare(std::move(request));
+  if (auto* e = std::get_if<ServeError>(&prepared)) return std::move(*e);
+  return admit(std::move(std::get<PreparedRequest>(prepared)), sink);
+}
+
+Result<Admitted> Service::admit(PreparedRequest request, UpdateSink& sink) {
+  const auto n_prompt = static_cast<int64_t>(request.prompt.size());
   RequestId id;
   {
     std::lock_guard lock(mutex_);
-    if (shut_down_) {  // shut_down() ran while this request was being tokenized
+    if (shut_down_) {  // shut_down() ran since the request was prepared
       ++n_refused_;
       metrics_.record_refused(ServeErrorKind::kUnavailable);
       return error(ServeErrorKind::kUnavailable, "the server is shutting down");
@@ -223,22 +253,29 @@ Result<Admitted> Service::start(ServeRequest request, UpdateSink& sink) {
     auto live = std::make_unique<Live>(tokenizer_, std::move(request.stop));
     live->sink = &sink;
     live->include_token_ids = request.include_token_ids;
-    live->arrival = arrival;
+    live->arrival = request.arrival;
     live->prompt_tokens = n_prompt;
     live_.emplace(id, std::move(live));
     ++n_waiting_;
   }
   try {
-    instance_.submit({id, std::move(prompt), max_tokens, request.sampling, request.ignore_eos});
+    instance_.submit(
+        {id, std::move(request.prompt), request.max_tokens, request.sampling, request.ignore_eos});
   } catch (const std::exception& e) {
     {
       std::lock_guard lock(mutex_);
       live_.erase(id);
       --n_waiting_;
     }
-    return refuse(ServeErrorKind::kUnavailable, fmt::format("the instance refused: {}", e.what()));
+    record_refused(ServeErrorKind::kUnavailable);
+    return error(ServeErrorKind::kUnavailable, fmt::format("the instance refused: {}", e.what()));
   }
   return Admitted{id, n_prompt};
+}
+
+bool Service::waiting_full() const {
+  std::lock_guard lock(mutex_);
+  return n_waiting_ >= limits_.max_waiting;
 }
 
 void Service::cancel(RequestId id) { instance_.cancel(id); }

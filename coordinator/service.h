@@ -10,11 +10,13 @@
 // in one call (UpdateSink::deliver), so a front crosses into its network loop
 // once per step.
 //
-// Thread affinity: start, cancel and the queries may be called from any
-// thread. deliver() runs on the instance's event thread, never under mutex_:
-// a front may block in deliver() until its loop thread runs (kj's
-// executeSync), and that loop thread may be inside start() waiting for
-// mutex_. Mutable request state is guarded by mutex_.
+// Thread affinity: start, prepare, admit, cancel and the queries may be
+// called from any thread (the HTTP front prepares on its worker threads and
+// admits on its I/O thread; the RPC front does both on its loop thread).
+// deliver() runs on the instance's event thread, never under mutex_, and must
+// not block: a front queues or posts the updates to its own thread, so a slow
+// or busy front never stalls the engine's steps. Mutable request state is
+// guarded by mutex_; tokenization runs outside it.
 #pragma once
 
 #include <chrono>
@@ -103,6 +105,17 @@ class UpdateSink {
   virtual void deliver(std::vector<RequestUpdate> updates) = 0;
 };
 
+// A request validated and tokenized by Service::prepare, not yet admitted.
+struct PreparedRequest {
+  std::vector<int32_t> prompt;
+  int64_t max_tokens = 0;
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  bool include_token_ids = false;
+  std::chrono::steady_clock::time_point arrival;  // when prepare() began
+};
+
 struct Admitted {
   RequestId id;
   int64_t prompt_tokens = 0;
@@ -138,19 +151,41 @@ class Service final {
   Service& operator=(const Service&) = delete;
 
   // Validates, tokenizes and admits a request, whose updates go to `sink`
-  // (which must outlive the request's final update).
+  // (which must outlive the request's final update): prepare(), then admit().
   Result<Admitted> start(ServeRequest request, UpdateSink& sink);
+  // The costly half of start(): validation and tokenization (a text prompt
+  // that cannot fit max_prompt_tokens is refused from its length, before it
+  // is tokenized). Holds no lock while it works, so fronts may run it on
+  // worker threads. Refusals are counted as start() counts them.
+  Result<PreparedRequest> prepare(ServeRequest request);
+  // The cheap half: admits a prepared request (or refuses it: overloaded,
+  // shutting down) and submits it to the instance.
+  Result<Admitted> admit(PreparedRequest request, UpdateSink& sink);
+  // Whether admit() would now refuse for a full waiting queue: a hint that
+  // lets a front refuse (overloaded) before it reads or parses a request; the
+  // answer may change at once, and admit() decides.
+  bool waiting_full() const;
   // Ends a request at once and frees its KV; its final update says kCancelled.
   void cancel(RequestId id);
   // Counts a request a front refused before it reached start() (bad JSON,
   // unknown model, wrong API key), so the metrics see every refusal.
   void record_refused(ServeErrorKind kind);
+  // Counts a connection a front ("http", "rpc") refused at its max_connections.
+  void record_connection_refused(std::string_view front) {
+    metrics_.record_connection_refused(front);
+  }
   // Refuses every later start with kUnavailable and cancels what runs.
   void shut_down();
 
   // Whether `name` names the served model (empty counts as yes).
   bool serves_model(std::string_view name) const;
   const ModelSummary& model() const { return model_; }
+  const ServiceLimits& limits() const { return limits_; }
+  // The most bytes of text a prompt within max_prompt_tokens can hold (bytes
+  // the vocabulary drops aside): max_prompt_tokens times the longest token.
+  int64_t max_prompt_bytes() const {
+    return model_.max_prompt_tokens * static_cast<int64_t>(tokenizer_.max_token_bytes());
+  }
   Result<std::vector<int32_t>> tokenize(std::string_view text, bool add_special) const;
   Result<std::string> detokenize(std::span<const int32_t> ids) const;
   ServiceStats stats() const;

@@ -80,6 +80,26 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   cmd->add_option("--max-body-bytes", args.max_body_bytes, "Largest HTTP request body")
       ->check(CLI::Range(size_t{1024}, size_t{1} << 30))
       ->capture_default_str();
+  cmd->add_option("--max-connections", args.max_connections,
+                  "Connections each front holds open at once; past them HTTP answers 503 "
+                  "(overloaded) and RPC closes at once")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 20))
+      ->capture_default_str();
+  cmd->add_option("--http-idle-timeout", args.http_idle_timeout_s,
+                  "Seconds an HTTP connection may wait for its next request (keep-alive idle), "
+                  "or for the rest of one")
+      ->check(CLI::Range(0.01, 86400.0))
+      ->capture_default_str();
+  cmd->add_option("--rpc-idle-timeout", args.rpc_idle_timeout_s,
+                  "Seconds a Cap'n Proto connection with no call and no stream running stays "
+                  "open (0: forever)")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
+  cmd->add_option("--http-threads", args.http_threads,
+                  "Threads that parse, validate and tokenize HTTP requests, off the HTTP I/O "
+                  "thread")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
 
   // The cluster (under mpirun; see common/cluster/cluster_spec.h for the layout).
   const char* group = "Cluster (mpirun -np N duet serve ...)";
@@ -216,13 +236,21 @@ ServiceLimits service_limits(const ServeArgs& args) {
 }
 
 void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals) {
-  RpcServer rpc(
-      service,
-      {.host = args.host, .port = static_cast<uint16_t>(args.rpc_port), .api_key = args.api_key});
+  auto milliseconds = [](double seconds) {
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+  };
+  RpcServer rpc(service, {.host = args.host,
+                          .port = static_cast<uint16_t>(args.rpc_port),
+                          .api_key = args.api_key,
+                          .max_connections = args.max_connections,
+                          .idle_timeout = milliseconds(args.rpc_idle_timeout_s)});
   HttpServer http(service, {.host = args.host,
                             .port = static_cast<uint16_t>(args.http_port),
                             .api_key = args.api_key,
-                            .max_body_bytes = args.max_body_bytes});
+                            .max_body_bytes = args.max_body_bytes,
+                            .max_connections = args.max_connections,
+                            .idle_timeout = milliseconds(args.http_idle_timeout_s),
+                            .worker_threads = args.http_threads});
   // Machine-readable lines on stdout (tests and scripts read the ports here).
   std::printf("rpc listening on %s:%u\nhttp listening on %s:%u\n", args.host.c_str(), rpc.port(),
               args.host.c_str(), http.port());

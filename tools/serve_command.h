@@ -41,7 +41,11 @@ struct ServeArgs {
   int64_t max_tokens = 0;         // 0: the model's context
   int64_t default_max_tokens = 256;
   size_t max_body_bytes = 1 << 20;
-  ClusterFlags cluster;  // any() or mpirun: serve as a cluster
+  size_t max_connections = 1024;  // per front
+  double http_idle_timeout_s = 60.0;
+  double rpc_idle_timeout_s = 300.0;  // 0: never
+  int http_threads = 2;               // parse and tokenize HTTP requests
+  ClusterFlags cluster;               // any() or mpirun: serve as a cluster
   // Disaggregated: checksum every KV rows message; the longest a decode
   // instance waits for a prompt's KV (prefill queue included).
   bool kv_checksums = false;

@@ -134,6 +134,7 @@ Tokenizer::Tokenizer(TokenizerSpec spec) : splitter_(std::vector<std::string>{})
     build_byte_tokens();
     find_special_tokens();
     build_pieces();
+    build_token_bounds();
     return;
   }
   if (spec.model != "gpt2") {
@@ -156,6 +157,7 @@ Tokenizer::Tokenizer(TokenizerSpec spec) : splitter_(std::vector<std::string>{})
   build_merges(spec.merges);
   find_special_tokens();
   build_pieces();
+  build_token_bounds();
 }
 
 void Tokenizer::validate_and_load(TokenizerSpec& spec) {
@@ -391,6 +393,36 @@ TokenType Tokenizer::token_type(TokenId id) const {
   DUET_REQUIRE(id >= 0 && size_t(id) < tokens_.size(), "token id {} is out of range [0, {})", id,
                tokens_.size());
   return types_[id];
+}
+
+void Tokenizer::build_token_bounds() {
+  for (const std::string& text : tokens_)
+    max_token_bytes_ = std::max(max_token_bytes_, text.size());
+  for (int b = 0; b < 256; ++b) {
+    const auto byte = static_cast<uint8_t>(b);
+    if (sentencepiece_) {
+      // A character no token covers becomes byte tokens, else the unknown
+      // token, else nothing: with an unknown token every byte is covered;
+      // without one, only an ASCII character that is a token or has a byte token.
+      byte_always_kept_[b] =
+          unk_id_.has_value() ||
+          (b < 0x80 && (find_token(std::string(1, static_cast<char>(b))) || byte_token_[b] >= 0));
+    } else {
+      // Byte-level BPE falls back to the single-byte tokens of the byte's
+      // alphabet character and drops the byte when there are none.
+      const std::string_view alphabet = byte_to_bpe_char(byte);
+      byte_always_kept_[b] = std::any_of(alphabet.begin(), alphabet.end(), [&](char c) {
+        return single_byte_token_[static_cast<uint8_t>(c)] >= 0;
+      });
+    }
+  }
+}
+
+int64_t Tokenizer::min_tokens(std::string_view text) const {
+  int64_t n_kept = 0;
+  for (char c : text) n_kept += byte_always_kept_[static_cast<uint8_t>(c)] ? 1 : 0;
+  const auto per_token = static_cast<int64_t>(max_token_bytes_);
+  return (n_kept + per_token - 1) / per_token;
 }
 
 std::optional<TokenId> Tokenizer::find_token(std::string_view text) const {

@@ -129,6 +129,16 @@ class Tokenizer {
   bool is_end_of_generation(TokenId id) const;
   const std::vector<TokenId>& end_of_generation_ids() const { return eog_ids_; }  // ascending
 
+  // A lower bound of encode(text, ...).size(), whatever the flags, in one pass
+  // over the bytes: far cheaper than encode, for refusing a text that cannot
+  // fit a token budget before tokenizing it. Each token stands for at most
+  // max_token_bytes() bytes of the text (its stored text is at least as long
+  // as the bytes it covers: byte-level and U+2581 forms only lengthen them,
+  // a byte token's "<0xXX>" covers one byte, an unknown token one character),
+  // and bytes the vocabulary may drop (see encode) count for nothing.
+  int64_t min_tokens(std::string_view text) const;
+  size_t max_token_bytes() const { return max_token_bytes_; }
+
   // How the pre-tokenizer cuts one text fragment (no special tokens), before
   // the byte mapping: for tests and debugging. SentencePiece has no
   // pre-tokenizer: the whole text is one piece.
@@ -158,6 +168,7 @@ class Tokenizer {
 
   void validate_and_load(TokenizerSpec& spec);
   void build_merges(const std::vector<std::string>& merges);
+  void build_token_bounds();  // max_token_bytes_, byte_always_kept_
   void find_special_tokens();
   void build_pieces();
   int32_t intern_piece(std::string_view text);
@@ -198,6 +209,10 @@ class Tokenizer {
   // SentencePiece byte fallback: the "<0xXX>" token of each byte, else
   // single_byte_token_, -1: none.
   std::array<TokenId, 256> byte_token_{};
+  // min_tokens(): the longest stored token text (at least 4, one character),
+  // and the bytes encode always turns into some token.
+  size_t max_token_bytes_ = 4;
+  std::array<bool, 256> byte_always_kept_{};
 
   std::vector<TokenId> special_tokens_;  // split out of the text; longest text first
   std::vector<TokenId> eog_ids_;         // ascending

@@ -8,15 +8,41 @@ void HttpServer::Impl::Connection::read_header() {
   parser_.emplace();
   parser_->body_limit(server_.max_body_bytes());
   parser_->header_limit(kHeaderLimit);
-  stream_.expires_after(kReadTimeout);
+  stream_.expires_after(server_.idle_timeout());
   http::async_read_header(stream_, buffer_, *parser_,
                           guard([this](beast::error_code ec, size_t) { on_header(ec); }));
+}
+
+void HttpServer::Impl::Connection::refuse(const openai::ApiError& error) {
+  keep_alive_ = false;
+  // Lingers after the reply: closing with the client's unread request in the
+  // socket would reset the connection before the client read the 503.
+  send(response_bytes(static_cast<http::status>(error.status), openai::error_body(error),
+                      "application/json",
+                      {{http::field::retry_after, std::to_string(error.retry_after_s)}}),
+       AfterWrite::kLingerClose);
 }
 
 void HttpServer::Impl::Connection::on_header(beast::error_code ec) {
   if (ec) return on_read_error(ec);
   keep_alive_ = parser_->get().keep_alive() && !server_.stopping();
   version_ = parser_->get().version() >= 11 ? 11 : 10;
+  const std::string_view target = to_std(parser_->get().target());
+  if (auto refusal = server_.refuse_header(target.substr(0, target.find('?')), parser_->get())) {
+    // Refused before a byte of the body is read: a client with a wrong key,
+    // or one the server has no room for, cannot make it read (or parse) a
+    // body. The unread body means the connection cannot carry another request.
+    const bool body_pending = !parser_->is_done();
+    if (body_pending) keep_alive_ = false;
+    Headers headers;
+    if (refusal->retry_after_s > 0)
+      headers.emplace_back(http::field::retry_after, std::to_string(refusal->retry_after_s));
+    return send(response_bytes(static_cast<http::status>(refusal->status),
+                               openai::error_body(*refusal), "application/json", headers),
+                body_pending  ? AfterWrite::kLingerClose
+                : keep_alive_ ? AfterWrite::kNextRequest
+                              : AfterWrite::kClose);
+  }
   if (beast::iequals(parser_->get()[http::field::expect], "100-continue")) {
     // The client waits for this before sending the body (curl does for large ones).
     return send("HTTP/1.1 100 Continue\r\n\r\n", AfterWrite::kReadBody);
@@ -25,7 +51,7 @@ void HttpServer::Impl::Connection::on_header(beast::error_code ec) {
 }
 
 void HttpServer::Impl::Connection::read_body() {
-  stream_.expires_after(kReadTimeout);
+  stream_.expires_after(server_.idle_timeout());
   http::async_read(stream_, buffer_, *parser_,
                    guard([this](beast::error_code ec, size_t) { on_body(ec); }));
 }

@@ -20,7 +20,10 @@ void HttpServer::Impl::Forwarder::close() {
 }
 
 HttpServer::Impl::Impl(Service& service, HttpServerOptions options)
-    : service_(service), options_(std::move(options)) {
+    : service_(service),
+      options_(std::move(options)),
+      workers_(std::make_unique<asio::thread_pool>(
+          static_cast<size_t>(std::max(1, options_.worker_threads)))) {
   beast::error_code ec;
   tcp::resolver resolver(io_);
   const auto endpoints =
@@ -67,6 +70,9 @@ void HttpServer::Impl::stop() {
     const bool in_time = drained.wait_for(kStopGrace) == std::future_status::ready;
     if (!in_time) io_.stop();
     thread_.join();
+    // Work still queued is dropped; what runs finishes and posts to a stopped loop.
+    workers_->stop();
+    workers_->join();
     forwarder_->close();
     if (!requests_.empty()) {
       spdlog::warn("http: {} requests got no final update within {} s of stopping",
@@ -94,15 +100,60 @@ void HttpServer::Impl::accept() {
     // delayed ACK of the previous one (Nagle).
     beast::error_code nodelay_ec;
     socket.set_option(tcp::no_delay(true), nodelay_ec);
+    if (n_serving_ >= options_.max_connections) {
+      service_.record_connection_refused("http");
+      // A few refusals at a time get their 503; past that they just close.
+      if (connections_.size() - n_serving_ < kMaxRefusing) {
+        auto connection = std::make_unique<Connection>(*this, std::move(socket));
+        Connection& ref = *connection;
+        connections_.emplace(&ref, std::move(connection));
+        ref.refuse(too_many_connections());
+      }
+      return accept();
+    }
     auto connection = std::make_unique<Connection>(*this, std::move(socket));
     Connection& ref = *connection;
     connections_.emplace(&ref, std::move(connection));
+    ref.set_serving();
+    ++n_serving_;
     ref.start();
     accept();
   });
 }
 
+openai::ApiError HttpServer::Impl::too_many_connections() const {
+  return openai::ApiError{
+      .status = 503,
+      .message = fmt::format("the server has its {} connections open; retry later",
+                             options_.max_connections),
+      .type = "overloaded",
+      .code = "too_many_connections",
+      .retry_after_s = 1};
+}
+
+std::optional<openai::ApiError> HttpServer::Impl::refuse_header(std::string_view path,
+                                                                const Request& header) {
+  // Probes (the /health routes) need no key.
+  const bool probe = path == "/health" || path.starts_with("/health/");
+  if (!probe && !authorized(header)) {
+    service_.record_refused(ServeErrorKind::kUnauthenticated);
+    return openai::api_error(
+        ServeError{ServeErrorKind::kUnauthenticated,
+                   "missing or wrong API key: send the header 'Authorization: Bearer KEY'"});
+  }
+  // Shed load before the body is read and parsed: with the waiting queue
+  // full, admit() would refuse it anyway.
+  if ((path == "/v1/completions" || path == "/v1/chat/completions") &&
+      header.method() == http::verb::post && service_.waiting_full()) {
+    service_.record_refused(ServeErrorKind::kOverloaded);
+    return openai::api_error(
+        ServeError{ServeErrorKind::kOverloaded, "the waiting queue is full; retry later"});
+  }
+  return std::nullopt;
+}
+
 void HttpServer::Impl::release(Connection* connection) {
+  if (connection->serving()) --n_serving_;
   connections_.erase(connection);
   drained_if_idle();
 }
@@ -163,6 +214,8 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
   const std::string_view target = to_std(request.target());
   const std::string_view path = target.substr(0, target.find('?'));
   const http::verb method = request.method();
+  // For the log, should a route throw after the request has moved on.
+  const std::string route = fmt::format("{} {}", to_std(request.method_string()), path);
   try {
     if (path != "/health" && !authorized(request)) {
       service_.record_refused(ServeErrorKind::kUnauthenticated);
@@ -174,11 +227,12 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
       if (method != http::verb::post) return method_not_allowed(connection, "POST");
       const auto endpoint = path == "/v1/completions" ? openai::Endpoint::kCompletions
                                                       : openai::Endpoint::kChatCompletions;
-      return start_completion(connection, endpoint, request);
+      return start_completion(connection, endpoint, std::move(request));
     }
     if (path == "/tokenize" || path == "/detokenize") {
       if (method != http::verb::post) return method_not_allowed(connection, "POST");
-      return path == "/tokenize" ? tokenize(connection, request) : detokenize(connection, request);
+      return path == "/tokenize" ? tokenize(connection, std::move(request))
+                                 : detokenize(connection, std::move(request));
     }
     constexpr std::string_view kModelPrefix = "/v1/models/";
     const bool is_model = path.starts_with(kModelPrefix);
@@ -229,7 +283,7 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
         ServeError{ServeErrorKind::kNotFound,
                    fmt::format("no route {} {}", to_std(request.method_string()), path)}));
   } catch (const std::exception& e) {
-    spdlog::error("http: {} {} failed: {}", to_std(request.method_string()), path, e.what());
+    spdlog::error("http: {} failed: {}", route, e.what());
     connection.respond_error(
         openai::api_error(ServeError{ServeErrorKind::kInternal, "internal error"}));
   }
@@ -242,36 +296,61 @@ void HttpServer::Impl::method_not_allowed(Connection& connection, std::string_vi
   connection.respond_error(error, {{http::field::allow, std::string(allowed)}});
 }
 
-void HttpServer::Impl::tokenize(Connection& connection, const Request& request) {
-  auto parsed = openai::parse_tokenize_request(request.body());
-  if (const auto* error = std::get_if<openai::ApiError>(&parsed))
-    return connection.respond_error(*error);
-  const auto& [content, add_special] = std::get<openai::TokenizeRequest>(parsed);
-  Result<std::vector<int32_t>> tokens = service_.tokenize(content, add_special);
-  if (const auto* error = std::get_if<ServeError>(&tokens))
-    return connection.respond_error(openai::api_error(*error));
-  connection.respond(http::status::ok,
-                     openai::tokenize_body(std::get<std::vector<int32_t>>(tokens)),
-                     "application/json");
+void HttpServer::Impl::tokenize(Connection& connection, Request request) {
+  connection.offload(
+      [this, request = std::move(request)]() -> std::variant<std::string, openai::ApiError> {
+        auto parsed = openai::parse_tokenize_request(request.body());
+        if (auto* error = std::get_if<openai::ApiError>(&parsed)) return std::move(*error);
+        const auto& [content, add_special] = std::get<openai::TokenizeRequest>(parsed);
+        Result<std::vector<int32_t>> tokens = service_.tokenize(content, add_special);
+        if (const auto* error = std::get_if<ServeError>(&tokens)) return openai::api_error(*error);
+        return openai::tokenize_body(std::get<std::vector<int32_t>>(tokens));
+      },
+      [](Connection& connection, std::variant<std::string, openai::ApiError>& reply) {
+        respond_json(connection, reply);
+      });
 }
 
-void HttpServer::Impl::detokenize(Connection& connection, const Request& request) {
-  auto parsed = openai::parse_detokenize_request(request.body());
-  if (const auto* error = std::get_if<openai::ApiError>(&parsed))
-    return connection.respond_error(*error);
-  Result<std::string> text = service_.detokenize(std::get<std::vector<int32_t>>(parsed));
-  if (const auto* error = std::get_if<ServeError>(&text))
-    return connection.respond_error(openai::api_error(*error));
-  connection.respond(http::status::ok, openai::detokenize_body(std::get<std::string>(text)),
-                     "application/json");
+void HttpServer::Impl::detokenize(Connection& connection, Request request) {
+  connection.offload(
+      [this, request = std::move(request)]() -> std::variant<std::string, openai::ApiError> {
+        auto parsed = openai::parse_detokenize_request(request.body());
+        if (auto* error = std::get_if<openai::ApiError>(&parsed)) return std::move(*error);
+        Result<std::string> text = service_.detokenize(std::get<std::vector<int32_t>>(parsed));
+        if (const auto* error = std::get_if<ServeError>(&text)) return openai::api_error(*error);
+        return openai::detokenize_body(std::get<std::string>(text));
+      },
+      [](Connection& connection, std::variant<std::string, openai::ApiError>& reply) {
+        respond_json(connection, reply);
+      });
 }
 
-void HttpServer::Impl::start_completion(Connection& connection, openai::Endpoint endpoint,
-                                        const Request& request) {
-  auto parsed = openai::parse_completion_request(endpoint, request.body(), random_());
-  if (const auto* error = std::get_if<openai::ApiError>(&parsed)) {
+void HttpServer::Impl::respond_json(Connection& connection,
+                                    const std::variant<std::string, openai::ApiError>& reply) {
+  if (const auto* error = std::get_if<openai::ApiError>(&reply))
+    return connection.respond_error(*error);
+  connection.respond(http::status::ok, std::get<std::string>(reply), "application/json");
+}
+
+// A completion request on its way from a worker thread (parsed, validated,
+// tokenized) to admission on the server's thread.
+struct HttpServer::Impl::PreparedCompletion {
+  std::optional<openai::ApiError> refusal;
+  std::optional<PreparedRequest> request;
+  std::optional<openai::ResponseWriter> writer;
+  bool stream = false;
+};
+
+HttpServer::Impl::PreparedCompletion HttpServer::Impl::prepare_completion(openai::Endpoint endpoint,
+                                                                          const Request& request,
+                                                                          uint64_t seed,
+                                                                          uint64_t id_bits) {
+  PreparedCompletion out;
+  auto parsed = openai::parse_completion_request(endpoint, request.body(), seed);
+  if (auto* error = std::get_if<openai::ApiError>(&parsed)) {
     service_.record_refused(ServeErrorKind::kInvalidArgument);
-    return connection.respond_error(*error);
+    out.refusal = std::move(*error);
+    return out;
   }
   openai::CompletionRequest& completion = std::get<openai::CompletionRequest>(parsed);
   if (!service_.serves_model(completion.model)) {
@@ -282,19 +361,48 @@ void HttpServer::Impl::start_completion(Connection& connection, openai::Endpoint
     error.code = "model_not_found";
     error.param = "model";
     service_.record_refused(ServeErrorKind::kNotFound);
-    return connection.respond_error(error);
+    out.refusal = std::move(error);
+    return out;
   }
   const std::string_view prefix =
       endpoint == openai::Endpoint::kChatCompletions ? "chatcmpl" : "cmpl";
-  openai::ResponseWriter writer(completion, fmt::format("{}-{:016x}", prefix, random_()),
-                                unix_now(), service_.model().name);
-  const bool stream = completion.stream;
-  Result<Admitted> admitted = service_.start(std::move(completion.serve), *forwarder_);
-  if (const auto* error = std::get_if<ServeError>(&admitted))
-    return connection.respond_error(openai::api_error(*error));
-  const RequestId id = std::get<Admitted>(admitted).id;
-  requests_.emplace(id, &connection);
-  connection.begin_generation(id, stream, std::move(writer));
+  out.writer.emplace(completion, fmt::format("{}-{:016x}", prefix, id_bits), unix_now(),
+                     service_.model().name);
+  out.stream = completion.stream;
+  Result<PreparedRequest> prepared = service_.prepare(std::move(completion.serve));
+  if (const auto* error = std::get_if<ServeError>(&prepared)) {
+    out.refusal = openai::api_error(*error);
+    return out;
+  }
+  out.request = std::move(std::get<PreparedRequest>(prepared));
+  return out;
+}
+
+void HttpServer::Impl::start_completion(Connection& connection, openai::Endpoint endpoint,
+                                        Request request) {
+  // The generator is the server thread's; the worker gets its draws.
+  const uint64_t seed = random_();
+  const uint64_t id_bits = random_();
+  connection.offload(
+      [this, endpoint, request = std::move(request), seed, id_bits] {
+        try {
+          return prepare_completion(endpoint, request, seed, id_bits);
+        } catch (const std::exception& e) {
+          spdlog::error("http: preparing a completion failed: {}", e.what());
+          PreparedCompletion out;
+          out.refusal = openai::api_error(ServeError{ServeErrorKind::kInternal, "internal error"});
+          return out;
+        }
+      },
+      [this](Connection& connection, PreparedCompletion& prepared) {
+        if (prepared.refusal) return connection.respond_error(*prepared.refusal);
+        Result<Admitted> admitted = service_.admit(std::move(*prepared.request), *forwarder_);
+        if (const auto* error = std::get_if<ServeError>(&admitted))
+          return connection.respond_error(openai::api_error(*error));
+        const RequestId id = std::get<Admitted>(admitted).id;
+        requests_.emplace(id, &connection);
+        connection.begin_generation(id, prepared.stream, std::move(*prepared.writer));
+      });
 }
 
 // --- HttpServer ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
@@ -58,12 +59,14 @@ namespace http = beast::http;
 using tcp = asio::ip::tcp;
 using Request = http::request<http::string_body>;
 
-constexpr auto kReadTimeout = std::chrono::seconds(60);   // one request's bytes; an idle keep-alive
 constexpr auto kWriteTimeout = std::chrono::seconds(60);  // one write to a client
 constexpr auto kLingerTimeout = std::chrono::seconds(2);  // draining an unread body before closing
 constexpr auto kStopGrace = std::chrono::seconds(5);      // final updates after stop()
 constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
 constexpr size_t kHeaderLimit = 16 * 1024;
+// Connections past max_connections that get their 503 at once (each lingers
+// up to kLingerTimeout); more than that are closed without a reply.
+constexpr size_t kMaxRefusing = 64;
 
 // Boost 1.74's Beast speaks boost::string_view.
 inline std::string_view to_std(beast::string_view text) { return {text.data(), text.size()}; }
@@ -90,7 +93,10 @@ constexpr std::string_view kLastChunk = "0\r\n\r\n";
 using namespace http_front;  // NOLINT: the front's own names, in its own files only
 
 // Routing, request bookkeeping and the listening socket. Everything but
-// stop() and the forwarder's deliver() runs on the server's thread.
+// stop(), the forwarder's deliver() and the work handed to the worker threads
+// (Connection::offload: JSON parsing, validation, tokenization, which touch
+// only the request they were given and the thread-safe Service) runs on the
+// server's thread.
 class HttpServer::Impl {
  public:
   Impl(Service& service, HttpServerOptions options);
@@ -101,8 +107,14 @@ class HttpServer::Impl {
 
   // For connections (the server's thread).
   asio::io_context& io() { return io_; }
+  asio::thread_pool& workers() { return *workers_; }
   bool stopping() const { return stopping_; }
   size_t max_body_bytes() const { return options_.max_body_bytes; }
+  std::chrono::milliseconds idle_timeout() const { return options_.idle_timeout; }
+  // Checked from the header fields, before the body is read: the refusal of a
+  // request for `path` (a missing or wrong API key; a completion while the
+  // service's waiting queue is full), counted; nullopt to go on.
+  std::optional<openai::ApiError> refuse_header(std::string_view path, const Request& header);
   class Connection;
   void on_request(Connection& connection, Request request);
   // The connection went away while `id` generated: cancel it and drop its updates.
@@ -131,12 +143,19 @@ class HttpServer::Impl {
   void begin_stop();
   void drained_if_idle();
   bool authorized(const Request& request) const;
-  void start_completion(Connection& connection, openai::Endpoint endpoint, const Request& request);
+  struct PreparedCompletion;
+  // Parses and prepares on a worker thread; admits on the server's thread.
+  openai::ApiError too_many_connections() const;
+  void start_completion(Connection& connection, openai::Endpoint endpoint, Request request);
+  PreparedCompletion prepare_completion(openai::Endpoint endpoint, const Request& request,
+                                        uint64_t seed, uint64_t id_bits);  // a worker thread
   // llama-server's POST /tokenize {"content", "add_special"} -> {"tokens"}
   // and POST /detokenize {"tokens"} -> {"content"}, for clients (duet-bench)
-  // that need exact token counts.
-  void tokenize(Connection& connection, const Request& request);
-  void detokenize(Connection& connection, const Request& request);
+  // that need exact token counts. Both run on a worker thread.
+  void tokenize(Connection& connection, Request request);
+  void detokenize(Connection& connection, Request request);
+  static void respond_json(Connection& connection,
+                           const std::variant<std::string, openai::ApiError>& reply);
   static void method_not_allowed(Connection& connection, std::string_view allowed);
 
   Service& service_;
@@ -151,6 +170,7 @@ class HttpServer::Impl {
   asio::steady_timer accept_retry_{io_};
   std::unique_ptr<Forwarder> forwarder_ = std::make_unique<Forwarder>(*this);
   std::map<Connection*, std::unique_ptr<Connection>> connections_;
+  size_t n_serving_ = 0;  // connections_ that serve requests (the others get a 503)
   // Requests started and not yet finished, with the connection they answer;
   // nullptr for those whose connection went away (cancelled, final update due).
   std::map<RequestId, Connection*> requests_;
@@ -161,6 +181,8 @@ class HttpServer::Impl {
 
   std::thread thread_;
   std::once_flag stop_once_;
+  // Last: joined (in stop()) before anything their work posts back to goes.
+  std::unique_ptr<asio::thread_pool> workers_;
 };
 
 // One client connection: reads requests one at a time, writes responses
@@ -177,6 +199,11 @@ class HttpServer::Impl::Connection {
   Connection(Impl& server, tcp::socket socket) : server_(server), stream_(std::move(socket)) {}
 
   void start() { read_header(); }
+  // Answers `error` without reading a request and closes (a refused connection).
+  void refuse(const openai::ApiError& error);
+  // Counts against max_connections (set once, at accept).
+  void set_serving() { serving_ = true; }
+  bool serving() const { return serving_; }
   // Closes the socket and cancels the request generating, if any. Idempotent.
   void close();
   // The server stops: closes now when idle, else once the response under way
@@ -193,6 +220,22 @@ class HttpServer::Impl::Connection {
   void begin_generation(RequestId id, bool stream, openai::ResponseWriter writer);
   // An update of the request generating (the server's routing guarantees it is ours).
   void on_update(const RequestUpdate& update);
+
+  // Runs `work()` on the server's worker threads, then `done(*this, result)`
+  // back on the server's thread, unless the connection closed meanwhile (it
+  // then waits for the result before it is destroyed). The connection reads
+  // nothing more until done() responds.
+  template <typename Work, typename Done>
+  void offload(Work work, Done done) {
+    auto finish =
+        guard([this, done = std::move(done)](auto& result) mutable { done(*this, result); });
+    asio::post(server_.workers(),
+               [io = &server_.io(), work = std::move(work), finish = std::move(finish)]() mutable {
+                 auto result = work();
+                 asio::post(*io, [finish = std::move(finish),
+                                  result = std::move(result)]() mutable { finish(result); });
+               });
+  }
 
  private:
   enum class AfterWrite {
@@ -213,7 +256,7 @@ class HttpServer::Impl::Connection {
   template <typename Handler>
   auto guard(Handler handler) {
     ++n_pending_;
-    return [this, handler = std::move(handler)](auto... args) mutable {
+    return [this, handler = std::move(handler)](auto&&... args) mutable {
       --n_pending_;
       if (closed_) return release_if_idle();
       handler(args...);
@@ -254,6 +297,7 @@ class HttpServer::Impl::Connection {
   size_t n_drained_ = 0;
 
   int n_pending_ = 0;
+  bool serving_ = false;
   bool closed_ = false;
   bool released_ = false;
 };

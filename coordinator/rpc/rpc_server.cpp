@@ -62,8 +62,9 @@ struct Front {
   Service& service;
   UpdateRelay& relay;
   kj::Own<StreamTable> table;
+  kj::Own<ConnectionActivity> connection;  // the client connection these capabilities serve
 
-  Front share() { return {service, relay, kj::addRef(*table)}; }
+  Front share() { return {service, relay, kj::addRef(*table), kj::addRef(*connection)}; }
 };
 
 class InferenceImpl final : public rpc::Inference::Server {
@@ -72,6 +73,7 @@ class InferenceImpl final : public rpc::Inference::Server {
 
  protected:
   kj::Promise<void> generate(GenerateContext context) override {
+    front_.connection->touch();
     auto params = context.getParams();
     auto result = context.getResults().initResult();
     guard_errors(result, [&] {
@@ -107,7 +109,7 @@ class InferenceImpl final : public rpc::Inference::Server {
       // the loop in a later turn.
       front_.relay.started();
       try {
-        front_.table->add(ok.id, kj::mv(sink), include_token_ids);
+        front_.table->add(ok.id, kj::mv(sink), include_token_ids, kj::addRef(*front_.connection));
         auto started = result.initStarted();
         started.setHandle(kj::heap<RequestHandleImpl>(kj::addRef(*front_.table), ok.id));
         started.setPromptTokens(clamp_u32(ok.prompt_tokens));
@@ -120,6 +122,7 @@ class InferenceImpl final : public rpc::Inference::Server {
   }
 
   kj::Promise<void> tokenize(TokenizeContext context) override {
+    front_.connection->touch();
     auto params = context.getParams();
     auto result = context.getResults().initResult();
     guard_errors(result, [&] {
@@ -137,6 +140,7 @@ class InferenceImpl final : public rpc::Inference::Server {
   }
 
   kj::Promise<void> detokenize(DetokenizeContext context) override {
+    front_.connection->touch();
     auto params = context.getParams();
     auto result = context.getResults().initResult();
     guard_errors(result, [&] {
@@ -151,17 +155,20 @@ class InferenceImpl final : public rpc::Inference::Server {
   }
 
   kj::Promise<void> modelInfo(ModelInfoContext context) override {
+    front_.connection->touch();
     rethrow_as_kj(
         [&] { fill_model_info(context.getResults().initInfo(), front_.service.model()); });
     return kj::READY_NOW;
   }
 
   kj::Promise<void> stats(StatsContext context) override {
+    front_.connection->touch();
     rethrow_as_kj([&] { fill_stats(context.getResults().initStats(), front_.service.stats()); });
     return kj::READY_NOW;
   }
 
   kj::Promise<void> health(HealthContext context) override {
+    front_.connection->touch();
     rethrow_as_kj([&] {
       const Service::Health health = front_.service.health();
       rpc::HealthStatus status = rpc::HealthStatus::SERVING;
@@ -214,6 +221,7 @@ class GatewayImpl final : public rpc::Gateway::Server {
 
  protected:
   kj::Promise<void> version(VersionContext context) override {
+    front_.connection->touch();
     auto results = context.getResults();
     results.setProtocolVersion(rpc::PROTOCOL_VERSION);
     results.setServer("duet");
@@ -221,6 +229,7 @@ class GatewayImpl final : public rpc::Gateway::Server {
   }
 
   kj::Promise<void> login(LoginContext context) override {
+    front_.connection->touch();
     const auto key = context.getParams().getApiKey();
     auto result = context.getResults().initResult();
     if (!api_key_.empty() && !keys_equal(std::string_view(key.cStr(), key.size()), api_key_)) {
@@ -254,6 +263,40 @@ class GatewayImpl final : public rpc::Gateway::Server {
 // clients before it closes the connections regardless.
 constexpr kj::Duration kDrainTimeout = 3 * kj::SECONDS;
 
+// The largest legitimate request is a generate() whose prompt is the longest
+// text that can still fit max_prompt_tokens: max_prompt_bytes(), that is
+// max_prompt_tokens times the longest token of the vocabulary (as token ids
+// it is 4 bytes a token, less; as chat messages the same content bytes plus
+// at most 64 bytes of structure a message, and every message is at least one
+// token of the template), with up to as many bytes again of stop strings, and
+// 64 KiB for every other field and Cap'n Proto's framing. The traversal limit
+// is twice that, since a reader that looks at a field twice counts it twice.
+// The deepest legitimate nesting is nine levels (the RPC message, its call and
+// payload, the params, the request, the chat list, a message, its text);
+// sixteen leaves room. A tokenize() text is bounded by the same limit.
+RpcReaderLimits rpc_reader_limits(const Service& service) {
+  const auto prompt_bytes = static_cast<uint64_t>(service.max_prompt_bytes());
+  const auto prompt_tokens = static_cast<uint64_t>(service.model().max_prompt_tokens);
+  const uint64_t largest_request = 2 * prompt_bytes + 64 * prompt_tokens + (64 << 10);
+  return {.traversal_limit_words = 2 * largest_request / sizeof(capnp::word), .nesting_limit = 16};
+}
+
+// One client connection: its socket, its two-party RPC system, and what it
+// is doing (for the idle timeout). Loop thread only.
+struct RpcConnection {
+  RpcConnection(kj::Own<kj::AsyncIoStream> socket_in, capnp::Capability::Client bootstrap,
+                capnp::ReaderOptions reader, kj::Own<ConnectionActivity> activity_in)
+      : activity(kj::mv(activity_in)),
+        socket(kj::mv(socket_in)),
+        network(*socket, capnp::rpc::twoparty::Side::SERVER, reader),
+        rpc(capnp::makeRpcServer(network, kj::mv(bootstrap))) {}
+
+  kj::Own<ConnectionActivity> activity;
+  kj::Own<kj::AsyncIoStream> socket;
+  capnp::TwoPartyVatNetwork network;
+  capnp::RpcSystem<capnp::rpc::twoparty::VatId> rpc;
+};
+
 struct RpcServer::Impl {
   Impl(Service& service_in, RpcServerOptions options_in)
       : service(service_in), options(std::move(options_in)) {}
@@ -261,6 +304,12 @@ struct RpcServer::Impl {
   // The loop thread's body: serves until stop(), then cancels what runs.
   // Fulfils `ready` with the bound port, or fails it with a duet::Error.
   void run(std::promise<uint16_t>& ready);
+  // Accepts connections for as long as the listener lives; each runs in
+  // `connections` until its client leaves or it is idle too long.
+  kj::Promise<void> accept(kj::ConnectionReceiver& listener, kj::Timer& timer,
+                           kj::TaskSet& connections);
+  // Resolves once `activity`'s connection has been idle for idle_timeout.
+  kj::Promise<void> idle(kj::Own<ConnectionActivity> activity, kj::Timer& timer);
 
   Service& service;
   const RpcServerOptions options;
@@ -273,7 +322,55 @@ struct RpcServer::Impl {
   // Loop thread only.
   kj::Own<kj::PromiseFulfiller<void>> stop_fulfiller;
   StreamTable* table = nullptr;  // while the loop serves
+  size_t n_connections = 0;
+  capnp::ReaderOptions reader;
 };
+
+// Logs a connection's failure; the others go on.
+class ConnectionErrors final : public kj::TaskSet::ErrorHandler {
+ public:
+  void taskFailed(kj::Exception&& exception) override {
+    spdlog::debug("rpc: a connection ended: {}", exception.getDescription().cStr());
+  }
+};
+
+kj::Promise<void> RpcServer::Impl::accept(kj::ConnectionReceiver& listener, kj::Timer& timer,
+                                          kj::TaskSet& connections) {
+  return listener.accept().then(
+      [this, &listener, &timer, &connections](kj::Own<kj::AsyncIoStream>&& socket) {
+        if (n_connections >= options.max_connections || table == nullptr) {
+          service.record_connection_refused("rpc");
+          socket = nullptr;  // closed at once
+          return accept(listener, timer, connections);
+        }
+        ++n_connections;
+        auto activity = kj::refcounted<ConnectionActivity>(timer);
+        auto gateway = kj::heap<GatewayImpl>(
+            Front{service, relay, kj::addRef(*table), kj::addRef(*activity)}, options.api_key);
+        auto connection =
+            kj::heap<RpcConnection>(kj::mv(socket), kj::mv(gateway), reader, kj::addRef(*activity));
+        kj::Promise<void> ends = connection->network.onDisconnect();
+        if (options.idle_timeout.count() > 0)
+          ends = ends.exclusiveJoin(idle(kj::mv(activity), timer));
+        connections.add(ends.attach(kj::mv(connection), kj::defer([this] { --n_connections; })));
+        return accept(listener, timer, connections);
+      });
+}
+
+kj::Promise<void> RpcServer::Impl::idle(kj::Own<ConnectionActivity> activity, kj::Timer& timer) {
+  const kj::Duration timeout = options.idle_timeout.count() * kj::MILLISECONDS;
+  // A streaming connection is looked at again a whole timeout later.
+  const kj::TimePoint check =
+      activity->streaming() ? timer.now() + timeout : activity->last() + timeout;
+  return timer.atTime(check).then(
+      [this, &timer, timeout, activity = kj::mv(activity)]() mutable -> kj::Promise<void> {
+        if (!activity->streaming() && timer.now() - activity->last() >= timeout) {
+          spdlog::debug("rpc: closing a connection idle for {} ms", options.idle_timeout.count());
+          return kj::READY_NOW;
+        }
+        return idle(kj::mv(activity), timer);
+      });
+}
 
 void RpcServer::Impl::run(std::promise<uint16_t>& ready) {
   bool listening = false;
@@ -282,8 +379,13 @@ void RpcServer::Impl::run(std::promise<uint16_t>& ready) {
     executor = kj::getCurrentThreadExecutor().addRef();
     kj::Own<StreamTable> streams = kj::refcounted<StreamTable>(service);
     table = streams.get();
-    relay.attach(executor->addRef(), [this](std::vector<RequestUpdate>& updates) {
+    relay.attach([this](std::vector<RequestUpdate>& updates) {
       if (table != nullptr) table->on_updates(updates);
+    });
+    // Declared before tear_down: destroyed after it, so that detach() finds
+    // the promise its fulfiller fulfils alive.
+    kj::Promise<void> relaying = relay.run().eagerlyEvaluate([](kj::Exception&& e) {
+      spdlog::error("rpc: relaying updates failed: {}", e.getDescription().cStr());
     });
     // Idempotent. Runs before the connections close (their handles' cancels
     // then find nothing left) and however the loop ends.
@@ -295,8 +397,9 @@ void RpcServer::Impl::run(std::promise<uint16_t>& ready) {
     };
     KJ_DEFER(tear_down());
 
-    capnp::TwoPartyServer server(
-        kj::heap<GatewayImpl>(Front{service, relay, kj::addRef(*streams)}, options.api_key));
+    ConnectionErrors connection_errors;
+    // Destroyed when the loop ends, closing every connection.
+    kj::TaskSet connections(connection_errors);
     kj::Own<kj::NetworkAddress> address =
         io.provider->getNetwork().parseAddress(options.host, options.port).wait(io.waitScope);
     kj::Own<kj::ConnectionReceiver> listener = address->listen();
@@ -305,10 +408,11 @@ void RpcServer::Impl::run(std::promise<uint16_t>& ready) {
     auto stop = kj::newPromiseAndFulfiller<void>();
     stop_fulfiller = kj::mv(stop.fulfiller);
     kj::Promise<void> accepting =
-        server.listen(*listener).catch_([](kj::Exception&& e) -> kj::Promise<void> {
-          spdlog::error("rpc: accepting connections failed: {}", e.getDescription().cStr());
-          return kj::NEVER_DONE;  // the open connections keep being served
-        });
+        accept(*listener, io.provider->getTimer(), connections)
+            .catch_([](kj::Exception&& e) -> kj::Promise<void> {
+              spdlog::error("rpc: accepting connections failed: {}", e.getDescription().cStr());
+              return kj::NEVER_DONE;  // the open connections keep being served
+            });
     listening = true;
     ready.set_value(port);
     stop.promise.exclusiveJoin(kj::mv(accepting)).wait(io.waitScope);
@@ -321,8 +425,8 @@ void RpcServer::Impl::run(std::promise<uint16_t>& ready) {
         .exclusiveJoin(io.provider->getTimer().afterDelay(kDrainTimeout))
         .wait(io.waitScope);
     tear_down();
-    // Leaving the scope closes every connection, then the event loop; a
-    // deliver() still waiting on it gets DISCONNECTED.
+    // Leaving the scope closes every connection, then the event loop;
+    // deliver() now only counts final updates.
   } catch (const kj::Exception& e) {
     if (!listening) {
       ready.set_exception(std::make_exception_ptr(Error(
@@ -343,6 +447,12 @@ void RpcServer::Impl::run(std::promise<uint16_t>& ready) {
 
 RpcServer::RpcServer(Service& service, RpcServerOptions options)
     : impl_(std::make_unique<Impl>(service, std::move(options))) {
+  const RpcReaderLimits limits = rpc_reader_limits(service);
+  impl_->reader.traversalLimitInWords = limits.traversal_limit_words;
+  impl_->reader.nestingLimit = limits.nesting_limit;
+  spdlog::info("rpc: messages of up to {} KiB, {} connections, idle timeout {} s",
+               limits.traversal_limit_words * sizeof(capnp::word) / 1024,
+               impl_->options.max_connections, impl_->options.idle_timeout.count() / 1000.0);
   std::promise<uint16_t> ready;
   std::future<uint16_t> listening = ready.get_future();
   impl_->thread =

@@ -7,13 +7,19 @@
 // returns cancels it when cancel() is called or when it is dropped before the
 // request finished, so a client that disconnects frees its KV at once.
 //
+// Limits: at most max_connections connections (this front's own count; the
+// HTTP front has its own), an idle timeout per connection, and reader limits
+// (rpc_reader_limits) on every message.
+//
 // Threads: the server runs its own kj event loop on a thread it starts; every
 // kj and capnp object lives there. The service's updates arrive on the
-// instance's event thread and cross into the loop through a kj::Executor, one
-// crossing per engine step. Cap'n Proto types stay in the coordinator/rpc_*
-// files.
+// instance's event thread and are queued for the loop (UpdateRelay), which
+// drains them in order; the engine thread never waits for the loop. Cap'n
+// Proto types stay in the coordinator/rpc_* files.
 #pragma once
 
+#include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -26,7 +32,25 @@ struct RpcServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;    // 0: any free port (read it back with port())
   std::string api_key;  // empty: login accepts any key
+  // Connections open at once; a connection past them is closed at once
+  // (counted in duet_connections_refused_total{front="rpc"}).
+  size_t max_connections = 1024;
+  // A connection with no stream running and no call for this long is closed;
+  // 0: never.
+  std::chrono::milliseconds idle_timeout{300'000};
 };
+
+// The Cap'n Proto reader limits of every incoming message, sized to the
+// largest legitimate request (see the definition for the reckoning). A
+// message over the traversal limit fails the connection ("Message is too
+// large", sent to the client as the reason it is disconnected); one that
+// passes it but makes the reader traverse more, or nests deeper, gets a typed
+// invalidArgument. The server keeps serving either way.
+struct RpcReaderLimits {
+  uint64_t traversal_limit_words = 0;
+  int nesting_limit = 0;
+};
+RpcReaderLimits rpc_reader_limits(const Service& service);
 
 class RpcServer final {
  public:

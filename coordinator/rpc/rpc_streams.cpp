@@ -12,17 +12,37 @@ namespace duet {
 
 // ------------------------------------------------------------------ relay
 
-void UpdateRelay::attach(kj::Own<const kj::Executor> executor, LoopHandler handler) {
+void UpdateRelay::attach(LoopHandler handler) {
   std::lock_guard lock(mutex_);
-  executor_ = kj::mv(executor);
   handler_ = std::move(handler);
-  loop_thread_ = std::this_thread::get_id();
   attached_ = true;
+}
+
+kj::Promise<void> UpdateRelay::run() {
+  auto paf = kj::newPromiseAndCrossThreadFulfiller<void>();
+  {
+    std::lock_guard lock(mutex_);
+    if (!attached_) return kj::NEVER_DONE;
+    if (queue_.empty()) {
+      wake_ = kj::mv(paf.fulfiller);
+    } else {
+      paf.fulfiller->fulfill();  // updates came while the last batch was handled
+    }
+  }
+  return paf.promise.then([this]() -> kj::Promise<void> {
+    drain();
+    return run();
+  });
 }
 
 void UpdateRelay::detach() {
   std::lock_guard lock(mutex_);
   attached_ = false;
+  queue_.clear();
+  // Fulfilled rather than dropped (which would reject run()'s promise): the
+  // next run() sees the relay detached and waits forever.
+  if (wake_.get() != nullptr) wake_->fulfill();
+  wake_ = nullptr;
 }
 
 void UpdateRelay::started() {
@@ -33,31 +53,14 @@ void UpdateRelay::started() {
 void UpdateRelay::deliver(std::vector<RequestUpdate> updates) {
   const auto n_finished = static_cast<int64_t>(
       std::count_if(updates.begin(), updates.end(), [](const auto& u) { return u.finished; }));
-  bool attached = false;
-  bool on_loop_thread = false;
-  {
-    std::lock_guard lock(mutex_);
-    attached = attached_;
-    on_loop_thread = std::this_thread::get_id() == loop_thread_;
-  }
-  if (attached && on_loop_thread) {
-    // Not the contract (deliver runs on the instance's thread), but a
-    // synchronous cancel could lead here: handle it in a later turn rather
-    // than re-entering the stream table.
-    kj::evalLater([this, u = std::move(updates)]() mutable {
-      run_handler(u);
-    }).detach([](kj::Exception&&) {});
-  } else if (attached) {
-    try {
-      executor_->executeSync([this, &updates] { run_handler(updates); });
-    } catch (const kj::Exception& e) {
-      // DISCONNECTED: the loop exited between the check and the call.
-      if (e.getType() != kj::Exception::Type::DISCONNECTED) {
-        spdlog::error("rpc: passing updates to the loop failed: {}", e.getDescription().cStr());
-      }
+  std::lock_guard lock(mutex_);
+  if (attached_) {
+    queue_.push_back(std::move(updates));
+    if (wake_.get() != nullptr) {
+      wake_->fulfill();  // posts to the loop; never waits for it
+      wake_ = nullptr;
     }
   }
-  std::lock_guard lock(mutex_);
   n_unfinished_ -= n_finished;
   // Notified under the lock: the waiter may destroy this as soon as it sees zero.
   if (n_unfinished_ == 0) finished_cv_.notify_all();
@@ -71,20 +74,31 @@ void UpdateRelay::wait_finished() {
   }
 }
 
-void UpdateRelay::run_handler(std::vector<RequestUpdate>& updates) {
-  try {
-    handler_(updates);
-  } catch (const kj::Exception& e) {
-    spdlog::error("rpc: handling updates failed: {}", e.getDescription().cStr());
-  } catch (const std::exception& e) {
-    spdlog::error("rpc: handling updates failed: {}", e.what());
+void UpdateRelay::drain() {
+  std::vector<std::vector<RequestUpdate>> steps;
+  {
+    std::lock_guard lock(mutex_);
+    steps.swap(queue_);
+  }
+  for (std::vector<RequestUpdate>& updates : steps) {
+    try {
+      handler_(updates);
+    } catch (const kj::Exception& e) {
+      spdlog::error("rpc: handling updates failed: {}", e.getDescription().cStr());
+    } catch (const std::exception& e) {
+      spdlog::error("rpc: handling updates failed: {}", e.what());
+    }
   }
 }
 
 // ------------------------------------------------------------ stream table
 
-void StreamTable::add(RequestId id, rpc::TokenSink::Client sink, bool include_token_ids) {
-  streams_.emplace(id, Stream{.sink = kj::mv(sink), .include_token_ids = include_token_ids});
+void StreamTable::add(RequestId id, rpc::TokenSink::Client sink, bool include_token_ids,
+                      kj::Own<ConnectionActivity> connection) {
+  connection->stream_started();
+  streams_.emplace(id, Stream{.sink = kj::mv(sink),
+                              .include_token_ids = include_token_ids,
+                              .connection = kj::mv(connection)});
 }
 
 void StreamTable::on_updates(std::vector<RequestUpdate>& updates) {
@@ -132,6 +146,7 @@ kj::Promise<void> StreamTable::drained() {
 void StreamTable::shut_down() {
   closed_ = true;
   const std::vector<RequestId> ids = unfinished();
+  for (auto& [id, stream] : streams_) stream.connection->stream_ended();
   streams_.clear();
   empty_fulfiller_ = nullptr;
   for (RequestId id : ids) service_.cancel(id);
@@ -193,6 +208,7 @@ std::vector<RequestId> StreamTable::unfinished() const {
 }
 
 void StreamTable::erase(Streams::iterator it) {
+  it->second.connection->stream_ended();
   streams_.erase(it);
   if (streams_.empty() && empty_fulfiller_.get() != nullptr) {
     empty_fulfiller_->fulfill();

@@ -205,6 +205,56 @@ TEST(SmolLM2Vocab, EncodesTwoThousandWordsQuickly) {
   EXPECT_LT(ms, 50.0) << ids.size() << " tokens";
 }
 
+// min_tokens() is a lower bound of the token count, whatever the text: plain
+// words, the vocabulary's longest tokens back to back, whitespace runs,
+// special tokens written as text, and bytes the vocabulary drops.
+void expect_min_tokens_is_a_lower_bound(const Tokenizer& tokenizer) {
+  size_t longest = 0;
+  for (TokenId id = 0; id < static_cast<TokenId>(tokenizer.vocab_size()); ++id) {
+    if (tokenizer.token_text(id).size() > tokenizer.token_text(longest).size()) longest = id;
+  }
+  EXPECT_GE(tokenizer.max_token_bytes(),
+            tokenizer.token_text(static_cast<TokenId>(longest)).size());
+  std::string longest_pieces;
+  for (int i = 0; i < 20; ++i)
+    longest_pieces += tokenizer.token_to_piece(static_cast<TokenId>(longest));
+  std::vector<std::string> texts = {
+      "",
+      "The quick brown fox jumps over the lazy dog.",
+      longest_pieces,
+      std::string(5000, ' '),
+      std::string(3000, '\n') + "a" + std::string(3000, '\t'),
+      "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\n",
+      std::string(4000, '\x06') + "hi" + std::string(4000, '\x06'),
+      "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x98\x80 na\xc3\xafve",
+  };
+  std::string every_ascii;
+  for (int b = 1; b < 0x80; ++b) every_ascii += static_cast<char>(b);
+  texts.push_back(every_ascii);
+  for (const std::string& text : texts) {
+    for (const bool parse_special : {false, true}) {
+      const auto n = static_cast<int64_t>(tokenizer.encode(text, false, parse_special).size());
+      EXPECT_LE(tokenizer.min_tokens(text), n)
+          << "text of " << text.size() << " bytes, parse_special " << parse_special;
+    }
+  }
+  // Not vacuous: a long plain text needs tokens, and the bound says so.
+  EXPECT_GT(tokenizer.min_tokens(std::string(100000, 'a')), 0);
+}
+
+TEST(SmolLM2Vocab, MinTokensIsALowerBound) {
+  DUET_SKIP_WITHOUT_DEFAULT_TOKENIZER(tokenizer);
+  expect_min_tokens_is_a_lower_bound(*tokenizer);
+  // SmolLM2 has no token for 0x06: a run of it costs nothing, and counts nothing.
+  EXPECT_EQ(tokenizer->min_tokens(std::string(100000, '\x06')), 0);
+}
+
+TEST(Stories260KVocab, MinTokensIsALowerBound) {
+  const std::optional<std::filesystem::path> path = testing::shared_model_path("stories260K.gguf");
+  if (!path) GTEST_SKIP() << "../shared/models/stories260K.gguf not present";
+  expect_min_tokens_is_a_lower_bound(tokenizer_from_gguf(GgufFile::open(*path)));
+}
+
 // ---------------------------------------------------------------------------
 // A SentencePiece vocabulary (tokenizer.ggml.model "llama") builds from the
 // same GGUF metadata; tests/common/spm_tokenizer_test.cpp checks it against

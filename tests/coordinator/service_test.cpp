@@ -236,6 +236,42 @@ TEST_F(ServiceTest, BadRequestsGetTypedErrorsAndTheServiceGoesOn) {
   EXPECT_EQ(service_->stats().refused_requests, 13);
 }
 
+// A text prompt longer than any text that fits max_prompt_tokens is refused
+// from its byte length, before it is tokenized (tokenizing 16 MiB would take
+// seconds); a prompt just under the limit still tokenizes and runs.
+TEST_F(ServiceTest, OverlongPromptIsRefusedFromItsLengthBeforeTokenizing) {
+  start({}, {.max_prompt_tokens = 64, .max_tokens = 100});
+  ASSERT_EQ(service_->max_prompt_bytes(), 64 * static_cast<int64_t>(tokenizer_->max_token_bytes()));
+  auto refused = [&](ServeRequest request) {
+    const auto begin = std::chrono::steady_clock::now();
+    Result<PreparedRequest> r = service_->prepare(std::move(request));
+    const auto elapsed = std::chrono::steady_clock::now() - begin;
+    auto* e = std::get_if<ServeError>(&r);
+    if (e == nullptr) {
+      ADD_FAILURE() << "an overlong prompt was accepted";
+      return;
+    }
+    EXPECT_EQ(e->kind, ServeErrorKind::kTooLong);
+    EXPECT_NE(e->message.find("at least"), std::string::npos) << e->message;
+    EXPECT_LT(elapsed, 500ms) << "as long as tokenizing: " << e->message;
+  };
+  const std::string huge(16 << 20, 'a');
+  refused({.prompt = huge});
+  refused({.prompt = std::vector<ChatMessage>{{"user", huge.substr(0, 8 << 20)},
+                                              {"assistant", huge.substr(0, 8 << 20)}}});
+  // One byte over the bound is enough.
+  refused({.prompt = std::string(static_cast<size_t>(service_->max_prompt_bytes()) + 1, 'a')});
+
+  // Under the bound, the token count decides: 40 tokens run.
+  std::string fits;
+  for (int i = 0; i < 39; ++i) fits += " word";
+  const RequestId ok = started({.prompt = fits, .max_tokens = 2, .ignore_eos = true});
+  const auto out = sink_.wait(ok);
+  EXPECT_EQ(out.timings.prompt_tokens,
+            static_cast<int64_t>(tokenizer_->encode(fits, true, true).size()));
+  EXPECT_EQ(out.timings.completion_tokens, 2);
+}
+
 TEST_F(ServiceTest, FullWaitingQueueRefusesWithOverloaded) {
   EngineConfig config;
   config.scheduler.max_running = 1;

@@ -2,7 +2,7 @@
 # `duet serve` and drives it with the `openai` package, curl and raw sockets.
 # Included from tests/CMakeLists.txt, which defines DUET_TEST_PYTHON.
 # CMAKE_CURRENT_LIST_DIR is this folder (CMAKE_CURRENT_SOURCE_DIR is the includer's).
-foreach(name openai errors shutdown tokenize)
+foreach(name openai errors shutdown tokenize limits isolation)
   add_test(NAME http_${name}_test
     COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_http_${name}.py)
   set_tests_properties(http_${name}_test PROPERTIES

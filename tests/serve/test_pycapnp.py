@@ -193,5 +193,39 @@ class PycapnpClientTest(unittest.TestCase):
         run(body)
 
 
+class OversizeMessageTest(unittest.TestCase):
+    """A message over the server's reader limits (sized from --max-prompt-tokens)
+    ends that connection with the reason; a new connection is served."""
+
+    def test_oversize_message_then_a_normal_request(self):
+        from serve_process import ServeProcess
+        with ServeProcess(["--kv-cache-mem", "64MiB", "--max-prompt-tokens", "64"]) as small:
+            async def body():
+                stream = await capnp.AsyncIoStream.create_connection(small.rpc_host,
+                                                                     small.rpc_port)
+                gateway = capnp.TwoPartyClient(stream).bootstrap().cast_as(schema.Gateway)
+                inference = await login(gateway)
+                # 16 MiB: under Cap'n Proto's default 64 MiB, far over what a
+                # 64-token prompt can need.
+                with self.assertRaises(Exception) as caught:
+                    await start_generation(inference, Sink(), "a" * (16 << 20), 2)
+                # The server aborts the connection saying "Message is too
+                # large"; a client still writing the message sees its pipe break.
+                self.assertRegex(str(caught.exception), "too large|disconnected|Broken pipe")
+
+                stream = await capnp.AsyncIoStream.create_connection(small.rpc_host,
+                                                                     small.rpc_port)
+                gateway = capnp.TwoPartyClient(stream).bootstrap().cast_as(schema.Gateway)
+                inference = await login(gateway)
+                sink = Sink()
+                result = (await start_generation(inference, sink, "Hi", 2, ignore_eos=True)).result
+                self.assertEqual(result.which(), "started")
+                handle = result.started.handle
+                finish = await sink.finished
+                del handle
+                self.assertEqual(finish["reason"], "length")
+            run(body)
+
+
 if __name__ == "__main__":
     unittest.main()
