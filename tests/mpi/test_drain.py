@@ -4,16 +4,18 @@ batch schedulers do: the service drains, and every rank exits 0.
 A coordinator (rank 0), one prefill and one decode instance, one thread a
 rank, under mpirun with `--mca odls_base_sigkill_timeout K`. Open MPI 4.1,
 signalled, sends every rank SIGCONT at once, SIGTERM K seconds later and
-SIGKILL K seconds after that (or sooner, once every rank has exited), and
-then exits 1 (README: stopping a cluster). So the drain starts when the
-SIGTERM reaches the ranks, K seconds after mpirun's.
+SIGKILL K seconds after that, or as soon as one rank has exited, and then
+exits 1 (docs/FAILURES.md). So the drain starts when the SIGTERM reaches the
+ranks, K seconds after mpirun's; and a rank still leaving when another has
+exited may be SIGKILLed in its last milliseconds, its work done: what every
+rank must show is its log line "rank N: exiting with code 0" (printed
+before MPI_Finalize), and that the first rank to exit did so by itself.
 
 - test_drain: streams in flight when the drain starts end with
   finish_reason `length`, every token, and the text single-process `duet
   generate` gives; while draining, a new request gets 503, /health/ready and
   /health 503, /health/live 200 and /metrics duet_draining 1; every rank
-  exits 0 (its log line, and its exit status read while mpirun has not yet
-  reaped it).
+  ends its work with code 0 (above).
 - test_drain_timeout: with --drain-timeout 1 a long stream ends with an
   `unavailable` error event ("the server is shutting down") then [DONE], and
   every rank exits 0 all the same.
@@ -51,22 +53,25 @@ def exit_status(pid):
 
 
 class RankExits:
-    """Watches the ranks' pids and records each one's exit status while it is a zombie."""
+    """Watches the ranks' pids; records when each was first seen exited (a
+    zombie: mpirun has not reaped it) and its wait() status."""
 
     def __init__(self, pids):
         self.pids = pids  # {rank: pid}
-        self.status = {}  # {rank: wait() status}
+        self.seen = {}  # {rank: (poll number, wait() status)}
+        self.n_polls = 0
 
     def poll(self):
+        self.n_polls += 1
         for rank, pid in self.pids.items():
-            if rank in self.status:
+            if rank in self.seen:
                 continue
             try:
                 state, status = exit_status(pid)
             except OSError:
                 continue  # reaped before we looked
             if state == "Z":
-                self.status[rank] = status
+                self.seen[rank] = (self.n_polls, status)
 
 
 def stop_with_sigterm_to_mpirun(cluster, watch, timeout):
@@ -96,11 +101,15 @@ class DrainTest(unittest.TestCase):
         self.assertIn(code, (0, 1), log)
         for rank in range(3):
             self.assertIn(f"rank {rank}: exiting with code 0", log)
-            if rank in watch.status:  # seen between its exit and mpirun's wait()
-                self.assertEqual(watch.status[rank], 0, f"rank {rank}: wait status\n{log}")
-        # mpirun reaps only once it stops waiting: at least one exit is seen.
-        self.assertTrue(watch.status, "no rank was seen exiting")
-        self.assertNotIn("SIGKILL", log)
+        # Seen between their exit and mpirun's wait(): the first rank (or
+        # ranks) to exit did so by itself with 0; mpirun's SIGKILL (9) can
+        # only have followed, never come first (it would at its deadline).
+        self.assertTrue(watch.seen, "no rank was seen exiting")
+        for rank, (_, status) in watch.seen.items():
+            self.assertIn(status, (0, signal.SIGKILL), f"rank {rank}: wait status {status}")
+        first = min(poll for poll, _ in watch.seen.values())
+        self.assertIn(0, [status for poll, status in watch.seen.values() if poll == first],
+                      f"killed before any rank exited: {watch.seen}")
 
     def test_drain(self):
         serve_environment()
