@@ -122,7 +122,9 @@ class DrainTest(unittest.TestCase):
 
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        # Until the SIGTERM reaches the ranks the service runs as before.
+        # Until mpirun passes the SIGTERM on, K seconds later, the service
+        # runs as before: streams started 3 s before that are in flight when
+        # the drain begins, however fast this machine generates.
         time.sleep(sigkill_timeout - 3)
         streams = [Stream(server, body) for body in bodies]
         for stream in streams:
