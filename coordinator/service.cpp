@@ -250,17 +250,6 @@ void Service::record_refused(ServeErrorKind kind) {
   ++n_refused_;
 }
 
-void Service::shut_down() {
-  std::vector<RequestId> ids;
-  {
-    std::lock_guard lock(mutex_);
-    shut_down_ = true;
-    for (const auto& [id, live] : live_) ids.push_back(id);
-  }
-  for (RequestId id : ids) instance_.cancel(id);
-  idle_cv_.notify_all();
-}
-
 void Service::begin_drain() {
   std::lock_guard lock(mutex_);
   draining_ = true;

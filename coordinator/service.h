@@ -16,10 +16,9 @@
 // executeSync), and that loop thread may be inside start() waiting for
 // mutex_. Mutable request state is guarded by mutex_.
 //
-// Stopping takes one of two roads. shut_down() refuses new requests and
-// cancels what runs. A drain (begin_drain) refuses new requests while the
-// running ones finish normally; wait_idle() waits for them, and cut() ends
-// those still running at a deadline with a typed error (kUnavailable).
+// Stopping is a drain: begin_drain() refuses new requests while the running
+// ones finish normally; wait_idle() waits for them, and cut() ends those
+// still running at a deadline with a typed error (kUnavailable).
 #pragma once
 
 #include <chrono>
@@ -152,8 +151,6 @@ class Service final {
   // Counts a request a front refused before it reached start() (bad JSON,
   // unknown model, wrong API key), so the metrics see every refusal.
   void record_refused(ServeErrorKind kind);
-  // Refuses every later start with kUnavailable and cancels what runs.
-  void shut_down();
   // Draining: refuses every later start with kUnavailable ("the server is
   // shutting down") and lets the running requests finish as they would.
   void begin_drain();
@@ -210,7 +207,7 @@ class Service final {
 
   mutable std::mutex mutex_;         // guards everything below
   std::condition_variable idle_cv_;  // live_ emptied, deliveries done, or cut()
-  bool shut_down_ = false;           // shut_down() or cut(): nothing new starts
+  bool shut_down_ = false;           // cut(): nothing new starts, health unavailable
   bool draining_ = false;            // begin_drain(): nothing new starts
   int64_t n_cuts_ = 0;               // cut() calls: each ends the wait_idle() under way
   std::string cut_reason_;           // the first cut()'s

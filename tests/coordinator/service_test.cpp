@@ -252,15 +252,6 @@ TEST_F(ServiceTest, FullWaitingQueueRefusesWithOverloaded) {
   expect_kv_free();
 }
 
-TEST_F(ServiceTest, ShutDownRefusesNewRequestsAndCancelsRunningOnes) {
-  start();
-  const RequestId id = started({.prompt = "a", .max_tokens = 4000, .ignore_eos = true});
-  service_->shut_down();
-  EXPECT_EQ(sink_.wait(id).finish, ServeFinish::kCancelled);
-  EXPECT_EQ(refusal({.prompt = "a"}), ServeErrorKind::kUnavailable);
-  EXPECT_FALSE(service_->healthy());
-}
-
 TEST_F(ServiceTest, DrainRefusesNewRequestsAndLetsRunningOnesFinish) {
   start();
   const RequestId running = started({.prompt = "a", .max_tokens = 24, .ignore_eos = true});
