@@ -2,7 +2,8 @@
 // default model: validation refuses bad requests with typed errors, greedy
 // text equals the engine's own, stop strings end a request early, cancel
 // frees the KV at once, admission refuses with kOverloaded when the waiting
-// queue is full, and the metrics count what happened.
+// queue is full, the metrics count what happened, and a drain refuses new
+// requests (kUnavailable) while running ones finish, until a cut ends them.
 #include "coordinator/service.h"
 
 #include <gtest/gtest.h>
