@@ -11,9 +11,9 @@ exited may be SIGKILLed in its last milliseconds, its work done: what every
 rank must show is its log line "rank N: exiting with code 0" (printed
 before MPI_Finalize), and that the first rank to exit did so by itself.
 
-- test_drain: streams in flight when the drain starts end with
-  finish_reason `length`, every token, and the text single-process `duet
-  generate` gives; while draining, a new request gets 503, /health/ready and
+- test_drain: streams in flight when the drain starts (started just before
+  it, sized by the speed measured first) end with finish_reason `length`,
+  every token, and the text single-process `duet generate` gives; while draining, a new request gets 503, /health/ready and
   /health 503, /health/live 200 and /metrics duet_draining 1; every rank
   ends its work with code 0 (above).
 - test_drain_timeout: with --drain-timeout 1 a long stream ends with an
@@ -32,16 +32,18 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MpirunServe, http_request, metrics, serve_environment,  # noqa: E402
-                          wait_until)
+from mpirun_serve import MpirunServe, http_request, metrics, wait_until  # noqa: E402
 from test_failover import Stream, generate  # noqa: E402
 
 CLUSTER = ["--prefill", "1", "--decode", "1", "--kv-cache-mem", "64MiB"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "To make bread, first"]
-# At 20 to 45 tokens a second a stream (4 at once on one thread), 200 tokens
-# take 4 to 10 s: started 3 s before the drain, they end well inside it.
-MAX_TOKENS = 200
+# The streams of test_drain start LEAD_S before the drain begins and are
+# sized to last STREAM_S at the speed measured just before: still in flight
+# on a machine 3 times faster by then, done within the drain's 15 s on one
+# nearly 3 times slower.
+LEAD_S = 2.0
+STREAM_S = 6.0
 
 
 def exit_status(pid):
@@ -111,35 +113,49 @@ class DrainTest(unittest.TestCase):
         self.assertIn(0, [status for poll, status in watch.seen.values() if poll == first],
                       f"killed before any rank exited: {watch.seen}")
 
-    def test_drain(self):
-        serve_environment()
-        bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    def streams(self, server, max_tokens):
+        bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                    "stream": True} for p in PROMPTS]
-        expected = [generate(b) for b in bodies]
-        sigkill_timeout = 12
-        server = self.cluster(["--drain-timeout", "10"], sigkill_timeout)
+        return [Stream(server, body) for body in bodies]
+
+    def test_drain(self):
+        sigkill_timeout = 20  # more than the drain, with time for the ranks to end
+        server = self.cluster(["--drain-timeout", "15"], sigkill_timeout)
+        # Tokens a second a stream, four at once, on this machine now.
+        probe = self.streams(server, 48)
+        for stream in probe:
+            stream.start()
+        for stream in probe:
+            stream.join(60)
+        rate = min(47 / (s.times[-1] - s.times[0]) for s in probe)
+        max_tokens = max(40, min(600, int(rate * STREAM_S)))
+        streams = self.streams(server, max_tokens)
+        expected = [generate(s.body) for s in streams]
         watch = RankExits(server.rank_pids())
 
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         # Until mpirun passes the SIGTERM on, K seconds later, the service
-        # runs as before: streams started 3 s before that are in flight when
-        # the drain begins, however fast this machine generates.
-        time.sleep(sigkill_timeout - 3)
-        streams = [Stream(server, body) for body in bodies]
+        # runs as before: streams started LEAD_S before that are in flight
+        # when the drain begins.
+        time.sleep(sigkill_timeout - LEAD_S)
         for stream in streams:
             stream.start()
         wait_until(lambda: all(s.events >= 2 for s in streams), 10, "tokens on every stream")
 
         def ready():
-            return http_request(server.http_url + "/health/ready")[0]
+            try:
+                return http_request(server.http_url + "/health/ready")[0]
+            except ConnectionRefusedError:
+                raise AssertionError("the fronts stopped before the drain was seen: the streams "
+                                     f"({max_tokens} tokens) ended before it began") from None
 
         wait_until(lambda: ready() == 503, sigkill_timeout + 5, "the drain to begin")
         began = time.monotonic() - signalled
         self.assertGreaterEqual(began, sigkill_timeout - 1)
         running = [s for s in streams if not s.done]
         self.assertEqual(len(running), len(streams), "streams ended before the drain began; "
-                         f"tokens so far: {[s.events for s in streams]}")
+                         f"events so far: {[s.events for s in streams]} of {max_tokens}")
         status, headers, body = http_request(server.http_url + "/v1/completions", "POST",
                                              {"prompt": "Hello", "max_tokens": 4})
         self.assertEqual(status, 503, body[:300])
