@@ -134,6 +134,7 @@ struct Stats {
   preemptions @12 :UInt64;
   instances @13 :List(InstanceState);  # each instance behind the coordinator
   kvBlocksQuarantined @14 :UInt32;
+  draining @15 :Bool;  # stopping: new requests are refused, running ones finish
 }
 
 # One instance as the coordinator sees it.
@@ -149,6 +150,7 @@ enum HealthStatus {
   serving @0;
   shuttingDown @1;  # or no instance left that takes requests
   degraded @2;      # serving, with some instances lost
+  draining @3;      # stopping: new requests are refused, running ones finish
 }
 
 interface Inference {

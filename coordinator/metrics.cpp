@@ -174,6 +174,9 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
          static_cast<double>(s.preemptions));
   scalar(out, "duet_engine_steps_total", "counter", "Engine steps run.",
          static_cast<double>(s.steps));
+  scalar(out, "duet_draining", "gauge",
+         "1 while the server drains (stopping: new requests refused, running ones finish).",
+         stats.draining ? 1.0 : 0.0);
   const InstanceClient::Health& h = stats.health;
   scalar(out, "duet_instances", "gauge", "Instances behind the coordinator.",
          static_cast<double>(h.n_instances));

@@ -53,6 +53,7 @@ struct Service::Live {
   int64_t cached_tokens = 0;
   int64_t completion_tokens = 0;
   int32_t retries = 0;
+  bool cut = false;  // Service::cut() cancelled it: it ends kError, not kCancelled
 
   RequestTimings timings(Clock::time_point now) const {
     RequestTimings t;
@@ -167,7 +168,7 @@ Result<PreparedRequest> Service::prepare(ServeRequest request) {
   };
   {
     std::lock_guard lock(mutex_);
-    if (shut_down_) {
+    if (shut_down_ || draining_) {
       ++n_refused_;
       metrics_.record_refused(ServeErrorKind::kUnavailable);
       return error(ServeErrorKind::kUnavailable, "the server is shutting down");
@@ -238,7 +239,7 @@ Result<Admitted> Service::admit(PreparedRequest request, UpdateSink& sink) {
   RequestId id;
   {
     std::lock_guard lock(mutex_);
-    if (shut_down_) {  // shut_down() ran since the request was prepared
+    if (shut_down_ || draining_) {  // stopping began since the request was prepared
       ++n_refused_;
       metrics_.record_refused(ServeErrorKind::kUnavailable);
       return error(ServeErrorKind::kUnavailable, "the server is shutting down");
@@ -286,13 +287,32 @@ void Service::record_refused(ServeErrorKind kind) {
   ++n_refused_;
 }
 
-void Service::shut_down() {
+void Service::begin_drain() {
+  std::lock_guard lock(mutex_);
+  draining_ = true;
+}
+
+bool Service::wait_idle(Clock::time_point deadline) {
+  std::unique_lock lock(mutex_);
+  auto idle = [&] { return live_.empty() && n_delivering_ == 0; };
+  const int64_t n_cuts = n_cuts_;  // a cut() from now on ends the wait
+  idle_cv_.wait_until(lock, deadline, [&] { return idle() || n_cuts_ != n_cuts; });
+  return idle();
+}
+
+void Service::cut(std::string reason) {
   std::vector<RequestId> ids;
   {
     std::lock_guard lock(mutex_);
     shut_down_ = true;
-    for (const auto& [id, live] : live_) ids.push_back(id);
+    if (n_cuts_ == 0) cut_reason_ = std::move(reason);
+    ++n_cuts_;
+    for (const auto& [id, live] : live_) {
+      live->cut = true;
+      ids.push_back(id);
+    }
   }
+  idle_cv_.notify_all();
   for (RequestId id : ids) instance_.cancel(id);
 }
 
@@ -306,6 +326,7 @@ void Service::on_events(std::span<const InstanceEvent> events) {
   };
   std::vector<RequestId> to_cancel;  // stop strings matched
   int64_t n_tokens = 0;
+  bool delivering = false;
   {
     std::lock_guard lock(mutex_);
     for (const InstanceEvent& event : events) {
@@ -344,6 +365,10 @@ void Service::on_events(std::span<const InstanceEvent> events) {
             break;
           case InstanceFinish::kCancelled:
             finish = ServeFinish::kCancelled;
+            if (live.cut) {
+              finish = ServeFinish::kError;
+              update.error = ServeError{ServeErrorKind::kUnavailable, cut_reason_};
+            }
             break;
           case InstanceFinish::kFailed:
             finish = ServeFinish::kError;
@@ -368,10 +393,18 @@ void Service::on_events(std::span<const InstanceEvent> events) {
       if (update.finished) live_.erase(it);
       updates_for(sink).push_back(std::move(update));
     }
+    // wait_idle() counts these final updates until their sinks have them.
+    delivering = !out.empty();
+    if (delivering) ++n_delivering_;
   }
   if (n_tokens > 0) metrics_.record_tokens(n_tokens, now);
   for (RequestId id : to_cancel) instance_.cancel(id);
   for (auto& [sink, updates] : out) sink->deliver(std::move(updates));
+  if (delivering) {
+    std::lock_guard lock(mutex_);
+    --n_delivering_;
+    if (live_.empty() && n_delivering_ == 0) idle_cv_.notify_all();
+  }
 }
 
 ServiceStats Service::stats() const {
@@ -383,21 +416,40 @@ ServiceStats Service::stats() const {
   s.waiting_requests = n_waiting_;
   s.finished_requests = n_finished_;
   s.refused_requests = n_refused_;
+  s.draining = draining_;
   return s;
 }
 
-bool Service::healthy() const { return health().state != HealthState::kUnavailable; }
+bool Service::healthy() const { return ready(health().state); }
+
+std::string_view Service::health_state_name(HealthState state) {
+  switch (state) {
+    case HealthState::kOk:
+      return "ok";
+    case HealthState::kDegraded:
+      return "degraded";
+    case HealthState::kDraining:
+      return "draining";
+    case HealthState::kUnavailable:
+      return "unavailable";
+  }
+  return "unavailable";
+}
 
 Service::Health Service::health() const {
   Health health;
   health.instances = instance_.health();
   bool shut_down = false;
+  bool draining = false;
   {
     std::lock_guard lock(mutex_);
     shut_down = shut_down_;
+    draining = draining_;
   }
   if (shut_down || !health.instances.serving) {
     health.state = HealthState::kUnavailable;
+  } else if (draining) {
+    health.state = HealthState::kDraining;
   } else if (health.instances.n_lost > 0) {
     health.state = HealthState::kDegraded;
   }

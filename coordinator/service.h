@@ -17,9 +17,14 @@
 // not block: a front queues or posts the updates to its own thread, so a slow
 // or busy front never stalls the engine's steps. Mutable request state is
 // guarded by mutex_; tokenization runs outside it.
+//
+// Stopping is a drain: begin_drain() refuses new requests while the running
+// ones finish normally; wait_idle() waits for them, and cut() ends those
+// still running at a deadline with a typed error (kUnavailable).
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -133,6 +138,7 @@ struct ModelSummary {
 struct ServiceStats {
   InstanceStats instance;
   InstanceClient::Health health;
+  bool draining = false;         // begin_drain() ran: new requests are refused
   int64_t active_requests = 0;   // started, not finished
   int64_t waiting_requests = 0;  // started, not yet admitted by the instance
   int64_t finished_requests = 0;
@@ -174,8 +180,17 @@ class Service final {
   void record_connection_refused(std::string_view front) {
     metrics_.record_connection_refused(front);
   }
-  // Refuses every later start with kUnavailable and cancels what runs.
-  void shut_down();
+  // Draining: refuses every later start with kUnavailable ("the server is
+  // shutting down") and lets the running requests finish as they would.
+  void begin_drain();
+  // Blocks until no request is running and each one's final update was
+  // delivered (true), or until `deadline` or a cut() made while it waits
+  // (false, unless idle by then). Any thread but the instance's event thread.
+  bool wait_idle(std::chrono::steady_clock::time_point deadline);
+  // Ends every running request now with `reason` as its final update's
+  // error (kError, kUnavailable), frees its KV, and refuses later starts.
+  // Wakes wait_idle(). Idempotent; any thread.
+  void cut(std::string reason);
 
   // Whether `name` names the served model (empty counts as yes).
   bool serves_model(std::string_view name) const;
@@ -189,15 +204,24 @@ class Service final {
   Result<std::vector<int32_t>> tokenize(std::string_view text, bool add_special) const;
   Result<std::string> detokenize(std::span<const int32_t> ids) const;
   ServiceStats stats() const;
+  // Takes new requests: ready(health().state).
   bool healthy() const;
   // ok: serving with every instance; degraded: serving with some lost;
+  // draining: finishing what runs, refusing new requests (begin_drain);
   // unavailable: shutting down, or no live instance a request needs.
-  enum class HealthState { kOk, kDegraded, kUnavailable };
+  // Ready for new requests: ok and degraded only.
+  enum class HealthState { kOk, kDegraded, kDraining, kUnavailable };
   struct Health {
     HealthState state = HealthState::kOk;
     InstanceClient::Health instances;
   };
   Health health() const;
+  // "ok", "degraded", "draining", "unavailable": the word every front uses.
+  static std::string_view health_state_name(HealthState state);
+  // Whether a service in `state` takes new requests (readiness): ok, degraded.
+  static bool ready(HealthState state) {
+    return state == HealthState::kOk || state == HealthState::kDegraded;
+  }
   // The Prometheus text exposition of every metric.
   std::string metrics_text() const;
   const Metrics& metrics() const { return metrics_; }
@@ -216,8 +240,13 @@ class Service final {
   ModelSummary model_;
   Metrics metrics_;  // thread-safe itself
 
-  mutable std::mutex mutex_;  // guards everything below
-  bool shut_down_ = false;
+  mutable std::mutex mutex_;         // guards everything below
+  std::condition_variable idle_cv_;  // live_ emptied, deliveries done, or cut()
+  bool shut_down_ = false;           // cut(): nothing new starts, health unavailable
+  bool draining_ = false;            // begin_drain(): nothing new starts
+  int64_t n_cuts_ = 0;               // cut() calls: each ends the wait_idle() under way
+  std::string cut_reason_;           // the first cut()'s
+  int64_t n_delivering_ = 0;         // on_events calls handing final updates to sinks
   uint64_t next_id_ = 1;
   std::map<RequestId, std::unique_ptr<Live>> live_;
   int64_t n_waiting_ = 0;

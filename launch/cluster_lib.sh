@@ -5,8 +5,9 @@
 #       `http listening on` line into PORTS_FILE (its stdout); fails with the
 #       log's tail if PID exits first or nothing comes within 60 s.
 #   serve_stop PID   ends the server started as PID: under mpirun, SIGTERM to
-#       rank 0 (the coordinator, mpirun's `duet serve` child), which ends every
-#       rank in order, mpirun following; otherwise SIGTERM to PID. Waits.
+#       rank 0 (the coordinator, mpirun's `duet serve` child), which drains
+#       (running requests finish, --drain-timeout) and ends every rank in
+#       order, mpirun following; otherwise SIGTERM to PID. Waits.
 
 serve_wait_ready() {
   local ports=$1 pid=$2 log=$3 _

@@ -8,12 +8,17 @@
 # lines are printed on stdout once every instance is ready, everything else
 # (every rank's log) goes to stderr.
 #
-# Ctrl-C or SIGTERM is passed on to rank 0 alone: the coordinator then ends
-# the in-flight requests and tells every instance to shut down, so every rank
-# ends in order and mpirun exits 0. (mpirun signalled itself would report a
-# failure and kill the ranks a second later; mpirun runs in a session of its
-# own so that the terminal's Ctrl-C does not reach it.) A second Ctrl-C
-# signals mpirun, which kills every rank.
+# Ctrl-C or SIGTERM is passed on to rank 0 alone: the coordinator drains (new
+# requests get 503, running ones finish, for up to --drain-timeout seconds,
+# default 30), then tells every instance to shut down, so every rank ends in
+# order and mpirun exits 0. A second Ctrl-C cuts the drain short (what still
+# runs ends `unavailable`); a third signals mpirun, which kills every rank.
+# (mpirun signalled itself reports a failure, exit 1, and forwards SIGTERM to
+# the ranks only after its SIGKILL delay; mpirun runs in a session of its own
+# so that the terminal's Ctrl-C does not reach it.) That delay,
+# odls_base_sigkill_timeout, is set to the drain timeout plus 10 s, so that a
+# SIGTERM sent to mpirun directly still lets the cluster drain (README:
+# stopping a cluster).
 #
 # Usage: launch/local.sh P D [duet serve arguments...]
 #   e.g. launch/local.sh 1 1
@@ -48,10 +53,12 @@ decode=$2
 shift 2
 # Tensor parallelism: an instance takes --tp ranks (--prefill-tp and
 # --decode-tp for one kind), so mpirun must start that many.
-tp=1 prefill_tp='' decode_tp=''
+tp=1 prefill_tp='' decode_tp='' drain_timeout=30
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
+    --drain-timeout) drain_timeout=${args[i + 1]:-30} ;;
+    --drain-timeout=*) drain_timeout=${args[i]#*=} ;;
     --tp) tp=${args[i + 1]:-1} ;;
     --tp=*) tp=${args[i]#*=} ;;
     --prefill-tp) prefill_tp=${args[i + 1]:-1} ;;
@@ -71,7 +78,14 @@ model=${DUET_MODEL:-${DUET_MODEL_DIR:-$root/models}/SmolLM2-135M-Instruct.Q4_1.g
 
 # --enable-recovery: one rank's death does not end the job; the coordinator
 # counts its instance lost and re-runs its requests (docs/FAILURES.md).
-mpirun_args=(--enable-recovery --bind-to none -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1)
+# odls_base_sigkill_timeout: signalled, mpirun sends the ranks SIGCONT, then
+# SIGTERM this many seconds later, then SIGKILL as many again later: longer
+# than the drain, so that the coordinator's drain and shutdown end first.
+whole_seconds=${drain_timeout%.*}
+[ "$whole_seconds" = "$drain_timeout" ] || whole_seconds=$((${whole_seconds:-0} + 1))
+sigkill_timeout=$((whole_seconds + 10))
+mpirun_args=(--enable-recovery --bind-to none -x OMP_NUM_THREADS=1 -x OPENBLAS_NUM_THREADS=1
+  --mca odls_base_sigkill_timeout "$sigkill_timeout")
 [ "$(id -u)" -ne 0 ] || mpirun_args+=(--allow-run-as-root)
 if [ -n "${DUET_HOSTFILE:-}" ]; then
   mpirun_args+=(--hostfile "$DUET_HOSTFILE")
@@ -114,10 +128,13 @@ stop() {
   local coordinator
   stopping=$((stopping + 1))
   if [ "$stopping" -eq 1 ] && coordinator=$(rank0_pid); then
-    say "stopping: SIGTERM to the coordinator (rank 0, pid $coordinator); Ctrl-C again kills every rank"
+    say "stopping: SIGTERM to the coordinator (rank 0, pid $coordinator): draining for up to ${drain_timeout} s; Ctrl-C again cuts it short"
+    kill -TERM "$coordinator" 2>/dev/null || true
+  elif [ "$stopping" -eq 2 ] && coordinator=$(rank0_pid); then
+    say "stopping: SIGTERM again to the coordinator: what still runs ends now; Ctrl-C again kills every rank"
     kill -TERM "$coordinator" 2>/dev/null || true
   else
-    say "stopping: SIGTERM to mpirun, which kills every rank"
+    say "stopping: SIGTERM to mpirun, which kills every rank (SIGTERM in ${sigkill_timeout} s, SIGKILL after)"
     kill -TERM "$mpirun_pid" 2>/dev/null || true
   fi
 }
@@ -155,7 +172,7 @@ if [ "$stopping" -eq 0 ]; then
   say "ready: $ranks ranks (the coordinator, then --prefill $prefill --decode $decode instances)"
   say "  HTTP (OpenAI-compatible): curl http://$http/v1/completions -d '{\"prompt\":\"Hello\",\"max_tokens\":16}'"
   say "  Cap'n Proto:              $(dirname "$duet")/duet-client --connect $rpc generate --prompt Hello -n 16"
-  say "Ctrl-C stops every rank"
+  say "Ctrl-C drains and stops every rank (again: at once)"
 fi
 
 # A trapped signal interrupts `wait`: wait again until mpirun has exited,

@@ -28,7 +28,11 @@ cleanup() {
 trap cleanup EXIT
 
 # Ports 0: the coordinator picks free ones and prints them on stdout.
-mpirun --allow-run-as-root --oversubscribe --enable-recovery -np 3 \
+# odls_base_sigkill_timeout: should mpirun itself be signalled, the ranks get
+# SIGTERM 40 s later and SIGKILL 40 s after that: time for the coordinator's
+# drain (--drain-timeout, 30 s) and shutdown (README: stopping a cluster).
+mpirun --allow-run-as-root --oversubscribe --enable-recovery \
+  --mca odls_base_sigkill_timeout 40 -np 3 \
   "$bin/duet" serve --model "$model" --prefill 1 --decode 1 --threads "$threads" \
   --rpc-port 0 --http-port 0 >"$work/ports" 2>"$work/log" &
 cluster=$!

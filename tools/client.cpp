@@ -194,6 +194,7 @@ int run_stats(Session& session) {
       static_cast<unsigned long long>(s.getSteps()),
       static_cast<unsigned long long>(s.getPreemptions()));
   std::printf("kv_blocks_quarantined %u\n", s.getKvBlocksQuarantined());
+  std::printf("draining %d\n", s.getDraining() ? 1 : 0);
   unsigned i = 0;
   for (auto instance : s.getInstances()) {
     std::printf("instance %u %s rank %d %s epoch %llu%s%s\n", i++, instance.getRole().cStr(),
@@ -202,6 +203,29 @@ int run_stats(Session& session) {
                 instance.getLost() ? ": " : "", instance.getReason().cStr());
   }
   return 0;
+}
+
+// The server's health in the words of its HTTP front: ok, degraded (serving
+// with instances lost), draining (stopping: running requests finish, new ones
+// are refused), unavailable. Exit code 0 while it takes new requests, else 1.
+int run_health(Session& session) {
+  const rpc::HealthStatus status = session.health();
+  const char* word = "unavailable";
+  switch (status) {
+    case rpc::HealthStatus::SERVING:
+      word = "ok";
+      break;
+    case rpc::HealthStatus::DEGRADED:
+      word = "degraded";
+      break;
+    case rpc::HealthStatus::DRAINING:
+      word = "draining";
+      break;
+    case rpc::HealthStatus::SHUTTING_DOWN:
+      break;
+  }
+  std::printf("%s\n", word);
+  return status == rpc::HealthStatus::SERVING || status == rpc::HealthStatus::DEGRADED ? 0 : 1;
 }
 
 int run_info(Session& session) {
@@ -243,6 +267,9 @@ int main(int argc, char** argv) {
 
   app.add_subcommand("stats", "Print the server's statistics");
   app.add_subcommand("info", "Print the served model's description");
+  app.add_subcommand("health",
+                     "Print the server's health: ok, degraded, draining or unavailable (exit 0 "
+                     "while it takes new requests, else 1)");
 
   if (const auto exit_code = duet::tools::parse_command_line(app, argc, argv, "duet-client",
                                                              "invalid_argument", kExitRefused)) {
@@ -260,6 +287,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("chat")) return run_chat(session, chat_flags);
     if (app.got_subcommand("stats")) return run_stats(session);
     if (app.got_subcommand("info")) return run_info(session);
+    if (app.got_subcommand("health")) return run_health(session);
   } catch (const ClientError& e) {
     std::fprintf(stderr, "duet-client: %s: %s\n", e.kind().c_str(), e.what());
     return e.exit_code();

@@ -89,4 +89,8 @@ capnp::Response<rpc::Inference::ModelInfoResults> Session::model_info() {
   return wait(connection_.inference().modelInfoRequest().send());
 }
 
+rpc::HealthStatus Session::health() {
+  return wait(connection_.inference().healthRequest().send()).getStatus();
+}
+
 }  // namespace duet::client

@@ -61,6 +61,7 @@ class Session {
 
   capnp::Response<rpc::Inference::StatsResults> stats();
   capnp::Response<rpc::Inference::ModelInfoResults> model_info();
+  rpc::HealthStatus health();
 
   kj::WaitScope& wait_scope() { return io_.waitScope; }
   kj::UnixEventPort& event_port() { return io_.unixEventPort; }

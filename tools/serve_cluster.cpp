@@ -9,14 +9,17 @@
 // the instance's collective, and pass the handshake. Then
 // - rank 0 opens the model file for its tokenizer, waits until every
 //   instance reports ready (ClusterCoordinator), serves both fronts until
-//   SIGINT/SIGTERM; then it refuses new requests, cancels what runs, stops
-//   the fronts, and shuts the cluster down;
+//   SIGINT/SIGTERM; then it drains (new requests refused, running ones
+//   finish, for up to --drain-timeout), stops the fronts, and shuts the
+//   cluster down;
 // - every other rank runs its part of its instance (serve_cluster_instance)
 //   until the coordinator's Shutdown.
 // MPI is finalized last, on every rank.
 //
-// Instance ranks ignore SIGINT/SIGTERM (mpirun forwards them to every rank):
-// the coordinator's Shutdown ends them, so that every rank ends in order.
+// Instance ranks ignore SIGINT/SIGTERM (blocked, never waited for): mpirun,
+// signalled, sends SIGTERM to every rank, odls_base_sigkill_timeout seconds
+// after its own, and SIGKILL as long after that. The coordinator's Shutdown
+// ends them, once its drain is over, so that every rank ends in order.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 

@@ -4,12 +4,14 @@
 #include <pthread.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -30,7 +32,9 @@ namespace duet::tools {
 
 void add_serve_command(CLI::App& app, ServeArgs& args) {
   CLI::App* cmd = app.add_subcommand(
-      "serve", "Serve a model over Cap'n Proto RPC and OpenAI-compatible HTTP until interrupted");
+      "serve",
+      "Serve a model over Cap'n Proto RPC and OpenAI-compatible HTTP until SIGTERM or SIGINT, "
+      "then drain (--drain-timeout) and exit 0");
   cmd->add_option("-m,--model", args.model, "Path of a GGUF model")->required();
   cmd->add_option("--model-name", args.model_name,
                   "The model id clients name (default: the file name without .gguf)");
@@ -149,6 +153,15 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::IsMember({"ipc", "nccl"}))
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--drain-timeout", args.drain_timeout_s,
+                  "On SIGTERM or SIGINT (to this process, or under mpirun to rank 0 or to mpirun): "
+                  "seconds running requests get to finish while new ones are refused (503, /health "
+                  "says draining); then those left end with an `unavailable` error and the server "
+                  "exits 0. A second signal cuts the drain short. Under mpirun give mpirun "
+                  "`--mca odls_base_sigkill_timeout` of at least this plus 10 (README: stopping a "
+                  "cluster)")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
 }
 
 namespace serve {
@@ -260,10 +273,78 @@ void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigs
 
   int signal = 0;
   sigwait(&signals, &signal);
-  spdlog::info("{}: shutting down", signal == SIGINT ? "SIGINT" : "SIGTERM");
-  service.shut_down();  // refuse new requests, cancel running ones
+  spdlog::info("{}: draining", signal == SIGINT ? "SIGINT" : "SIGTERM");
+  drain(service, std::chrono::milliseconds(static_cast<int64_t>(args.drain_timeout_s * 1000.0)),
+        signals);
   http.stop();
   rpc.stop();
+}
+
+namespace {
+
+// Calls `on_signal` for each signal of `signals` that arrives while it
+// exists, on a thread of its own (the signals are blocked in every thread
+// and taken by sigwait). The destructor wakes that thread with a signal
+// aimed at it alone, and joins it.
+class SignalWatcher {
+ public:
+  SignalWatcher(const sigset_t& signals, std::function<void(int)> on_signal)
+      : signals_(signals), on_signal_(std::move(on_signal)), thread_([this] { run(); }) {}
+  ~SignalWatcher() {
+    stopping_ = true;
+    pthread_kill(thread_.native_handle(), SIGTERM);  // blocked: pending for sigwait
+    thread_.join();
+  }
+  SignalWatcher(const SignalWatcher&) = delete;
+  SignalWatcher& operator=(const SignalWatcher&) = delete;
+
+ private:
+  void run() {
+    for (;;) {
+      int signal = 0;
+      sigwait(&signals_, &signal);
+      if (stopping_) return;
+      on_signal_(signal);
+    }
+  }
+
+  const sigset_t signals_;
+  const std::function<void(int)> on_signal_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;  // last: it starts once the members it reads exist
+};
+
+constexpr std::string_view kCutReason = "the server is shutting down";
+// After a cut, how long the cut requests' final updates may take.
+constexpr auto kCutGrace = std::chrono::seconds(5);
+
+}  // namespace
+
+void drain(Service& service, std::chrono::milliseconds timeout, const sigset_t& signals) {
+  using Clock = std::chrono::steady_clock;
+  service.begin_drain();
+  const int64_t running = service.stats().active_requests;
+  spdlog::info(
+      "draining: new requests are refused; {} running get up to {:.1f} s to finish (signal "
+      "again to cut them short)",
+      running, std::chrono::duration<double>(timeout).count());
+  bool idle = false;
+  {
+    SignalWatcher second(signals, [&service](int signal) {
+      spdlog::warn("{} again: cutting the drain short", signal == SIGINT ? "SIGINT" : "SIGTERM");
+      service.cut(std::string(kCutReason));
+    });
+    idle = service.wait_idle(Clock::now() + timeout);
+  }
+  if (!idle) {
+    const int64_t left = service.stats().active_requests;
+    if (left > 0) spdlog::warn("drain: ending {} requests still running: unavailable", left);
+    service.cut(std::string(kCutReason));
+    if (!service.wait_idle(Clock::now() + kCutGrace))
+      spdlog::warn("drain: {} requests got no final update in time",
+                   service.stats().active_requests);
+  }
+  spdlog::info("drained: stopping the fronts");
 }
 
 }  // namespace serve

@@ -56,6 +56,9 @@ struct ServeArgs {
   // lost; its requests are re-run at most max_retries times.
   double instance_lease_s = 3.0;
   int max_retries = 2;
+  // Stopping (SIGTERM/SIGINT): the longest running requests may take to
+  // finish while new ones are refused; those left then end `unavailable`.
+  double drain_timeout_s = 30.0;
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);
@@ -89,9 +92,14 @@ ServiceLimits service_limits(const ServeArgs& args);
 // on the command line, where `ps` shows it to every user.
 std::string resolve_api_key(const ServeArgs& args);
 // Starts both fronts over `service`, prints their `... listening on` lines,
-// waits for a signal in `signals`, then refuses new requests, cancels running
-// ones and stops the fronts.
+// waits for a signal in `signals`, then drains (drain()) and stops the fronts.
 void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals);
+// The drain after the first stop signal: new requests are refused (503,
+// `unavailable`) while the running ones finish, for up to `timeout`; those
+// still running then, or when a second signal of `signals` comes, end with an
+// `unavailable` error ("the server is shutting down"). Returns once every
+// request has had its final update (or a few seconds after the cut).
+void drain(Service& service, std::chrono::milliseconds timeout, const sigset_t& signals);
 
 }  // namespace serve
 

@@ -1,5 +1,6 @@
 #include "coordinator/http/http_server.h"
 
+#include "coordinator/http/health_routes.h"
 #include "coordinator/http/http_server_impl.h"
 
 namespace duet {
@@ -217,7 +218,7 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
   // For the log, should a route throw after the request has moved on.
   const std::string route = fmt::format("{} {}", to_std(request.method_string()), path);
   try {
-    if (path != "/health" && !authorized(request)) {
+    if (!http_health::is_health_route(path) && !authorized(request)) {
       service_.record_refused(ServeErrorKind::kUnauthenticated);
       return connection.respond_error(openai::api_error(
           ServeError{ServeErrorKind::kUnauthenticated,
@@ -236,7 +237,8 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
     }
     constexpr std::string_view kModelPrefix = "/v1/models/";
     const bool is_model = path.starts_with(kModelPrefix);
-    if (path == "/v1/models" || is_model || path == "/health" || path == "/metrics") {
+    if (path == "/v1/models" || is_model || http_health::is_health_route(path) ||
+        path == "/metrics") {
       if (method != http::verb::get) return method_not_allowed(connection, "GET");
     }
     if (path == "/v1/models") {
@@ -254,26 +256,12 @@ void HttpServer::Impl::on_request(Connection& connection, Request request) {
       return connection.respond(http::status::ok, openai::model_body(service_.model(), started_),
                                 "application/json");
     }
-    if (path == "/health") {
-      const Service::Health health = service_.health();
-      const int lost = health.instances.n_lost;
-      switch (health.state) {
-        case Service::HealthState::kOk:
-          return connection.respond(http::status::ok, R"({"status":"ok"})", "application/json");
-        case Service::HealthState::kDegraded:
-          return connection.respond(
-              http::status::ok,
-              fmt::format(R"({{"status":"degraded","lost_instances":{},"instances":{}}})", lost,
-                          health.instances.n_instances),
-              "application/json");
-        case Service::HealthState::kUnavailable:
-          break;
-      }
-      return connection.respond(
-          http::status::service_unavailable,
-          fmt::format(R"({{"status":"unavailable","lost_instances":{},"instances":{}}})", lost,
-                      health.instances.n_instances),
-          "application/json", {{http::field::retry_after, "5"}});
+    if (http_health::is_health_route(path)) {
+      const http_health::Answer answer = http_health::answer(path, service_.health());
+      if (answer.status == 200)
+        return connection.respond(http::status::ok, answer.body, "application/json");
+      return connection.respond(http::status::service_unavailable, answer.body, "application/json",
+                                {{http::field::retry_after, "5"}});
     }
     if (path == "/metrics") {
       return connection.respond(http::status::ok, service_.metrics_text(),

@@ -4,11 +4,11 @@
 //   POST /v1/completions, POST /v1/chat/completions  (JSON, or server-sent
 //        events with "stream": true; see openai_api.h for the fields)
 //   GET  /v1/models, GET /v1/models/{id}
-//   GET  /health   200 {"status":"ok"} while Service::healthy(), else 503
+//   GET  /health, /health/live, /health/ready  (health_routes.h)
 //   GET  /metrics  Service::metrics_text(), Prometheus text format 0.0.4
 // Errors are OpenAI's {"error": {...}} objects with the status of their kind
 // (openai_api.h); a wrong method is 405, a body over max_body_bytes 413 (and
-// the connection is closed). With an API key, every route but /health needs
+// the connection is closed). With an API key, every route but the health ones needs
 // `Authorization: Bearer KEY` (else 401, decided from the header fields before
 // the body is read). A completion that arrives while the service's waiting
 // queue is full gets its 429 from the header fields too. Past max_connections

@@ -116,6 +116,7 @@ void fill_stats(rpc::Stats::Builder out, const ServiceStats& stats) {
   out.setSteps(static_cast<uint64_t>(std::max<int64_t>(instance.steps, 0)));
   out.setPreemptions(static_cast<uint64_t>(std::max<int64_t>(instance.preemptions, 0)));
   out.setKvBlocksQuarantined(clamp_u32(instance.kv_blocks_quarantined));
+  out.setDraining(stats.draining);
   const auto& states = stats.health.instances;
   auto list = out.initInstances(static_cast<unsigned>(states.size()));
   for (size_t i = 0; i < states.size(); ++i) {

@@ -174,6 +174,8 @@ class InferenceImpl final : public rpc::Inference::Server {
       rpc::HealthStatus status = rpc::HealthStatus::SERVING;
       if (health.state == Service::HealthState::kUnavailable || front_.table->closed()) {
         status = rpc::HealthStatus::SHUTTING_DOWN;
+      } else if (health.state == Service::HealthState::kDraining) {
+        status = rpc::HealthStatus::DRAINING;
       } else if (health.state == Service::HealthState::kDegraded) {
         status = rpc::HealthStatus::DEGRADED;
       }

@@ -2,7 +2,8 @@
 // default model: validation refuses bad requests with typed errors, greedy
 // text equals the engine's own, stop strings end a request early, cancel
 // frees the KV at once, admission refuses with kOverloaded when the waiting
-// queue is full, and the metrics count what happened.
+// queue is full, the metrics count what happened, and a drain refuses new
+// requests (kUnavailable) while running ones finish, until a cut ends them.
 #include "coordinator/service.h"
 
 #include <gtest/gtest.h>
@@ -291,13 +292,60 @@ TEST_F(ServiceTest, FullWaitingQueueRefusesWithOverloaded) {
   expect_kv_free();
 }
 
-TEST_F(ServiceTest, ShutDownRefusesNewRequestsAndCancelsRunningOnes) {
+TEST_F(ServiceTest, DrainRefusesNewRequestsAndLetsRunningOnesFinish) {
   start();
-  const RequestId id = started({.prompt = "a", .max_tokens = 4000, .ignore_eos = true});
-  service_->shut_down();
-  EXPECT_EQ(sink_.wait(id).finish, ServeFinish::kCancelled);
-  EXPECT_EQ(refusal({.prompt = "a"}), ServeErrorKind::kUnavailable);
+  const RequestId running = started({.prompt = "a", .max_tokens = 24, .ignore_eos = true});
+  service_->begin_drain();
+  EXPECT_EQ(service_->health().state, Service::HealthState::kDraining);
   EXPECT_FALSE(service_->healthy());
+  EXPECT_TRUE(service_->stats().draining);
+  EXPECT_NE(service_->metrics_text().find("duet_draining 1"), std::string::npos);
+  EXPECT_EQ(refusal({.prompt = "b", .max_tokens = 2}), ServeErrorKind::kUnavailable);
+  EXPECT_TRUE(service_->wait_idle(std::chrono::steady_clock::now() + 60s));
+  const CollectingSink::Output out = sink_.wait(running);
+  EXPECT_EQ(out.finish, ServeFinish::kLength);
+  EXPECT_EQ(out.timings.completion_tokens, 24);
+  EXPECT_EQ(service_->stats().active_requests, 0);
+  expect_kv_free();
+}
+
+TEST_F(ServiceTest, DrainCutsWhatStillRunsAtItsDeadlineWithUnavailable) {
+  start();
+  const RequestId slow = started({.prompt = "a", .max_tokens = 4000, .ignore_eos = true});
+  const RequestId queued = started({.prompt = "b", .max_tokens = 4000, .ignore_eos = true});
+  service_->begin_drain();
+  const auto begun = std::chrono::steady_clock::now();
+  EXPECT_FALSE(service_->wait_idle(begun + 300ms));
+  EXPECT_GE(std::chrono::steady_clock::now() - begun, 300ms);
+  EXPECT_EQ(service_->stats().active_requests, 2);
+  service_->cut("the server is shutting down");
+  for (RequestId id : {slow, queued}) {
+    const CollectingSink::Output out = sink_.wait(id);
+    EXPECT_EQ(out.finish, ServeFinish::kError);
+    ASSERT_TRUE(out.error.has_value());
+    EXPECT_EQ(out.error->kind, ServeErrorKind::kUnavailable);
+    EXPECT_EQ(out.error->message, "the server is shutting down");
+    EXPECT_LT(out.timings.completion_tokens, 4000);
+  }
+  EXPECT_TRUE(service_->wait_idle(std::chrono::steady_clock::now() + 10s));
+  EXPECT_EQ(service_->health().state, Service::HealthState::kUnavailable);
+  EXPECT_EQ(refusal({.prompt = "c", .max_tokens = 2}), ServeErrorKind::kUnavailable);
+  expect_kv_free();
+}
+
+TEST_F(ServiceTest, CutWakesAWaitForIdle) {
+  start();
+  started({.prompt = "a", .max_tokens = 4000, .ignore_eos = true});
+  service_->begin_drain();
+  std::thread cutter([&] {
+    std::this_thread::sleep_for(100ms);
+    service_->cut("the server is shutting down");
+  });
+  const auto begun = std::chrono::steady_clock::now();
+  service_->wait_idle(begun + 60s);
+  EXPECT_LT(std::chrono::steady_clock::now() - begun, 30s);
+  cutter.join();
+  EXPECT_TRUE(service_->wait_idle(std::chrono::steady_clock::now() + 10s));
 }
 
 }  // namespace

@@ -143,3 +143,16 @@ set_tests_properties(mpi_failover_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 600)
+
+# Stopping a cluster with SIGTERM to mpirun (tests/mpi/test_drain.py): the
+# streams in flight finish whole, new requests get 503 while it drains,
+# /health/ready and /health/live tell the two apart, and every rank exits 0;
+# with --drain-timeout 1 a long stream ends with an `unavailable` error event.
+foreach(case drain drain_timeout)
+  add_test(NAME mpi_${case}_test
+    COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_drain.py DrainTest.test_${case})
+  set_tests_properties(mpi_${case}_test PROPERTIES
+    ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+    LABELS mpi
+    TIMEOUT 90)
+endforeach()

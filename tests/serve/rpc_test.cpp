@@ -33,6 +33,7 @@ struct StreamRecord {
   int n_writes = 0;
   bool done = false;
   rpc::FinishReason reason = rpc::FinishReason::ERROR;
+  rpc::ErrorKind error_kind = rpc::ErrorKind::INTERNAL;  // with reason ERROR
   uint32_t completion_tokens = 0;
   uint32_t prompt_tokens = 0;
   double ttft_ms = 0, e2e_ms = 0;
@@ -60,6 +61,7 @@ class RecordingSink final : public rpc::TokenSink::Server {
     EXPECT_FALSE(record_->done) << "done() twice";
     record_->done = true;
     record_->reason = finish.getReason();
+    if (finish.hasError()) record_->error_kind = finish.getError().getKind();
     record_->completion_tokens = finish.getTimings().getCompletionTokens();
     record_->prompt_tokens = finish.getTimings().getPromptTokens();
     record_->ttft_ms = finish.getTimings().getTtftMs();
@@ -421,6 +423,28 @@ TEST_F(RpcRunningTest, StoppingCancelsWhatRunsAndTellsTheClient) {
   sleep_ms(50);  // the answer to done() goes out; the server's drain ends with it
   rpc_.reset();
   expect_instance_idle();
+}
+
+TEST_F(RpcRunningTest, DrainingRefusesNewRequestsUnavailableAndSaysSo) {
+  service_->begin_drain();
+  {
+    auto response = client_->wait(client_->inference().healthRequest().send());
+    EXPECT_EQ(response.getStatus(), rpc::HealthStatus::DRAINING);
+  }
+  EXPECT_TRUE(client_->stats().getStats().getDraining());
+  Stream refused = client_->generate([](rpc::GenerateRequest::Builder r) {
+    r.initPrompt().setText("Hello");
+    r.setMaxTokens(2);
+  });
+  EXPECT_TRUE(refused.refused);
+  EXPECT_EQ(refused.error, rpc::ErrorKind::UNAVAILABLE);
+  // What runs goes on until it is cut: then it ends with the typed error.
+  service_->cut("the server is shutting down");
+  client_->wait(kj::mv(running_->done));
+  EXPECT_EQ(running_->record->reason, rpc::FinishReason::ERROR);
+  EXPECT_EQ(running_->record->error_kind, rpc::ErrorKind::UNAVAILABLE);
+  EXPECT_GT(running_->record->completion_tokens, 0u);
+  expect_kv_free(*client_);
 }
 
 TEST_F(RpcRunningTest, DestroyingTheServerCancelsWhatRuns) {

@@ -82,6 +82,9 @@ class ClientCliTest(unittest.TestCase):
         self.assertIn("vocab_size 49152", run.stdout)
         s = stats()
         self.assertGreater(s["kv_blocks_total"], 0)
+        self.assertEqual(s["draining"], 0)
+        run = client("health")
+        self.assertEqual((run.returncode, run.stdout), (0, "ok\n"), run.stderr)
 
     def test_refused_request_is_one_line_and_exit_2(self):
         run = client("generate", "--prompt", "")
