@@ -247,15 +247,23 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
 std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi, const ClusterSpec& spec,
                                                     std::span<const RankPlacement> placements,
                                                     TcpKvTransferOptions options) {
-  // How long every pair has to connect (the ranks are all up: they passed
-  // the all-gather).
-  constexpr auto kConnectTimeout = std::chrono::seconds(60);
   const Rank self = mpi.rank();
   std::vector<int> peers;  // the ranks this one exchanges KV with
   for (const auto& [p, d] : kv_pairs(spec)) {
     if (p == self) peers.push_back(d.value);
     if (d == self) peers.push_back(p.value);
   }
+  return make_tcp_kv_transfer(mpi, peers, placements, options);
+}
+
+std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi,
+                                                    std::span<const int> peers,
+                                                    std::span<const RankPlacement> placements,
+                                                    TcpKvTransferOptions options) {
+  // How long every pair has to connect (the ranks are all up: they passed
+  // the all-gather).
+  constexpr auto kConnectTimeout = std::chrono::seconds(60);
+  const Rank self = mpi.rank();
   std::optional<TcpKvListener> listener;
   std::string failure;
   if (!peers.empty()) {

@@ -46,5 +46,11 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
 std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi, const ClusterSpec& spec,
                                                     std::span<const RankPlacement> placements,
                                                     TcpKvTransferOptions options);
+// The same for explicit pairs: this rank's `peers` (empty: none; the pairs
+// must agree on both sides).
+std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi,
+                                                    std::span<const int> peers,
+                                                    std::span<const RankPlacement> placements,
+                                                    TcpKvTransferOptions options);
 
 }  // namespace duet
