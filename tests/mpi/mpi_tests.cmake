@@ -80,6 +80,17 @@ if(NOT EXISTS /dev/nvidia0)
   set_tests_properties(mpi_serve_tp_device_refused PROPERTIES LABELS mpi TIMEOUT 90)
 endif()
 
+# --kv-transport tcp carries CPU instances' KV only: with --device cuda every
+# rank refuses it alike (unsupported) before any instance loads, GPU or not.
+add_test(NAME mpi_serve_kv_transport_tcp_gpu_refused
+  COMMAND ${DUET_EXPECT_SAME_ERROR} 3
+    "duet: unsupported: --kv-transport tcp moves KV between CPU instances only"
+    60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:duet> serve
+    --model ${PROJECT_SOURCE_DIR}/tests/fixtures/tiny/tiny_q4_1_gqa_tied.gguf
+    --prefill 1 --decode 1 --rpc-port 0 --http-port 0 --threads 1 --device cuda
+    --kv-transport tcp)
+set_tests_properties(mpi_serve_kv_transport_tcp_gpu_refused PROPERTIES LABELS mpi TIMEOUT 90)
+
 # `duet serve` as a colocated cluster (coordinator + 2 instances) against the
 # single-process server, end to end over HTTP; spec errors on every rank.
 add_test(NAME mpi_serve_colocated_test
