@@ -7,7 +7,9 @@
 //   a raw socket) fails the import kUnavailable and its blocks come back
 //   (no quarantine: the socket is closed, nothing writes them any more);
 // - bytes that are not the transfer's give the peer up the same way;
-// - an abort reaches the prefill side as a cancel, and releases.
+// - an abort reaches the prefill side as a cancel, and releases;
+// - a peer that stops reading (stalled, SIGSTOP) holds nothing up: sends
+//   queue, and the transfer still ends in its flush time.
 #include "worker/transfer/tcp_kv_transfer.h"
 
 #include <gtest/gtest.h>
@@ -235,6 +237,29 @@ TEST_F(TcpKvTransferTest, BytesThatAreNotTheTransfersGiveThePeerUp) {
             static_cast<ssize_t>(junk.size()));
   ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.failed.empty(); }));
   EXPECT_EQ(decode_calls_.failed[0].second.kind, ServeErrorKind::kUnavailable);
+}
+
+TEST(TcpKvTransferStall, APeerThatStopsReadingHoldsNothingUp) {
+  const auto [prefill_fd, decode_fd] = connected_pair();  // the decode side never reads
+  KvCache cache{test_layout()};
+  const std::vector<int32_t> blocks{0, 1, 2};
+  auto transfer =
+      std::make_unique<TcpKvTransfer>(kPrefill, std::map<int, int>{{kDecode, prefill_fd}});
+  const auto start = std::chrono::steady_clock::now();
+  int64_t sent = 0;
+  for (int rep = 0; rep < 6000; ++rep) {  // far more than the sockets' buffers hold
+    for (int64_t layer = 0; layer < cache.layout().n_layers; ++layer) {
+      transfer->send_rows(kDecode, kId, layer, 0, kPrompt, cache, blocks, 0,
+                          all_kv_heads_of(cache));
+    }
+    sent = transfer->counters().bytes_sent;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_GT(sent, int64_t{32} << 20);
+  const auto stop = std::chrono::steady_clock::now();
+  transfer.reset();  // its frames cannot all leave: it gives them up after its flush time
+  EXPECT_LT(std::chrono::steady_clock::now() - stop, 3s);
+  close(decode_fd);
 }
 
 }  // namespace
