@@ -207,11 +207,11 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     } else if (mpi.rank() == kCoordinatorRank && hosts.size() > 1 &&
                transport == KvTransport::kMpi && spec.mode == ClusterMode::kDisaggregated) {
       spdlog::warn(
-          "ranks on {} hosts with --kv-transport mpi: between hosts MPI runs over TCP, where "
-          "Open MPI 4.1 can deadlock a survivor that was moving KV to or from a lost rank "
-          "(docs/FAILURES.md); --kv-transport tcp (CPU instances) moves KV over Duet's own "
-          "sockets instead",
-          hosts.size());
+          "ranks on {} hosts and KV over mpi (--kv-transport {}, --device {}): between hosts "
+          "MPI runs over TCP, where Open MPI 4.1 can deadlock a survivor that was moving KV to "
+          "or from a lost rank (docs/FAILURES.md); --kv-transport tcp (CPU instances) moves KV "
+          "over Duet's own sockets instead",
+          hosts.size(), args.kv_transport, args.device);
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)

@@ -148,9 +148,11 @@ cluster=$!
 await_listening "$work/cluster.out" "$cluster" || fail "the cluster did not start"
 cluster_url=http://$(sed -n 's/^http listening on //p' "$work/cluster.out")
 say "cluster ($mode) listening on $cluster_url after $((SECONDS - started)) s"
+transport=tcp  # across hosts, unless the arguments force mpi
+[[ " $* " != *" --kv-transport mpi "* ]] || transport=mpi
 if [ "$mode" = disaggregated ]; then
-  grep -q "kv transfer: between instances over tcp (--kv-transport auto; ranks on 3 host(s))" \
-    "$work/cluster.log" || fail "the cluster's ranks span 3 hosts, yet its KV does not go over tcp"
+  grep -q "kv transfer: between instances over $transport (" "$work/cluster.log" ||
+    fail "the cluster's ranks span 3 hosts, yet its KV does not go over $transport"
 fi
 
 bytes_b=$(netns_veth_bytes b)
@@ -195,7 +197,7 @@ for rank in 0 1 2; do
   grep -q "rank $rank: exiting with code 0" "$work/cluster.log" || fail "rank $rank did not exit with 0"
 done
 if [ "$mode" = disaggregated ]; then
-  # The decode rank's own count of the KV it received over its TCP connection.
+  # The decode rank's own count of the KV its transfer received.
   transferred=$(sed -n 's/.*(rank 2): kv transfer: .* sent, [0-9]* (\([0-9]*\) bytes) received.*/\1/p' \
     "$work/cluster.log" | head -n 1)
   say "the decode rank's KV transfer received ${transferred:-no} bytes"
