@@ -127,6 +127,15 @@ foreach(layout colocated 1to3 3to1)
     LABELS mpi
     TIMEOUT 900)
 endforeach()
+# The KV re-sharded rank to rank over TcpKvTransfer (--kv-transport tcp).
+foreach(layout 1to3 3to1)
+  add_test(NAME mpi_serve_tp_${layout}_tcp_test
+    COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_tp.py)
+  set_tests_properties(mpi_serve_tp_${layout}_tcp_test PROPERTIES
+    ENVIRONMENT "DUET_KV_TRANSPORT=tcp;DUET_TP_LAYOUT=${layout};DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+    LABELS mpi
+    TIMEOUT 900)
+endforeach()
 include(${CMAKE_CURRENT_LIST_DIR}/netns/netns_tests.cmake)
 include(${CMAKE_CURRENT_LIST_DIR}/tp_tests.cmake)
 
