@@ -1,5 +1,6 @@
 // KvTransfer over MPI point-to-point (worker/transfer/kv_transfer.h), for CPU
-// instances on one host (shared memory) or across hosts (TCP), and for GPU
+// instances on one host (shared memory; across hosts `duet serve` uses
+// TcpKvTransfer unless told --kv-transport mpi), and for GPU
 // instances with a DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) for the
 // pairs whose KV moves device to device (worker/transfer/transfer_kind.h): their rows
 // headers and every control message still go over MPI, their payloads
