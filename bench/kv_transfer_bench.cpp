@@ -41,11 +41,12 @@
 #include "common/mpi/control_channel.h"
 #include "common/mpi/mpi_runtime.h"
 #include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/transfer_setup.h"
 
 namespace duet::kv_bench {
 namespace {
 
-int run_sender(const Args& args, MpiKvTransfer& transfer, MPI_Comm pair) {
+int run_sender(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   const auto model = args.model.empty() ? nullptr : LlamaModel::load(args.model);
   const Shape shape = make_shape(args, model.get());
   Mailbox<PrefillOrder> orders;
@@ -64,7 +65,7 @@ int run_sender(const Args& args, MpiKvTransfer& transfer, MPI_Comm pair) {
   return 0;
 }
 
-int run_receiver(const Args& args, MpiKvTransfer& transfer, MPI_Comm pair) {
+int run_receiver(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   const auto model = args.model.empty() ? nullptr : LlamaModel::load(args.model);
   const Shape shape = make_shape(args, model.get());
   Mailbox<Arrival> arrivals;
@@ -113,10 +114,20 @@ int run(const Args& args) {
   options.max_idle_sleep = std::chrono::microseconds(args.max_idle_sleep_us);
   options.min_idle_sleep = std::min(options.min_idle_sleep, options.max_idle_sleep);
   ControlChannel channel(mpi, options);
-  std::optional<MpiKvTransfer> transfer(std::in_place, channel,
-                                        MpiKvTransferOptions{args.checksums});
   const int rank = mpi.rank().value;
   const bool in_pair = rank == kSender || rank == kReceiver;
+  // Collective either way: MPI's communicator, or TCP's address all-gather.
+  std::unique_ptr<KvTransfer> transfer;
+  if (args.transport == "tcp") {
+    RankPlacement own;
+    own.host = mpi.processor_name();
+    const std::vector<RankPlacement> placements = gather_placements(mpi, own);
+    std::vector<int> peers;
+    if (in_pair) peers.push_back(rank == kSender ? kReceiver : kSender);
+    transfer = make_tcp_kv_transfer(mpi, peers, placements, TcpKvTransferOptions{args.checksums});
+  } else {
+    transfer = std::make_unique<MpiKvTransfer>(channel, MpiKvTransferOptions{args.checksums});
+  }
   MPI_Comm pair = MPI_COMM_NULL;
   DUET_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, in_pair ? 0 : MPI_UNDEFINED, rank, &pair));
   int code = 0;
@@ -154,6 +165,10 @@ int main(int argc, char** argv) {
   app.add_option("--threads", args.threads, "compute threads")->check(CLI::Range(1, 1024));
   app.add_option("--seed", args.seed, "random KV, block tables and prompts");
   app.add_flag("--checksums", args.checksums, "the transfer checksums every rows message");
+  app.add_option("--transport", args.transport,
+                 "what carries the KV transfer: mpi (MpiKvTransfer) or tcp (TcpKvTransfer)")
+      ->check(CLI::IsMember({"mpi", "tcp"}))
+      ->capture_default_str();
   app.add_option("--transfer-poll-us", args.transfer_poll_us)->check(CLI::NonNegativeNumber);
   app.add_option("--max-idle-sleep-us", args.max_idle_sleep_us)->check(CLI::PositiveNumber);
   app.add_option("--json", args.json, "also write the results here (rank 2)");

@@ -38,7 +38,9 @@
 #include "tools/serve_command.h"
 #include "worker/cluster_instance.h"
 #include "worker/parallel/mpi_collective.h"
+#include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/tcp_kv_transfer.h"
 #include "worker/transfer/transfer_kind.h"
 #include "worker/transfer/transfer_setup.h"
 
@@ -112,7 +114,7 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
 }
 
 // This rank's part of its instance, with the serve flags as its options.
-int serve_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& transfer,
+int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
                    Collective& collective, const ClusterSpec& spec,
                    std::span<const RankPlacement> placements, const ServeArgs& args, int device) {
   ClusterInstanceOptions options;
@@ -129,6 +131,26 @@ int serve_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& tran
   return serve_cluster_instance(mpi, channel, transfer, collective, spec, placements, options);
 }
 
+// How KV moves between this cluster's instances: --kv-transport, auto
+// deciding by the hosts the ranks run on. The same on every rank (the same
+// flags, the same placements).
+enum class KvTransport { kMpi, kTcp };
+
+KvTransport kv_transport(const ServeArgs& args, size_t n_hosts) {
+  const bool cpu = args.device == "cpu";
+  if (args.kv_transport == "tcp") {
+    if (!cpu) {
+      throw Error(ErrorKind::kUnsupported,
+                  fmt::format("--kv-transport tcp moves KV between CPU instances only, not with "
+                              "--device {} (use mpi, or auto)",
+                              args.device));
+    }
+    return KvTransport::kTcp;
+  }
+  if (args.kv_transport == "mpi") return KvTransport::kMpi;
+  return n_hosts > 1 && cpu ? KvTransport::kTcp : KvTransport::kMpi;
+}
+
 }  // namespace
 
 // Every rank. Errors are printed here, as `duet` prints them, while MPI is
@@ -143,13 +165,28 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     // collective over the world, as the transfer's communicator is).
     const RankPlacement placement = own_placement(mpi, spec, args.device);
     const std::vector<RankPlacement> placements = gather_placements(mpi, placement);
-    std::optional<MpiKvTransfer> transfer;  // every rank: its communicator is collective
-    MpiKvTransferOptions transfer_options{args.kv_checksums};
+    std::set<std::string> hosts;
+    for (const RankPlacement& p : placements) hosts.insert(p.host);
+    const KvTransport transport = kv_transport(args, hosts.size());
+    uint64_t drop_rows_of = 0;
     if (const char* drop = std::getenv("DUET_TEST_DROP_KV_ROWS_OF"))  // tests only
-      transfer_options.drop_rows_of = std::strtoull(drop, nullptr, 10);
-    transfer.emplace(
-        channel, transfer_options,
-        make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
+      drop_rows_of = std::strtoull(drop, nullptr, 10);
+    // Every rank makes one (its start-up is collective); over TCP, a rank
+    // that moves no KV has none.
+    std::unique_ptr<KvTransferAdapter> transfer;
+    if (transport == KvTransport::kTcp) {
+      transfer = make_tcp_kv_transfer(mpi, spec, placements,
+                                      TcpKvTransferOptions{args.kv_checksums, drop_rows_of});
+    } else {
+      transfer = std::make_unique<MpiKvTransfer>(
+          channel, MpiKvTransferOptions{args.kv_checksums, drop_rows_of},
+          make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
+    }
+    if (mpi.rank() == kCoordinatorRank && spec.mode == ClusterMode::kDisaggregated) {
+      spdlog::info(
+          "kv transfer: between instances over {} (--kv-transport {}; ranks on {} host(s))",
+          transport == KvTransport::kTcp ? "tcp" : "mpi", args.kv_transport, hosts.size());
+    }
     // Every rank too (MPI_Comm_split); the coordinator's is empty.
     const InstanceSpec* own = spec.instance_of(mpi.rank());
     MpiCollective collective(
@@ -170,21 +207,19 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       spdlog::warn(
           "mpirun was started without --enable-recovery: the job is one failure domain (one "
           "rank's death ends every rank); with it, a lost instance costs a pause");
-    } else if (mpi.rank() == kCoordinatorRank) {
-      std::set<std::string> hosts;
-      for (const RankPlacement& p : placements) hosts.insert(p.host);
-      if (hosts.size() > 1) {
-        spdlog::warn(
-            "ranks on {} hosts: between hosts MPI runs over TCP, where Open MPI 4.1 can deadlock "
-            "a survivor that was moving KV to or from a lost rank (docs/FAILURES.md); count on "
-            "a lost instance costing only a pause on one host",
-            hosts.size());
-      }
+    } else if (mpi.rank() == kCoordinatorRank && hosts.size() > 1 &&
+               transport == KvTransport::kMpi && spec.mode == ClusterMode::kDisaggregated) {
+      spdlog::warn(
+          "ranks on {} hosts and KV over mpi (--kv-transport {}, --device {}): between hosts "
+          "MPI runs over TCP, where Open MPI 4.1 can deadlock a survivor that was moving KV to "
+          "or from a lost rank (docs/FAILURES.md); --kv-transport tcp (CPU instances) moves KV "
+          "over Duet's own sockets instead",
+          hosts.size(), args.kv_transport, args.device);
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(mpi, channel, *transfer, collective, spec, placements,
-                                          args, placement.device);
+                         : serve_instance(mpi, channel, transfer.get(), collective, spec,
+                                          placements, args, placement.device);
     // After a loss MPI_Finalize could wait on a dead rank forever.
     if (channel.forgot_any()) mpi.leave_without_finalize();
     spdlog::info("rank {}: exiting with code {}{}", mpi.rank().value, code,

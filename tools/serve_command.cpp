@@ -162,6 +162,13 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
                   "cluster)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  cmd->add_option("--kv-transport", args.kv_transport,
+                  "How KV moves between instances: mpi, tcp (sockets of its own, which a dead "
+                  "peer cannot wedge; CPU instances only), or auto (tcp when the ranks span "
+                  "hosts and run on CPUs, else mpi)")
+      ->check(CLI::IsMember({"auto", "mpi", "tcp"}))
+      ->capture_default_str()
+      ->group(group);
 }
 
 namespace serve {

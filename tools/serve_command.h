@@ -52,6 +52,9 @@ struct ServeArgs {
   double kv_transfer_timeout_s = 120.0;
   // How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl.
   std::string kv_same_host = "ipc";
+  // How KV moves between instances: mpi, tcp (sockets of Duet's own; CPU
+  // instances only), or auto (tcp when the ranks span hosts, else mpi).
+  std::string kv_transport = "auto";
   // Failure domains: an instance silent (or stuck in one step) this long is
   // lost; its requests are re-run at most max_retries times.
   double instance_lease_s = 3.0;

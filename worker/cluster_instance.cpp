@@ -39,8 +39,8 @@ bool all_loaded(Collective& collective, bool loaded) {
   return std::all_of(all.begin(), all.end(), [](std::byte b) { return b == std::byte{1}; });
 }
 
-void log_transfer(const InstanceSpec& self, Rank rank, const MpiKvTransfer& transfer) {
-  const MpiKvTransfer::Counters c = transfer.counters();
+void log_transfer(const InstanceSpec& self, Rank rank, const KvTransferAdapter& transfer) {
+  const KvTransferAdapter::Counters c = transfer.counters();
   spdlog::info(
       "instance {} (rank {}): kv transfer: {} messages ({} bytes) sent, {} ({} bytes) "
       "received, {} rows messages dropped, {} imports completed, {} failed",
@@ -140,13 +140,13 @@ void lead_instance(ControlChannel& channel, RankLiveness& liveness, Collective& 
 
 }  // namespace
 
-int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& transfer,
+int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
                            Collective& collective, const ClusterSpec& spec,
                            std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
   // Heartbeats from the start: loading the model takes seconds.
-  RankLiveness liveness(channel, self.role != InstanceRole::kBoth ? &transfer : nullptr, mpi, self,
+  RankLiveness liveness(channel, self.role != InstanceRole::kBoth ? transfer : nullptr, mpi, self,
                         options.heartbeat_interval);
   EngineConfig config;
   // Outlives the engine (whose CUDA graphs captured the communicator's operations).
@@ -159,8 +159,8 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransf
   {
     cpu::ThreadPool pool(options.compute_threads);
     PeerLinks peers;
-    if (self.role != InstanceRole::kBoth) {
-      peers.transfer = &transfer;
+    if (self.role != InstanceRole::kBoth && transfer != nullptr) {
+      peers.transfer = transfer;
       peers.transfer_timeout = options.kv_transfer_timeout;
       for (Rank rank : self.ranks) peers.own_ranks.push_back(rank.value);
       peers.instance_ranks = ranks_by_leader(spec);
@@ -175,7 +175,7 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransf
                       config.n_kv_blocks, peers.transfer,
                       {options.device, shard.device_collective.get()});
     }
-    if (peers.transfer != nullptr) log_transfer(self, channel.rank(), transfer);
+    if (peers.transfer != nullptr) log_transfer(self, channel.rank(), *transfer);
   }  // the engine has stopped: nothing sends any more
   return channel.close(kCloseTimeout) ? 0 : 1;
 }

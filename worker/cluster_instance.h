@@ -24,7 +24,7 @@
 #include "worker/engine.h"
 #include "worker/model/llama_model.h"
 #include "worker/parallel/collective.h"
-#include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/transfer_kind.h"
 
 namespace duet {
@@ -47,14 +47,14 @@ struct ClusterInstanceOptions {
 };
 
 // This rank's part of its instance in `spec`, until the coordinator's
-// Shutdown. `channel`, `transfer` (every rank has one: its communicator is
-// collective) and `collective` (the instance's ranks) are the rank's, wired
+// Shutdown. `channel`, `transfer` (over MPI or TCP; null when this rank
+// moves no KV) and `collective` (the instance's ranks) are the rank's, wired
 // by the caller; `placements`: every rank's, by world rank. Heartbeats to
 // the coordinator from the start (worker/rank_liveness.h): a rank whose
 // instance is lost leaves the process from there. Closes the channel before
 // returning. Returns the exit code: 0, 1 when not every rank closed in
 // time, 2 when the instance could not start.
-int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, MpiKvTransfer& transfer,
+int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
                            Collective& collective, const ClusterSpec& spec,
                            std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options);

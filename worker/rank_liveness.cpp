@@ -11,7 +11,7 @@
 
 namespace duet {
 
-RankLiveness::RankLiveness(ControlChannel& channel, MpiKvTransfer* transfer, MpiRuntime& mpi,
+RankLiveness::RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime& mpi,
                            const InstanceSpec& instance, std::chrono::milliseconds interval)
     : channel_(channel),
       transfer_(transfer),

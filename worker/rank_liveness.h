@@ -30,14 +30,14 @@
 #include "common/mpi/control_channel.h"
 #include "common/mpi/mpi_runtime.h"
 #include "worker/local_instance.h"
-#include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/kv_transfer_adapter.h"
 
 namespace duet {
 
 class RankLiveness final {
  public:
   // `transfer` may be null (a colocated instance moves no KV). All outlive this.
-  RankLiveness(ControlChannel& channel, MpiKvTransfer* transfer, MpiRuntime& mpi,
+  RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime& mpi,
                const InstanceSpec& instance, std::chrono::milliseconds interval);
   ~RankLiveness();  // stops the heartbeats and removes the intercept
   RankLiveness(const RankLiveness&) = delete;
@@ -52,7 +52,7 @@ class RankLiveness final {
   bool apply(const ReceivedMessage& message);  // the communication thread
 
   ControlChannel& channel_;
-  MpiKvTransfer* const transfer_;
+  KvTransferAdapter* const transfer_;
   MpiRuntime& mpi_;
   const InstanceSpec instance_;
   const Rank rank_;

@@ -38,8 +38,10 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
                shape.total_wire() / s / 1e9, shape.total_payload() / s / 1e9, 100.0 * raw_s / s);
   };
   row("raw MPI: Isend window -> last Recv", raw_s);
-  row("MpiKvTransfer: first send_rows -> on_complete", send_s);
-  row("MpiKvTransfer: start_import -> on_complete (with the order's trip)", start_s);
+  const std::string adapter = args.transport == "tcp" ? "TcpKvTransfer" : "MpiKvTransfer";
+  row(fmt::format("{}: first send_rows -> on_complete", adapter).c_str(), send_s);
+  row(fmt::format("{}: start_import -> on_complete (with the order's trip)", adapter).c_str(),
+      start_s);
   fmt::print(
       "\nstages: rank 1's send_rows loop (pack + queue) {:.3f} ms; without MPI, "
       "pack_kv_rows {:.3f} ms, unpack_kv_rows {:.3f} ms (every message)\n",
@@ -54,6 +56,7 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
                    {"message_bytes", shape.message_bytes()},
                    {"payload_bytes", shape.total_payload()}};
   json["reps"] = args.reps;
+  json["transport"] = args.transport;
   json["clock"] = {{"offset_us", sync.offset * 1e6},
                    {"uncertainty_us", sync.uncertainty * 1e6},
                    {"wtime_is_global", sync.wtime_global}};

@@ -87,7 +87,7 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
   return seconds;
 }
 
-void send_transfers(MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
+void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
                     const Shape& shape, int reps, uint64_t seed) {
   KvCache cache(shape.layout);
   std::mt19937_64 rng(seed);
@@ -115,7 +115,7 @@ void send_transfers(MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_
   }
 }
 
-TransferTimes receive_transfers(MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
+TransferTimes receive_transfers(KvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
                                 const Shape& shape, int reps, uint64_t seed, const ClockSync& sync,
                                 uint64_t& next_id) {
   KvCache cache(shape.layout);

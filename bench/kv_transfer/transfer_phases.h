@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "bench/kv_transfer/rig.h"
-#include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/kv_transfer.h"
 
 namespace duet::kv_bench {
 
@@ -35,11 +35,11 @@ struct TransferTimes {
 };
 
 // Rank 1: serves `reps` transfers (and a warm-up) as rank 2 orders them.
-void send_transfers(MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
+void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
                     const Shape& shape, int reps, uint64_t seed);
 
 // Rank 2: orders them, checks each, and times them (request ids from next_id on).
-TransferTimes receive_transfers(MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
+TransferTimes receive_transfers(KvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
                                 const Shape& shape, int reps, uint64_t seed, const ClockSync& sync,
                                 uint64_t& next_id);
 

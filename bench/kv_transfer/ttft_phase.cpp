@@ -71,7 +71,7 @@ EngineConfig engine_config(const Shape& shape) {
 
 }  // namespace
 
-void serve_prefills(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders,
+void serve_prefills(const LlamaModel& model, KvTransfer& transfer, Mailbox<PrefillOrder>& orders,
                     MPI_Comm pair, const Shape& shape, const Args& args) {
   cpu::ThreadPool pool(args.threads);
   const cpu::KernelTable& kernels = cpu::kernel_table(cpu::best_isa());
@@ -114,7 +114,7 @@ void serve_prefills(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<Pr
   }
 }
 
-TtftTimes run_decodes(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals,
+TtftTimes run_decodes(const LlamaModel& model, KvTransfer& transfer, Mailbox<Arrival>& arrivals,
                       MPI_Comm pair, const Shape& shape, const Args& args, const ClockSync& sync,
                       uint64_t& next_id) {
   cpu::ThreadPool pool(args.threads);

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "bench/kv_transfer/rig.h"
-#include "worker/transfer/mpi_kv_transfer.h"
+#include "worker/transfer/kv_transfer.h"
 
 namespace duet::kv_bench {
 
@@ -16,7 +16,7 @@ namespace duet::kv_bench {
 // machine), then the disaggregated one. Separate engines for the local and
 // the disaggregated runs, and a fresh random prompt per rep, keep the prefix
 // cache out of every measurement.
-void serve_prefills(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<PrefillOrder>& orders,
+void serve_prefills(const LlamaModel& model, KvTransfer& transfer, Mailbox<PrefillOrder>& orders,
                     MPI_Comm pair, const Shape& shape, const Args& args);
 
 // Per rep, on rank 2's clock (seconds).
@@ -27,7 +27,7 @@ struct TtftTimes {
 };
 
 // Rank 2's side of serve_prefills (request ids from next_id on).
-TtftTimes run_decodes(const LlamaModel& model, MpiKvTransfer& transfer, Mailbox<Arrival>& arrivals,
+TtftTimes run_decodes(const LlamaModel& model, KvTransfer& transfer, Mailbox<Arrival>& arrivals,
                       MPI_Comm pair, const Shape& shape, const Args& args, const ClockSync& sync,
                       uint64_t& next_id);
 

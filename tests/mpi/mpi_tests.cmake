@@ -80,6 +80,17 @@ if(NOT EXISTS /dev/nvidia0)
   set_tests_properties(mpi_serve_tp_device_refused PROPERTIES LABELS mpi TIMEOUT 90)
 endif()
 
+# --kv-transport tcp carries CPU instances' KV only: with --device cuda every
+# rank refuses it alike (unsupported) before any instance loads, GPU or not.
+add_test(NAME mpi_serve_kv_transport_tcp_gpu_refused
+  COMMAND ${DUET_EXPECT_SAME_ERROR} 3
+    "duet: unsupported: --kv-transport tcp moves KV between CPU instances only"
+    60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:duet> serve
+    --model ${PROJECT_SOURCE_DIR}/tests/fixtures/tiny/tiny_q4_1_gqa_tied.gguf
+    --prefill 1 --decode 1 --rpc-port 0 --http-port 0 --threads 1 --device cuda
+    --kv-transport tcp)
+set_tests_properties(mpi_serve_kv_transport_tcp_gpu_refused PROPERTIES LABELS mpi TIMEOUT 90)
+
 # `duet serve` as a colocated cluster (coordinator + 2 instances) against the
 # single-process server, end to end over HTTP; spec errors on every rank.
 add_test(NAME mpi_serve_colocated_test
@@ -98,6 +109,13 @@ set_tests_properties(mpi_serve_disaggregated_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
+# The same over TcpKvTransfer (--kv-transport tcp) on loopback.
+add_test(NAME mpi_serve_disaggregated_tcp_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_disaggregated.py)
+set_tests_properties(mpi_serve_disaggregated_tcp_test PROPERTIES
+  ENVIRONMENT "DUET_KV_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 900)
 # `duet serve` with tensor-parallel instances (tests/mpi/test_serve_tp.py):
 # colocated TP=2, and disaggregated TP=1 -> TP=3 and TP=3 -> TP=1 with the KV
 # re-sharded rank to rank.
@@ -106,6 +124,15 @@ foreach(layout colocated 1to3 3to1)
     COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_tp.py)
   set_tests_properties(mpi_serve_tp_${layout}_test PROPERTIES
     ENVIRONMENT "DUET_TP_LAYOUT=${layout};DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+    LABELS mpi
+    TIMEOUT 900)
+endforeach()
+# The KV re-sharded rank to rank over TcpKvTransfer (--kv-transport tcp).
+foreach(layout 1to3 3to1)
+  add_test(NAME mpi_serve_tp_${layout}_tcp_test
+    COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_tp.py)
+  set_tests_properties(mpi_serve_tp_${layout}_tcp_test PROPERTIES
+    ENVIRONMENT "DUET_KV_TRANSPORT=tcp;DUET_TP_LAYOUT=${layout};DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
     LABELS mpi
     TIMEOUT 900)
 endforeach()

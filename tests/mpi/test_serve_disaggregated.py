@@ -1,6 +1,8 @@
 """`duet serve` disaggregated under mpirun: a coordinator (rank 0), one
 prefill instance (rank 1) and two decode instances (ranks 2 and 3), KV
-shipped over MPI with checksums on, against the single-process `duet serve`.
+shipped with checksums on, against the single-process `duet serve`. The KV
+transport is DUET_KV_TRANSPORT's (`--kv-transport`: mpi by default, tcp for
+TcpKvTransfer over loopback).
 
 - greedy and seeded-sampling completions are identical to the single
   process's, for prompts of one chunk and of many (the step budget is small);
@@ -33,7 +35,9 @@ from mpirun_serve import (ServeProcess, cancel_after, complete, complete_all,  #
 # 128 MiB of KV per instance: 5825 tokens of the default model, under its
 # 8192-token context, so a request can be too big for the KV cache alone.
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
-CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-checksums", *ENGINE]
+KV_TRANSPORT = os.environ.get("DUET_KV_TRANSPORT", "mpi")
+CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-checksums", "--kv-transport", KV_TRANSPORT,
+           *ENGINE]
 cluster = None
 
 
@@ -118,6 +122,11 @@ class DisaggregatedClusterTest(unittest.TestCase):
         self.assertEqual(sum(failed), 0, log)  # every checksum matched, no deadline passed
         # At least one cancel found its KV still in transfer.
         self.assertIn("cancelled before its KV arrived", log)
+        # The KV went the way asked, and bytes moved on every instance.
+        self.assertIn(f"kv transfer: between instances over {KV_TRANSPORT}", log)
+        sent = [int(n) for n in re.findall(r"kv transfer: \d+ messages \((\d+) bytes\) sent", log)]
+        self.assertEqual(len(sent), 3, log)
+        self.assertTrue(all(n > 0 for n in sent), sent)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ Checks:
 - SIGTERM to the coordinator ends every rank with exit 0.
 
 Run by ctest (tests/mpi/tp_tests.cmake) with DUET_BINARY, DUET_MODEL,
-DUET_MPIEXEC and DUET_TP_LAYOUT set.
+DUET_MPIEXEC and DUET_TP_LAYOUT set (and DUET_KV_TRANSPORT: mpi by default, or
+tcp).
 """
 
 import os
@@ -46,6 +47,8 @@ LAYOUTS = {
 }
 LAYOUT = os.environ.get("DUET_TP_LAYOUT", "colocated")
 RANKS, FLAGS = LAYOUTS[LAYOUT]
+# How the disaggregated layouts move KV (--kv-transport): mpi unless told.
+FLAGS = [*FLAGS, "--kv-transport", os.environ.get("DUET_KV_TRANSPORT", "mpi")]
 cluster = None
 
 

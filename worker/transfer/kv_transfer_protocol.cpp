@@ -29,8 +29,8 @@ KvTransferCall call_of(KvTransferCall::Kind kind, RequestId id) {
 
 }  // namespace
 
-KvTransferProtocol::KvTransferProtocol(std::vector<bool> device_peers)
-    : device_peers_(std::move(device_peers)) {}
+KvTransferProtocol::KvTransferProtocol(std::vector<bool> device_peers, LostReceives lost_receives)
+    : device_peers_(std::move(device_peers)), lost_receives_(lost_receives) {}
 
 bool KvTransferProtocol::device_transfer(int rank) const {
   return rank >= 0 && static_cast<size_t>(rank) < device_peers_.size() &&
@@ -108,6 +108,16 @@ void KvTransferProtocol::peers_lost(std::span<const int> ranks, Clock::time_poin
     // end it had or was holding.
     const RequestId id = r->second;
     receiving_.erase(r);
+    if (lost_receives_ == LostReceives::kStop) {
+      // The receive is over and nothing writes the blocks: an end held for
+      // it goes now; a live import fails below, as one waiting on `rank`.
+      if (const auto held = held_ends_.find(id); held != held_ends_.end()) {
+        KvTransferCall call = std::move(held->second);
+        held_ends_.erase(held);
+        receipts_.end(id, std::move(call), out.calls);
+      }
+      continue;
+    }
     spdlog::warn(
         "kv transfer: request {}: rows from lost rank {} half-received; its blocks are "
         "quarantined",

@@ -114,9 +114,22 @@ class KvTransferProtocol {
   using ImportPlan = KvTransfer::ImportPlan;
   using Actions = KvTransferActions;
 
+  // What becomes of an import whose payload from a rank that is lost was
+  // being received into its blocks.
+  enum class LostReceives {
+    // The receive may still write the blocks at any time (MPI owns it): the
+    // import ends kQuarantined, its blocks never released.
+    kQuarantine,
+    // The adapter stops the receive itself when it learns of the loss (its
+    // own socket, closed): the import fails kUnavailable, and an end it held
+    // for the payload (released, failed) is reported at once.
+    kStop,
+  };
+
   // `device_peers[r]`: rows to or from world rank r move through the device
   // transfer (ranks past its end do not).
-  explicit KvTransferProtocol(std::vector<bool> device_peers = {});
+  explicit KvTransferProtocol(std::vector<bool> device_peers = {},
+                              LostReceives lost_receives = LostReceives::kQuarantine);
 
   // ---------------------------------------------------------------- commands
   // A decode leader's import (`order` for `leader`, sent at once) or, with
@@ -177,7 +190,9 @@ class KvTransferProtocol {
   // the next expire), and no payload is expected from them any more. An
   // import whose payload from one of them was being received
   // (payload_receiving) ends kQuarantined instead: MPI may still write its
-  // blocks, so they are never released (abort_import does nothing for it).
+  // blocks, so they are never released (abort_import does nothing for it);
+  // with LostReceives::kStop the adapter has stopped that receive before it
+  // calls this, so the import fails (or releases) as any other.
   void peers_lost(std::span<const int> ranks, Clock::time_point now, Actions& out);
 
   // ---------------------------------------------------------------- time
@@ -257,6 +272,7 @@ class KvTransferProtocol {
   bool device_transfer(int rank) const;
 
   const std::vector<bool> device_peers_;
+  const LostReceives lost_receives_;
   std::map<RequestId, Import> imports_;
   uint64_t next_serial_ = 1;
   std::map<int, std::deque<ExpectedPayload>> payloads_;  // by source rank, in header order

@@ -10,6 +10,9 @@
 //   device rows: as rows, but the payload moves through the device transfer and
 //                the header names its place in the sender's staging (a ticket);
 //   rows done:   receiver -> sender, a device payload's staging is free again.
+// On a byte stream (worker/transfer/tcp_kv_transfer.h) each message is a
+// frame: the header, then body_bytes(header) bytes: a control message, or a
+// rows payload (there, the header and its payload travel together).
 //
 // Pure values and functions: any thread.
 #pragma once
@@ -47,6 +50,8 @@ struct Header {
   int64_t head_begin = 0;  // the global KV heads [head_begin, head_end) in the payload
   int64_t head_end = 0;
   uint64_t ticket_offset = 0;  // device rows and rows done: the payload's DeviceRowsTicket
+  // Device rows and rows done: the ticket's size. Control, and rows on a
+  // byte stream: the bytes after the header (body_bytes).
   uint64_t ticket_bytes = 0;
 };
 static_assert(sizeof(Header) == 80);
@@ -63,6 +68,7 @@ inline std::vector<std::byte> control_bytes(const ControlMessage& message) {
   const std::vector<std::byte> encoded = encode_control_message(message);
   Header header;
   header.kind = kControl;
+  header.ticket_bytes = encoded.size();
   std::vector<std::byte> bytes(sizeof header + encoded.size());
   std::memcpy(bytes.data(), &header, sizeof header);
   std::memcpy(bytes.data() + sizeof header, encoded.data(), encoded.size());
@@ -77,6 +83,11 @@ inline std::optional<Header> read_header(std::span<const std::byte> bytes) {
   std::memcpy(&header, bytes.data(), sizeof header);
   if (header.magic != kMagic) return std::nullopt;
   return header;
+}
+
+// The bytes that follow `header` in a frame on a byte stream.
+inline uint64_t body_bytes(const Header& header) {
+  return header.kind == kControl || header.kind == kRows ? header.ticket_bytes : 0;
 }
 
 // The checksum a rows header carries for its payload (never 0, which means

@@ -90,24 +90,10 @@ void MpiKvTransfer::apply_losses(std::vector<KvTransferCall>& calls) {
   act(actions, calls);
 }
 
-void MpiKvTransfer::set_handlers(Handlers handlers) {
-  std::lock_guard lock(handlers_mutex_);
-  handlers_ = std::move(handlers);
-}
-
-MpiKvTransfer::Counters MpiKvTransfer::counters() const {
-  std::lock_guard lock(mutex_);
-  return counters_;
-}
-
 // ---------------------------------------------------------------- any thread
 
 void MpiKvTransfer::queue(int destination, int tag, std::vector<std::byte> bytes, SendLane lane) {
-  {
-    std::lock_guard lock(mutex_);
-    ++counters_.messages_sent;
-    counters_.bytes_sent += static_cast<int64_t>(bytes.size());
-  }
+  count_sent(static_cast<int64_t>(bytes.size()));
   channel_.post(*this, comm_, destination, tag, std::move(bytes), lane);
 }
 
@@ -157,10 +143,7 @@ void MpiKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int6
     header.kind = kv_wire::kDeviceRows;
     header.ticket_offset = ticket->offset;
     header.ticket_bytes = ticket->bytes;
-    {
-      std::lock_guard lock(mutex_);
-      counters_.device_bytes_sent += static_cast<int64_t>(ticket->bytes);
-    }
+    count_device_sent(static_cast<int64_t>(ticket->bytes));
     queue(decode_rank, kv_wire::kHeaderTag, kv_wire::header_bytes(header), SendLane::kControl);
     return;
   }
@@ -240,8 +223,7 @@ bool MpiKvTransfer::progress() {
     KvTransferActions actions;
     protocol_.expire(Clock::now(), actions);
     act(actions, calls);
-    std::lock_guard lock(mutex_);
-    counters_.rows_dropped = protocol_.rows_dropped();
+    set_rows_dropped(protocol_.rows_dropped());
   }
   active = active || !calls.empty();
   deliver(calls);  // handlers run without the state lock
@@ -291,11 +273,7 @@ bool MpiKvTransfer::receive_headers(std::vector<KvTransferCall>& calls) {
       any = true;
       const std::vector<std::byte> bytes = std::move(from.front().bytes);
       from.pop_front();
-      {
-        std::lock_guard lock(mutex_);
-        ++counters_.messages_received;
-        counters_.bytes_received += static_cast<int64_t>(bytes.size());
-      }
+      count_received(static_cast<int64_t>(bytes.size()));
       // A follower's import may have been registered after this pass began
       // (its leader told it just before the order left): take it first.
       take_commands(calls);
@@ -322,11 +300,7 @@ bool MpiKvTransfer::receive_payloads(std::vector<KvTransferCall>& calls) {
         if (!flag) break;  // not sent yet: it is received on a later pass
         int count = 0;
         DUET_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-        {
-          std::lock_guard lock(mutex_);
-          ++counters_.messages_received;
-          counters_.bytes_received += count;
-        }
+        count_received(count);
         PayloadReceive receive;
         receive.whole = place->into != nullptr && count == place->bytes;
         if (receive.whole) {
@@ -442,8 +416,7 @@ void MpiKvTransfer::start_receipt(const KvTransferActions::DeviceReceive& receiv
     return;
   }
   protocol_.device_receipt_started(receive, receipt, Clock::now());
-  std::lock_guard lock(mutex_);
-  counters_.device_bytes_received += static_cast<int64_t>(receive.ticket.bytes);
+  count_device_received(static_cast<int64_t>(receive.ticket.bytes));
 }
 
 void MpiKvTransfer::drain_device(const KvTransferActions::DeviceReceive& receive) {
@@ -457,42 +430,6 @@ void MpiKvTransfer::drain_device(const KvTransferActions::DeviceReceive& receive
                   e.what());
     device_->abandon(receive.source);
   }
-}
-
-void MpiKvTransfer::deliver(std::vector<KvTransferCall>& calls) {
-  if (calls.empty()) return;
-  {
-    std::lock_guard lock(mutex_);
-    for (const KvTransferCall& call : calls) {
-      if (call.kind == KvTransferCall::Kind::kComplete) ++counters_.imports_completed;
-      if (call.kind == KvTransferCall::Kind::kFailed) ++counters_.imports_failed;
-      if (call.kind == KvTransferCall::Kind::kQuarantined) ++counters_.imports_quarantined;
-    }
-  }
-  std::lock_guard lock(handlers_mutex_);
-  for (KvTransferCall& call : calls) {
-    switch (call.kind) {
-      case KvTransferCall::Kind::kOrder:
-        if (handlers_.on_order) handlers_.on_order(call.peer, std::move(call.order));
-        break;
-      case KvTransferCall::Kind::kCancel:
-        if (handlers_.on_cancel) handlers_.on_cancel(call.peer, call.id);
-        break;
-      case KvTransferCall::Kind::kComplete:
-        if (handlers_.on_complete) handlers_.on_complete(call.id, call.handoff);
-        break;
-      case KvTransferCall::Kind::kFailed:
-        if (handlers_.on_failed) handlers_.on_failed(call.id, call.error);
-        break;
-      case KvTransferCall::Kind::kReleased:
-        if (handlers_.on_released) handlers_.on_released(call.id);
-        break;
-      case KvTransferCall::Kind::kQuarantined:
-        if (handlers_.on_quarantined) handlers_.on_quarantined(call.id);
-        break;
-    }
-  }
-  calls.clear();
 }
 
 }  // namespace duet

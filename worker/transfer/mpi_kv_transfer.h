@@ -1,5 +1,6 @@
 // KvTransfer over MPI point-to-point (worker/transfer/kv_transfer.h), for CPU
-// instances on one host (shared memory) or across hosts (TCP), and for GPU
+// instances on one host (shared memory; across hosts `duet serve` uses
+// TcpKvTransfer unless told --kv-transport mpi), and for GPU
 // instances with a DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) for the
 // pairs whose KV moves device to device (worker/transfer/transfer_kind.h): their rows
 // headers and every control message still go over MPI, their payloads
@@ -59,7 +60,7 @@
 
 #include "common/mpi/control_channel.h"
 #include "worker/transfer/device/device_kv_transfer.h"
-#include "worker/transfer/kv_transfer.h"
+#include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 
 namespace duet {
@@ -74,7 +75,7 @@ struct MpiKvTransferOptions {
   uint64_t drop_rows_of = 0;
 };
 
-class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
+class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
  public:
   // Collective over MPI_COMM_WORLD: every rank constructs one, in the same
   // order relative to other collectives (right after its ControlChannel).
@@ -88,7 +89,6 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   MpiKvTransfer(const MpiKvTransfer&) = delete;
   MpiKvTransfer& operator=(const MpiKvTransfer&) = delete;
 
-  void set_handlers(Handlers handlers) override;
   void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) override;
   void expect_import(ImportPlan plan) override;
   void abort_import(RequestId id) override;
@@ -98,24 +98,9 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
                  const KvSource& heads) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
   bool device_transfer(int peer) const override;
-  // Any thread: `ranks` are lost (KvTransferProtocol::peers_lost). Receives
-  // from them that had begun are given up (their buffers kept: MPI may still
-  // write them), and nothing sent to them is waited on.
-  void peers_lost(std::span<const Rank> ranks);
-
-  struct Counters {
-    int64_t messages_sent = 0;
-    int64_t bytes_sent = 0;  // headers and payloads
-    int64_t messages_received = 0;
-    int64_t bytes_received = 0;
-    int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
-    int64_t imports_completed = 0;
-    int64_t imports_failed = 0;
-    int64_t imports_quarantined = 0;  // failed with rows from a lost rank half-received
-    int64_t device_bytes_sent = 0;    // rows payloads through the device transfer
-    int64_t device_bytes_received = 0;
-  };
-  Counters counters() const;
+  // Receives from lost ranks that had begun are given up (their buffers
+  // kept: MPI may still write them), and nothing sent to them is waited on.
+  void peers_lost(std::span<const Rank> ranks) override;
 
  private:
   struct Start {
@@ -146,7 +131,6 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
                                   const KvTransferProtocol::PayloadPlace& place);
   // The communication thread: lost ranks' receives given up, the protocol told.
   void apply_losses(std::vector<KvTransferCall>& calls);
-  void deliver(std::vector<KvTransferCall>& calls);
 
   ControlChannel& channel_;
   const MpiKvTransferOptions options_;
@@ -177,16 +161,10 @@ class MpiKvTransfer final : public KvTransfer, private CommEndpoint {
   std::vector<int> type_lengths_;  // the receive datatype's runs, reused
   std::vector<MPI_Aint> type_addresses_;
 
-  // Held while a handler runs and by set_handlers: once that returns, the old
-  // handlers are not running and will not run again.
-  std::mutex handlers_mutex_;
-  Handlers handlers_;  // guarded by handlers_mutex_
-
   mutable std::mutex mutex_;  // guards the members below
   std::deque<Start> starts_;
   std::deque<RequestId> aborts_;
   std::vector<int> lost_;  // ranks lost since the last pass
-  Counters counters_;
 };
 
 }  // namespace duet

@@ -3,12 +3,16 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <map>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "common/error.h"
 #include "worker/model/model_forward.h"
+#include "worker/transfer/tcp_kv_connect.h"
 #ifdef DUET_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "worker/transfer/device/cuda_ipc_kv_transfer.h"
@@ -50,7 +54,6 @@ std::vector<std::pair<Rank, Rank>> kv_pairs(const ClusterSpec& spec) {
   return pairs;
 }
 
-#ifdef DUET_HAVE_CUDA
 // Collective: every rank says whether it made its device transfer (`failure` empty)
 // before any waits on a peer's; every rank throws if one could not, the
 // one that failed with its reason.
@@ -65,6 +68,7 @@ void agree_transfer_ready(const MpiRuntime& mpi, const std::string& failure, con
   }
 }
 
+#ifdef DUET_HAVE_CUDA
 // The CUDA IPC transfer of this rank, its handles exchanged with every rank
 // (all call this when the cluster has any IPC pair).
 std::unique_ptr<DeviceKvTransfer> make_cuda_ipc_transfer(
@@ -238,6 +242,60 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
 #else
   return nullptr;
 #endif
+}
+
+std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                    std::span<const RankPlacement> placements,
+                                                    TcpKvTransferOptions options) {
+  const Rank self = mpi.rank();
+  std::vector<int> peers;  // the ranks this one exchanges KV with
+  for (const auto& [p, d] : kv_pairs(spec)) {
+    if (p == self) peers.push_back(d.value);
+    if (d == self) peers.push_back(p.value);
+  }
+  return make_tcp_kv_transfer(mpi, peers, placements, options);
+}
+
+std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi,
+                                                    std::span<const int> peers,
+                                                    std::span<const RankPlacement> placements,
+                                                    TcpKvTransferOptions options) {
+  // How long every pair has to connect (the ranks are all up: they passed
+  // the all-gather).
+  constexpr auto kConnectTimeout = std::chrono::seconds(60);
+  const Rank self = mpi.rank();
+  std::optional<TcpKvListener> listener;
+  std::string failure;
+  if (!peers.empty()) {
+    try {
+      listener.emplace();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  agree_transfer_ready(mpi, failure, "TCP");
+  const TcpKvAddress own = listener ? listener->address() : TcpKvAddress{};
+  const std::vector<std::byte> all = mpi.all_gather(own.encode());
+  std::map<int, int> sockets;
+  if (!peers.empty()) {
+    std::vector<TcpKvPeer> to;
+    for (int rank : peers) {
+      const auto at = static_cast<size_t>(rank) * TcpKvAddress::kRecordBytes;
+      to.push_back({rank,
+                    TcpKvAddress::decode(std::span(all).subspan(at, TcpKvAddress::kRecordBytes)),
+                    placements[static_cast<size_t>(rank)].host ==
+                        placements[static_cast<size_t>(self.value)].host});
+    }
+    try {
+      sockets = connect_kv_peers(self.value, *listener, to,
+                                 std::chrono::steady_clock::now() + kConnectTimeout);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  agree_transfer_ready(mpi, failure, "TCP");
+  if (peers.empty()) return nullptr;
+  return std::make_unique<TcpKvTransfer>(self.value, std::move(sockets), options);
 }
 
 }  // namespace duet

@@ -14,6 +14,7 @@
 #include "common/cluster/cluster_spec.h"
 #include "common/mpi/mpi_runtime.h"
 #include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/tcp_kv_transfer.h"
 #include "worker/transfer/transfer_kind.h"
 
 namespace duet {
@@ -35,5 +36,21 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
                                                           const ClusterSpec& spec,
                                                           std::span<const RankPlacement> placements,
                                                           SameHostGpus same_host);
+
+// The KV transfer over TCP of every rank that may exchange KV (a prefill
+// rank or a decode rank of a disaggregated cluster), null for the others:
+// those listen, every rank all-gathers the listeners' addresses, the pairs
+// connect (worker/transfer/tcp_kv_connect.h) and all agree they did before
+// any goes on. Collective over MPI_COMM_WORLD; throws on every rank alike
+// when a pair could not connect.
+std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                    std::span<const RankPlacement> placements,
+                                                    TcpKvTransferOptions options);
+// The same for explicit pairs: this rank's `peers` (empty: none; the pairs
+// must agree on both sides).
+std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi,
+                                                    std::span<const int> peers,
+                                                    std::span<const RankPlacement> placements,
+                                                    TcpKvTransferOptions options);
 
 }  // namespace duet

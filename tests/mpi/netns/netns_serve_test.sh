@@ -12,7 +12,8 @@
 # to it), and the test checks:
 # - greedy completions over HTTP equal the single-process `duet serve`'s;
 # - bytes really crossed the veths of hosts b and c while they were answered
-#   (disaggregated: host c received at least the prompts' KV cache);
+#   (disaggregated: host c received at least the prompts' KV cache, over
+#   Duet's own TCP connections: --kv-transport auto picks tcp across hosts);
 # - SIGTERM to the launcher ends every rank with exit 0, and no process is
 #   left in any namespace;
 # and always removes the namespaces (also those a killed run left behind).
@@ -147,6 +148,12 @@ cluster=$!
 await_listening "$work/cluster.out" "$cluster" || fail "the cluster did not start"
 cluster_url=http://$(sed -n 's/^http listening on //p' "$work/cluster.out")
 say "cluster ($mode) listening on $cluster_url after $((SECONDS - started)) s"
+transport=tcp  # across hosts, unless the arguments force mpi
+[[ " $* " != *" --kv-transport mpi "* ]] || transport=mpi
+if [ "$mode" = disaggregated ]; then
+  grep -q "kv transfer: between instances over $transport (" "$work/cluster.log" ||
+    fail "the cluster's ranks span 3 hosts, yet its KV does not go over $transport"
+fi
 
 bytes_b=$(netns_veth_bytes b)
 bytes_c=$(netns_veth_bytes c)
@@ -189,6 +196,13 @@ cluster=""
 for rank in 0 1 2; do
   grep -q "rank $rank: exiting with code 0" "$work/cluster.log" || fail "rank $rank did not exit with 0"
 done
+if [ "$mode" = disaggregated ]; then
+  # The decode rank's own count of the KV its transfer received.
+  transferred=$(sed -n 's/.*(rank 2): kv transfer: .* sent, [0-9]* (\([0-9]*\) bytes) received.*/\1/p' \
+    "$work/cluster.log" | head -n 1)
+  say "the decode rank's KV transfer received ${transferred:-no} bytes"
+  [ "${transferred:-0}" -ge "$kv" ] || fail "the decode rank's KV transfer received less than the prompts' KV cache"
+fi
 for ns in "${NETNS_NAMESPACES[@]}"; do
   left=$(ip netns pids "$ns")
   [ -z "$left" ] || fail "processes left in $ns: $(echo "$left" | tr '\n' ' ')"

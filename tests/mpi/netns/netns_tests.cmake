@@ -14,3 +14,14 @@ set_tests_properties(mpi_serve_netns_test PROPERTIES
   LABELS mpi
   SKIP_RETURN_CODE 77
   TIMEOUT 300)
+
+# A decode rank on another host SIGKILLed while a prompt's KV flows to it
+# (netns_failover_test.sh, four hosts): every stream ends with the single
+# process's text, over Duet's own TCP KV connections. Needs root, as above.
+add_test(NAME mpi_netns_failover_test
+  COMMAND ${CMAKE_CURRENT_LIST_DIR}/netns_failover_test.sh)
+set_tests_properties(mpi_netns_failover_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIRUN=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  SKIP_RETURN_CODE 77
+  TIMEOUT 90)

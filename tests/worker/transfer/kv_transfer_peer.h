@@ -36,9 +36,11 @@ class KvTransferPeer : public ::testing::Test {
   static constexpr int64_t kPrompt = 8;
   static constexpr std::chrono::seconds kPatience{1};  // from the start to the deadline
 
-  // `device_peers`: as KvTransferProtocol's.
-  explicit KvTransferPeer(std::vector<bool> device_peers = {})
-      : protocol_(std::move(device_peers)) {}
+  // `device_peers`, `lost_receives`: as KvTransferProtocol's.
+  explicit KvTransferPeer(std::vector<bool> device_peers = {},
+                          KvTransferProtocol::LostReceives lost_receives =
+                              KvTransferProtocol::LostReceives::kQuarantine)
+      : protocol_(std::move(device_peers), lost_receives) {}
 
   static KvLayout test_layout() {
     KvLayout layout;

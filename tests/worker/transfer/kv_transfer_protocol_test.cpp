@@ -366,6 +366,40 @@ TEST_F(KvTransferPeer, APayloadHalfReceivedFromALostRankQuarantinesTheImport) {
   EXPECT_TRUE(calls().empty());
 }
 
+// An adapter that owns its receive buffers (its own socket) stops the
+// receive when the rank is lost: nothing more is written, so the import
+// fails as any other waiting on a lost rank, and its blocks come back.
+class KvTransferStoppingPeer : public KvTransferPeer {
+ protected:
+  KvTransferStoppingPeer() : KvTransferPeer({}, KvTransferProtocol::LostReceives::kStop) {}
+};
+
+TEST_F(KvTransferStoppingPeer, APayloadHalfReceivedFromALostRankFailsTheImport) {
+  start();
+  send_rows(kLeader, 0, 0, kPrompt);
+  protocol_.payload_receiving(kLeader);
+  const std::vector<int> lost = {kLeader};
+  protocol_.peers_lost(lost, now_, out_);
+  const std::vector<KvTransferCall> failed = calls();
+  ASSERT_EQ(kinds(failed), std::vector<Kind>{Kind::kFailed});
+  EXPECT_EQ(failed[0].error.kind, ServeErrorKind::kUnavailable);
+  EXPECT_EQ(protocol_.imports_quarantined(), 0);
+  EXPECT_FALSE(protocol_.payload_place(kLeader).has_value());  // nothing more from it
+}
+
+TEST_F(KvTransferStoppingPeer, AnAbortHeldForAPayloadFromALostRankReleasesAtTheLoss) {
+  start();
+  send_rows(kLeader, 0, 0, kPrompt);
+  protocol_.payload_receiving(kLeader);
+  protocol_.abort_import(kId, now_, out_);
+  EXPECT_TRUE(calls().empty());  // held while the payload arrives
+  const std::vector<int> lost = {kLeader};
+  protocol_.peers_lost(lost, now_, out_);
+  EXPECT_EQ(kinds(calls()), std::vector<Kind>{Kind::kReleased});
+  advance(std::chrono::minutes(10));
+  EXPECT_TRUE(calls().empty());
+}
+
 TEST_F(KvTransferPeer, AnAbortWhileAPayloadArrivesReleasesOnceItLands) {
   start();
   send_rows(kLeader, 0, 0, kPrompt);

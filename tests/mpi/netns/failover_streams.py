@@ -1,0 +1,162 @@
+"""The client side of netns_failover_test.sh, run on host a: streaming
+completions to the cluster, a decode rank on another host SIGKILLed while a
+long prompt's KV flows to it, and every answer checked.
+
+Usage: failover_streams.py URL EXPECTED_JSON VICTIM_PID VICTIM_NAMESPACE
+
+EXPECTED_JSON: a list of {"prompt", "max_tokens", "text"} (single-process
+`duet generate`'s greedy texts), the short prompts first, then the long ones.
+The short prompts stream first; once tokens flow on each, the long prompts
+go in one after another, until the victim's host receives KV (over 256 KiB
+in 20 ms on its veth, where tokens and heartbeats are a few hundred bytes);
+then the victim is killed. Checks: every stream ends with its expected text
+and no error, at least one was re-run, /health says degraded, and a new
+request is served. Prints one line per stream; exit 0 when all hold.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+PATIENCE_S = 60.0  # any one wait
+
+
+class Stream(threading.Thread):
+    def __init__(self, host, port, body):
+        super().__init__(daemon=True)
+        self.host, self.port, self.body = host, port, body
+        self.text, self.error, self.retries, self.failure = "", None, None, None
+        self.events, self.done = 0, False
+
+    def run(self):
+        try:
+            data = json.dumps({**self.body, "temperature": 0, "stream": True}).encode()
+            with socket.create_connection((self.host, self.port), timeout=PATIENCE_S) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
+                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                buffer = b""
+                while not self.done:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        raise AssertionError("the stream ended without [DONE]")
+                    buffer += chunk
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        self.on_event(event.decode())
+        except Exception as e:  # reported below
+            self.failure = e
+
+    def on_event(self, event):
+        for line in event.splitlines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                self.done = True
+                return
+            message = json.loads(payload)
+            self.events += 1
+            if "error" in message:
+                self.error = message["error"]
+                continue
+            self.text += message["choices"][0].get("text", "")
+            if "duet" in message:
+                self.retries = message["duet"].get("retries")
+
+
+def rx_bytes(namespace):
+    return int(subprocess.run(
+        ["ip", "netns", "exec", namespace, "cat", "/sys/class/net/duet0/statistics/rx_bytes"],
+        capture_output=True, text=True, check=True, timeout=10).stdout)
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + PATIENCE_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def request(url, method="GET", body=None):
+    import http.client
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=PATIENCE_S)
+    try:
+        connection.request(method, parts.path, body=json.dumps(body) if body else None,
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def main():
+    url, expected_path, victim, victim_namespace = sys.argv[1:5]
+    victim = int(victim)
+    expected = json.load(open(expected_path))
+    parts = urllib.parse.urlsplit(url)
+    short = [e for e in expected if len(e["prompt"]) < 200]
+    long = [e for e in expected if len(e["prompt"]) >= 200]
+    streams = [Stream(parts.hostname, parts.port, {"prompt": e["prompt"],
+                                                   "max_tokens": e["max_tokens"]})
+               for e in short]
+    for stream in streams:
+        stream.start()
+    wait_until(lambda: all(s.events >= 2 or s.done for s in streams), "tokens on every stream")
+    killed = False
+    for e in long:
+        stream = Stream(parts.hostname, parts.port, {"prompt": e["prompt"],
+                                                     "max_tokens": e["max_tokens"]})
+        streams.append(stream)
+        stream.start()
+        before, deadline = rx_bytes(victim_namespace), time.monotonic() + 3.0
+        while time.monotonic() < deadline and not stream.done:
+            time.sleep(0.02)
+            now = rx_bytes(victim_namespace)
+            if now - before > 256 * 1024:
+                os.kill(victim, signal.SIGKILL)
+                killed = True
+                print(f"killed rank pid {victim} with KV flowing to it "
+                      f"({now - before} bytes in 20 ms)", flush=True)
+                break
+            before = now
+        if killed:
+            break
+    if not killed:
+        print("FAIL: no long prompt's KV went to the victim's host", flush=True)
+        return 1
+    for stream in streams:
+        stream.join(PATIENCE_S * 2)
+    failures = []
+    for stream, want in zip(streams, short + long):
+        prompt = want["prompt"][:40]
+        ok = (stream.failure is None and stream.error is None and stream.done
+              and stream.text == want["text"])
+        print(f"{'ok  ' if ok else 'FAIL'} {prompt!r}: retries {stream.retries}, "
+              f"{len(stream.text)} chars", flush=True)
+        if not ok:
+            failures.append(f"{prompt!r}: failure {stream.failure}, error {stream.error}, "
+                            f"done {stream.done}, got {stream.text!r}, want {want['text']!r}")
+    if not any(s.retries for s in streams):
+        failures.append("no stream was re-run: nothing was on the killed instance")
+    status, body = request(url + "/health")
+    if status != 200 or json.loads(body).get("status") != "degraded":
+        failures.append(f"/health: {status} {body[:200]!r}")
+    status, body = request(url + "/v1/completions", "POST",
+                           {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    if status != 200:
+        failures.append(f"a new request after the loss: {status} {body[:200]!r}")
+    for failure in failures:
+        print("FAIL: " + failure, flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

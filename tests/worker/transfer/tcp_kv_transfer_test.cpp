@@ -1,0 +1,266 @@
+// TcpKvTransfer (worker/transfer/tcp_kv_transfer.h) over loopback, in one
+// process, no MPI: two ranks connect as duet serve's start-up connects them
+// (connect_kv_peers), then
+// - a decode rank imports a prompt's rows from a prefill rank: every row
+//   lands in the reserved blocks, checksums on, and the import completes;
+// - a prefill rank that dies with a payload half-sent (the test plays it on
+//   a raw socket) fails the import kUnavailable and its blocks come back
+//   (no quarantine: the socket is closed, nothing writes them any more);
+// - bytes that are not the transfer's give the peer up the same way;
+// - an abort reaches the prefill side as a cancel, and releases;
+// - a peer that stops reading (stalled, SIGSTOP) holds nothing up: sends
+//   queue, and the transfer still ends in its flush time.
+#include "worker/transfer/tcp_kv_transfer.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "worker/kv/kv_rows.h"
+#include "worker/transfer/kv_transfer_wire.h"
+#include "worker/transfer/tcp_kv_connect.h"
+
+namespace duet {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kPrefill = 1;
+constexpr int kDecode = 2;
+constexpr RequestId kId{11};
+constexpr int64_t kPrompt = 37;  // over several blocks, the last one partial
+constexpr auto kPatience = 10s;  // any wait in these tests
+
+KvLayout test_layout() {
+  KvLayout layout;
+  layout.n_layers = 3;
+  layout.n_kv_heads = 2;
+  layout.head_dim = 8;
+  layout.block_size = 16;
+  layout.n_blocks = 8;
+  return layout;
+}
+
+// Connected sockets between kPrefill and kDecode, as the start-up makes them.
+std::pair<int, int> connected_pair() {
+  TcpKvListener prefill_listener, decode_listener;
+  const auto deadline = std::chrono::steady_clock::now() + kPatience;
+  auto prefill = std::async(std::launch::async, [&] {
+    const TcpKvPeer peer{kDecode, decode_listener.address(), true};
+    return connect_kv_peers(kPrefill, prefill_listener, std::span(&peer, 1), deadline);
+  });
+  const TcpKvPeer peer{kPrefill, prefill_listener.address(), true};
+  std::map<int, int> decode =
+      connect_kv_peers(kDecode, decode_listener, std::span(&peer, 1), deadline);
+  return {prefill.get().at(kDecode), decode.at(kPrefill)};
+}
+
+// What a transfer's handlers were called with, waited for with a deadline.
+class Calls {
+ public:
+  KvTransfer::Handlers handlers() {
+    KvTransfer::Handlers h;
+    h.on_order = [this](int peer, PrefillOrder order) {
+      note([&] { orders.push_back({peer, order}); });
+    };
+    h.on_cancel = [this](int, RequestId id) { note([&] { cancels.push_back(id); }); };
+    h.on_complete = [this](RequestId id, const KvHandoff& handoff) {
+      note([&] { completed.push_back({id, handoff}); });
+    };
+    h.on_failed = [this](RequestId id, const ServeError& error) {
+      note([&] { failed.push_back({id, error}); });
+    };
+    h.on_released = [this](RequestId id) { note([&] { released.push_back(id); }); };
+    h.on_quarantined = [this](RequestId id) { note([&] { quarantined.push_back(id); }); };
+    return h;
+  }
+  bool wait(const std::function<bool()>& done) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, kPatience, done);
+  }
+
+  std::vector<std::pair<int, PrefillOrder>> orders;
+  std::vector<RequestId> cancels;
+  std::vector<std::pair<RequestId, KvHandoff>> completed;
+  std::vector<std::pair<RequestId, ServeError>> failed;
+  std::vector<RequestId> released;
+  std::vector<RequestId> quarantined;
+
+ private:
+  void note(const std::function<void()>& change) {
+    {
+      std::lock_guard lock(mutex_);
+      change();
+    }
+    changed_.notify_all();
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+};
+
+class TcpKvTransferTest : public ::testing::Test {
+ protected:
+  TcpKvTransferTest() {
+    const auto [prefill_fd, decode_fd] = connected_pair();
+    prefill_fd_ = prefill_fd;
+    decode_ = std::make_unique<TcpKvTransfer>(kDecode, std::map<int, int>{{kPrefill, decode_fd}},
+                                              TcpKvTransferOptions{true});
+    decode_->set_handlers(decode_calls_.handlers());
+    // The prefill cache: every element tells its place.
+    for (int64_t i = 0; i < prefill_cache_.layout().total_elems(); ++i)
+      prefill_cache_.data()[i] = static_cast<KvElement>(1 + i % 30000);
+  }
+  ~TcpKvTransferTest() override {
+    prefill_.reset();
+    decode_.reset();
+    if (prefill_fd_ >= 0) close(prefill_fd_);
+  }
+
+  // The prefill side as a TcpKvTransfer of its own.
+  void start_prefill() {
+    prefill_ = std::make_unique<TcpKvTransfer>(kPrefill, std::map<int, int>{{kDecode, prefill_fd_}},
+                                               TcpKvTransferOptions{true});
+    prefill_fd_ = -1;
+    prefill_->set_handlers(prefill_calls_.handlers());
+  }
+
+  void start_import() {
+    PrefillOrder order;
+    order.request.id = kId;
+    order.request.prompt.assign(kPrompt, 1);
+    decode_->start_import(kPrefill, order,
+                          {kId,
+                           0,
+                           kPrompt,
+                           {{kPrefill, 0, 2}},
+                           0,
+                           &decode_cache_,
+                           decode_blocks_,
+                           KvTransfer::Clock::now() + kPatience});
+  }
+
+  std::vector<KvElement> packed(const KvCache& cache, const std::vector<int32_t>& blocks,
+                                int64_t layer) {
+    std::vector<KvElement> rows(static_cast<size_t>(
+        packed_kv_elems(cache.layout(), kPrompt, all_kv_heads(cache.layout()))));
+    pack_kv_rows(cache.layout(), cache.data(), layer, blocks, 0, kPrompt,
+                 all_kv_heads(cache.layout()), rows.data());
+    return rows;
+  }
+
+  KvCache prefill_cache_{test_layout()};
+  KvCache decode_cache_{test_layout()};
+  const std::vector<int32_t> prefill_blocks_{4, 0, 6};
+  const std::vector<int32_t> decode_blocks_{1, 7, 3};
+  int prefill_fd_ = -1;
+  Calls decode_calls_, prefill_calls_;
+  std::unique_ptr<TcpKvTransfer> decode_;
+  std::unique_ptr<TcpKvTransfer> prefill_;
+};
+
+TEST_F(TcpKvTransferTest, RowsLandInTheReservedBlocksAndTheImportCompletes) {
+  start_prefill();
+  start_import();
+  ASSERT_TRUE(prefill_calls_.wait([&] { return !prefill_calls_.orders.empty(); }));
+  EXPECT_EQ(prefill_calls_.orders[0].first, kDecode);
+  const int64_t layers = prefill_cache_.layout().n_layers;
+  for (int64_t layer = 0; layer < layers; ++layer) {  // in two chunks, as a prefill does
+    prefill_->send_rows(kDecode, kId, layer, 0, 20, prefill_cache_, prefill_blocks_, 0,
+                        all_kv_heads_of(prefill_cache_));
+  }
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    prefill_->send_rows(kDecode, kId, layer, 20, kPrompt - 20, prefill_cache_, prefill_blocks_, 0,
+                        all_kv_heads_of(prefill_cache_));
+  }
+  KvHandoff handoff{kId};
+  handoff.first_token = 42;
+  handoff.rows_sent = kPrompt * layers;
+  prefill_->send_handoff(kDecode, handoff);
+  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.completed.empty(); }));
+  EXPECT_EQ(decode_calls_.completed[0].second.first_token, 42);
+  EXPECT_TRUE(decode_calls_.failed.empty());
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    EXPECT_EQ(packed(decode_cache_, decode_blocks_, layer),
+              packed(prefill_cache_, prefill_blocks_, layer))
+        << "layer " << layer;
+  }
+  const KvTransferAdapter::Counters sent = prefill_->counters();
+  EXPECT_EQ(sent.messages_sent, 2 * layers + 1);
+  EXPECT_EQ(decode_->counters().bytes_received, sent.bytes_sent);
+}
+
+TEST_F(TcpKvTransferTest, AnAbortCancelsAtThePrefillSideAndReleases) {
+  start_prefill();
+  start_import();
+  ASSERT_TRUE(prefill_calls_.wait([&] { return !prefill_calls_.orders.empty(); }));
+  decode_->abort_import(kId);
+  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.released.empty(); }));
+  ASSERT_TRUE(prefill_calls_.wait([&] { return !prefill_calls_.cancels.empty(); }));
+  EXPECT_EQ(prefill_calls_.cancels[0], kId);
+}
+
+// The prefill side, played on the raw socket: a rows header and half its
+// payload, then the process dies (the socket closes).
+TEST_F(TcpKvTransferTest, APeerLostMidPayloadFailsTheImportAndReleasesItsBlocks) {
+  start_import();
+  const std::vector<KvElement> rows = packed(prefill_cache_, prefill_blocks_, 0);
+  kv_wire::Header header{kv_wire::kMagic, kv_wire::kRows, kId.value, 0, 0, kPrompt, 0, 0, 2};
+  header.ticket_bytes = rows.size() * sizeof(KvElement);
+  std::vector<std::byte> frame = kv_wire::header_bytes(header);
+  const auto* bytes = reinterpret_cast<const std::byte*>(rows.data());
+  frame.insert(frame.end(), bytes, bytes + header.ticket_bytes / 2);
+  ASSERT_EQ(send(prefill_fd_, frame.data(), frame.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(frame.size()));
+  std::this_thread::sleep_for(100ms);  // the decode side is receiving into the blocks
+  close(prefill_fd_);
+  prefill_fd_ = -1;
+  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.failed.empty(); }));
+  EXPECT_EQ(decode_calls_.failed[0].second.kind, ServeErrorKind::kUnavailable);
+  EXPECT_TRUE(decode_calls_.quarantined.empty());
+  EXPECT_EQ(decode_->counters().imports_quarantined, 0);
+}
+
+TEST_F(TcpKvTransferTest, BytesThatAreNotTheTransfersGiveThePeerUp) {
+  start_import();
+  const std::vector<std::byte> junk(sizeof(kv_wire::Header), std::byte{0x5a});
+  ASSERT_EQ(send(prefill_fd_, junk.data(), junk.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(junk.size()));
+  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.failed.empty(); }));
+  EXPECT_EQ(decode_calls_.failed[0].second.kind, ServeErrorKind::kUnavailable);
+}
+
+TEST(TcpKvTransferStall, APeerThatStopsReadingHoldsNothingUp) {
+  const auto [prefill_fd, decode_fd] = connected_pair();  // the decode side never reads
+  KvCache cache{test_layout()};
+  const std::vector<int32_t> blocks{0, 1, 2};
+  auto transfer =
+      std::make_unique<TcpKvTransfer>(kPrefill, std::map<int, int>{{kDecode, prefill_fd}});
+  const auto start = std::chrono::steady_clock::now();
+  int64_t sent = 0;
+  for (int rep = 0; rep < 6000; ++rep) {  // far more than the sockets' buffers hold
+    for (int64_t layer = 0; layer < cache.layout().n_layers; ++layer) {
+      transfer->send_rows(kDecode, kId, layer, 0, kPrompt, cache, blocks, 0,
+                          all_kv_heads_of(cache));
+    }
+    sent = transfer->counters().bytes_sent;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_GT(sent, int64_t{32} << 20);
+  const auto stop = std::chrono::steady_clock::now();
+  transfer.reset();  // its frames cannot all leave: it gives them up after its flush time
+  EXPECT_LT(std::chrono::steady_clock::now() - stop, 3s);
+  close(decode_fd);
+}
+
+}  // namespace
+}  // namespace duet

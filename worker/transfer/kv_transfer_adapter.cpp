@@ -1,0 +1,80 @@
+#include "worker/transfer/kv_transfer_adapter.h"
+
+#include <utility>
+
+namespace duet {
+
+void KvTransferAdapter::set_handlers(Handlers handlers) {
+  std::lock_guard lock(handlers_mutex_);
+  handlers_ = std::move(handlers);
+}
+
+KvTransferAdapter::Counters KvTransferAdapter::counters() const {
+  std::lock_guard lock(counters_mutex_);
+  return counters_;
+}
+
+void KvTransferAdapter::count_sent(int64_t bytes) {
+  std::lock_guard lock(counters_mutex_);
+  ++counters_.messages_sent;
+  counters_.bytes_sent += bytes;
+}
+
+void KvTransferAdapter::count_received(int64_t bytes) {
+  std::lock_guard lock(counters_mutex_);
+  ++counters_.messages_received;
+  counters_.bytes_received += bytes;
+}
+
+void KvTransferAdapter::count_device_sent(int64_t bytes) {
+  std::lock_guard lock(counters_mutex_);
+  counters_.device_bytes_sent += bytes;
+}
+
+void KvTransferAdapter::count_device_received(int64_t bytes) {
+  std::lock_guard lock(counters_mutex_);
+  counters_.device_bytes_received += bytes;
+}
+
+void KvTransferAdapter::set_rows_dropped(int64_t rows_dropped) {
+  std::lock_guard lock(counters_mutex_);
+  counters_.rows_dropped = rows_dropped;
+}
+
+void KvTransferAdapter::deliver(std::vector<KvTransferCall>& calls) {
+  if (calls.empty()) return;
+  {
+    std::lock_guard lock(counters_mutex_);
+    for (const KvTransferCall& call : calls) {
+      if (call.kind == KvTransferCall::Kind::kComplete) ++counters_.imports_completed;
+      if (call.kind == KvTransferCall::Kind::kFailed) ++counters_.imports_failed;
+      if (call.kind == KvTransferCall::Kind::kQuarantined) ++counters_.imports_quarantined;
+    }
+  }
+  std::lock_guard lock(handlers_mutex_);
+  for (KvTransferCall& call : calls) {
+    switch (call.kind) {
+      case KvTransferCall::Kind::kOrder:
+        if (handlers_.on_order) handlers_.on_order(call.peer, std::move(call.order));
+        break;
+      case KvTransferCall::Kind::kCancel:
+        if (handlers_.on_cancel) handlers_.on_cancel(call.peer, call.id);
+        break;
+      case KvTransferCall::Kind::kComplete:
+        if (handlers_.on_complete) handlers_.on_complete(call.id, call.handoff);
+        break;
+      case KvTransferCall::Kind::kFailed:
+        if (handlers_.on_failed) handlers_.on_failed(call.id, call.error);
+        break;
+      case KvTransferCall::Kind::kReleased:
+        if (handlers_.on_released) handlers_.on_released(call.id);
+        break;
+      case KvTransferCall::Kind::kQuarantined:
+        if (handlers_.on_quarantined) handlers_.on_quarantined(call.id);
+        break;
+    }
+  }
+  calls.clear();
+}
+
+}  // namespace duet

@@ -1,0 +1,62 @@
+// What every adapter of KvTransferProtocol shares (MpiKvTransfer over MPI,
+// TcpKvTransfer over its own sockets): the handlers and the handler calls the
+// protocol's actions name, delivered outside the adapter's locks; the
+// counters; and the coordinator's word that ranks are lost.
+//
+// Threads: set_handlers, counters and peers_lost from any thread; deliver
+// from the adapter's communication thread, with no lock of the adapter held.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "common/cluster/cluster_spec.h"
+#include "worker/transfer/kv_transfer.h"
+#include "worker/transfer/kv_transfer_protocol.h"
+
+namespace duet {
+
+class KvTransferAdapter : public KvTransfer {
+ public:
+  struct Counters {
+    int64_t messages_sent = 0;
+    int64_t bytes_sent = 0;  // headers and payloads
+    int64_t messages_received = 0;
+    int64_t bytes_received = 0;
+    int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
+    int64_t imports_completed = 0;
+    int64_t imports_failed = 0;
+    int64_t imports_quarantined = 0;  // failed with rows from a lost rank half-received
+    int64_t device_bytes_sent = 0;    // rows payloads through the device transfer
+    int64_t device_bytes_received = 0;
+  };
+
+  void set_handlers(Handlers handlers) final;
+  Counters counters() const;
+
+  // `ranks` are lost (KvTransferProtocol::peers_lost): nothing from them is
+  // waited on any more. Any thread; the communication thread applies it.
+  virtual void peers_lost(std::span<const Rank> ranks) = 0;
+
+ protected:
+  void count_sent(int64_t bytes);
+  void count_received(int64_t bytes);
+  void count_device_sent(int64_t bytes);
+  void count_device_received(int64_t bytes);
+  void set_rows_dropped(int64_t rows_dropped);
+  // Counts the calls and runs their handlers, in order; clears `calls`.
+  void deliver(std::vector<KvTransferCall>& calls);
+
+ private:
+  // Held while a handler runs and by set_handlers: once that returns, the old
+  // handlers are not running and will not run again.
+  std::mutex handlers_mutex_;
+  Handlers handlers_;  // guarded by handlers_mutex_
+
+  mutable std::mutex counters_mutex_;
+  Counters counters_;  // guarded by counters_mutex_
+};
+
+}  // namespace duet

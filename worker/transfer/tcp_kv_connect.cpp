@@ -1,0 +1,345 @@
+#include "worker/transfer/tcp_kv_connect.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "common/error.h"
+#include "common/format.h"
+
+namespace duet {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kHelloMagic = 0x4856'4b44;  // "DKVH"
+// How long one connection attempt (connect, hello, its answer) may take
+// before the next address is tried.
+constexpr auto kAttemptPatience = std::chrono::seconds(3);
+constexpr auto kRetryPause = std::chrono::milliseconds(100);
+
+struct Hello {
+  uint32_t magic = kHelloMagic;
+  int32_t from = 0;
+  int32_t to = 0;
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(Hello) == 16);
+
+void non_blocking(int fd) {
+  const int flags = fcntl(fd, F_GETFL, 0);
+  fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+void no_delay(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+std::string dotted(uint32_t ipv4) {
+  char text[INET_ADDRSTRLEN] = {};
+  in_addr address{};
+  address.s_addr = ipv4;
+  inet_ntop(AF_INET, &address, text, sizeof text);
+  return text;
+}
+
+bool is_loopback(uint32_t ipv4) { return (ntohl(ipv4) >> 24) == 127; }
+
+// One side of a connection being set up: its socket and the hello bytes
+// sent or received so far.
+struct Attempt {
+  int fd = -1;
+  bool outgoing = false;  // a connect (else an accept)
+  int peer = -1;          // the rank meant (connects), or -1 until its hello (accepts)
+  size_t address = 0;     // connects: the index in the peer's addresses
+  bool connected = false;
+  std::array<std::byte, sizeof(Hello)> out{};
+  size_t sent = 0;
+  std::array<std::byte, sizeof(Hello)> in{};
+  size_t received = 0;
+  Clock::time_point give_up;
+};
+
+std::array<std::byte, sizeof(Hello)> hello_bytes(int from, int to) {
+  Hello hello;
+  hello.from = from;
+  hello.to = to;
+  std::array<std::byte, sizeof(Hello)> bytes;
+  std::memcpy(bytes.data(), &hello, sizeof hello);
+  return bytes;
+}
+
+Hello read_hello(const std::array<std::byte, sizeof(Hello)>& bytes) {
+  Hello hello;
+  std::memcpy(&hello, bytes.data(), sizeof hello);
+  return hello;
+}
+
+// Sends what is left of the hello, reads what came of the answer. False:
+// the connection failed.
+bool pump(Attempt& a) {
+  while (a.sent < a.out.size()) {
+    const ssize_t n = send(a.fd, a.out.data() + a.sent, a.out.size() - a.sent, MSG_NOSIGNAL);
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    a.sent += static_cast<size_t>(n);
+  }
+  while (a.received < a.in.size()) {
+    const ssize_t n = recv(a.fd, a.in.data() + a.received, a.in.size() - a.received, 0);
+    if (n == 0) return false;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    a.received += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// The addresses to try for `peer`, in order.
+std::vector<uint32_t> targets(const TcpKvPeer& peer) {
+  std::vector<uint32_t> out;
+  if (peer.same_host) out.push_back(htonl(INADDR_LOOPBACK));
+  for (uint32_t ipv4 : peer.address.ipv4) {
+    if (!is_loopback(ipv4)) out.push_back(ipv4);
+  }
+  if (out.empty()) out.push_back(htonl(INADDR_LOOPBACK));
+  return out;
+}
+
+}  // namespace
+
+std::array<std::byte, TcpKvAddress::kRecordBytes> TcpKvAddress::encode() const {
+  std::array<std::byte, kRecordBytes> record{};
+  const uint32_t port32 = port;
+  const auto count = static_cast<uint32_t>(std::min(ipv4.size(), kMaxAddresses));
+  std::memcpy(record.data(), &port32, 4);
+  std::memcpy(record.data() + 4, &count, 4);
+  std::memcpy(record.data() + 8, ipv4.data(), 4 * count);
+  return record;
+}
+
+TcpKvAddress TcpKvAddress::decode(std::span<const std::byte> record) {
+  DUET_ASSERT(record.size() == kRecordBytes, "a {}-byte KV address record", record.size());
+  uint32_t port32 = 0, count = 0;
+  std::memcpy(&port32, record.data(), 4);
+  std::memcpy(&count, record.data() + 4, 4);
+  TcpKvAddress address;
+  address.port = static_cast<uint16_t>(port32);
+  address.ipv4.resize(std::min<size_t>(count, kMaxAddresses));
+  std::memcpy(address.ipv4.data(), record.data() + 8, 4 * address.ipv4.size());
+  return address;
+}
+
+TcpKvListener::TcpKvListener() {
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0)
+    throw Error(ErrorKind::kInternal, format("kv transfer: socket: {}", strerror(errno)));
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  any.sin_addr.s_addr = htonl(INADDR_ANY);
+  any.sin_port = 0;
+  socklen_t length = sizeof any;
+  if (bind(fd_, reinterpret_cast<sockaddr*>(&any), sizeof any) != 0 ||
+      listen(fd_, SOMAXCONN) != 0 ||
+      getsockname(fd_, reinterpret_cast<sockaddr*>(&any), &length) != 0) {
+    const std::string why = strerror(errno);
+    close(fd_);
+    throw Error(ErrorKind::kInternal, format("kv transfer: cannot listen: {}", why));
+  }
+  non_blocking(fd_);
+  port_ = ntohs(any.sin_port);
+}
+
+TcpKvListener::~TcpKvListener() { close(fd_); }
+
+TcpKvAddress TcpKvListener::address() const {
+  TcpKvAddress address;
+  address.port = port_;
+  std::vector<uint32_t> loopback;
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) == 0) {
+    for (const ifaddrs* i = all; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+      if ((i->ifa_flags & IFF_UP) == 0) continue;
+      const uint32_t ipv4 = reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr;
+      (is_loopback(ipv4) ? loopback : address.ipv4).push_back(ipv4);
+    }
+    freeifaddrs(all);
+  }
+  address.ipv4.insert(address.ipv4.end(), loopback.begin(), loopback.end());
+  if (address.ipv4.size() > TcpKvAddress::kMaxAddresses)
+    address.ipv4.resize(TcpKvAddress::kMaxAddresses);
+  return address;
+}
+
+std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
+                                    std::span<const TcpKvPeer> peers, Clock::time_point deadline) {
+  std::map<int, int> connected;
+  std::map<int, const TcpKvPeer*> lower;  // accepted from
+  std::vector<Attempt> attempts;          // connects out and accepts in, being set up
+  std::map<int, std::vector<uint32_t>> addresses;
+  std::map<int, size_t> next_address;
+  std::map<int, Clock::time_point> retry_at;
+  for (const TcpKvPeer& peer : peers) {
+    if (peer.rank < self) lower[peer.rank] = &peer;
+    if (peer.rank > self) addresses[peer.rank] = targets(peer);
+  }
+  const auto port_of = [&](int rank) {
+    for (const TcpKvPeer& peer : peers) {
+      if (peer.rank == rank) return peer.address.port;
+    }
+    return uint16_t{0};
+  };
+  const auto drop = [&](Attempt& a) {
+    close(a.fd);
+    a.fd = -1;
+  };
+  const auto start = [&](int rank, Clock::time_point now) {
+    const std::vector<uint32_t>& to = addresses[rank];
+    size_t& index = next_address[rank];
+    Attempt a;
+    a.outgoing = true;
+    a.peer = rank;
+    a.address = index % to.size();
+    ++index;
+    a.give_up = now + kAttemptPatience;
+    a.out = hello_bytes(self, rank);
+    a.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (a.fd < 0) return;
+    non_blocking(a.fd);
+    no_delay(a.fd);
+    sockaddr_in target{};
+    target.sin_family = AF_INET;
+    target.sin_addr.s_addr = to[a.address];
+    target.sin_port = htons(port_of(rank));
+    if (connect(a.fd, reinterpret_cast<sockaddr*>(&target), sizeof target) == 0) {
+      a.connected = true;
+    } else if (errno != EINPROGRESS) {
+      spdlog::debug("kv transfer: connect to rank {} at {}: {}", rank, dotted(to[a.address]),
+                    strerror(errno));
+      drop(a);
+      retry_at[rank] = now + kRetryPause;
+      return;
+    }
+    attempts.push_back(a);
+  };
+  while (connected.size() < addresses.size() + lower.size()) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
+      std::string missing;
+      for (const TcpKvPeer& peer : peers) {
+        if (!connected.contains(peer.rank))
+          missing += format("{}{}", missing.empty() ? "" : ", ", peer.rank);
+      }
+      for (Attempt& a : attempts) drop(a);
+      for (auto& [rank, fd] : connected) close(fd);
+      throw Error(
+          ErrorKind::kInternal,
+          format("kv transfer: rank {} could not connect to rank(s) {} in time", self, missing));
+    }
+    // A connection under way to every higher peer not yet connected.
+    for (const auto& [rank, to] : addresses) {
+      if (connected.contains(rank) || now < retry_at[rank]) continue;
+      const bool under_way = std::any_of(attempts.begin(), attempts.end(), [&](const Attempt& a) {
+        return a.fd >= 0 && a.outgoing && a.peer == rank;
+      });
+      if (!under_way) start(rank, now);
+    }
+    std::vector<pollfd> fds;
+    fds.push_back({listener.fd(), POLLIN, 0});
+    for (const Attempt& a : attempts) {
+      const bool writing = !a.connected || a.sent < a.out.size();
+      fds.push_back({a.fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0});
+    }
+    const auto wait = std::min<Clock::duration>(deadline - now, kRetryPause);
+    poll(fds.data(), fds.size(),
+         static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(wait).count()) + 1);
+    // New connections from lower ranks: their hello says who they are.
+    for (;;) {
+      const int fd = accept4(listener.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) break;
+      no_delay(fd);
+      Attempt a;
+      a.fd = fd;
+      a.connected = true;
+      a.sent = a.out.size();  // answers only once the hello is in
+      a.give_up = Clock::now() + kAttemptPatience;
+      attempts.push_back(a);
+    }
+    for (Attempt& a : attempts) {
+      if (a.fd < 0) continue;
+      const bool outgoing = a.outgoing;
+      if (!a.connected) {
+        int error = 0;
+        socklen_t length = sizeof error;
+        getsockopt(a.fd, SOL_SOCKET, SO_ERROR, &error, &length);
+        if (error != 0) {
+          spdlog::debug("kv transfer: connect to rank {}: {}", a.peer, strerror(error));
+          drop(a);
+          retry_at[a.peer] = Clock::now() + kRetryPause;
+          continue;
+        }
+        sockaddr_in peer_address{};
+        socklen_t peer_length = sizeof peer_address;
+        if (getpeername(a.fd, reinterpret_cast<sockaddr*>(&peer_address), &peer_length) != 0) {
+          if (Clock::now() > a.give_up) drop(a);
+          continue;  // still connecting
+        }
+        a.connected = true;
+      }
+      if (!pump(a)) {
+        if (outgoing) retry_at[a.peer] = Clock::now() + kRetryPause;
+        drop(a);
+        continue;
+      }
+      if (!outgoing && a.peer < 0 && a.received == a.in.size()) {
+        // An accepted connection's hello: answer it if it is one we wait for.
+        const Hello hello = read_hello(a.in);
+        if (hello.magic != kHelloMagic || hello.to != self || !lower.contains(hello.from) ||
+            connected.contains(hello.from)) {
+          drop(a);
+          continue;
+        }
+        a.peer = hello.from;
+        a.out = hello_bytes(self, hello.from);
+        a.sent = 0;
+        if (!pump(a)) {
+          drop(a);
+          continue;
+        }
+      }
+      const bool done = a.sent == a.out.size() && a.received == a.in.size() && a.peer >= 0;
+      if (done && outgoing) {
+        const Hello answer = read_hello(a.in);
+        if (answer.magic != kHelloMagic || answer.from != a.peer || answer.to != self) {
+          drop(a);  // another listener at that address: try the next one
+          continue;
+        }
+      }
+      if (done) {
+        connected[a.peer] = a.fd;
+        a.fd = -1;
+        continue;
+      }
+      if (Clock::now() > a.give_up) {
+        if (outgoing) retry_at[a.peer] = Clock::now();
+        drop(a);
+      }
+    }
+    std::erase_if(attempts, [](const Attempt& a) { return a.fd < 0; });
+  }
+  for (Attempt& a : attempts) drop(a);
+  return connected;
+}
+
+}  // namespace duet

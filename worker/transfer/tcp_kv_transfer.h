@@ -1,0 +1,158 @@
+// KvTransfer over TCP sockets of its own (worker/transfer/kv_transfer.h), for
+// CPU instances, chosen between hosts (`duet serve --kv-transport`): Open MPI
+// 4.1's TCP transport can wedge a survivor that was moving large messages to
+// or from a rank that died (docs/FAILURES.md), while a socket Duet owns only
+// ever reports the death (EOF, a reset) and is closed.
+//
+// A thin adapter, as MpiKvTransfer is: the protocol's rules are
+// KvTransferProtocol's (worker/transfer/kv_transfer_protocol.h); this class
+// turns bytes from the sockets into its events and carries out its actions.
+//
+// One connected socket per peer (a prefill rank with each decode rank), made
+// at start-up (worker/transfer/tcp_kv_connect.h), and one thread of its own
+// that poll()s them and a wake-up eventfd; every socket is non-blocking, and
+// no call ever waits on a peer.
+//
+// On the wire every message is a frame (worker/transfer/kv_transfer_wire.h):
+// the 80-byte header, then its body: a control message (order, cancel,
+// handoff) or a rows payload, its size in the header. Each peer has two send
+// lanes, the control lane (orders, cancels) ahead of the bulk lane (rows
+// frames, and handoffs, which must follow their rows); a frame begun is
+// finished before the next, so a control frame waits for one rows frame at
+// most. A rows payload is received straight into the import's reserved
+// blocks (readv over the block runs, per K/V and head, as the protocol's
+// PayloadPlace says), or drained when nobody wants it.
+//
+// A lost peer (EOF, a reset, a broken pipe, or peers_lost from the
+// coordinator's word): its socket is closed, its queued frames dropped, and
+// the protocol told. Since a closed socket writes nothing any more, an import
+// half-received from it fails and its blocks come back (no quarantine:
+// KvTransferProtocol::LostReceives::kStop).
+//
+// Threads: see KvTransfer. counters() and peers_lost from any thread.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "worker/transfer/kv_transfer_adapter.h"
+#include "worker/transfer/kv_transfer_protocol.h"
+#include "worker/transfer/kv_transfer_wire.h"
+
+namespace duet {
+
+struct TcpKvTransferOptions {
+  // As MpiKvTransferOptions'.
+  bool checksums = false;
+  uint64_t drop_rows_of = 0;  // tests only
+};
+
+class TcpKvTransfer final : public KvTransferAdapter {
+ public:
+  // `sockets`: a connected socket to every peer, by world rank (owned from
+  // now on). Starts the thread.
+  TcpKvTransfer(int self, std::map<int, int> sockets, TcpKvTransferOptions options = {});
+  // Gives the queued frames a moment to leave, then stops the thread and
+  // closes every socket.
+  ~TcpKvTransfer() override;
+  TcpKvTransfer(const TcpKvTransfer&) = delete;
+  TcpKvTransfer& operator=(const TcpKvTransfer&) = delete;
+
+  void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) override;
+  void expect_import(ImportPlan plan) override;
+  void abort_import(RequestId id) override;
+  void forget_imports(const KvCache& cache) override;
+  void send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
+                 const KvCache& cache, std::span<const int32_t> block_table, int64_t head_offset,
+                 const KvSource& heads) override;
+  void send_handoff(int decode_peer, const KvHandoff& handoff) override;
+  void peers_lost(std::span<const Rank> ranks) override;
+
+  int self() const { return self_; }
+
+ private:
+  struct Start {
+    int leader = -1;
+    std::optional<PrefillOrder> order;
+    ImportPlan plan;
+  };
+  // A header (with a control message after it) and a rows payload (or none).
+  struct Frame {
+    std::vector<std::byte> head;
+    std::vector<std::byte> body;
+  };
+  enum class Lane { kControl, kBulk };
+  // What one peer's socket is doing. The send lanes are guarded by mutex_;
+  // the rest is the thread's.
+  struct Peer {
+    int fd = -1;  // -1: lost
+    std::deque<Frame> control;
+    std::deque<Frame> bulk;
+    std::optional<Frame> writing;  // the frame begun
+    size_t written = 0;
+    // The frame being received: its header, then its body.
+    std::array<std::byte, sizeof(kv_wire::Header)> header{};
+    size_t header_got = 0;
+    bool in_body = false;
+    std::vector<std::byte> message;  // a control frame: header and body
+    size_t body_left = 0;
+    bool payload = false;           // the body is a rows payload
+    bool whole = false;             // into an import's blocks (`runs`), else drained
+    const KvCache* into = nullptr;  // the cache `runs` point into
+    std::vector<iovec> runs;        // what is left of the blocks to fill, in order
+    size_t next_run = 0;
+  };
+
+  void run();  // the thread
+  void wake();
+  // Any thread: a frame into a peer's lane (dropped when the peer is lost).
+  void queue(int destination, Frame frame, Lane lane);
+
+  // The thread, under state_mutex_: each feeds the protocol events and carries
+  // out their actions, collecting the handler calls.
+  void take_commands(std::vector<KvTransferCall>& calls);
+  void apply_losses(std::vector<KvTransferCall>& calls);
+  // Reads what `rank`'s socket holds; false when the peer is lost.
+  bool receive(int rank, Peer& peer, std::vector<KvTransferCall>& calls);
+  // A whole header came: what its body needs.
+  void on_header(int rank, Peer& peer, std::vector<KvTransferCall>& calls);
+  void on_frame_end(int rank, Peer& peer, std::vector<KvTransferCall>& calls);
+  // Writes what the socket takes; false when the peer is lost.
+  bool send(int rank, Peer& peer);
+  void lose(int rank, Peer& peer, const char* why, std::vector<KvTransferCall>& calls);
+  void act(KvTransferActions& actions, std::vector<KvTransferCall>& calls);
+  // The runs of `place`'s blocks, in the packed order.
+  void place_runs(const KvTransferProtocol::PayloadPlace& place, Peer& peer);
+  bool idle_sends();  // no frame queued or begun to a live peer
+
+  const int self_;
+  const TcpKvTransferOptions options_;
+  const int wake_fd_;
+  std::atomic<bool> stop_{false};
+
+  // The thread's state: it holds the mutex while it works on it;
+  // forget_imports takes it from another thread.
+  mutable std::mutex state_mutex_;
+  KvTransferProtocol protocol_;
+  std::vector<std::byte> drain_;  // a drained payload's bytes go here
+
+  mutable std::mutex mutex_;   // guards the members below and every Peer's send lanes
+  std::map<int, Peer> peers_;  // the map itself is fixed after construction
+  std::deque<Start> starts_;
+  std::deque<RequestId> aborts_;
+  std::vector<int> lost_;  // ranks lost since the last pass
+
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+}  // namespace duet
