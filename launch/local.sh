@@ -144,9 +144,19 @@ command=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" -np "$ranks"
   --threads "${DUET_THREADS:-1}" --host "${DUET_HOST:-127.0.0.1}"
   --rpc-port "${DUET_RPC_PORT:-0}" --http-port "${DUET_HTTP_PORT:-0}" "$@")
 say "starting: ${command[*]}"
-# stdout (rank 0's listening lines) into a file read below; stderr to ours.
+# stdout (rank 0's listening lines) into a file read below; stderr to ours,
+# noting rank 0's exit code from its last line on the way.
+note_rank0_exit() {
+  local line
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >&2
+    if [[ $line =~ "rank 0: exiting with code "([0-9]+) ]]; then
+      echo "${BASH_REMATCH[1]}" >"$work/rank0_exit"
+    fi
+  done
+}
 : >"$work/stdout"
-setsid "${command[@]}" </dev/null >>"$work/stdout" &
+setsid "${command[@]}" </dev/null >>"$work/stdout" 2> >(note_rank0_exit) &
 mpirun_pid=$!
 trap stop INT TERM
 
@@ -175,9 +185,28 @@ if [ "$stopping" -eq 0 ]; then
   say "Ctrl-C drains and stops every rank (again: at once)"
 fi
 
-# A trapped signal interrupts `wait`: wait again until mpirun has exited,
-# then once more for its exit code (bash keeps it).
-while kill -0 "$mpirun_pid" 2>/dev/null; do wait "$mpirun_pid" 2>/dev/null || true; done
+# Until mpirun exits. After a rank was lost, mpirun can outlive the ranks: it
+# waits for a lost host's daemon that never answers, or runs its kill delay
+# (odls_base_sigkill_timeout, twice) for the lost rank (docs/FAILURES.md). So
+# once rank 0 has said its exit code, mpirun gets ${linger} s more, then its
+# process group is killed and rank 0's code is the cluster's.
+linger=10
+rank0_done_at=""
+while kill -0 "$mpirun_pid" 2>/dev/null; do
+  if [ -z "$rank0_done_at" ] && [ -s "$work/rank0_exit" ]; then
+    rank0_done_at=$SECONDS
+  fi
+  if [ -n "$rank0_done_at" ] && [ $((SECONDS - rank0_done_at)) -ge "$linger" ]; then
+    say "mpirun outlived rank 0 by ${linger} s (it waits on ranks lost earlier): ending it"
+    kill -KILL -- "-$mpirun_pid" 2>/dev/null || kill -KILL "$mpirun_pid" 2>/dev/null || true
+    wait "$mpirun_pid" 2>/dev/null || true
+    mpirun_pid=""
+    code=$(cat "$work/rank0_exit")
+    say "the cluster exited with code $code (rank 0's)"
+    exit "$code"
+  fi
+  sleep 0.5
+done
 code=0
 wait "$mpirun_pid" || code=$?
 mpirun_pid=""
