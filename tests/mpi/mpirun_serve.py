@@ -76,6 +76,64 @@ class MpirunServe(ServeProcess):
         return list(self._log)
 
 
+class SseStream(threading.Thread):
+    """One streaming completion (`body` is sent as is) read to its end over a
+    raw socket: text, finish reason, error, the `duet` timings' retries, the
+    arrival time of each piece of text. A failure to read it is kept in
+    `failure` for the test to report."""
+
+    def __init__(self, host, port, body, timeout=120.0):
+        super().__init__(daemon=True)
+        self.host, self.port, self.body, self.timeout = host, port, body, timeout
+        self.text, self.finish, self.error, self.retries = "", None, None, None
+        self.events = 0
+        self.times = []  # when each piece of text arrived
+        self.started = None
+        self.done = False
+        self.failure = None
+
+    def run(self):
+        try:
+            self.started = time.monotonic()
+            data = json.dumps(self.body).encode()
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
+                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                buffer = b""
+                while not self.done:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        raise AssertionError("the stream ended without [DONE]")
+                    buffer += chunk
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        self.on_event(event.decode())
+        except Exception as e:  # reported by the test
+            self.failure = e
+
+    def on_event(self, event):
+        for line in event.splitlines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                self.done = True
+                return
+            message = json.loads(payload)
+            self.events += 1
+            if "error" in message:
+                self.error = message["error"]
+                continue
+            choice = message["choices"][0]
+            if choice.get("text"):
+                self.times.append(time.monotonic())
+            self.text += choice.get("text", "")
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+            if "duet" in message:
+                self.retries = message["duet"].get("retries")
+
+
 def start_cluster(ranks, args):
     """A cluster a test module shares, started (its setUpModule); SkipTest without the model."""
     cluster = MpirunServe(ranks, args)

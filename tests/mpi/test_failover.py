@@ -29,16 +29,14 @@ DUET_MPIEXEC set.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MpirunServe, http_request, metrics, serve_environment,  # noqa: E402
-                          wait_until)
+from mpirun_serve import (MpirunServe, SseStream, http_request, metrics,  # noqa: E402
+                          serve_environment, wait_until)
 
 LEASE_S = 1.0
 CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-cache-mem", "64MiB",
@@ -83,59 +81,8 @@ def setUpModule():
         expected[(body["prompt"], body.get("seed"))] = generate(body)
 
 
-class Stream(threading.Thread):
-    """One streaming completion read to its end: text, finish reason, error, retries."""
-
-    def __init__(self, server, body):
-        super().__init__()
-        self.server, self.body = server, body
-        self.text, self.finish, self.error, self.retries = "", None, None, None
-        self.events = 0
-        self.times = []  # when each piece of text arrived
-        self.started = None
-        self.done = False
-        self.failure = None
-
-    def run(self):
-        try:
-            self.started = time.monotonic()
-            data = json.dumps(self.body).encode()
-            with socket.create_connection(("127.0.0.1", self.server.http_port), timeout=120) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
-                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-                buffer = b""
-                while not self.done:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        raise AssertionError("the stream ended without [DONE]")
-                    buffer += chunk
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        self.on_event(event.decode())
-        except Exception as e:  # reported by the test
-            self.failure = e
-
-    def on_event(self, event):
-        for line in event.splitlines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
-                self.done = True
-                return
-            message = json.loads(payload)
-            self.events += 1
-            if "error" in message:
-                self.error = message["error"]
-                continue
-            choice = message["choices"][0]
-            if choice.get("text"):
-                self.times.append(time.monotonic())
-            self.text += choice.get("text", "")
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-            if "duet" in message:
-                self.retries = message["duet"].get("retries")
+def Stream(server, body):  # noqa: N802 - reads as the class it makes
+    return SseStream("127.0.0.1", server.http_port, body)
 
 
 def start_streams(server):

@@ -1,10 +1,13 @@
 # The Cap'n Proto front's tests (included from tests/CMakeLists.txt).
 #
-# rpc_test: GoogleTest, the real classes in one process over loopback sockets.
+# rpc_test, rpc_limits_test: GoogleTest, the real classes in one process over
+# loopback sockets (their fixture: rpc_fixture.h).
 # pycapnp_client: the real `duet serve` driven by Python's pycapnp.
 # rpc_client_cli: the real `duet serve` driven by `duet-client`.
 # The model-driven ones skip, saying why, without the default model.
 duet_add_test(rpc_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/rpc_test.cpp
+  LIBS duet_rpc_front duet_worker LABELS serve)
+duet_add_test(rpc_limits_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/rpc_limits_test.cpp
   LIBS duet_rpc_front duet_worker LABELS serve)
 
 set(DUET_RPC_TEST_MODEL ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf)

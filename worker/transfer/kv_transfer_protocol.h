@@ -38,6 +38,7 @@
 // adapter's lock guards it when another thread forgets imports.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -286,5 +287,29 @@ class KvTransferProtocol {
   std::map<int, RequestId> receiving_;  // by source: the import its payload is being received into
   std::map<RequestId, KvTransferCall> held_ends_;  // ends waiting for such a payload
 };
+
+// Calls `run(address, bytes)` for each run of the blocks a payload fills, in
+// the packed order (K then V, head, position, dim): where an adapter
+// receives the payload straight into the blocks (an MPI datatype, a readv).
+template <typename Run>
+void for_each_payload_run(const KvTransferProtocol::PayloadPlace& place, Run&& run) {
+  const KvTransfer::ImportPlan& plan = *place.into;
+  const KvLayout& layout = plan.cache->layout();
+  const int64_t slot_bytes = layout.head_dim * static_cast<int64_t>(sizeof(KvElement));
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    for (int64_t head = place.heads.first; head < place.heads.first + place.heads.count; ++head) {
+      for (int64_t done = 0; done < place.n;) {
+        const int64_t pos = place.pos0 + done;
+        const int64_t slot = pos % layout.block_size;
+        const int64_t length = std::min(layout.block_size - slot, place.n - done);
+        const int64_t block = plan.block_table[static_cast<size_t>(pos / layout.block_size)];
+        const int64_t offset =
+            layout.k_offset(place.layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0);
+        run(plan.cache->data() + offset, static_cast<size_t>(length * slot_bytes));
+        done += length;
+      }
+    }
+  }
+}
 
 }  // namespace duet

@@ -329,29 +329,15 @@ bool MpiKvTransfer::receive_payloads(std::vector<KvTransferCall>& calls) {
 
 MPI_Request MpiKvTransfer::receive_into_blocks(MPI_Message& message,
                                                const KvTransferProtocol::PayloadPlace& place) {
-  const ImportPlan& plan = *place.into;
-  const KvLayout& layout = plan.cache->layout();
   // The packed order (K then V, head, position, dim) as runs of the blocks.
   type_lengths_.clear();
   type_addresses_.clear();
-  const int64_t slot_bytes = layout.head_dim * static_cast<int64_t>(sizeof(KvElement));
-  for (int64_t kv = 0; kv < 2; ++kv) {
-    for (int64_t head = place.heads.first; head < place.heads.first + place.heads.count; ++head) {
-      for (int64_t done = 0; done < place.n;) {
-        const int64_t pos = place.pos0 + done;
-        const int64_t slot = pos % layout.block_size;
-        const int64_t run = std::min(layout.block_size - slot, place.n - done);
-        const int64_t block = plan.block_table[static_cast<size_t>(pos / layout.block_size)];
-        const int64_t offset =
-            layout.k_offset(place.layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0);
-        MPI_Aint address = 0;
-        DUET_MPI_CHECK(MPI_Get_address(plan.cache->data() + offset, &address));
-        type_addresses_.push_back(address);
-        type_lengths_.push_back(static_cast<int>(run * slot_bytes));
-        done += run;
-      }
-    }
-  }
+  for_each_payload_run(place, [&](KvElement* address, size_t bytes) {
+    MPI_Aint mpi_address = 0;
+    DUET_MPI_CHECK(MPI_Get_address(address, &mpi_address));
+    type_addresses_.push_back(mpi_address);
+    type_lengths_.push_back(static_cast<int>(bytes));
+  });
   MPI_Datatype rows;
   DUET_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(type_lengths_.size()),
                                           type_lengths_.data(), type_addresses_.data(), MPI_BYTE,

@@ -378,24 +378,9 @@ void TcpKvTransfer::on_frame_end(int rank, Peer& peer, std::vector<KvTransferCal
 }
 
 void TcpKvTransfer::place_runs(const KvTransferProtocol::PayloadPlace& place, Peer& peer) {
-  const ImportPlan& plan = *place.into;
-  const KvLayout& layout = plan.cache->layout();
-  const int64_t slot_bytes = layout.head_dim * static_cast<int64_t>(sizeof(KvElement));
-  // The packed order (K then V, head, position, dim) as runs of the blocks.
-  for (int64_t kv = 0; kv < 2; ++kv) {
-    for (int64_t head = place.heads.first; head < place.heads.first + place.heads.count; ++head) {
-      for (int64_t done = 0; done < place.n;) {
-        const int64_t pos = place.pos0 + done;
-        const int64_t slot = pos % layout.block_size;
-        const int64_t run = std::min(layout.block_size - slot, place.n - done);
-        const int64_t block = plan.block_table[static_cast<size_t>(pos / layout.block_size)];
-        const int64_t offset =
-            layout.k_offset(place.layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0);
-        peer.runs.push_back({plan.cache->data() + offset, static_cast<size_t>(run * slot_bytes)});
-        done += run;
-      }
-    }
-  }
+  for_each_payload_run(place, [&](KvElement* address, size_t bytes) {
+    peer.runs.push_back({address, bytes});
+  });
 }
 
 bool TcpKvTransfer::send(int rank, Peer& peer) {

@@ -17,57 +17,19 @@ request is served. Prints one line per stream; exit 0 when all hold.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mpirun_serve import SseStream  # noqa: E402
 
 PATIENCE_S = 60.0  # any one wait
 
 
-class Stream(threading.Thread):
-    def __init__(self, host, port, body):
-        super().__init__(daemon=True)
-        self.host, self.port, self.body = host, port, body
-        self.text, self.error, self.retries, self.failure = "", None, None, None
-        self.events, self.done = 0, False
-
-    def run(self):
-        try:
-            data = json.dumps({**self.body, "temperature": 0, "stream": True}).encode()
-            with socket.create_connection((self.host, self.port), timeout=PATIENCE_S) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: duet\r\n"
-                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-                buffer = b""
-                while not self.done:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        raise AssertionError("the stream ended without [DONE]")
-                    buffer += chunk
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        self.on_event(event.decode())
-        except Exception as e:  # reported below
-            self.failure = e
-
-    def on_event(self, event):
-        for line in event.splitlines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
-                self.done = True
-                return
-            message = json.loads(payload)
-            self.events += 1
-            if "error" in message:
-                self.error = message["error"]
-                continue
-            self.text += message["choices"][0].get("text", "")
-            if "duet" in message:
-                self.retries = message["duet"].get("retries")
+def Stream(host, port, body):  # noqa: N802 - reads as the class it makes
+    return SseStream(host, port, {**body, "temperature": 0, "stream": True}, PATIENCE_S)
 
 
 def rx_bytes(namespace):

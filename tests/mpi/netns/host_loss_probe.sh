@@ -57,16 +57,9 @@ trap cleanup EXIT
 netns_up "duetnet$$" a b c d || { code=$?; say "$NETNS_ERROR"; exit "$code"; }
 netns_hostfile "$work/hosts"
 ns_a=$(netns_namespace a)
-on_a=()
-netns_on_host on_a a
-agent_args=()
-netns_mpirun_args agent_args
-DUET_SKIP_SETUP=1 DUET_SKIP_BUILD=1 DUET_BINARY=$duet DUET_MODEL=$model \
-  DUET_HOST=$(netns_address a) DUET_MPI_IF=$NETNS_SUBNET DUET_MPI_BTL=tcp,self \
-  DUET_MPIRUN_ARGS="${agent_args[*]}" \
-  "${on_a[@]}" "$root/launch/hostfile.sh" "$work/hosts" 1 2 --kv-cache-mem 256MiB \
-  >"$work/cluster.out" 2>"$work/cluster.log" &
-cluster=$!
+netns_start_cluster "$duet" "$model" "$work/hosts" "$work/cluster.out" "$work/cluster.log" \
+  1 2 --kv-cache-mem 256MiB
+cluster=$NETNS_CLUSTER
 deadline=$((SECONDS + 180))
 until grep -qs '^http listening on ' "$work/cluster.out"; do
   if ! kill -0 "$cluster" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then

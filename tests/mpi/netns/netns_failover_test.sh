@@ -93,16 +93,9 @@ done
 # --- the network and the cluster, launched from host a ---
 netns_up "duetnet$$" a b c d || { [ $? -ne 77 ] || skip "$NETNS_ERROR"; fail "cannot set up the network namespaces"; }
 netns_hostfile "$work/hosts"
-on_a=()
-netns_on_host on_a a
-agent_args=()
-netns_mpirun_args agent_args
-DUET_SKIP_SETUP=1 DUET_SKIP_BUILD=1 DUET_BINARY=$duet DUET_MODEL=$model \
-  DUET_HOST=$(netns_address a) DUET_MPI_IF=$NETNS_SUBNET DUET_MPI_BTL=tcp,self \
-  DUET_MPIRUN_ARGS="${agent_args[*]}" \
-  "${on_a[@]}" "$root/launch/hostfile.sh" "$work/hosts" 1 2 "${engine_args[@]}" "$@" \
-  >"$work/cluster.out" 2>"$work/cluster.log" &
-cluster=$!
+netns_start_cluster "$duet" "$model" "$work/hosts" "$work/cluster.out" "$work/cluster.log" \
+  1 2 "${engine_args[@]}" "$@"
+cluster=$NETNS_CLUSTER
 deadline=$((SECONDS + 180))
 until grep -qs '^http listening on ' "$work/cluster.out"; do
   kill -0 "$cluster" 2>/dev/null || fail "the cluster did not start"

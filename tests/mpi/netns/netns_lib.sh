@@ -14,6 +14,9 @@
 #                                  through netns_agent.sh instead of ssh
 #   netns_mpi_tcp_args ARRAY       += MPI over TCP on the subnet only
 #   netns_hostfile FILE [SLOTS]    an Open MPI hostfile of the hosts' addresses
+#   netns_start_cluster DUET MODEL HOSTFILE OUT LOG P D [ARGS...]
+#                                  launch/hostfile.sh from the first host, in
+#                                  the background (NETNS_CLUSTER: its pid)
 #   netns_down                     kills what runs in the namespaces, removes them
 #
 # Open MPI takes processes with one host name for one node (and joins them
@@ -37,6 +40,7 @@ NETNS_HOSTS=()
 NETNS_NAMESPACES=()
 NETNS_HOST_MAP=""
 NETNS_ERROR=""
+NETNS_CLUSTER=""
 
 netns_log() { printf 'netns: %s\n' "$*" >&2; }
 
@@ -193,4 +197,27 @@ netns_veth_bytes() {
     "") ip netns exec "$ns" sh -c 'echo $(($(cat "$0/rx_bytes") + $(cat "$0/tx_bytes")))' "$stats" ;;
     *) netns_log "netns_veth_bytes: rx, tx or nothing, not $2"; return 1 ;;
   esac
+}
+
+# Starts a Duet cluster across the hosts as launch/hostfile.sh starts one,
+# from the first host (under its name): mpirun reaches the others through
+# netns_agent.sh, MPI only over TCP on the subnet, the fronts on the first
+# host's address. $1 the duet binary, $2 the model, $3 the hostfile
+# (netns_hostfile), $4 and $5 the files for its stdout and stderr, $6 and $7
+# the prefill and decode instances, the rest duet serve's arguments. In the
+# background; NETNS_CLUSTER is its pid (a child of the caller's shell).
+netns_start_cluster() {
+  local duet=$1 model=$2 hostfile=$3 out=$4 log=$5 first
+  shift 5
+  local on_first=() agent_args=()
+  first=${NETNS_HOSTS[0]}
+  netns_on_host on_first "$first"
+  netns_mpirun_args agent_args
+  DUET_SKIP_SETUP=1 DUET_SKIP_BUILD=1 DUET_BINARY=$duet DUET_MODEL=$model \
+    DUET_HOST=$(netns_address "$first") DUET_MPI_IF=$NETNS_SUBNET DUET_MPI_BTL=tcp,self \
+    DUET_MPIRUN_ARGS="${agent_args[*]}" \
+    "${on_first[@]}" "$NETNS_LIB_DIR/../../../launch/hostfile.sh" "$hostfile" "$@" \
+    >"$out" 2>"$log" &
+  # shellcheck disable=SC2034 # read by the scripts that source this file
+  NETNS_CLUSTER=$!
 }

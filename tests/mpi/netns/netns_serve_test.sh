@@ -135,16 +135,9 @@ reference=""
 [ "$code" -eq 0 ] || fail "the single-process server exited with code $code"
 
 # --- the cluster, launched from host a (under host a's name) ---
-on_a=()
-netns_on_host on_a a
-agent_args=()
-netns_mpirun_args agent_args
-DUET_SKIP_SETUP=1 DUET_SKIP_BUILD=1 DUET_BINARY=$duet DUET_MODEL=$model \
-  DUET_HOST=$(netns_address a) DUET_MPI_IF=$NETNS_SUBNET DUET_MPI_BTL=tcp,self \
-  DUET_MPIRUN_ARGS="${agent_args[*]}" \
-  "${on_a[@]}" "$root/launch/hostfile.sh" "$work/hosts" 1 1 "${engine_args[@]}" "$@" \
-  >"$work/cluster.out" 2>"$work/cluster.log" &
-cluster=$!
+netns_start_cluster "$duet" "$model" "$work/hosts" "$work/cluster.out" "$work/cluster.log" \
+  1 1 "${engine_args[@]}" "$@"
+cluster=$NETNS_CLUSTER
 await_listening "$work/cluster.out" "$cluster" || fail "the cluster did not start"
 cluster_url=http://$(sed -n 's/^http listening on //p' "$work/cluster.out")
 say "cluster ($mode) listening on $cluster_url after $((SECONDS - started)) s"
