@@ -23,11 +23,13 @@
 namespace duet {
 namespace {
 
+#ifdef DUET_HAVE_CUDA
 // The rank's index among the job's ranks on its host (Open MPI says it).
 int local_rank() {
   const char* value = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
   return value != nullptr ? std::atoi(value) : 0;
 }
+#endif
 
 bool gpu_usable(int device) {
   if (device < 0) return true;
