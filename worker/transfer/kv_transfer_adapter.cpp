@@ -4,6 +4,50 @@
 
 namespace duet {
 
+void KvTransferAdapter::start_import(int prefill_leader, const PrefillOrder& order,
+                                     ImportPlan plan) {
+  {
+    std::lock_guard lock(commands_mutex_);
+    starts_.push_back(Start{prefill_leader, order, std::move(plan)});
+  }
+  wake_thread();
+}
+
+void KvTransferAdapter::expect_import(ImportPlan plan) {
+  {
+    std::lock_guard lock(commands_mutex_);
+    starts_.push_back(Start{-1, std::nullopt, std::move(plan)});
+  }
+  wake_thread();
+}
+
+void KvTransferAdapter::abort_import(RequestId id) {
+  {
+    std::lock_guard lock(commands_mutex_);
+    aborts_.push_back(id);
+  }
+  wake_thread();
+}
+
+bool KvTransferAdapter::apply_commands(KvTransferProtocol& protocol, KvTransferActions& actions) {
+  std::deque<Start> starts;
+  std::deque<RequestId> aborts;
+  {
+    std::lock_guard lock(commands_mutex_);
+    starts.swap(starts_);
+    aborts.swap(aborts_);
+  }
+  for (Start& start : starts)
+    protocol.start_import(start.leader, std::move(start.order), std::move(start.plan), actions);
+  for (RequestId id : aborts) protocol.abort_import(id, KvTransfer::Clock::now(), actions);
+  return !starts.empty() || !aborts.empty();
+}
+
+void KvTransferAdapter::drop_queued_starts(const KvCache& cache) {
+  std::lock_guard lock(commands_mutex_);
+  std::erase_if(starts_, [&](const Start& start) { return start.plan.cache == &cache; });
+}
+
 void KvTransferAdapter::set_handlers(Handlers handlers) {
   std::lock_guard lock(handlers_mutex_);
   handlers_ = std::move(handlers);

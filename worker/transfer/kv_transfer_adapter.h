@@ -1,14 +1,19 @@
 // What every adapter of KvTransferProtocol shares (MpiKvTransfer over MPI,
-// TcpKvTransfer over its own sockets): the handlers and the handler calls the
-// protocol's actions name, delivered outside the adapter's locks; the
-// counters; and the coordinator's word that ranks are lost.
+// TcpKvTransfer over its own sockets): the instance's commands (imports to
+// start, expect or abort), queued for the adapter's communication thread;
+// the handlers and the handler calls the protocol's actions name, delivered
+// outside the adapter's locks; the counters; and the coordinator's word that
+// ranks are lost.
 //
-// Threads: set_handlers, counters and peers_lost from any thread; deliver
-// from the adapter's communication thread, with no lock of the adapter held.
+// Threads: the commands, set_handlers, counters and peers_lost from any
+// thread; apply_commands and deliver from the adapter's communication
+// thread, deliver with no lock of the adapter held.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -33,6 +38,10 @@ class KvTransferAdapter : public KvTransfer {
     int64_t device_bytes_received = 0;
   };
 
+  // Queued, then the communication thread is woken (wake_thread).
+  void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) final;
+  void expect_import(ImportPlan plan) final;
+  void abort_import(RequestId id) final;
   void set_handlers(Handlers handlers) final;
   Counters counters() const;
 
@@ -41,6 +50,14 @@ class KvTransferAdapter : public KvTransfer {
   virtual void peers_lost(std::span<const Rank> ranks) = 0;
 
  protected:
+  // Wakes the communication thread, which then calls apply_commands.
+  virtual void wake_thread() = 0;
+  // Feeds the queued commands to `protocol`, in order: starts, then aborts.
+  // Whether there were any.
+  bool apply_commands(KvTransferProtocol& protocol, KvTransferActions& actions);
+  // Drops the queued starts of imports into `cache` (forget_imports).
+  void drop_queued_starts(const KvCache& cache);
+
   void count_sent(int64_t bytes);
   void count_received(int64_t bytes);
   void count_device_sent(int64_t bytes);
@@ -50,6 +67,15 @@ class KvTransferAdapter : public KvTransfer {
   void deliver(std::vector<KvTransferCall>& calls);
 
  private:
+  struct Start {
+    int leader = -1;
+    std::optional<PrefillOrder> order;  // a leader's import
+    ImportPlan plan;
+  };
+  std::mutex commands_mutex_;
+  std::deque<Start> starts_;      // guarded by commands_mutex_
+  std::deque<RequestId> aborts_;  // guarded by commands_mutex_
+
   // Held while a handler runs and by set_handlers: once that returns, the old
   // handlers are not running and will not run again.
   std::mutex handlers_mutex_;

@@ -97,30 +97,6 @@ void MpiKvTransfer::queue(int destination, int tag, std::vector<std::byte> bytes
   channel_.post(*this, comm_, destination, tag, std::move(bytes), lane);
 }
 
-void MpiKvTransfer::start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) {
-  {
-    std::lock_guard lock(mutex_);
-    starts_.push_back(Start{prefill_leader, order, std::move(plan)});
-  }
-  channel_.wake();
-}
-
-void MpiKvTransfer::expect_import(ImportPlan plan) {
-  {
-    std::lock_guard lock(mutex_);
-    starts_.push_back(Start{-1, std::nullopt, std::move(plan)});
-  }
-  channel_.wake();
-}
-
-void MpiKvTransfer::abort_import(RequestId id) {
-  {
-    std::lock_guard lock(mutex_);
-    aborts_.push_back(id);
-  }
-  channel_.wake();
-}
-
 void MpiKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
                               const KvCache& cache, std::span<const int32_t> block_table,
                               int64_t head_offset, const KvSource& heads) {
@@ -173,10 +149,7 @@ bool MpiKvTransfer::device_transfer(int peer) const {
 
 void MpiKvTransfer::forget_imports(const KvCache& cache) {
   std::lock_guard state(state_mutex_);  // the communication thread is not inside progress()
-  {
-    std::lock_guard lock(mutex_);
-    std::erase_if(starts_, [&](const Start& start) { return start.plan.cache == &cache; });
-  }
+  drop_queued_starts(cache);
   KvTransferActions actions;
   protocol_.forget_imports(cache, Clock::now(), actions);
   std::vector<KvTransferCall> dropped;  // the owner is going away: no handler runs
@@ -231,20 +204,10 @@ bool MpiKvTransfer::progress() {
 }
 
 bool MpiKvTransfer::take_commands(std::vector<KvTransferCall>& calls) {
-  std::deque<Start> starts;
-  std::deque<RequestId> aborts;
-  {
-    std::lock_guard lock(mutex_);
-    starts.swap(starts_);
-    aborts.swap(aborts_);
-  }
   KvTransferActions actions;
-  for (Start& start : starts) {
-    protocol_.start_import(start.leader, std::move(start.order), std::move(start.plan), actions);
-  }
-  for (RequestId id : aborts) protocol_.abort_import(id, Clock::now(), actions);
+  const bool any = apply_commands(protocol_, actions);
   act(actions, calls);
-  return !starts.empty() || !aborts.empty();
+  return any;
 }
 
 bool MpiKvTransfer::receive_headers(std::vector<KvTransferCall>& calls) {

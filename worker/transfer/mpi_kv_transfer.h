@@ -89,9 +89,6 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   MpiKvTransfer(const MpiKvTransfer&) = delete;
   MpiKvTransfer& operator=(const MpiKvTransfer&) = delete;
 
-  void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) override;
-  void expect_import(ImportPlan plan) override;
-  void abort_import(RequestId id) override;
   void forget_imports(const KvCache& cache) override;
   void send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
                  const KvCache& cache, std::span<const int32_t> block_table, int64_t head_offset,
@@ -103,14 +100,9 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   void peers_lost(std::span<const Rank> ranks) override;
 
  private:
-  struct Start {
-    int leader = -1;
-    std::optional<PrefillOrder> order;  // a leader's import
-    ImportPlan plan;
-  };
-
   bool progress() override;
   bool in_flight() const override;
+  void wake_thread() override { channel_.wake(); }
 
   // Any thread: into the channel's send queue.
   void queue(int destination, int tag, std::vector<std::byte> bytes, SendLane lane);
@@ -162,9 +154,7 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   std::vector<MPI_Aint> type_addresses_;
 
   mutable std::mutex mutex_;  // guards the members below
-  std::deque<Start> starts_;
-  std::deque<RequestId> aborts_;
-  std::vector<int> lost_;  // ranks lost since the last pass
+  std::vector<int> lost_;     // ranks lost since the last pass
 };
 
 }  // namespace duet

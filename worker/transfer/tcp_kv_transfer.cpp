@@ -48,11 +48,11 @@ TcpKvTransfer::TcpKvTransfer(int self, std::map<int, int> sockets, TcpKvTransfer
 TcpKvTransfer::~TcpKvTransfer() {
   const auto patience = Clock::now() + kFlushOnDestroy;
   while (!idle_sends() && Clock::now() < patience) {
-    wake();
+    wake_thread();
     std::this_thread::sleep_for(2ms);
   }
   stop_ = true;
-  wake();
+  wake_thread();
   thread_.join();
   size_t dropped = 0;
   for (auto& [rank, peer] : peers_) {
@@ -71,7 +71,7 @@ bool TcpKvTransfer::idle_sends() {
   });
 }
 
-void TcpKvTransfer::wake() {
+void TcpKvTransfer::wake_thread() {
   const uint64_t one = 1;
   [[maybe_unused]] const ssize_t n = write(wake_fd_, &one, sizeof one);
 }
@@ -91,31 +91,7 @@ void TcpKvTransfer::queue(int destination, Frame frame, Lane lane) {
     (lane == Lane::kControl ? it->second.control : it->second.bulk).push_back(std::move(frame));
   }
   count_sent(bytes);
-  wake();
-}
-
-void TcpKvTransfer::start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) {
-  {
-    std::lock_guard lock(mutex_);
-    starts_.push_back(Start{prefill_leader, order, std::move(plan)});
-  }
-  wake();
-}
-
-void TcpKvTransfer::expect_import(ImportPlan plan) {
-  {
-    std::lock_guard lock(mutex_);
-    starts_.push_back(Start{-1, std::nullopt, std::move(plan)});
-  }
-  wake();
-}
-
-void TcpKvTransfer::abort_import(RequestId id) {
-  {
-    std::lock_guard lock(mutex_);
-    aborts_.push_back(id);
-  }
-  wake();
+  wake_thread();
 }
 
 void TcpKvTransfer::peers_lost(std::span<const Rank> ranks) {
@@ -123,7 +99,7 @@ void TcpKvTransfer::peers_lost(std::span<const Rank> ranks) {
     std::lock_guard lock(mutex_);
     for (Rank rank : ranks) lost_.push_back(rank.value);
   }
-  wake();
+  wake_thread();
 }
 
 void TcpKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
@@ -157,10 +133,7 @@ void TcpKvTransfer::send_handoff(int decode_peer, const KvHandoff& handoff) {
 
 void TcpKvTransfer::forget_imports(const KvCache& cache) {
   std::lock_guard state(state_mutex_);  // the thread is not inside a pass
-  {
-    std::lock_guard lock(mutex_);
-    std::erase_if(starts_, [&](const Start& start) { return start.plan.cache == &cache; });
-  }
+  drop_queued_starts(cache);
   KvTransferActions actions;
   protocol_.forget_imports(cache, Clock::now(), actions);
   std::vector<KvTransferCall> dropped;  // the owner is going away: no handler runs
@@ -223,17 +196,8 @@ void TcpKvTransfer::run() {
 }
 
 void TcpKvTransfer::take_commands(std::vector<KvTransferCall>& calls) {
-  std::deque<Start> starts;
-  std::deque<RequestId> aborts;
-  {
-    std::lock_guard lock(mutex_);
-    starts.swap(starts_);
-    aborts.swap(aborts_);
-  }
   KvTransferActions actions;
-  for (Start& start : starts)
-    protocol_.start_import(start.leader, std::move(start.order), std::move(start.plan), actions);
-  for (RequestId id : aborts) protocol_.abort_import(id, Clock::now(), actions);
+  apply_commands(protocol_, actions);
   act(actions, calls);
 }
 

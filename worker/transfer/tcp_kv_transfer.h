@@ -68,9 +68,6 @@ class TcpKvTransfer final : public KvTransferAdapter {
   TcpKvTransfer(const TcpKvTransfer&) = delete;
   TcpKvTransfer& operator=(const TcpKvTransfer&) = delete;
 
-  void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) override;
-  void expect_import(ImportPlan plan) override;
-  void abort_import(RequestId id) override;
   void forget_imports(const KvCache& cache) override;
   void send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,
                  const KvCache& cache, std::span<const int32_t> block_table, int64_t head_offset,
@@ -81,11 +78,6 @@ class TcpKvTransfer final : public KvTransferAdapter {
   int self() const { return self_; }
 
  private:
-  struct Start {
-    int leader = -1;
-    std::optional<PrefillOrder> order;
-    ImportPlan plan;
-  };
   // A header (with a control message after it) and a rows payload (or none).
   struct Frame {
     std::vector<std::byte> head;
@@ -114,7 +106,7 @@ class TcpKvTransfer final : public KvTransferAdapter {
   };
 
   void run();  // the thread
-  void wake();
+  void wake_thread() override;
   // Any thread: a frame into a peer's lane (dropped when the peer is lost).
   void queue(int destination, Frame frame, Lane lane);
 
@@ -148,9 +140,7 @@ class TcpKvTransfer final : public KvTransferAdapter {
 
   mutable std::mutex mutex_;   // guards the members below and every Peer's send lanes
   std::map<int, Peer> peers_;  // the map itself is fixed after construction
-  std::deque<Start> starts_;
-  std::deque<RequestId> aborts_;
-  std::vector<int> lost_;  // ranks lost since the last pass
+  std::vector<int> lost_;      // ranks lost since the last pass
 
   std::thread thread_;  // last: starts after everything above exists
 };
