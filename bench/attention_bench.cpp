@@ -8,7 +8,12 @@
 //
 // Reports items/s as sequences (tokens) per second for the one layer.
 //
+// The prefill cases: one sequence's last `n_q` prompt tokens, in the
+// multi-token order, at the end of a `ctx`-token prompt (the last chunk of
+// a long prefill); items/s are query tokens per second for the one layer.
+//
 //   duet-attention-bench --benchmark_filter='avx512/.*/n_seq:32/'
+//   duet-attention-bench --benchmark_filter='prefill/avx512'
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -41,6 +46,7 @@ struct AttentionCase {
   int64_t n_seq;
   int64_t ctx;
   int n_threads;
+  int64_t n_q = 1;  // query rows per sequence: its last n_q positions
 };
 
 void bench_attention(benchmark::State& state, AttentionCase c) {
@@ -66,14 +72,15 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
     auto& table = tables[static_cast<size_t>(i)];
     for (int64_t b = 0; b < blocks_per_seq; ++b)
       table.push_back(static_cast<int32_t>(b * c.n_seq + i));
-    sequences.push_back({table, c.ctx - 1, 1, i, c.one_token ? 0 : kNoOneTokenRows});
+    sequences.push_back(
+        {table, c.ctx - c.n_q, c.n_q, i * c.n_q, c.one_token ? 0 : kNoOneTokenRows});
   }
   AttentionShape shape;
   shape.n_heads = kHeads;
   shape.n_kv_heads = kKvHeads;
   shape.head_dim = kHeadDim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  std::vector<float> q(static_cast<size_t>(c.n_seq * kHeads * kHeadDim));
+  std::vector<float> q(static_cast<size_t>(c.n_seq * c.n_q * kHeads * kHeadDim));
   for (float& v : q) v = normal(rng);
   std::vector<float> out(q.size());
 
@@ -85,7 +92,7 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetItemsProcessed(state.iterations() * c.n_seq);
+  state.SetItemsProcessed(state.iterations() * c.n_seq * c.n_q);
 }
 
 void register_benchmarks() {
@@ -101,6 +108,15 @@ void register_benchmarks() {
               "/ctx:" + std::to_string(c.ctx) + "/threads:" + std::to_string(n_threads);
           register_kernel_bench(name, bench_attention, c);
         }
+      }
+    }
+    for (int64_t ctx : {2048, 8000}) {
+      for (int n_threads : {1, 2}) {
+        const AttentionCase c{isa, false, 1, ctx, n_threads, 256};
+        const std::string name = "prefill/" + std::string(isa_name(isa)) +
+                                 "/n_q:256/ctx:" + std::to_string(ctx) +
+                                 "/threads:" + std::to_string(n_threads);
+        register_kernel_bench(name, bench_attention, c);
       }
     }
   }

@@ -15,6 +15,9 @@ constexpr int64_t kGroups = 4;
 // Below this many tasks per thread, attention splits the query heads of a KV
 // head into separate tasks.
 constexpr int64_t kMinTasksPerThread = 4;
+// Query rows of one sequence whose scores come from one pass over the keys
+// (a prefill's): each key segment is loaded and converted once for them all.
+constexpr int64_t kMaxTileRows = 8;
 
 // A hint that the line at p will be read soon (into L2; nothing on other CPUs).
 inline void prefetch_l2(const char* p) {
@@ -29,7 +32,15 @@ inline void prefetch_l2(const char* p) {
 // running maxima, so that the loop is not one long chain of dependent
 // comparisons; the maximum is the same whatever the order (up to the sign of
 // a zero maximum, which exp(x - max) does not see).
-float scale_and_max(float* x, int64_t n, float scale) {
+// Elementwise and order-free, so every ISA's build of it gives the same
+// bits: compiled for each, picked at load time.
+#if defined(__GNUC__) && defined(__x86_64__)
+#define DUET_ELEMENTWISE [[gnu::target_clones("avx512f", "avx2", "default")]]
+#else
+#define DUET_ELEMENTWISE
+#endif
+
+DUET_ELEMENTWISE float scale_and_max(float* x, int64_t n, float scale) {
   float max[8];
   std::fill(max, max + 8, -INFINITY);
   int64_t i = 0;
@@ -45,6 +56,11 @@ float scale_and_max(float* x, int64_t n, float scale) {
   }
   for (int l = 1; l < 8; ++l) max[0] = std::max(max[0], max[l]);
   return max[0];
+}
+
+// x[i] *= factor for i < n.
+DUET_ELEMENTWISE void scale(float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
 // K and V rows (n_tokens, n_kv_heads * head_dim) of positions [pos0, pos0 +
@@ -114,70 +130,104 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
     n_rows += s.n_q;
     max_ctx = std::max(max_ctx, s.pos0 + s.n_q);
   }
-  // Tasks are (sequence, query token, run of query heads), sequence after
-  // sequence. A run is the `group` heads that read one KV head, so that each
-  // key and value is loaded and converted once for them, unless that leaves
-  // too few tasks to keep the threads busy (one sequence's decode step): then
-  // one head. The results are the same either way.
-  const int64_t heads_per_task =
-      n_rows * shape.n_kv_heads >= kMinTasksPerThread * pool.size() ? group : 1;
-  const int64_t tasks_per_row = shape.n_heads / heads_per_task;
-  std::vector<int64_t> first_task(sequences.size() + 1, 0);
-  for (size_t i = 0; i < sequences.size(); ++i) {
-    first_task[i + 1] = first_task[i] + sequences[i].n_q * tasks_per_row;
+  // A task is (sequence, tile of query rows, run of query heads). A run is
+  // the `group` heads that read one KV head, so that each key and value is
+  // loaded and converted once for them, unless that leaves too few tasks to
+  // keep the threads busy (one sequence's decode step): then one head. A
+  // tile is up to kMaxTileRows consecutive rows of one sequence in one
+  // reduction order (a prefill chunk's), which read the same keys: their
+  // scores come from one pass over the keys. Every row still reduces over
+  // its own keys alone, in its own order: the results are the same whatever
+  // the tiling.
+  const int64_t min_tasks = kMinTasksPerThread * pool.size();
+  const int64_t heads_per_task = n_rows * shape.n_kv_heads >= min_tasks ? group : 1;
+  const int64_t runs_per_row = shape.n_heads / heads_per_task;
+  const int64_t tile_rows = std::clamp<int64_t>(n_rows * runs_per_row / min_tasks, 1, kMaxTileRows);
+  struct Tile {
+    const AttentionSequence* seq;
+    int64_t first;  // its first row, counted in the sequence
+    int64_t rows;
+  };
+  std::vector<Tile> tiles;
+  for (const AttentionSequence& s : sequences) {
+    // The rows of each order apart, the latest (longest) tiles first.
+    const int64_t split = std::clamp<int64_t>(s.one_token_from - s.pos0, 0, s.n_q);
+    for (const auto& [begin, end] :
+         {std::pair{split, s.n_q}, std::pair<int64_t, int64_t>{0, split}}) {
+      for (int64_t last = end; last > begin; last -= tile_rows) {
+        const int64_t first = std::max(begin, last - tile_rows);
+        tiles.push_back({&s, first, last - first});
+      }
+    }
   }
-  // Per thread: a run's scores (the longest context rounded up to 16, per
-  // head), its F16 queries (up to group x head_dim halves), and the K and V
-  // segments of one KV head (16 rows each).
+  // Per thread: a tile's scores (the longest context rounded up to 16, per
+  // row and head), its F16 queries, and the K and V segments of one KV head
+  // (16 rows each).
   const int64_t n_scores = (max_ctx + kLanes - 1) / kLanes * kLanes;
-  const int64_t scratch_per_thread = group * (n_scores + head_dim);
+  const int64_t tile_heads = tile_rows * heads_per_task;
+  const int64_t scratch_per_thread = tile_heads * (n_scores + head_dim);
   std::vector<float> scratch(static_cast<size_t>(scratch_per_thread * pool.size()));
   const int64_t n_segments = n_scores / kLanes;
   std::vector<const KvElement*> segments(static_cast<size_t>(2 * n_segments * pool.size()));
 
-  pool.parallel_for(first_task.back(), [&](int64_t task, int thread) {
-    const size_t i = static_cast<size_t>(
-        std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1);
-    const AttentionSequence& seq = sequences[i];
+  const int64_t n_tasks = static_cast<int64_t>(tiles.size()) * runs_per_row;
+  pool.parallel_for(n_tasks, [&](int64_t task, int thread) {
+    const Tile& tile = tiles[static_cast<size_t>(task / runs_per_row)];
+    const AttentionSequence& seq = *tile.seq;
     const std::span<const int32_t> block_table = seq.block_table;
-    const int64_t local = task - first_task[i];
-    const int64_t t = seq.row + local / tasks_per_row;          // row in q and out
-    const int64_t h0 = local % tasks_per_row * heads_per_task;  // the run's first query head
+    const int64_t h0 = task % runs_per_row * heads_per_task;  // the run's first query head
     const int64_t kv_head = h0 / group;
-    const int64_t position = seq.pos0 + local / tasks_per_row;
-    const int64_t n_keys = position + 1;  // causal
+    const int64_t t0 = seq.row + tile.first;  // the tile's first row in q and out
+    const int64_t position0 = seq.pos0 + tile.first;
+    const int64_t n_keys = position0 + tile.rows;  // causal: the tile's last row's keys
     // 4 accumulator groups: llama.cpp's ggml_vec_dot_f16; 1: its tinyBLAS GEMM.
-    const int groups = attention_groups(position >= seq.one_token_from, head_dim);
-    float* scores = scratch.data() + thread * scratch_per_thread;  // (heads, n_scores)
-    auto* q16 = reinterpret_cast<KvElement*>(scores + heads_per_task * n_scores);
+    const int groups = attention_groups(position0 >= seq.one_token_from, head_dim);
+    const int64_t n_heads = tile.rows * heads_per_task;
+    float* scores = scratch.data() + thread * scratch_per_thread;  // (row, head, n_scores)
+    auto* q16 = reinterpret_cast<KvElement*>(scores + n_heads * n_scores);
     const KvElement** k_segments = segments.data() + 2 * thread * n_segments;
     const KvElement** v_segments = k_segments + n_segments;
 
     // Keys and values in 16-token segments; a segment never crosses a block.
-    for (int64_t t0 = 0; t0 < n_keys; t0 += kLanes) {
-      const int64_t block = block_table[t0 / layout.block_size];
-      const int64_t slot = t0 % layout.block_size;
-      k_segments[t0 / kLanes] = cache + layout.k_offset(layer, block, kv_head, slot);
-      v_segments[t0 / kLanes] = cache + layout.v_offset(layer, block, kv_head, slot);
+    for (int64_t k0 = 0; k0 < n_keys; k0 += kLanes) {
+      const int64_t block = block_table[k0 / layout.block_size];
+      const int64_t slot = k0 % layout.block_size;
+      k_segments[k0 / kLanes] = cache + layout.k_offset(layer, block, kv_head, slot);
+      v_segments[k0 / kLanes] = cache + layout.v_offset(layer, block, kv_head, slot);
     }
     // The values are read after the keys and the softmax: ask for them now.
-    for (int64_t t0 = 0; t0 < n_keys; t0 += kLanes) {
-      const auto* v = reinterpret_cast<const char*>(v_segments[t0 / kLanes]);
-      const int64_t bytes = std::min<int64_t>(kLanes, n_keys - t0) * head_dim * sizeof(KvElement);
+    for (int64_t k0 = 0; k0 < n_keys; k0 += kLanes) {
+      const auto* v = reinterpret_cast<const char*>(v_segments[k0 / kLanes]);
+      const int64_t bytes = std::min<int64_t>(kLanes, n_keys - k0) * head_dim * sizeof(KvElement);
       for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(v + b);
     }
-    kernels.convert_f16(q + (t * shape.n_heads + h0) * head_dim, q16, heads_per_task * head_dim);
-    kernels.kq_scores(q16, heads_per_task, k_segments, n_keys, head_dim, groups, scores, n_scores);
-    for (int64_t h = 0; h < heads_per_task; ++h) {
-      float* p = scores + h * n_scores;
-      const float max = scale_and_max(p, n_keys, shape.scale);
-      const double sum = kernels.softmax_exp(p, n_keys, max, p);
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int64_t i = 0; i < n_keys; ++i) p[i] *= inv;
-      kernels.round_f16(p, n_keys);
+    for (int64_t r = 0; r < tile.rows; ++r) {
+      kernels.convert_f16(q + ((t0 + r) * shape.n_heads + h0) * head_dim,
+                          q16 + r * heads_per_task * head_dim, heads_per_task * head_dim);
     }
-    kernels.kqv_sum(scores, n_scores, heads_per_task, v_segments, n_keys, head_dim, groups,
-                    out + (t * shape.n_heads + h0) * head_dim);
+    kernels.kq_scores(q16, n_heads, k_segments, n_keys, head_dim, groups, scores, n_scores);
+    for (int64_t r = 0; r < tile.rows; ++r) {
+      const int64_t row_keys = position0 + r + 1;  // this row's own keys
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        float* p = scores + (r * heads_per_task + h) * n_scores;
+        const float max = scale_and_max(p, row_keys, shape.scale);
+        const double sum = kernels.softmax_exp(p, row_keys, max, p);
+        const float inv = static_cast<float>(1.0 / sum);
+        scale(p, row_keys, inv);
+        kernels.round_f16(p, row_keys);
+      }
+    }
+    float* tile_out = out + (t0 * shape.n_heads + h0) * head_dim;
+    const int64_t ld_out = shape.n_heads * head_dim;
+    if (kernels.kqv_sum_tile != nullptr) {
+      kernels.kqv_sum_tile(scores, n_scores, heads_per_task, tile.rows, position0 + 1, v_segments,
+                           head_dim, groups, tile_out, ld_out);
+      return;
+    }
+    for (int64_t r = 0; r < tile.rows; ++r) {
+      kernels.kqv_sum(scores + r * heads_per_task * n_scores, n_scores, heads_per_task, v_segments,
+                      position0 + r + 1, head_dim, groups, tile_out + r * ld_out);
+    }
   });
 }
 

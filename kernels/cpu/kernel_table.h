@@ -77,6 +77,14 @@ using KqvSumFn = void (*)(const float* p, int64_t ld_p, int64_t n_q,
                           const uint16_t* const* segments, int64_t n_keys, int64_t dim, int groups,
                           float* out);
 using SoftmaxExpFn = double (*)(const float* x, int64_t n, float max, float* y);
+//  - kqv_sum_tile: kqv_sum of n_rows query rows at once (a tile of a
+//    prefill's consecutive rows, which read the same values): row r's n_q
+//    heads have their probabilities at p + (r * n_q + h) * ld_p, n_keys0 + r
+//    keys, and their output at out + r * ld_out + h * dim. Each row's result
+//    is exactly kqv_sum's. Optional (null: row by row with kqv_sum).
+using KqvSumTileFn = void (*)(const float* p, int64_t ld_p, int64_t n_q, int64_t n_rows,
+                              int64_t n_keys0, const uint16_t* const* segments, int64_t dim,
+                              int groups, float* out, int64_t ld_out);
 
 // out[i] = x[i] / (1 + exp(-x[i])) * g[i] with ggml's exp (llama.cpp's SwiGLU).
 using SiluMulFn = void (*)(const float* x, const float* g, float* out, int64_t n);
@@ -103,6 +111,7 @@ struct KernelTable {
   SoftmaxExpFn softmax_exp;
   SiluMulFn silu_mul;
   RoundF16Fn round_f16;
+  KqvSumTileFn kqv_sum_tile = nullptr;
 };
 
 // The table of `isa`; the caller must have checked cpu_supports(isa).

@@ -426,7 +426,7 @@ TEST(AttentionPrimitives, KqScoresFollowTheContract) {
   for (int64_t dim : {16, 32, 64, 80, 128, 144, 272}) {
     for (int groups : {1, 4}) {
       for (int64_t n_keys : {1, 5, 16, 17, 40}) {
-        for (int64_t n_q : {1, 3, 4, 32}) {
+        for (int64_t n_q : {1, 3, 4, 7, 24, 32}) {
           SCOPED_TRACE("dim " + std::to_string(dim) + " groups " + std::to_string(groups) +
                        " keys " + std::to_string(n_keys) + " heads " + std::to_string(n_q));
           const std::vector<uint16_t> q = random_halves(static_cast<size_t>(n_q * dim), rng);
@@ -496,6 +496,44 @@ TEST(AttentionPrimitives, KqvSumFollowsTheContract) {
                                       out.data());
             EXPECT_TRUE(std::isnan(out.back())) << isa_name(isa) << " wrote past the last head";
             out.pop_back();
+            EXPECT_TRUE(bitwise_equal(out, expected)) << isa_name(isa);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A tile of rows with one more key each, across several of the tile
+// kernel's key blocks, against the definition row by row.
+TEST(AttentionPrimitives, KqvSumTileFollowsTheContract) {
+  std::mt19937 rng(23);
+  for (int64_t dim : {16, 36, 64, 80, 128}) {
+    for (int groups : {1, 4}) {
+      for (int64_t n_keys0 : {1, 15, 16, 127, 300}) {
+        for (auto [n_q, n_rows] : {std::pair<int64_t, int64_t>{1, 1}, {3, 8}, {2, 5}, {4, 3}}) {
+          SCOPED_TRACE("dim " + std::to_string(dim) + " groups " + std::to_string(groups) +
+                       " keys " + std::to_string(n_keys0) + " heads " + std::to_string(n_q) +
+                       " rows " + std::to_string(n_rows));
+          const int64_t n_keys = n_keys0 + n_rows - 1;
+          const int64_t ld_p = n_keys + 3;
+          const int64_t ld_out = n_q * dim + 7;
+          const std::vector<float> p =
+              random_floats(static_cast<size_t>(n_rows * n_q * ld_p), 0.3f, rng);
+          const Segments v(n_keys, dim, rng);
+          std::vector<float> expected(static_cast<size_t>(n_rows * ld_out), NAN);
+          for (int64_t r = 0; r < n_rows; ++r) {
+            for (int64_t h = 0; h < n_q; ++h) {
+              kqv_sum_definition(p.data() + (r * n_q + h) * ld_p, v.buffers, n_keys0 + r, dim,
+                                 groups, expected.data() + r * ld_out + h * dim);
+            }
+          }
+          for (Isa isa : supported_isas()) {
+            const KernelTable& kernels = kernel_table(isa);
+            if (kernels.kqv_sum_tile == nullptr) continue;
+            std::vector<float> out(expected.size(), NAN);
+            kernels.kqv_sum_tile(p.data(), ld_p, n_q, n_rows, n_keys0, v.pointers.data(), dim,
+                                 groups, out.data(), ld_out);
             EXPECT_TRUE(bitwise_equal(out, expected)) << isa_name(isa);
           }
         }

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/x86/x86_kernels_inl.h"
 
@@ -100,6 +101,115 @@ inline void kq_lanes(const float* qf, const float* kf, int64_t n_rows, int64_t n
   }
 }
 
+// The 16 x 16 floats of r transposed in place: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// kq_scores in the multi-token order (groups 1, dim a multiple of 16) for
+// many query heads (a prefill tile's): the segment is transposed once
+// (kt[e]: element e of its 16 keys, one key per register lane), so that a
+// head's 16 lane chains for all 16 keys are 16 registers of vertical FMAs
+// against its broadcast query elements, and the lane tree is vertical adds
+// too: no horizontal sums. The same FMAs in the same order as kq_lanes, so
+// the same bits. kHeads heads at a time, their lanes in the tree's order
+// so that few registers are live.
+template <int kHeads>
+inline void kq_transposed_heads(const float* kt, const float* qf, int64_t dim,
+                                __m512 (&result)[kHeads]) {
+  const int64_t n_chunks = dim / 16;
+  // v[h] = lane l of head h's chain: fma over the chunks in order, from 0.
+  auto lane = [&](int l, __m512(&v)[kHeads]) {
+    for (auto& x : v) x = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const __m512 k = _mm512_load_ps(kt + (16 * c + l) * 16);
+      for (int h = 0; h < kHeads; ++h)
+        v[h] = _mm512_fmadd_ps(k, _mm512_set1_ps(qf[h * dim + 16 * c + l]), v[h]);
+    }
+  };
+  // b_l = (v_{l+12} + v_{l+4}) + (v_{l+8} + v_l): the tree's second level.
+  auto quarter = [&](int l, __m512(&b)[kHeads]) {
+    __m512 v0[kHeads], v8[kHeads], v4[kHeads], v12[kHeads];
+    lane(l, v0);
+    lane(l + 8, v8);
+    lane(l + 4, v4);
+    lane(l + 12, v12);
+    for (int h = 0; h < kHeads; ++h)
+      b[h] = _mm512_add_ps(_mm512_add_ps(v12[h], v4[h]), _mm512_add_ps(v8[h], v0[h]));
+  };
+  __m512 b0[kHeads], b1[kHeads];
+  quarter(0, b0);
+  quarter(2, b1);
+  __m512 even[kHeads];  // b0 + b2
+  for (int h = 0; h < kHeads; ++h) even[h] = _mm512_add_ps(b0[h], b1[h]);
+  quarter(1, b0);
+  quarter(3, b1);
+  for (int h = 0; h < kHeads; ++h) result[h] = _mm512_add_ps(even[h], _mm512_add_ps(b0[h], b1[h]));
+}
+
+// Heads from which kq_scores takes the transposed path (the transposition
+// of a segment costs about a head's FMAs).
+constexpr int64_t kTransposedMinHeads = 6;
+constexpr int kTransposedHeadsPerPass = 4;
+
+void kq_scores_transposed(const uint16_t* q, int64_t n_q, const uint16_t* const* segments,
+                          int64_t n_keys, int64_t dim, float* out, int64_t ld_out) {
+  alignas(64) float qf[kMaxQueryFloats];  // head h at qf + h * dim
+  alignas(64) float kt[kMaxDim * 16];     // element e of the segment's keys at kt + 16 e
+  for (int64_t i = 0; i < n_q * dim; i += 16) _mm512_store_ps(qf + i, load_half16(q + i));
+  for (int64_t t0 = 0; t0 < n_keys; t0 += 16) {
+    const uint16_t* segment = segments[t0 / 16];
+    const int rows = static_cast<int>(std::min<int64_t>(16, n_keys - t0));
+    if (t0 + 16 < n_keys) {  // the next segment, from wherever in the cache it is
+      const auto* next = reinterpret_cast<const char*>(segments[t0 / 16 + 1]);
+      const int64_t next_rows = std::min<int64_t>(16, n_keys - t0 - 16);
+      for (int64_t b = 0; b < next_rows * dim * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
+    for (int64_t e0 = 0; e0 < dim; e0 += 16) {
+      __m512 r[16];  // rows past the last key stand in as row 0
+      for (int i = 0; i < 16; ++i) r[i] = load_half16(segment + (i < rows ? i : 0) * dim + e0);
+      transpose16(r);
+      for (int l = 0; l < 16; ++l) _mm512_store_ps(kt + (e0 + l) * 16, r[l]);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1);
+    int64_t h = 0;
+    for (; h + kTransposedHeadsPerPass <= n_q; h += kTransposedHeadsPerPass) {
+      __m512 sums[kTransposedHeadsPerPass];
+      kq_transposed_heads<kTransposedHeadsPerPass>(kt, qf + h * dim, dim, sums);
+      for (int i = 0; i < kTransposedHeadsPerPass; ++i)
+        _mm512_mask_storeu_ps(out + (h + i) * ld_out + t0, valid, sums[i]);
+    }
+    for (; h < n_q; ++h) {
+      __m512 sums[1];
+      kq_transposed_heads<1>(kt, qf + h * dim, dim, sums);
+      _mm512_mask_storeu_ps(out + h * ld_out + t0, valid, sums[0]);
+    }
+  }
+}
+
 // kq_scores: each key segment is converted to float once and used by every
 // query head.
 void kq_scores(const uint16_t* q, int64_t n_q, const uint16_t* const* segments, int64_t n_keys,
@@ -113,6 +223,8 @@ void kq_scores(const uint16_t* q, int64_t n_q, const uint16_t* const* segments, 
     }
     return;
   }
+  if (groups == 1 && dim % 16 == 0 && n_q >= kTransposedMinHeads)
+    return kq_scores_transposed(q, n_q, segments, n_keys, dim, out, ld_out);
   const int64_t chunk = groups == 1 ? 16 : 64;
   const int64_t n_whole = dim - dim % chunk;
   alignas(64) float qf[kMaxQueryFloats];  // head h at qf + h * n_whole
@@ -283,6 +395,127 @@ void kqv_sum(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* const* s
       default:
         kqv_sum_vecs<4>(p, ld_p, n_q, segments, n_keys, dim, groups, d0, last, out);
         break;
+    }
+  }
+}
+
+// kqv_sum_tile (kernel_table.h) in the multi-token order: the value rows
+// stream past in blocks of kTileKeyBlock keys; for each block, every row of
+// the tile resumes its (slot, head) chains from memory (state: [row][head]
+// [slot][dim] floats), runs them over the block's rows in increasing t, and
+// leaves them there. A chain is the same sequence of FMAs as kqv_sum's, only
+// suspended between blocks, so each row's result is kqv_sum's; but a block of
+// values is read from memory once for the whole tile, not once per row.
+constexpr int64_t kTileKeyBlock = 128;
+
+template <int kVecs, int kHeads>
+void kqv_tile_block(const float* p, int64_t ld_p, const uint16_t* const* segments, int64_t dim,
+                    int64_t b0, int64_t end, int64_t d0, __mmask16 last, float* state) {
+  // state: this row's heads [kHeads][16 slots][dim], from head h0.
+  for (int s = 0; s < 16; s += 2) {
+    __m512 acc0[kHeads][kVecs], acc1[kHeads][kVecs];
+    for (int h = 0; h < kHeads; ++h) {
+      for (int c = 0; c < kVecs; ++c) {
+        const __mmask16 m = c == kVecs - 1 ? last : 0xffff;
+        acc0[h][c] = _mm512_maskz_loadu_ps(m, state + (h * 16 + s) * dim + d0 + 16 * c);
+        acc1[h][c] = _mm512_maskz_loadu_ps(m, state + (h * 16 + s + 1) * dim + d0 + 16 * c);
+      }
+    }
+    int64_t t = b0 + s;
+    for (; t + 1 < end; t += 16) {
+      kqv_row<kVecs, kHeads>(p, ld_p, segments, dim, t, d0, last, acc0);
+      kqv_row<kVecs, kHeads>(p, ld_p, segments, dim, t + 1, d0, last, acc1);
+    }
+    if (t < end) kqv_row<kVecs, kHeads>(p, ld_p, segments, dim, t, d0, last, acc0);
+    for (int h = 0; h < kHeads; ++h) {
+      for (int c = 0; c < kVecs; ++c) {
+        const __mmask16 m = c == kVecs - 1 ? last : 0xffff;
+        _mm512_mask_storeu_ps(state + (h * 16 + s) * dim + d0 + 16 * c, m, acc0[h][c]);
+        _mm512_mask_storeu_ps(state + (h * 16 + s + 1) * dim + d0 + 16 * c, m, acc1[h][c]);
+      }
+    }
+  }
+}
+
+template <int kVecs>
+void kqv_tile_heads(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* const* segments,
+                    int64_t dim, int64_t b0, int64_t end, int64_t d0, __mmask16 last,
+                    float* state) {
+  for (int64_t h = 0; h < n_q; h += kMaxHeadsPerPass) {
+    const float* ph = p + h * ld_p;
+    float* sh = state + h * 16 * dim;
+    switch (std::min<int64_t>(kMaxHeadsPerPass, n_q - h)) {
+      case 1:
+        kqv_tile_block<kVecs, 1>(ph, ld_p, segments, dim, b0, end, d0, last, sh);
+        break;
+      case 2:
+        kqv_tile_block<kVecs, 2>(ph, ld_p, segments, dim, b0, end, d0, last, sh);
+        break;
+      default:
+        kqv_tile_block<kVecs, 3>(ph, ld_p, segments, dim, b0, end, d0, last, sh);
+        break;
+    }
+  }
+}
+
+void kqv_sum_tile(const float* p, int64_t ld_p, int64_t n_q, int64_t n_rows, int64_t n_keys0,
+                  const uint16_t* const* segments, int64_t dim, int groups, float* out,
+                  int64_t ld_out) {
+  if (groups != 1) {  // the one-token order's chains skip segments: row by row
+    for (int64_t r = 0; r < n_rows; ++r)
+      kqv_sum(p + r * n_q * ld_p, ld_p, n_q, segments, n_keys0 + r, dim, groups, out + r * ld_out);
+    return;
+  }
+  thread_local std::vector<float> state_buffer;
+  const size_t state_floats = static_cast<size_t>(n_rows * n_q * 16 * dim);
+  if (state_buffer.size() < state_floats) state_buffer.resize(state_floats);
+  float* state = state_buffer.data();
+  std::fill(state, state + state_floats, 0.0f);
+  const int64_t n_keys_max = n_keys0 + n_rows - 1;
+  for (int64_t b0 = 0; b0 < n_keys_max; b0 += kTileKeyBlock) {
+    const int64_t b1 = std::min(b0 + kTileKeyBlock, n_keys_max);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t end = std::min(b1, n_keys0 + r);
+      if (end <= b0) continue;
+      const float* pr = p + r * n_q * ld_p;
+      float* sr = state + r * n_q * 16 * dim;
+      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int64_t width = std::min<int64_t>(64, dim - d0);
+        const __mmask16 last = static_cast<__mmask16>(0xffffu >> ((16 - width % 16) % 16));
+        switch ((width + 15) / 16) {
+          case 1:
+            kqv_tile_heads<1>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
+            break;
+          case 2:
+            kqv_tile_heads<2>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
+            break;
+          case 3:
+            kqv_tile_heads<3>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
+            break;
+          default:
+            kqv_tile_heads<4>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
+            break;
+        }
+      }
+    }
+  }
+  // The 16-lane tree over the slots, as kqv_sum_pass ends.
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t h = 0; h < n_q; ++h) {
+      const float* g = state + (r * n_q + h) * 16 * dim;
+      float* o = out + r * ld_out + h * dim;
+      for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+        const __mmask16 m =
+            static_cast<__mmask16>(dim - d0 >= 16 ? 0xffffu : (1u << (dim - d0)) - 1);
+        __m512 a[8], b[4];
+        for (int l = 0; l < 8; ++l) {
+          a[l] = _mm512_add_ps(_mm512_maskz_loadu_ps(m, g + (l + 8) * dim + d0),
+                               _mm512_maskz_loadu_ps(m, g + l * dim + d0));
+        }
+        for (int l = 0; l < 4; ++l) b[l] = _mm512_add_ps(a[l + 4], a[l]);
+        _mm512_mask_storeu_ps(o + d0, m,
+                              _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3])));
+      }
     }
   }
 }

@@ -328,6 +328,7 @@ constexpr KernelTable kAvx512Table = {
     .softmax_exp = softmax_exp_avx512,
     .silu_mul = silu_mul_avx512,
     .round_f16 = round_f16_avx,
+    .kqv_sum_tile = attention512::kqv_sum_tile,
 };
 
 }  // namespace
