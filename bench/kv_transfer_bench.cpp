@@ -3,7 +3,10 @@
 // prefill side, rank 2 the decode side, as `duet serve` places them):
 //   1. raw MPI: rank 1 MPI_Isends the messages of one transfer back to back
 //      (all posted, then waited: the transfer's window), rank 2 MPI_Recvs
-//      them into one buffer, on a communicator of their own;
+//      them into one buffer, on a communicator of their own; then again
+//      under the transfer's progress model (every send and receive posted,
+//      MPI_Testall every --transfer-poll-us, sleeping between): the
+//      baseline a transfer driven by a communication thread can reach;
 //   2. the same KV through MpiKvTransfer between two KvCaches with different
 //      (shuffled) block tables: start_import on rank 2; on the order, rank 1
 //      send_rows each layer of each chunk, then send_handoff; rank 2's rows
@@ -59,6 +62,8 @@ int run_sender(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
 
   sync_clocks(pair, kPairSender);
   bench_raw(pair, kPairSender, shape, args.reps, {});
+  bench_raw(pair, kPairSender, shape, args.reps, {},
+            std::chrono::microseconds(args.transfer_poll_us));
   send_transfers(transfer, orders, pair, shape, args.reps, args.seed);
   if (model) serve_prefills(*model, transfer, orders, pair, shape, args);
   transfer.set_handlers({});
@@ -81,10 +86,13 @@ int run_receiver(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   uint64_t next_id = 1;
   const ClockSync sync = sync_clocks(pair, kPairReceiver);
   const std::vector<double> raw = bench_raw(pair, kPairReceiver, shape, args.reps, sync);
+  const std::vector<double> raw_polled =
+      bench_raw(pair, kPairReceiver, shape, args.reps, sync,
+                std::chrono::microseconds(args.transfer_poll_us));
   const TransferTimes times =
       receive_transfers(transfer, arrivals, pair, shape, args.reps, args.seed, sync, next_id);
   Json json;
-  report_transfer(shape, args, sync, raw, times, json);
+  report_transfer(shape, args, sync, raw, raw_polled, times, json);
   bool ok = times.kv_equal;
   if (model) {
     const TtftTimes ttft =

@@ -13,9 +13,11 @@ namespace duet::kv_bench {
 
 using Json = nlohmann::json;
 
-// Phases 1 and 2 against each other (`raw`: bench_raw's seconds).
+// Phases 1 and 2 against each other (`raw`: bench_raw's seconds spinning,
+// `raw_polled`: under the transfer's progress model).
 void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync,
-                     const std::vector<double>& raw, const TransferTimes& transfer, Json& json);
+                     const std::vector<double>& raw, const std::vector<double>& raw_polled,
+                     const TransferTimes& transfer, Json& json);
 // Phase 3.
 void report_ttft(const Shape& shape, const Args& args, const TtftTimes& t, Json& json);
 

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "common/stats.h"
 
@@ -44,18 +45,30 @@ void time_copies(const Shape& shape, int reps, uint64_t seed, TransferTimes& tim
   times.unpack = median(unpack);
 }
 
+// Until every request is done: MPI_Testall every `poll`, sleeping between.
+void test_until_done(std::vector<MPI_Request>& requests, std::chrono::microseconds poll) {
+  for (;;) {
+    int done = 0;
+    DUET_MPI_CHECK(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                               MPI_STATUSES_IGNORE));
+    if (done != 0) return;
+    std::this_thread::sleep_for(poll);
+  }
+}
+
 }  // namespace
 
 std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
-                              const ClockSync& sync) {
+                              const ClockSync& sync,
+                              std::optional<std::chrono::microseconds> poll) {
   const int n = static_cast<int>(shape.n_messages());
   const int size = static_cast<int>(shape.message_bytes());
   std::vector<double> stamps;  // the sender's first sends, the receiver's last receives
+  std::vector<MPI_Request> requests(static_cast<size_t>(n));
   if (pair_rank == kPairSender) {
     // One buffer per message, as the transfer owns one per queued message.
     std::vector<std::vector<std::byte>> buffers(
         static_cast<size_t>(n), std::vector<std::byte>(static_cast<size_t>(size), std::byte{90}));
-    std::vector<MPI_Request> requests(static_cast<size_t>(n));
     for (int rep = -1; rep < reps; ++rep) {  // rep -1 warms up
       DUET_MPI_CHECK(MPI_Barrier(pair));
       const double start = MPI_Wtime();
@@ -63,18 +76,30 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
         DUET_MPI_CHECK(MPI_Isend(buffers[static_cast<size_t>(i)].data(), size, MPI_BYTE,
                                  kPairReceiver, kTag, pair, &requests[static_cast<size_t>(i)]));
       }
-      DUET_MPI_CHECK(MPI_Waitall(n, requests.data(), MPI_STATUSES_IGNORE));
+      if (poll) {
+        test_until_done(requests, *poll);
+      } else {
+        DUET_MPI_CHECK(MPI_Waitall(n, requests.data(), MPI_STATUSES_IGNORE));
+      }
       if (rep >= 0) stamps.push_back(start);
     }
     DUET_MPI_CHECK(MPI_Send(stamps.data(), reps, MPI_DOUBLE, kPairReceiver, kTag, pair));
     return {};
   }
-  std::vector<std::byte> buffer(static_cast<size_t>(size));
+  std::vector<std::byte> buffer(static_cast<size_t>(poll ? n * size : size));
   for (int rep = -1; rep < reps; ++rep) {
     DUET_MPI_CHECK(MPI_Barrier(pair));
-    for (int i = 0; i < n; ++i) {
-      DUET_MPI_CHECK(
-          MPI_Recv(buffer.data(), size, MPI_BYTE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+    if (poll) {
+      for (int i = 0; i < n; ++i) {
+        DUET_MPI_CHECK(MPI_Irecv(buffer.data() + static_cast<size_t>(i) * size, size, MPI_BYTE,
+                                 kPairSender, kTag, pair, &requests[static_cast<size_t>(i)]));
+      }
+      test_until_done(requests, *poll);
+    } else {
+      for (int i = 0; i < n; ++i) {
+        DUET_MPI_CHECK(
+            MPI_Recv(buffer.data(), size, MPI_BYTE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+      }
     }
     if (rep >= 0) stamps.push_back(MPI_Wtime());
   }

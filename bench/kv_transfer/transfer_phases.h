@@ -1,13 +1,16 @@
 // duet-kv-transfer-bench's first two phases, between rank 1 (the sender,
 // the prefill side) and rank 2 (the receiver, the decode side):
 //   1. raw MPI: the messages of one transfer, MPI_Isend back to back and
-//      MPI_Recv into one buffer, on the pair's own communicator;
+//      MPI_Recv into one buffer, on the pair's own communicator; and again
+//      under the transfer's progress model (posted, then tested and slept);
 //   2. the same KV through MpiKvTransfer between two KvCaches with different
 //      (shuffled) block tables, the received rows checked against the sent
 //      (kv_rows_checksum).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "bench/kv_transfer/rig.h"
@@ -17,11 +20,17 @@ namespace duet::kv_bench {
 
 // ---------------------------------------------------------------- 1. raw MPI
 
-// Both ranks spin here (MPI_Barrier, MPI_Waitall, MPI_Recv), as nothing else
-// runs. The receiver returns the seconds of each rep, from the sender's first
-// MPI_Isend to its own last MPI_Recv; the sender returns nothing.
+// Without `poll`, both ranks spin here (MPI_Barrier, MPI_Waitall, MPI_Recv),
+// as nothing else runs: the most MPI can do with a core to burn. With it,
+// the progress model of the transfer's communication thread: every send and
+// receive posted at once (MPI_Isend, MPI_Irecv into one buffer per
+// message), then MPI_Testall every `poll`, sleeping in between, so that MPI
+// moves the bytes only inside those calls. The receiver returns the seconds
+// of each rep, from the sender's first MPI_Isend to its own last receive;
+// the sender returns nothing.
 std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
-                              const ClockSync& sync);
+                              const ClockSync& sync,
+                              std::optional<std::chrono::microseconds> poll = std::nullopt);
 
 // ---------------------------------------------------------------- 2. MpiKvTransfer
 
