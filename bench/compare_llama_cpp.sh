@@ -1,44 +1,91 @@
 #!/usr/bin/env bash
 # Duet against llama.cpp on the same GGUF, in one run: prompt processing
-# (pp512) and generation (tg128) at 1 and 2 threads. The two engines take
-# turns, ROUNDS times (each turn runs every test REPS times), so both see the
-# same machine noise; the table reports the median over rounds of each turn's
-# mean, and Duet's ratio to llama.cpp.
-# Usage: bench/compare_llama_cpp.sh [MODEL]   (env: ROUNDS=3 REPS=5 THREADS=1,2)
+# (ppN) and generation (tgN). The engines take turns, ROUNDS times (each turn
+# runs every test REPS times), so both see the same machine noise; the table
+# reports the median over rounds of each turn's mean, and Duet's ratio to the
+# best llama.cpp configuration of the row.
+#
+# llama.cpp runs as its users run it: its defaults (flash attention `auto`,
+# weight repacking on where its CPU backend has a layout for the machine).
+# PEER_CONFIGS adds more configurations, '|'-separated llama-bench arguments
+# (`default` for none), e.g. 'default|-fa off|-fa on' for long prompts. When a
+# configuration crashes on this machine (llama.cpp's AMX prefill does on some
+# VMs) the run says so, retries it once with `--repack 0` and labels the
+# column, rather than comparing with nothing.
+#
+# Usage: bench/compare_llama_cpp.sh [MODEL]
+#   env: ROUNDS=3 REPS=5 THREADS=1,2 PROMPTS=512 GENS=128 (0: no tg test)
+#        PEER_CONFIGS=default
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 rounds=${ROUNDS:-3}
 reps=${REPS:-5}
 threads=${THREADS:-1,2}
+prompts=${PROMPTS:-512}
+gens=${GENS:-128}
+peer_configs=${PEER_CONFIGS:-default}
 duet_bench=${DUET_BUILD_DIR:-$root/build}/bench/duet-engine-bench
 llama_bench=$("$root/bench/build_llama_cpp.sh" | tail -n 1)
 [ -x "$duet_bench" ] || { echo "build Duet first (launch/build.sh)" >&2; exit 1; }
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+IFS='|' read -r -a configs <<<"$peer_configs"
+cpu_field() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'; }
+isa=$(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx512f|avx512_vnni|avx512_bf16|avx512_fp16|amx_tile' | tr '\n' ' ' || true)
+echo "CPU: $(cpu_field 'model name') (family $(cpu_field 'cpu family'), model $(cpu_field 'model\s*:' || true)), $(nproc) cores; ${isa:-no AVX-512}" >&2
 for round in $(seq "$rounds"); do
   echo "round $round/$rounds" >&2
-  OPENBLAS_NUM_THREADS=1 "$duet_bench" -m "$model" -p 512 -n 128 -t "$threads" -r "$reps" --json \
-    >"$out/duet-$round.json"
-  "$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -fa 0 -r "$reps" -o json \
-    >"$out/llama-$round.json" 2>/dev/null
+  OPENBLAS_NUM_THREADS=1 "$duet_bench" -m "$model" -p "$prompts" -n "$gens" -t "$threads" \
+    -r "$reps" --json >"$out/duet-$round.json"
+  for i in "${!configs[@]}"; do
+    config=${configs[$i]}
+    args=()
+    [ "$config" = default ] || read -r -a args <<<"$config"
+    if [ -f "$out/fallback-$i" ]; then args+=(--repack 0); fi
+    if ! "$llama_bench" -m "$model" -p "$prompts" -n "$gens" -t "$threads" -r "$reps" \
+      "${args[@]}" -o json >"$out/llama-$i-$round.json" 2>"$out/llama-$i.err"; then
+      if [ -f "$out/fallback-$i" ] || [[ " ${args[*]} " == *" --repack "* ]]; then
+        echo "llama.cpp ($config) failed:" >&2
+        tail -n 5 "$out/llama-$i.err" >&2
+        exit 1
+      fi
+      echo "llama.cpp ($config) crashed on this machine ($(tail -n 1 "$out/llama-$i.err"));" \
+        "retrying with --repack 0" >&2
+      touch "$out/fallback-$i"
+      "$llama_bench" -m "$model" -p "$prompts" -n "$gens" -t "$threads" -r "$reps" \
+        "${args[@]}" --repack 0 -o json >"$out/llama-$i-$round.json" 2>"$out/llama-$i.err"
+    fi
+  done
 done
 
-python3 - "$out" "$rounds" "$model" <<'PY'
+python3 - "$out" "$rounds" "$model" "$peer_configs" <<'PY'
 import json, pathlib, statistics, sys
-out, rounds, model = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-duet, llama = {}, {}
+out, rounds, model, configs = (pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                               sys.argv[4].split("|"))
+duet, peers = {}, [dict() for _ in configs]
 for r in range(1, rounds + 1):
     for row in json.loads((out / f"duet-{r}.json").read_text()):
         duet.setdefault((row["test"], row["threads"]), []).append(row["mean"])
-    for row in json.loads((out / f"llama-{r}.json").read_text()):
-        test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
-        llama.setdefault((test, row["n_threads"]), []).append(row["avg_ts"])
+    for i in range(len(configs)):
+        for row in json.loads((out / f"llama-{i}-{r}.json").read_text()):
+            test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+            peers[i].setdefault((test, row["n_threads"]), []).append(row["avg_ts"])
+names = []
+for i, config in enumerate(configs):
+    name = "llama.cpp " + ("default" if config == "default" else config)
+    if (out / f"fallback-{i}").exists():
+        name += " (crashed; --repack 0)"
+    names.append(name)
 print(f"model: {pathlib.Path(model).name}; {rounds} alternating rounds; median of the rounds' means\n")
-print("| test | threads | Duet t/s | llama.cpp t/s | Duet / llama.cpp |")
-print("|---|---:|---:|---:|---:|")
-for key in sorted(duet, key=lambda k: (k[0][:2] != "pp", k[1])):
-    d, l = statistics.median(duet[key]), statistics.median(llama.get(key, [float("nan")]))
-    print(f"| {key[0]} | {key[1]} | {d:.1f} | {l:.1f} | {d / l:.2f}x |")
+print("| test | threads | Duet t/s | " + " | ".join(f"{n} t/s" for n in names) +
+      " | Duet / best llama.cpp |")
+print("|---|---:|---:|" + "---:|" * len(names) + "---:|")
+for key in sorted(duet, key=lambda k: (k[0][:2] != "pp", int(k[0][2:]), k[1])):
+    d = statistics.median(duet[key])
+    p = [statistics.median(peer[key]) if key in peer else float("nan") for peer in peers]
+    best = max((x for x in p if x == x), default=float("nan"))
+    print(f"| {key[0]} | {key[1]} | {d:.1f} | " + " | ".join(f"{x:.1f}" for x in p) +
+          f" | {d / best:.2f}x |")
 PY
