@@ -1,12 +1,17 @@
 #include "common/mpi/control_channel.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
+#include <optional>
 #include <utility>
 
 #include "common/error.h"
+#include "common/format.h"
+#include "common/net/tcp_connect.h"
 
 namespace duet {
 namespace {
@@ -22,7 +27,26 @@ constexpr std::chrono::milliseconds kStopFlush{200};
 constexpr size_t kMaxSpares = 64;
 constexpr size_t kMinSpareBytes = 4096;
 
+// The control connections' hello (connect_tcp_peers): every rank dials rank 0.
+constexpr TcpPurpose kControlPurpose{0x4843'4344, "control channel"};  // "DCCH"
+
+// Throws on every rank alike unless every rank's `failure` is empty.
+void agree_connected(const MpiRuntime& mpi, const std::string& failure) {
+  const std::byte ready{static_cast<unsigned char>(failure.empty() ? 1 : 0)};
+  const std::vector<std::byte> all = mpi.all_gather(std::span(&ready, 1));
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] == std::byte{1}) continue;
+    throw Error(ErrorKind::kInternal,
+                failure.empty() ? format("control channel: rank {} could not connect over TCP", r)
+                                : failure);
+  }
+}
+
 }  // namespace
+
+std::string_view control_link_name(ControlLink link) {
+  return link == ControlLink::kTcp ? "tcp" : "mpi";
+}
 
 ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options)
     : options_(options),
@@ -34,11 +58,72 @@ ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions opti
       "control channel: need 0 < min_idle_sleep <= max_idle_sleep");
   DUET_REQUIRE(options_.max_receives_per_pass > 0,
                "control channel: max_receives_per_pass must be positive");
-  DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
   closed_by_.assign(static_cast<size_t>(world_size_), false);
   forgotten_.assign(static_cast<size_t>(world_size_), false);
   forgotten_seen_.assign(static_cast<size_t>(world_size_), false);
+  ended_.assign(static_cast<size_t>(world_size_), false);
+  if (options_.link == ControlLink::kTcp) {
+    connect_tcp(mpi);
+  } else {
+    DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+  }
   thread_ = std::thread([this] { run(); });
+}
+
+void ControlChannel::connect_tcp(const MpiRuntime& mpi) {
+  std::optional<TcpListener> listener;
+  std::string failure;
+  if (rank_ == kCoordinatorRank) {
+    try {
+      listener.emplace();
+    } catch (const std::exception& e) {
+      failure = format("control channel: rank 0: {}", e.what());
+    }
+  }
+  agree_connected(mpi, failure);
+  // Rank 0's address to every rank (the others' records are empty).
+  const TcpAddress own = listener ? listener->address() : TcpAddress{};
+  const std::vector<std::byte> all = mpi.all_gather(own.encode());
+  const TcpAddress coordinator = TcpAddress::decode(std::span(all).first(TcpAddress::kRecordBytes));
+  std::vector<TcpPeer> peers;
+  if (rank_ == kCoordinatorRank) {
+    for (int r = 1; r < world_size_; ++r) peers.push_back({r, {}, false, false});
+  } else {
+    // Its addresses other than loopback first: a rank on rank 0's host
+    // reaches them too.
+    peers.push_back({kCoordinatorRank.value, coordinator, false, true});
+  }
+  std::map<int, int> sockets;
+  try {
+    sockets =
+        connect_tcp_peers(rank_.value, listener ? &*listener : nullptr, peers, kControlPurpose,
+                          std::chrono::steady_clock::now() + options_.connect_timeout);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  agree_connected(mpi, failure);
+  tcp_ = std::make_unique<TcpFrameLink>(std::move(sockets));
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw Error(ErrorKind::kInternal, "control channel: eventfd failed");
+}
+
+bool ControlChannel::linked(int rank) const {
+  if (rank == rank_.value) return false;
+  if (!tcp_) return true;
+  return rank_ == kCoordinatorRank || rank == kCoordinatorRank.value;
+}
+
+void ControlChannel::notify_thread() {
+  wake_.notify_one();
+  if (wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    static_cast<void>(write(wake_fd_, &one, sizeof one));
+  }
+}
+
+void ControlChannel::drain_wake_fd() {
+  uint64_t count = 0;
+  static_cast<void>(read(wake_fd_, &count, sizeof count));
 }
 
 ControlChannel::~ControlChannel() {
@@ -47,6 +132,7 @@ ControlChannel::~ControlChannel() {
     stop_ = true;
   }
   wake_.notify_all();
+  notify_thread();
   if (thread_.joinable()) thread_.join();
   // Receives from lost ranks never finish: their buffers stay MPI's, and the
   // communicator, which they still name, is not freed.
@@ -56,12 +142,17 @@ ControlChannel::~ControlChannel() {
     static_cast<void>(new std::vector<std::byte>(std::move(incoming.bytes)));  // leaked
   for (Outgoing& outgoing : abandoned_sends_)
     static_cast<void>(new std::vector<std::byte>(std::move(outgoing.bytes)));  // leaked
+  tcp_.reset();                                                                // closes the sockets
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void ControlChannel::send(Rank destination, const ControlMessage& message) {
   DUET_REQUIRE(destination.value >= 0 && destination.value < world_size_ && destination != rank_,
                "control channel: cannot send to rank {} (this is rank {} of {})", destination.value,
                rank_.value, world_size_);
+  DUET_REQUIRE(linked(destination.value),
+               "control channel: over TCP rank {} talks to rank 0 only, not to rank {}",
+               rank_.value, destination.value);
   Outgoing outgoing{comm_, destination.value, kMessageTag, SendLane::kControl,
                     encode_control_message(message)};
   DUET_REQUIRE(outgoing.bytes.size() <= static_cast<size_t>(INT_MAX),
@@ -75,7 +166,7 @@ void ControlChannel::send(Rank destination, const ControlMessage& message) {
     ++own_pending_;
     woken_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
 }
 
 void ControlChannel::post(const CommEndpoint& from, MPI_Comm comm, int destination, int tag,
@@ -89,7 +180,7 @@ void ControlChannel::post(const CommEndpoint& from, MPI_Comm comm, int destinati
     queue_.push(Outgoing{comm, destination, tag, lane, std::move(bytes), &from});
     woken_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
 }
 
 std::vector<std::byte> ControlChannel::buffer(size_t size) {
@@ -115,7 +206,10 @@ std::optional<ReceivedMessage> ControlChannel::receive_until(
 
 std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
-  inbox_ready_.wait_for(lock, timeout, [&] { return !inbox_.empty() || closed_ || stop_; });
+  inbox_ready_.wait_for(lock, timeout, [&] {
+    return !inbox_.empty() || closed_ || stop_ || receive_interrupts_ > 0;
+  });
+  if (receive_interrupts_ > 0) --receive_interrupts_;
   if (inbox_.empty()) return std::nullopt;
   ReceivedMessage message = std::move(inbox_.front());
   inbox_.pop_front();
@@ -125,6 +219,11 @@ std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds
 void ControlChannel::set_intercept(Intercept intercept) {
   std::lock_guard pass(pass_mutex_);
   intercept_ = std::move(intercept);
+}
+
+void ControlChannel::set_link_lost_handler(LinkLost handler) {
+  std::lock_guard pass(pass_mutex_);
+  link_lost_ = std::move(handler);
 }
 
 void ControlChannel::forget(std::span<const Rank> ranks) {
@@ -138,13 +237,14 @@ void ControlChannel::forget(std::span<const Rank> ranks) {
       woken_ = true;
     }
   }
-  wake_.notify_one();
+  notify_thread();
   inbox_ready_.notify_all();
 }
 
 bool ControlChannel::forgot_any() const {
   std::lock_guard lock(mutex_);
-  return std::find(forgotten_.begin(), forgotten_.end(), true) != forgotten_.end();
+  return link_lost_any_ ||
+         std::find(forgotten_.begin(), forgotten_.end(), true) != forgotten_.end();
 }
 
 bool ControlChannel::receiving() const {
@@ -157,7 +257,7 @@ bool ControlChannel::close(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mutex_);
     DUET_REQUIRE(!closing_, "control channel: close() called twice");
     closing_ = true;
-    wake_.notify_one();
+    notify_thread();
     inbox_ready_.wait_for(lock, timeout, [&] { return closed_ || stop_; });
     if (closed_) {
       lock.unlock();
@@ -166,7 +266,7 @@ bool ControlChannel::close(std::chrono::milliseconds timeout) {
     }
     stop_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
   thread_.join();
   inbox_ready_.notify_all();
   spdlog::warn("control channel: rank {} closed without every other rank within {} ms", rank_.value,
@@ -205,7 +305,7 @@ void ControlChannel::wake() {
     std::lock_guard lock(mutex_);
     woken_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
 }
 
 ControlChannel::Counters ControlChannel::counters() const {
@@ -221,6 +321,7 @@ void ControlChannel::run() {
   bool closed = false;
   try {
     while (true) {
+      if (tcp_) drain_wake_fd();  // before woken_ is read: a later wake-up stays pending
       std::unique_lock pass(pass_mutex_);
       bool stop = false;
       {
@@ -240,19 +341,31 @@ void ControlChannel::run() {
         break;
       }
       bool active = post_sends(fresh);
+      if (tcp_) {
+        // Forgotten ranks' sockets close once what was queued for them
+        // before forget() had its chance to leave.
+        for (int rank : to_drop_) tcp_->drop(rank);
+        active = active || !to_drop_.empty();
+        to_drop_.clear();
+      }
       active = test_sends() || active;
-      active = receive_some() || active;
+      active = (tcp_ ? receive_tcp() : receive_some()) || active;
       bool transferring = n_endpoint_sends_in_flight_ > 0;
       for (CommEndpoint* endpoint : endpoints_) {
         active = endpoint->progress() || active;
         transferring = endpoint->in_flight() || transferring;
       }
       const bool sends_in_flight = !in_flight_.empty() || !incoming_.empty();
+      // MPI operations that poll() cannot see: over TCP the thread still
+      // polls for them on the idle back-off.
+      const bool mpi_work = !tcp_ || !endpoints_.empty() || sends_in_flight ||
+                            !abandoned_sends_.empty() || transferring;
+      const bool tcp_writing = tcp_ && tcp_->writing();
       pass.unlock();
 
       std::unique_lock lock(mutex_);
       if (forget_pending_) apply_forgotten();
-      if (close_markers_queued_ && own_pending_ == 0 && peers_settled()) {
+      if (close_markers_queued_ && own_pending_ == 0 && !tcp_writing && peers_settled()) {
         closed_ = true;
         closed = true;
         inbox_ready_.notify_all();
@@ -264,9 +377,16 @@ void ControlChannel::run() {
       }
       auto pause = sends_in_flight ? std::min(idle_sleep, options_.in_flight_poll) : idle_sleep;
       if (transferring) pause = std::min(pause, options_.transfer_poll);
-      wake_.wait_for(lock, pause,
-                     [&] { return stop_ || woken_ || (closing_ && !close_markers_queued_); });
-      idle_sleep = std::min(idle_sleep * 2, options_.max_idle_sleep);
+      if (tcp_) {
+        // Woken by the eventfd (send(), stop, close) or by the sockets.
+        if (stop_ || woken_ || (closing_ && !close_markers_queued_)) continue;
+        lock.unlock();
+        tcp_->wait(wake_fd_, mpi_work ? std::optional(pause) : std::nullopt);
+      } else {
+        wake_.wait_for(lock, pause,
+                       [&] { return stop_ || woken_ || (closing_ && !close_markers_queued_); });
+      }
+      if (mpi_work) idle_sleep = std::min(idle_sleep * 2, options_.max_idle_sleep);
     }
     // Closed: what the endpoints still have in flight gets a moment, as
     // after a stop.
@@ -293,7 +413,7 @@ void ControlChannel::run() {
 // messages: MPI does not let messages from one rank overtake.
 void ControlChannel::queue_close_markers() {
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_.value || forgotten_[static_cast<size_t>(r)]) continue;
+    if (!linked(r) || forgotten_[static_cast<size_t>(r)]) continue;
     queue_.push(Outgoing{comm_, r, kCloseTag, SendLane::kControl, {}});
     ++own_pending_;
   }
@@ -321,14 +441,16 @@ void ControlChannel::apply_forgotten() {
   for (int r = 0; r < world_size_; ++r) {
     if (!forgotten_[static_cast<size_t>(r)] || forgotten_seen_[static_cast<size_t>(r)]) continue;
     forgotten_seen_[static_cast<size_t>(r)] = true;
+    if (tcp_) to_drop_.push_back(r);
     spdlog::warn("control channel: rank {} no longer waits on rank {}", rank_.value, r);
   }
 }
 
 bool ControlChannel::peers_settled() const {
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_.value) continue;
-    if (!closed_by_[static_cast<size_t>(r)] && !forgotten_[static_cast<size_t>(r)]) return false;
+    if (!linked(r)) continue;
+    const auto i = static_cast<size_t>(r);
+    if (!closed_by_[i] && !forgotten_[i] && !ended_[i]) return false;
   }
   return true;
 }
@@ -348,6 +470,27 @@ void ControlChannel::abandon(Outgoing& outgoing) {
 bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
   const bool any = !fresh.empty();
   int64_t n_messages = 0;
+  if (tcp_) {
+    // The channel's own messages onto the link, in queue order (a forgotten
+    // rank's too: its socket closes after this pass); the endpoints' to a
+    // forgotten rank are dropped, as over MPI.
+    int64_t n_unsent = 0, n_own = 0;
+    std::erase_if(fresh, [&](Outgoing& outgoing) {
+      if (outgoing.from != nullptr) return false;
+      ++n_own;
+      if (tcp_->queue(outgoing.destination, static_cast<uint32_t>(outgoing.tag), outgoing.bytes)) {
+        if (outgoing.tag == kMessageTag) ++n_messages;
+      } else {
+        ++n_unsent;
+      }
+      return true;
+    });
+    std::lock_guard lock(mutex_);
+    own_pending_ -= n_own;
+    counters_.sent += n_messages;
+    counters_.unsent += n_unsent;
+    n_messages = 0;
+  }
   {
     // To a forgotten rank: the channel's own messages (a RanksLost to a
     // stalled rank) still leave, unwaited; the endpoints' (KV) are dropped.
@@ -382,10 +525,16 @@ bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
 
 void ControlChannel::flush_for(std::chrono::milliseconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!in_flight_.empty() && std::chrono::steady_clock::now() < deadline) {
+  while ((!in_flight_.empty() || (tcp_ && tcp_->writing())) &&
+         std::chrono::steady_clock::now() < deadline) {
     test_sends();
-    receive_some();  // a peer's rendezvous send to us may be what holds ours up
-    std::this_thread::sleep_for(options_.in_flight_poll);
+    if (tcp_) {
+      receive_tcp();  // writes what the sockets take
+      tcp_->wait(-1, options_.in_flight_poll);
+    } else {
+      receive_some();  // a peer's rendezvous send to us may be what holds ours up
+      std::this_thread::sleep_for(options_.in_flight_poll);
+    }
   }
 }
 
@@ -490,6 +639,59 @@ bool ControlChannel::finish_receives() {
   }
   if (!received.empty()) inbox_ready_.notify_all();
   return any;
+}
+
+bool ControlChannel::receive_tcp() {
+  std::vector<TcpFrameLink::Frame> frames;
+  std::vector<TcpFrameLink::Ended> ended;
+  const bool moved = tcp_->pump(frames, ended);
+  std::vector<ReceivedMessage> received;
+  int64_t malformed = 0;
+  for (TcpFrameLink::Frame& frame : frames) {
+    if (frame.tag == kCloseTag) {
+      closed_by_[static_cast<size_t>(frame.peer)] = true;
+      continue;
+    }
+    try {
+      ReceivedMessage message{Rank{frame.peer}, decode_control_message(frame.body)};
+      if (intercept_ && intercept_(message)) continue;
+      received.push_back(std::move(message));
+    } catch (const Error& e) {
+      ++malformed;
+      spdlog::error("control channel: rank {}: dropped a message from rank {}: {}", rank_.value,
+                    frame.peer, e.what());
+    }
+  }
+  // Connections that ended before their close marker, of ranks not
+  // forgotten: lost peers.
+  std::vector<TcpFrameLink::Ended> lost;
+  {
+    std::lock_guard lock(mutex_);
+    counters_.received += static_cast<int64_t>(received.size());
+    counters_.malformed += malformed;
+    for (ReceivedMessage& message : received) inbox_.push_back(std::move(message));
+    for (TcpFrameLink::Ended& end : ended) {
+      const auto r = static_cast<size_t>(end.peer);
+      ended_[r] = true;
+      if (closed_by_[r] || forgotten_[r]) continue;
+      link_lost_any_ = true;
+      ++counters_.links_lost;
+      lost.push_back(std::move(end));
+    }
+  }
+  for (const TcpFrameLink::Ended& end : lost) {
+    spdlog::warn(
+        "control channel: rank {} lost its connection to rank {} ({}); it waits on it "
+        "no more",
+        rank_.value, end.peer, end.why);
+    if (link_lost_) link_lost_(Rank{end.peer}, end.why);
+  }
+  if (!lost.empty()) {
+    std::lock_guard lock(mutex_);
+    ++receive_interrupts_;
+  }
+  if (!received.empty() || !lost.empty()) inbox_ready_.notify_all();
+  return moved;
 }
 
 void ControlChannel::abandon_in_flight() {

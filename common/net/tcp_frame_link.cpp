@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -169,7 +170,7 @@ void TcpFrameLink::end(int peer, Peer& p, std::string why, std::vector<Ended>& e
   ended.push_back(Ended{peer, std::move(why)});
 }
 
-void TcpFrameLink::wait(int wake_fd, int timeout_ms) const {
+void TcpFrameLink::wait(int wake_fd, std::optional<std::chrono::microseconds> timeout) const {
   std::vector<pollfd> fds;
   if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
   for (const auto& [peer, p] : peers_) {
@@ -177,7 +178,13 @@ void TcpFrameLink::wait(int wake_fd, int timeout_ms) const {
     const bool pending = p.out_sent < p.out.size();
     fds.push_back({p.fd, static_cast<short>(POLLIN | (pending ? POLLOUT : 0)), 0});
   }
-  poll(fds.data(), fds.size(), timeout_ms);
+  timespec limit{};
+  if (timeout) {
+    const auto us = std::max<int64_t>(timeout->count(), 0);
+    limit.tv_sec = static_cast<time_t>(us / 1'000'000);
+    limit.tv_nsec = static_cast<long>((us % 1'000'000) * 1000);
+  }
+  ppoll(fds.data(), fds.size(), timeout ? &limit : nullptr, nullptr);
 }
 
 void TcpFrameLink::drop(int peer) {

@@ -19,9 +19,11 @@
 // control channel's communication thread).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -63,9 +65,9 @@ class TcpFrameLink final {
   bool pump(std::vector<Frame>& frames, std::vector<Ended>& ended);
 
   // Returns when a socket has bytes (or an EOF, an error) to read, a queued
-  // write can move, `wake_fd` (-1: none) is readable, or after `timeout_ms`
-  // (-1: no limit). Reads nothing.
-  void wait(int wake_fd, int timeout_ms) const;
+  // write can move, `wake_fd` (-1: none) is readable, or after `timeout`
+  // (nullopt: no limit). Reads nothing.
+  void wait(int wake_fd, std::optional<std::chrono::microseconds> timeout) const;
 
   // Ends `peer`'s connection on purpose (see above). No effect once ended.
   void drop(int peer);

@@ -59,7 +59,7 @@ Received pump_until(Pair& pair, size_t want, std::chrono::milliseconds patience 
   while (got.frames.size() < want && got.ended.empty() && Clock::now() < deadline) {
     if (pair.a) pair.a->pump(ignored_frames, ignored_ended);
     pair.b->pump(got.frames, got.ended);
-    pair.b->wait(-1, 10);
+    pair.b->wait(-1, 10ms);
   }
   return got;
 }
@@ -90,7 +90,7 @@ TEST(TcpFrameLink, FramesArriveWholeAndInOrder) {
   std::vector<TcpFrameLink::Ended> ended;
   for (int i = 0; i < 100 && back.empty(); ++i) {
     pair.b->pump(back, ended);
-    pair.a->wait(-1, 10);
+    pair.a->wait(-1, 10ms);
     pair.a->pump(back, ended);
   }
   ASSERT_EQ(back.size(), 1u);
@@ -155,13 +155,13 @@ TEST(TcpFrameLink, WaitReturnsOnTheWakeFdOnBytesOrAfterItsTimeout) {
   const int wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   ASSERT_GE(wake, 0);
   auto start = Clock::now();
-  pair.b->wait(wake, 100);
+  pair.b->wait(wake, 100ms);
   EXPECT_GE(Clock::now() - start, 90ms);  // nothing to read: the whole timeout
 
   const uint64_t one = 1;
   ASSERT_EQ(write(wake, &one, sizeof one), 8);
   start = Clock::now();
-  pair.b->wait(wake, 5000);
+  pair.b->wait(wake, 5000ms);
   EXPECT_LT(Clock::now() - start, 1000ms);
   uint64_t drained = 0;
   ASSERT_EQ(read(wake, &drained, sizeof drained), 8);
@@ -171,7 +171,7 @@ TEST(TcpFrameLink, WaitReturnsOnTheWakeFdOnBytesOrAfterItsTimeout) {
   std::vector<TcpFrameLink::Ended> ended;
   pair.a->pump(frames, ended);
   start = Clock::now();
-  pair.b->wait(wake, 5000);
+  pair.b->wait(wake, 5000ms);
   EXPECT_LT(Clock::now() - start, 1000ms);
   close(wake);
 }
