@@ -242,6 +242,11 @@ class ControlChannel final {
   Counters counters() const;
 
  private:
+  // Tags of the channel's own messages (on its communicator, or in a frame's
+  // header over TCP).
+  static constexpr int kMessageTag = 1;  // one encoded ControlMessage
+  static constexpr int kCloseTag = 2;    // empty: the sender has closed; nothing follows it
+
   struct Outgoing {
     MPI_Comm comm = MPI_COMM_NULL;
     int destination = 0;
@@ -259,6 +264,7 @@ class ControlChannel final {
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
+  // The TCP link's parts (control_channel_tcp.cpp).
   void connect_tcp(const MpiRuntime& mpi);  // the constructor's, over TCP
   void notify_thread();                     // under mutex_ or not: the thread looks again
   bool linked(int rank) const;              // whether messages to `rank` can go over the link

@@ -205,6 +205,16 @@ set_tests_properties(mpi_failover_test PROPERTIES
   LABELS mpi
   TIMEOUT 600)
 
+# The same with the control channel over TCP (--control-transport tcp): a
+# killed rank is lost by its connection's end; a stopped one, forgotten, has
+# its socket closed and still leaves when it wakes.
+add_test(NAME mpi_failover_control_tcp_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_failover.py)
+set_tests_properties(mpi_failover_control_tcp_test PROPERTIES
+  ENVIRONMENT "DUET_CONTROL_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)
+
 # Stopping a cluster with SIGTERM to mpirun (tests/mpi/test_drain.py): the
 # streams in flight finish whole, new requests get 503 while it drains,
 # /health/ready and /health/live tell the two apart, and every rank exits 0;
