@@ -138,7 +138,9 @@ bool ControlChannel::receive_tcp() {
         rank_.value, end.peer, end.why);
     if (link_lost_) link_lost_(Rank{end.peer}, end.why);
   }
-  if (!lost.empty()) {
+  // Only a handler's owner expects a receive() to return early; the waits
+  // of the start-up (handshake, readiness) keep their deadlines.
+  if (!lost.empty() && link_lost_) {
     std::lock_guard lock(mutex_);
     ++receive_interrupts_;
   }
