@@ -51,9 +51,10 @@
 // blocks in MPI: MPI_Isend with buffers the channel owns until MPI_Test
 // says they are done, MPI_Improbe then MPI_Imrecv of the probed size (a
 // large message from a rank that dies half-way never completes, and must not
-// hold the thread), MPI_Test on the sends and receives in flight (non-blocking operations progress only
-// inside MPI calls). Messages from one rank reach the inbox in the order
-// they were sent, whichever of their receives finishes first.
+// hold the thread), MPI_Test on the sends and receives in flight
+// (non-blocking operations progress only inside MPI calls). Messages from
+// one rank reach the inbox in the order they were sent, whichever of their
+// receives finishes first.
 // It never spins while idle: with nothing to do it sleeps on a condition
 // variable for a pause that doubles from min_idle_sleep to max_idle_sleep,
 // back to the minimum on any activity, and a local send() wakes it at once.
