@@ -5,8 +5,9 @@
 //
 // Every rank: block the stop signals, initialize MPI, build and validate the
 // spec (an impossible or unsupported layout is the same error on every rank,
-// before any message flows), open the control channel, the KV transfer and
-// the instance's collective, and pass the handshake. Then
+// before any message flows), learn where every rank runs, open the control
+// channel (over TCP between hosts), the KV transfer and the instance's
+// collective, and pass the handshake. Then
 // - rank 0 opens the model file for its tokenizer, waits until every
 //   instance reports ready (ClusterCoordinator), serves both fronts until
 //   SIGINT/SIGTERM; then it drains (new requests refused, running ones
@@ -151,6 +152,15 @@ KvTransport kv_transport(const ServeArgs& args, size_t n_hosts) {
   return n_hosts > 1 && cpu ? KvTransport::kTcp : KvTransport::kMpi;
 }
 
+// How the control channel carries the coordinator's messages:
+// --control-transport, auto choosing TCP when the ranks span hosts (control
+// is host-side: any device). The same on every rank.
+ControlLink control_link(const ServeArgs& args, size_t n_hosts) {
+  if (args.control_transport == "tcp") return ControlLink::kTcp;
+  if (args.control_transport == "mpi") return ControlLink::kMpi;
+  return n_hosts > 1 ? ControlLink::kTcp : ControlLink::kMpi;
+}
+
 }  // namespace
 
 // Every rank. Errors are printed here, as `duet` prints them, while MPI is
@@ -160,13 +170,16 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
   MpiRuntime mpi;  // finalized last
   try {
     const ClusterSpec spec = serving_spec(args.cluster, mpi.world_size(), args.model);
-    ControlChannel channel(mpi);
-    // Where every rank runs, and the device transfer of its GPU pairs (both
-    // collective over the world, as the transfer's communicator is).
+    // Where every rank runs (collective over the world), then the control
+    // channel over the link that decides (collective too: the same order on
+    // every rank), then the device transfer of its GPU pairs.
     const RankPlacement placement = own_placement(mpi, spec, args.device);
     const std::vector<RankPlacement> placements = gather_placements(mpi, placement);
     std::set<std::string> hosts;
     for (const RankPlacement& p : placements) hosts.insert(p.host);
+    ControlChannelOptions channel_options;
+    channel_options.link = control_link(args, hosts.size());
+    ControlChannel channel(mpi, channel_options);
     const KvTransport transport = kv_transport(args, hosts.size());
     uint64_t drop_rows_of = 0;
     if (const char* drop = std::getenv("DUET_TEST_DROP_KV_ROWS_OF"))  // tests only
@@ -181,6 +194,12 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       transfer = std::make_unique<MpiKvTransfer>(
           channel, MpiKvTransferOptions{args.kv_checksums, drop_rows_of},
           make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
+    }
+    if (mpi.rank() == kCoordinatorRank) {
+      spdlog::info(
+          "control channel: coordinator to ranks over {} (--control-transport {}; ranks "
+          "on {} host(s))",
+          control_link_name(channel.link()), args.control_transport, hosts.size());
     }
     if (mpi.rank() == kCoordinatorRank && spec.mode == ClusterMode::kDisaggregated) {
       spdlog::info(
@@ -207,14 +226,25 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       spdlog::warn(
           "mpirun was started without --enable-recovery: the job is one failure domain (one "
           "rank's death ends every rank); with it, a lost instance costs a pause");
-    } else if (mpi.rank() == kCoordinatorRank && hosts.size() > 1 &&
-               transport == KvTransport::kMpi && spec.mode == ClusterMode::kDisaggregated) {
-      spdlog::warn(
-          "ranks on {} hosts and KV over mpi (--kv-transport {}, --device {}): between hosts "
-          "MPI runs over TCP, where Open MPI 4.1 can deadlock a survivor that was moving KV to "
-          "or from a lost rank (docs/FAILURES.md); --kv-transport tcp (CPU instances) moves KV "
-          "over Duet's own sockets instead",
-          hosts.size(), args.kv_transport, args.device);
+    } else if (mpi.rank() == kCoordinatorRank && hosts.size() > 1) {
+      // Between hosts MPI runs over TCP, where Open MPI 4.1 can wedge a
+      // survivor that was talking to a lost rank: say what still uses it.
+      std::string on_mpi;
+      if (transport == KvTransport::kMpi && spec.mode == ClusterMode::kDisaggregated) {
+        on_mpi = fmt::format("KV (--kv-transport {}, --device {})", args.kv_transport, args.device);
+      }
+      if (channel.link() == ControlLink::kMpi) {
+        on_mpi += fmt::format("{}control (--control-transport {})", on_mpi.empty() ? "" : " and ",
+                              args.control_transport);
+      }
+      if (!on_mpi.empty()) {
+        spdlog::warn(
+            "ranks on {} hosts and {} over mpi: between hosts MPI runs over TCP, where Open MPI "
+            "4.1 can deadlock a survivor that was talking to a lost rank (docs/FAILURES.md); "
+            "--kv-transport tcp (CPU instances) and --control-transport tcp use Duet's own "
+            "sockets instead",
+            hosts.size(), on_mpi);
+      }
     }
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)

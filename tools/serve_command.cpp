@@ -169,6 +169,13 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::IsMember({"auto", "mpi", "tcp"}))
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--control-transport", args.control_transport,
+                  "How the coordinator's control messages move: mpi, tcp (sockets of its own, "
+                  "which a dead peer cannot wedge; any device), or auto (tcp when the ranks span "
+                  "hosts, else mpi)")
+      ->check(CLI::IsMember({"auto", "mpi", "tcp"}))
+      ->capture_default_str()
+      ->group(group);
 }
 
 namespace serve {

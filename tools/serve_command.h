@@ -55,6 +55,9 @@ struct ServeArgs {
   // How KV moves between instances: mpi, tcp (sockets of Duet's own; CPU
   // instances only), or auto (tcp when the ranks span hosts, else mpi).
   std::string kv_transport = "auto";
+  // How the coordinator's control messages move: mpi, tcp (sockets of Duet's
+  // own, CPU or GPU instances alike), or auto (tcp when the ranks span hosts).
+  std::string control_transport = "auto";
   // Failure domains: an instance silent (or stuck in one step) this long is
   // lost; its requests are re-run at most max_retries times.
   double instance_lease_s = 3.0;

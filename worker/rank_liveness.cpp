@@ -20,6 +20,9 @@ RankLiveness::RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer,
       rank_(channel.rank()),
       interval_(interval) {
   channel_.set_intercept([this](const ReceivedMessage& message) { return apply(message); });
+  channel_.set_link_lost_handler([this](Rank rank, const std::string& why) {
+    if (rank == kCoordinatorRank) leave_unheard(why);
+  });
   thread_ = std::thread([this] { beat_until_stopped(); });
 }
 
@@ -31,6 +34,7 @@ RankLiveness::~RankLiveness() {
   wake_.notify_all();
   thread_.join();
   channel_.set_intercept({});
+  channel_.set_link_lost_handler({});
 }
 
 void RankLiveness::watch(std::function<EngineProgress()> progress) {
@@ -58,6 +62,20 @@ void RankLiveness::beat_until_stopped() {
     lock.lock();
     wake_.wait_for(lock, interval_, [&] { return stop_; });
   }
+}
+
+void RankLiveness::leave_unheard(const std::string& why) {
+  // The coordinator closed this rank's connection (it counted this rank
+  // lost, and its RanksLost did not get through) or is gone: nothing this
+  // rank sends can be heard any more.
+  mpi_.leave_without_finalize();
+  spdlog::warn(
+      "instance {} (rank {}): its control connection to the coordinator ended ({}); "
+      "leaving",
+      instance_.id, rank_.value, why);
+  spdlog::default_logger()->flush();
+  std::fflush(nullptr);
+  std::_Exit(0);
 }
 
 bool RankLiveness::apply(const ReceivedMessage& message) {

@@ -12,6 +12,10 @@
 //   when the list names this rank or another rank of its instance, the rank
 //   leaves at once (exit code 0): its instance is lost, and whatever it
 //   holds goes with the process.
+// - Over the control channel's TCP link, the connection to the coordinator
+//   ending (the coordinator closed it when it counted this rank lost, or it
+//   is gone) is taken the same way: the rank leaves at once (exit code 0),
+//   since nothing it sends can be heard any more.
 //
 // Thread affinity: construct and destroy on the rank's main thread; watch()
 // from any thread.
@@ -22,6 +26,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -48,8 +53,9 @@ class RankLiveness final {
   void watch(std::function<EngineProgress()> progress);
 
  private:
-  void beat_until_stopped();                   // the heartbeat thread
-  bool apply(const ReceivedMessage& message);  // the communication thread
+  void beat_until_stopped();                                // the heartbeat thread
+  bool apply(const ReceivedMessage& message);               // the communication thread
+  [[noreturn]] void leave_unheard(const std::string& why);  // the communication thread
 
   ControlChannel& channel_;
   KvTransferAdapter* const transfer_;

@@ -1,19 +1,17 @@
 #include "common/mpi/control_channel.h"
 
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
+#include <optional>
 #include <utility>
 
 #include "common/error.h"
 
 namespace duet {
 namespace {
-
-// Tags on the channel's own communicator.
-constexpr int kMessageTag = 1;  // one encoded ControlMessage
-constexpr int kCloseTag = 2;    // empty: the sender has closed; nothing follows it
 
 // How long a channel stopped without close() keeps pushing out what it queued
 // (and a closed one what its endpoints still have in flight).
@@ -23,6 +21,10 @@ constexpr size_t kMaxSpares = 64;
 constexpr size_t kMinSpareBytes = 4096;
 
 }  // namespace
+
+std::string_view control_link_name(ControlLink link) {
+  return link == ControlLink::kTcp ? "tcp" : "mpi";
+}
 
 ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options)
     : options_(options),
@@ -34,10 +36,15 @@ ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions opti
       "control channel: need 0 < min_idle_sleep <= max_idle_sleep");
   DUET_REQUIRE(options_.max_receives_per_pass > 0,
                "control channel: max_receives_per_pass must be positive");
-  DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
   closed_by_.assign(static_cast<size_t>(world_size_), false);
   forgotten_.assign(static_cast<size_t>(world_size_), false);
   forgotten_seen_.assign(static_cast<size_t>(world_size_), false);
+  ended_.assign(static_cast<size_t>(world_size_), false);
+  if (options_.link == ControlLink::kTcp) {
+    connect_tcp(mpi);
+  } else {
+    DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+  }
   thread_ = std::thread([this] { run(); });
 }
 
@@ -47,6 +54,7 @@ ControlChannel::~ControlChannel() {
     stop_ = true;
   }
   wake_.notify_all();
+  notify_thread();
   if (thread_.joinable()) thread_.join();
   // Receives from lost ranks never finish: their buffers stay MPI's, and the
   // communicator, which they still name, is not freed.
@@ -56,12 +64,17 @@ ControlChannel::~ControlChannel() {
     static_cast<void>(new std::vector<std::byte>(std::move(incoming.bytes)));  // leaked
   for (Outgoing& outgoing : abandoned_sends_)
     static_cast<void>(new std::vector<std::byte>(std::move(outgoing.bytes)));  // leaked
+  tcp_.reset();                                                                // closes the sockets
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void ControlChannel::send(Rank destination, const ControlMessage& message) {
   DUET_REQUIRE(destination.value >= 0 && destination.value < world_size_ && destination != rank_,
                "control channel: cannot send to rank {} (this is rank {} of {})", destination.value,
                rank_.value, world_size_);
+  DUET_REQUIRE(linked(destination.value),
+               "control channel: over TCP rank {} talks to rank 0 only, not to rank {}",
+               rank_.value, destination.value);
   Outgoing outgoing{comm_, destination.value, kMessageTag, SendLane::kControl,
                     encode_control_message(message)};
   DUET_REQUIRE(outgoing.bytes.size() <= static_cast<size_t>(INT_MAX),
@@ -75,7 +88,7 @@ void ControlChannel::send(Rank destination, const ControlMessage& message) {
     ++own_pending_;
     woken_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
 }
 
 void ControlChannel::post(const CommEndpoint& from, MPI_Comm comm, int destination, int tag,
@@ -89,7 +102,7 @@ void ControlChannel::post(const CommEndpoint& from, MPI_Comm comm, int destinati
     queue_.push(Outgoing{comm, destination, tag, lane, std::move(bytes), &from});
     woken_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
 }
 
 std::vector<std::byte> ControlChannel::buffer(size_t size) {
@@ -115,7 +128,10 @@ std::optional<ReceivedMessage> ControlChannel::receive_until(
 
 std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
-  inbox_ready_.wait_for(lock, timeout, [&] { return !inbox_.empty() || closed_ || stop_; });
+  inbox_ready_.wait_for(lock, timeout, [&] {
+    return !inbox_.empty() || closed_ || stop_ || receive_interrupts_ > 0;
+  });
+  if (receive_interrupts_ > 0) --receive_interrupts_;
   if (inbox_.empty()) return std::nullopt;
   ReceivedMessage message = std::move(inbox_.front());
   inbox_.pop_front();
@@ -125,6 +141,11 @@ std::optional<ReceivedMessage> ControlChannel::receive(std::chrono::milliseconds
 void ControlChannel::set_intercept(Intercept intercept) {
   std::lock_guard pass(pass_mutex_);
   intercept_ = std::move(intercept);
+}
+
+void ControlChannel::set_link_lost_handler(LinkLost handler) {
+  std::lock_guard pass(pass_mutex_);
+  link_lost_ = std::move(handler);
 }
 
 void ControlChannel::forget(std::span<const Rank> ranks) {
@@ -138,13 +159,14 @@ void ControlChannel::forget(std::span<const Rank> ranks) {
       woken_ = true;
     }
   }
-  wake_.notify_one();
+  notify_thread();
   inbox_ready_.notify_all();
 }
 
 bool ControlChannel::forgot_any() const {
   std::lock_guard lock(mutex_);
-  return std::find(forgotten_.begin(), forgotten_.end(), true) != forgotten_.end();
+  return link_lost_any_ ||
+         std::find(forgotten_.begin(), forgotten_.end(), true) != forgotten_.end();
 }
 
 bool ControlChannel::receiving() const {
@@ -157,7 +179,7 @@ bool ControlChannel::close(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mutex_);
     DUET_REQUIRE(!closing_, "control channel: close() called twice");
     closing_ = true;
-    wake_.notify_one();
+    notify_thread();
     inbox_ready_.wait_for(lock, timeout, [&] { return closed_ || stop_; });
     if (closed_) {
       lock.unlock();
@@ -166,7 +188,7 @@ bool ControlChannel::close(std::chrono::milliseconds timeout) {
     }
     stop_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
   thread_.join();
   inbox_ready_.notify_all();
   spdlog::warn("control channel: rank {} closed without every other rank within {} ms", rank_.value,
@@ -205,7 +227,7 @@ void ControlChannel::wake() {
     std::lock_guard lock(mutex_);
     woken_ = true;
   }
-  wake_.notify_one();
+  notify_thread();
 }
 
 ControlChannel::Counters ControlChannel::counters() const {
@@ -221,6 +243,7 @@ void ControlChannel::run() {
   bool closed = false;
   try {
     while (true) {
+      if (tcp_) drain_wake_fd();  // before woken_ is read: a later wake-up stays pending
       std::unique_lock pass(pass_mutex_);
       bool stop = false;
       {
@@ -240,19 +263,31 @@ void ControlChannel::run() {
         break;
       }
       bool active = post_sends(fresh);
+      if (tcp_) {
+        // Forgotten ranks' sockets close once what was queued for them
+        // before forget() had its chance to leave.
+        for (int rank : to_drop_) tcp_->drop(rank);
+        active = active || !to_drop_.empty();
+        to_drop_.clear();
+      }
       active = test_sends() || active;
-      active = receive_some() || active;
+      active = (tcp_ ? receive_tcp() : receive_some()) || active;
       bool transferring = n_endpoint_sends_in_flight_ > 0;
       for (CommEndpoint* endpoint : endpoints_) {
         active = endpoint->progress() || active;
         transferring = endpoint->in_flight() || transferring;
       }
       const bool sends_in_flight = !in_flight_.empty() || !incoming_.empty();
+      // MPI operations that poll() cannot see: over TCP the thread still
+      // polls for them on the idle back-off.
+      const bool mpi_work = !tcp_ || !endpoints_.empty() || sends_in_flight ||
+                            !abandoned_sends_.empty() || transferring;
+      const bool tcp_writing = tcp_ && tcp_->writing();
       pass.unlock();
 
       std::unique_lock lock(mutex_);
       if (forget_pending_) apply_forgotten();
-      if (close_markers_queued_ && own_pending_ == 0 && peers_settled()) {
+      if (close_markers_queued_ && own_pending_ == 0 && !tcp_writing && peers_settled()) {
         closed_ = true;
         closed = true;
         inbox_ready_.notify_all();
@@ -264,9 +299,16 @@ void ControlChannel::run() {
       }
       auto pause = sends_in_flight ? std::min(idle_sleep, options_.in_flight_poll) : idle_sleep;
       if (transferring) pause = std::min(pause, options_.transfer_poll);
-      wake_.wait_for(lock, pause,
-                     [&] { return stop_ || woken_ || (closing_ && !close_markers_queued_); });
-      idle_sleep = std::min(idle_sleep * 2, options_.max_idle_sleep);
+      if (tcp_) {
+        // Woken by the eventfd (send(), stop, close) or by the sockets.
+        if (stop_ || woken_ || (closing_ && !close_markers_queued_)) continue;
+        lock.unlock();
+        tcp_->wait(wake_fd_, mpi_work ? std::optional(pause) : std::nullopt);
+      } else {
+        wake_.wait_for(lock, pause,
+                       [&] { return stop_ || woken_ || (closing_ && !close_markers_queued_); });
+      }
+      if (mpi_work) idle_sleep = std::min(idle_sleep * 2, options_.max_idle_sleep);
     }
     // Closed: what the endpoints still have in flight gets a moment, as
     // after a stop.
@@ -293,7 +335,7 @@ void ControlChannel::run() {
 // messages: MPI does not let messages from one rank overtake.
 void ControlChannel::queue_close_markers() {
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_.value || forgotten_[static_cast<size_t>(r)]) continue;
+    if (!linked(r) || forgotten_[static_cast<size_t>(r)]) continue;
     queue_.push(Outgoing{comm_, r, kCloseTag, SendLane::kControl, {}});
     ++own_pending_;
   }
@@ -321,14 +363,16 @@ void ControlChannel::apply_forgotten() {
   for (int r = 0; r < world_size_; ++r) {
     if (!forgotten_[static_cast<size_t>(r)] || forgotten_seen_[static_cast<size_t>(r)]) continue;
     forgotten_seen_[static_cast<size_t>(r)] = true;
+    if (tcp_) to_drop_.push_back(r);
     spdlog::warn("control channel: rank {} no longer waits on rank {}", rank_.value, r);
   }
 }
 
 bool ControlChannel::peers_settled() const {
   for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_.value) continue;
-    if (!closed_by_[static_cast<size_t>(r)] && !forgotten_[static_cast<size_t>(r)]) return false;
+    if (!linked(r)) continue;
+    const auto i = static_cast<size_t>(r);
+    if (!closed_by_[i] && !forgotten_[i] && !ended_[i]) return false;
   }
   return true;
 }
@@ -348,6 +392,27 @@ void ControlChannel::abandon(Outgoing& outgoing) {
 bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
   const bool any = !fresh.empty();
   int64_t n_messages = 0;
+  if (tcp_) {
+    // The channel's own messages onto the link, in queue order (a forgotten
+    // rank's too: its socket closes after this pass); the endpoints' to a
+    // forgotten rank are dropped, as over MPI.
+    int64_t n_unsent = 0, n_own = 0;
+    std::erase_if(fresh, [&](Outgoing& outgoing) {
+      if (outgoing.from != nullptr) return false;
+      ++n_own;
+      if (tcp_->queue(outgoing.destination, static_cast<uint32_t>(outgoing.tag), outgoing.bytes)) {
+        if (outgoing.tag == kMessageTag) ++n_messages;
+      } else {
+        ++n_unsent;
+      }
+      return true;
+    });
+    std::lock_guard lock(mutex_);
+    own_pending_ -= n_own;
+    counters_.sent += n_messages;
+    counters_.unsent += n_unsent;
+    n_messages = 0;
+  }
   {
     // To a forgotten rank: the channel's own messages (a RanksLost to a
     // stalled rank) still leave, unwaited; the endpoints' (KV) are dropped.
@@ -382,10 +447,16 @@ bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
 
 void ControlChannel::flush_for(std::chrono::milliseconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!in_flight_.empty() && std::chrono::steady_clock::now() < deadline) {
+  while ((!in_flight_.empty() || (tcp_ && tcp_->writing())) &&
+         std::chrono::steady_clock::now() < deadline) {
     test_sends();
-    receive_some();  // a peer's rendezvous send to us may be what holds ours up
-    std::this_thread::sleep_for(options_.in_flight_poll);
+    if (tcp_) {
+      receive_tcp();  // writes what the sockets take
+      tcp_->wait(-1, options_.in_flight_poll);
+    } else {
+      receive_some();  // a peer's rendezvous send to us may be what holds ours up
+      std::this_thread::sleep_for(options_.in_flight_poll);
+    }
   }
 }
 

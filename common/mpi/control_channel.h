@@ -3,9 +3,21 @@
 // the process's one send path.
 //
 // Contract
-// - Every rank of MPI_COMM_WORLD constructs one ControlChannel (the
-//   constructor duplicates the world communicator, a collective call), so
-//   control traffic never mixes with a KV transfer's or a collective's.
+// - Every rank of MPI_COMM_WORLD constructs one ControlChannel, with the same
+//   link (a collective call), so control traffic never mixes with a KV
+//   transfer's or a collective's:
+//   - ControlLink::kMpi: the channel's messages go over MPI on a duplicate of
+//     the world communicator;
+//   - ControlLink::kTcp: over TCP sockets of Duet's own, for ranks on several
+//     hosts (Open MPI 4.1's TCP transport can wedge a survivor that talked to
+//     a dead peer, docs/FAILURES.md). Rank 0 (the coordinator) listens on an
+//     ephemeral port; its address reaches every rank in one MPI all-gather;
+//     every other rank connects to it and says hello with its rank
+//     (common/net/tcp_connect.h). Only rank 0 talks to the other ranks
+//     (control traffic is a star): a send between two other ranks is refused.
+//     Each message is one length-prefixed frame (common/net/tcp_frame_link.h).
+//     Every rank throws alike when the connections are not all made in
+//     connect_timeout.
 // - send(rank, message) from any thread: the message is encoded on the
 //   caller's thread, queued, and the communication thread is woken at once.
 //   Messages from one rank to another arrive in the order they were sent.
@@ -23,20 +35,35 @@
 //   cluster/liveness.h). Nothing waits on them from then on: close() agrees
 //   with the other ranks alone, messages to them still leave if they can but
 //   hold nothing up, and a receive from them that had begun is given up.
+//   Over TCP the communication thread closes their sockets on its next
+//   pass, once the messages queued for them until then had their chance to
+//   leave (what the socket takes at once); later ones are dropped
+//   (Counters::unsent).
+// - Over TCP a connection that ends (EOF, a reset) before the peer's close
+//   marker is a lost peer: nothing waits on it (close() agrees without it),
+//   messages to it are dropped, and the link-lost handler hears of it at
+//   once (the coordinator counts its instance lost without waiting out the
+//   lease, coordinator/cluster/remote_instance.h). An end after the marker
+//   is the peer's orderly close.
 //
 // The communication thread is the only one that calls MPI on the channel's
-// communicator, and it never blocks in MPI: MPI_Isend with buffers the
-// channel owns until MPI_Test says they are done, MPI_Improbe then
-// MPI_Imrecv of the probed size (a large message from a rank that dies
-// half-way never completes, and must not hold the thread), MPI_Test on the
-// sends and receives in flight (non-blocking operations progress only
-// inside MPI calls). Messages from one rank reach the inbox in the order
-// they were sent, whichever of their receives finishes first.
+// communicator (and the only one that touches the TCP link), and it never
+// blocks in MPI: MPI_Isend with buffers the channel owns until MPI_Test
+// says they are done, MPI_Improbe then MPI_Imrecv of the probed size (a
+// large message from a rank that dies half-way never completes, and must not
+// hold the thread), MPI_Test on the sends and receives in flight
+// (non-blocking operations progress only inside MPI calls). Messages from
+// one rank reach the inbox in the order they were sent, whichever of their
+// receives finishes first.
 // It never spins while idle: with nothing to do it sleeps on a condition
 // variable for a pause that doubles from min_idle_sleep to max_idle_sleep,
 // back to the minimum on any activity, and a local send() wakes it at once.
 // The cost: a message arriving from another rank after an idle spell waits up
-// to max_idle_sleep before it is received.
+// to max_idle_sleep before it is received. Over TCP the thread waits in
+// poll() on its sockets and an eventfd that send() writes instead: a message
+// is received as it arrives, and an idle rank with no endpoint attached
+// wakes for nothing at all; with an endpoint attached (whose MPI operations
+// poll() cannot see) it still backs off as above between polls.
 //
 // The send path: the endpoints attached to the channel (the KV transfer, on
 // its own communicator) post their messages through it too, so that one
@@ -54,9 +81,12 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -64,6 +94,7 @@
 #include "common/cluster/control_messages.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/mpi/send_queue.h"
+#include "common/net/tcp_frame_link.h"
 
 namespace duet {
 
@@ -82,7 +113,15 @@ class CommEndpoint {
   virtual bool in_flight() const = 0;
 };
 
+// Which link carries the channel's own messages (the endpoints' always go
+// over MPI).
+enum class ControlLink { kMpi, kTcp };
+std::string_view control_link_name(ControlLink link);  // "mpi", "tcp"
+
 struct ControlChannelOptions {
+  ControlLink link = ControlLink::kMpi;
+  // TCP: how long the ranks have to connect to rank 0 at construction.
+  std::chrono::milliseconds connect_timeout{60'000};
   std::chrono::microseconds min_idle_sleep{50};
   std::chrono::microseconds max_idle_sleep{2000};
   // While sends are in flight the thread polls at least this often, so a
@@ -103,8 +142,10 @@ struct ReceivedMessage {
 
 class ControlChannel final {
  public:
-  // Collective over MPI_COMM_WORLD. Starts the communication thread. `mpi`
-  // outlives the channel (the destructor frees its communicator).
+  // Collective over MPI_COMM_WORLD, with the same options.link on every rank.
+  // Starts the communication thread. `mpi` outlives the channel (the
+  // destructor frees its communicator). Over TCP, throws Error(kInternal) on
+  // every rank when rank 0 cannot listen or a rank did not connect in time.
   explicit ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options = {});
   ~ControlChannel();
   ControlChannel(const ControlChannel&) = delete;
@@ -134,6 +175,7 @@ class ControlChannel final {
 
   Rank rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  ControlLink link() const { return options_.link; }
 
   // Any thread. Queues `message` for `destination` (another rank of the
   // world). Throws duet::Error once close() has begun.
@@ -167,10 +209,21 @@ class ControlChannel final {
   using Intercept = std::function<bool(const ReceivedMessage&)>;
   void set_intercept(Intercept intercept);
 
+  // Any thread. Over TCP, `handler` is called on the communication thread,
+  // once per rank, when that rank's connection ends before its close marker
+  // and it was not forgotten (see above), with why ("closed the connection",
+  // a reset). It must be quick and may call forget() and send(). After it
+  // returns, a receive() waiting (or the next one) returns at once, so that
+  // a dispatcher acts on it without waiting out its timeout. Never called
+  // over MPI, where a lost peer shows only as its silence.
+  using LinkLost = std::function<void(Rank rank, const std::string& why)>;
+  void set_link_lost_handler(LinkLost handler);
+
   // Any thread: stop waiting on `ranks` (see above); this rank is ignored.
   void forget(std::span<const Rank> ranks);
-  // Whether any rank was forgotten: MPI_Finalize may then wait on it forever
-  // (tests/mpi/failure_probe_main.cpp), so the process leaves without it.
+  // Whether any rank was forgotten, or its TCP connection lost: MPI_Finalize
+  // may then wait on it forever (tests/mpi/failure_probe_main.cpp), so the
+  // process leaves without it.
   bool forgot_any() const;
 
   struct Counters {
@@ -181,10 +234,19 @@ class ControlChannel final {
     // stay MPI's for good (a bounded leak: at most the bulk window per rank).
     int64_t abandoned_sends = 0;
     int64_t abandoned_bytes = 0;
+    // TCP: messages to a rank whose connection had ended or was closed
+    // (forgotten), dropped.
+    int64_t unsent = 0;
+    int64_t links_lost = 0;  // TCP: connections that ended before their close marker
   };
   Counters counters() const;
 
  private:
+  // Tags of the channel's own messages (on its communicator, or in a frame's
+  // header over TCP).
+  static constexpr int kMessageTag = 1;  // one encoded ControlMessage
+  static constexpr int kCloseTag = 2;    // empty: the sender has closed; nothing follows it
+
   struct Outgoing {
     MPI_Comm comm = MPI_COMM_NULL;
     int destination = 0;
@@ -202,6 +264,12 @@ class ControlChannel final {
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
+  // The TCP link's parts (control_channel_tcp.cpp).
+  void connect_tcp(const MpiRuntime& mpi);  // the constructor's, over TCP
+  void notify_thread();                     // under mutex_ or not: the thread looks again
+  bool linked(int rank) const;              // whether messages to `rank` can go over the link
+  void drain_wake_fd();
+  bool receive_tcp();          // frames into the inbox, ended connections noted
   void run();                  // the communication thread
   void queue_close_markers();  // under mutex_
   bool post_sends(std::vector<Outgoing>& fresh);
@@ -230,6 +298,12 @@ class ControlChannel final {
   std::vector<Incoming> abandoned_receives_;
   std::vector<Outgoing> abandoned_sends_;  // to forgotten ranks; see abandon()
   std::vector<bool> forgotten_seen_;       // by rank: apply_forgotten ran for it
+  // TCP: the link (null over MPI), each rank's connection ended (EOF, reset),
+  // and the forgotten ranks whose sockets close after this pass's sends.
+  std::unique_ptr<TcpFrameLink> tcp_;
+  std::vector<bool> ended_;
+  std::vector<int> to_drop_;
+  int wake_fd_ = -1;  // TCP: an eventfd the thread polls; written by notify_thread()
 
   // Held by the communication thread through each pass's MPI work (taking
   // from the queue and posting, testing, receiving, driving the endpoints):
@@ -237,6 +311,7 @@ class ControlChannel final {
   std::mutex pass_mutex_;
   std::vector<CommEndpoint*> endpoints_;  // guarded by pass_mutex_
   Intercept intercept_;                   // guarded by pass_mutex_
+  LinkLost link_lost_;                    // guarded by pass_mutex_
 
   mutable std::mutex mutex_;                    // guards the members below
   std::condition_variable wake_;                // the communication thread waits here
@@ -254,6 +329,8 @@ class ControlChannel final {
   bool thread_done_ = false;           // nothing queued will be posted any more
   std::vector<bool> forgotten_;        // by rank: forget() named it
   bool forget_pending_ = false;        // forget() since the thread last applied it
+  bool link_lost_any_ = false;         // a TCP connection ended before its close marker
+  int64_t receive_interrupts_ = 0;     // receive() calls to return at once (a link lost)
   Counters counters_;
 
   std::thread thread_;  // last: starts after everything above exists

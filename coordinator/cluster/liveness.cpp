@@ -52,11 +52,19 @@ void Liveness::on_heartbeat(const Heartbeat& beat, Clock::time_point now) {
   watched->busy = beat.busy;
 }
 
+void Liveness::connection_lost(Rank rank, const std::string& why) {
+  size_t position = 0;
+  Watched* watched = find(rank, &position);
+  if (watched == nullptr || watched->lost || !watched->connection_lost.empty()) return;
+  watched->connection_lost =
+      fmt::format("rank {}'s control connection ended ({})", rank.value, why);
+}
+
 std::vector<InstanceLoss> Liveness::check(Clock::time_point now) {
   std::vector<InstanceLoss> losses;
   for (Watched& watched : instances_) {
     if (watched.lost) continue;
-    std::string reason;
+    std::string reason = watched.connection_lost;
     for (size_t i = 0; i < watched.ranks.size() && reason.empty(); ++i) {
       const auto silent = now - watched.last_heard[i];
       if (silent > lease_) {

@@ -11,7 +11,10 @@
 // - its leader has been inside an engine step, with no progress, for longer
 //   than the lease (its progress counter, which moves with every step and
 //   every layer of a long one, stood still while busy: a hung collective, a
-//   wedged GPU, a follower that died under it).
+//   wedged GPU, a follower that died under it), or
+// - the control channel's TCP connection to any of its ranks ended before
+//   that rank closed it (its process died, or its host is cut off: common/
+//   mpi/control_channel.h), at the next check, without waiting out the lease.
 // Each loss raises the cluster's epoch by one. Ranks told of a loss apply it
 // and report the epoch they have applied in their heartbeats; a lost rank
 // that wakes up (SIGCONT) is told again, and leaves.
@@ -48,6 +51,10 @@ class Liveness final {
   void heard_from(Rank rank, Clock::time_point now);
   // A heartbeat: heard_from, and the leader's step counter and busy flag.
   void on_heartbeat(const Heartbeat& beat, Clock::time_point now);
+  // `rank`'s control connection ended (`why`: "closed the connection"): its
+  // instance is lost at the next check(). Ranks in no instance, and lost
+  // instances, are ignored; the first end of an instance's ranks names it.
+  void connection_lost(Rank rank, const std::string& why);
 
   // The instances lost since the last call, each once, in instance order.
   std::vector<InstanceLoss> check(Clock::time_point now);
@@ -81,6 +88,7 @@ class Liveness final {
     bool lost = false;
     uint64_t lost_epoch = 0;
     std::string reason;
+    std::string connection_lost;  // why, once a rank's control connection ended
   };
   // The instance and position of `rank`, or nullptr.
   Watched* find(Rank rank, size_t* position);

@@ -143,11 +143,19 @@ RemoteCluster::RemoteCluster(ControlChannel& channel, const ClusterSpec& spec,
     instances_.push_back(std::make_unique<RemoteInstance>(channel, instance.leader(),
                                                           ready[static_cast<size_t>(instance.id)]));
   }
+  // Over TCP a rank's connection that ends is a loss at once (the handler
+  // runs on the channel's thread; the dispatcher's receive() returns and
+  // its check_leases() acts on it).
+  channel_.set_link_lost_handler([this](Rank rank, const std::string& why) {
+    std::lock_guard lock(mutex_);
+    liveness_.connection_lost(rank, why);
+  });
   dispatcher_ = std::thread([this] { dispatch(); });
 }
 
 RemoteCluster::~RemoteCluster() {
   if (!shut_down_) shut_down("the coordinator is stopping");
+  channel_.set_link_lost_handler({});
 }
 
 void RemoteCluster::set_loss_handler(LossHandler handler) {

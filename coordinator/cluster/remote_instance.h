@@ -16,7 +16,9 @@
 //
 // Liveness: the dispatcher also holds the coordinator's lease on every
 // instance (coordinator/cluster/liveness.h), fed by the ranks' heartbeats
-// and every other message, and checked at least four times per lease. When
+// and every other message, and checked at least four times per lease, and at
+// once when the control channel's TCP connection to one of its ranks ends
+// (ControlChannel::set_link_lost_handler; over MPI only silence tells). When
 // an instance is lost, every rank is told (RanksLost: the lost ones leave,
 // the others stop waiting on them), the channel forgets its ranks, its
 // RemoteInstance refuses new requests, and the loss handler runs (the

@@ -1,6 +1,7 @@
 // The coordinator's leases (coordinator/cluster/liveness.h), on a clock the
-// test moves: silence, a stalled step, a follower's silence, and what a lost
-// instance's late messages change (nothing).
+// test moves: silence, a stalled step, a follower's silence, an ended
+// control connection, and what a lost instance's late messages change
+// (nothing).
 #include "coordinator/cluster/liveness.h"
 
 #include <gtest/gtest.h>
@@ -56,6 +57,27 @@ TEST(Liveness, ASilentRankLosesItsInstanceOnce) {
   live.on_heartbeat(beat(1, 2, 11, false), t0 + 4000ms);
   EXPECT_TRUE(live.check(t0 + 4000ms).empty());
   EXPECT_TRUE(live.lost(1));
+  EXPECT_EQ(live.n_lost(), 1);
+}
+
+TEST(Liveness, AnEndedConnectionLosesItsInstanceWithoutWaitingForTheLease) {
+  const auto t0 = Clock::now();
+  Liveness live(spec(), 3000ms, t0);
+  all_beat(live, t0 + 100ms);
+  live.connection_lost(Rank{0}, "closed the connection");  // the coordinator: ignored
+  live.connection_lost(Rank{3}, "closed the connection");  // a follower
+  live.connection_lost(Rank{2}, "Connection reset by peer");
+  all_beat(live, t0 + 200ms);  // beats that had been queued change nothing
+  const std::vector<InstanceLoss> losses = live.check(t0 + 200ms);
+  ASSERT_EQ(losses.size(), 1u);
+  EXPECT_EQ(losses[0].instance_id, 1);
+  EXPECT_EQ(losses[0].ranks, (std::vector<Rank>{Rank{2}, Rank{3}}));
+  EXPECT_EQ(losses[0].epoch, 1u);
+  EXPECT_EQ(losses[0].reason, "rank 3's control connection ended (closed the connection)");
+  EXPECT_FALSE(live.lost(0));
+  // Once: a lost instance's ends are ignored.
+  live.connection_lost(Rank{2}, "closed the connection");
+  EXPECT_TRUE(live.check(t0 + 300ms).empty());
   EXPECT_EQ(live.n_lost(), 1);
 }
 

@@ -8,6 +8,16 @@
 //                     once, cancels, step events back, stats at the end
 //   shutdown          leaders flood events and close at once; nothing is lost
 //   idle              every rank idles 10 s; CPU time gathered to rank 0
+//   forget            the coordinator tells rank 2 it is lost and forgets it:
+//                     what was sent before still arrives, close() agrees
+//                     without it; over TCP rank 2 then sees its connection
+//                     end and does not wait either
+//   lost              (--link tcp, mpirun --enable-recovery) rank 2 says
+//                     goodbye and is SIGKILLed: the coordinator hears of the
+//                     lost connection at once, a receive() waiting returns,
+//                     and close() agrees with rank 1 alone
+//
+// --link mpi|tcp chooses the channel's link (ControlChannelOptions::link).
 //
 // Every failure prints "[rank R] error: <message>" and exits 1, so the failing
 // scenarios (a version mismatch, a world of the wrong size) can check that
@@ -17,6 +27,7 @@
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -51,6 +62,7 @@ struct Options {
   int bad_version_rank = -1;  // this rank speaks protocol version 99
   int handshake_timeout_ms = 20'000;
   int burst = 2000;  // shutdown: events each leader sends right before closing
+  std::string link = "mpi";
 };
 
 // Shared by the coordinator and the fake instances: what the instance answers
@@ -370,6 +382,123 @@ void run_idle(ControlChannel& channel, const ClusterSpec& spec, const Options& o
   }
 }
 
+// The coordinator tells rank 2 (a leader) that it is lost, sends it one more
+// message after forget() (dropped over TCP, unwaited over MPI), and closes
+// with rank 1 alone. Rank 2 gets what was sent before forget(); over TCP its
+// connection to rank 0 then ends and its close() agrees without rank 0.
+void run_forget(ControlChannel& channel, const Options& options) {
+  const Rank self = channel.rank();
+  const Rank victim{2};
+  const bool tcp = channel.link() == ControlLink::kTcp;
+  constexpr int kBefore = 50;  // messages to the victim before forget()
+  if (self == kCoordinatorRank) {
+    for (int i = 0; i < kBefore; ++i) channel.send(victim, Cancel{RequestId{uint64_t(i)}});
+    const RanksLost lost{1, {victim}, "forget scenario"};
+    channel.send(Rank{1}, lost);
+    channel.send(victim, lost);
+    const std::vector<Rank> forgotten = {victim};
+    channel.forget(forgotten);
+    // Once the thread has applied forget() (it is woken at once): holds
+    // nothing up, and over TCP is dropped.
+    std::this_thread::sleep_for(200ms);
+    channel.send(victim, Cancel{RequestId{999}});
+    const auto start = Clock::now();
+    check(channel.close(30s), "the coordinator closed with rank 1 alone");
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    check(seconds < 5.0, "close() did not wait on the forgotten rank");
+    check(channel.forgot_any(), "forgot_any");
+    const ControlChannel::Counters counters = channel.counters();
+    if (tcp) check(counters.unsent >= 1, "the message after forget() was not sent over TCP");
+    check(counters.links_lost == 0, "a forgotten rank's end is no lost link");
+    std::printf("forget (%s): closed without rank 2 in %.3f s; sent %lld, unsent %lld\n",
+                options.link.c_str(), seconds, static_cast<long long>(counters.sent),
+                static_cast<long long>(counters.unsent));
+    return;
+  }
+  // Both leaders get the RanksLost; the victim gets every message before it.
+  int n_cancels = 0;
+  for (;;) {
+    std::optional<ReceivedMessage> received = channel.receive(30s);
+    check(received.has_value(), "the messages sent before forget() arrive");
+    if (const auto* cancel = std::get_if<Cancel>(&received->message)) {
+      check(cancel->id.value == uint64_t(n_cancels++), "in order, none after forget()");
+      continue;
+    }
+    check(std::holds_alternative<RanksLost>(received->message), "a RanksLost");
+    break;
+  }
+  if (self == victim) {
+    check(n_cancels == kBefore, "every message before forget() arrived first");
+    const auto start = Clock::now();
+    const bool closed = channel.close(tcp ? 30s : 2s);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (tcp) {
+      // Rank 0 closed its socket: the connection ended before its marker.
+      check(closed && seconds < 5.0, "the forgotten rank's close() did not wait on rank 0");
+      check(channel.counters().links_lost == 1, "rank 2 saw its connection to rank 0 end");
+    } else {
+      check(!closed, "over MPI a forgotten rank gets no close marker");
+    }
+  } else {
+    check(channel.close(30s), "rank 1 closed with the coordinator");
+  }
+}
+
+// Over TCP: rank 2 says goodbye and is SIGKILLed. Rank 0's handler hears of
+// the lost connection, a receive() waiting returns at once, and close()
+// agrees with rank 1 alone; rank 0 prints "lost: PASS" only when all held.
+void run_lost(MpiRuntime& mpi, ControlChannel& channel) {
+  check(channel.link() == ControlLink::kTcp, "the lost scenario needs --link tcp");
+  const Rank self = channel.rank();
+  const Rank victim{2};
+  // Survivors may not finalize: MPI_Finalize could wait on the dead rank.
+  mpi.leave_without_finalize();
+  if (self == victim) {
+    channel.send(kCoordinatorRank, StatsReport{1, {}});
+    std::this_thread::sleep_for(300ms);  // the goodbye leaves
+    std::raise(SIGKILL);
+  }
+  if (self != kCoordinatorRank) {
+    std::optional<ReceivedMessage> received = channel.receive(30s);
+    check(received && std::holds_alternative<Shutdown>(received->message), "Shutdown");
+    check(channel.close(30s), "rank 1 closed with the coordinator");
+    return;
+  }
+  std::mutex mutex;
+  std::vector<std::pair<Rank, std::string>> lost;
+  Clock::time_point lost_at;
+  channel.set_link_lost_handler([&](Rank rank, const std::string& why) {
+    std::lock_guard lock(mutex);
+    lost.emplace_back(rank, why);
+    lost_at = Clock::now();
+  });
+  std::optional<ReceivedMessage> goodbye = channel.receive(30s);
+  check(goodbye && goodbye->source == victim, "rank 2's goodbye");
+  const auto waiting_since = Clock::now();
+  std::optional<ReceivedMessage> none = channel.receive(60s);
+  const double waited = std::chrono::duration<double>(Clock::now() - waiting_since).count();
+  check(!none.has_value(), "nothing more arrives");
+  check(waited < 10.0, "a receive() waiting returns when a connection is lost");
+  {
+    std::lock_guard lock(mutex);
+    check(lost.size() == 1 && lost[0].first == victim, "the handler named rank 2, once");
+  }
+  channel.send(Rank{1}, Shutdown{"lost scenario over"});
+  const auto start = Clock::now();
+  check(channel.close(30s), "close() agreed with rank 1 alone");
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  check(seconds < 5.0, "close() did not wait on the dead rank");
+  const ControlChannel::Counters counters = channel.counters();
+  check(counters.links_lost == 1, "one lost link (rank 1 closed in order)");
+  check(channel.forgot_any(), "a lost link counts for forgot_any");
+  std::printf(
+      "lost: rank 2 (%s) reported %.0f ms after its goodbye, the receive returned "
+      "after %.0f ms, close took %.3f s; lost: PASS\n",
+      lost[0].second.c_str(),
+      std::chrono::duration<double, std::milli>(lost_at - waiting_since).count(), waited * 1e3,
+      seconds);
+}
+
 // MPI first, then the spec: every error after MpiRuntime leaves through
 // MPI_Finalize, so every rank prints its line before mpirun ends the job.
 int run(const ClusterFlags& flags, const Options& options) {
@@ -378,7 +507,13 @@ int run(const ClusterFlags& flags, const Options& options) {
   try {
     const ClusterSpec spec = cluster_spec_from_flags(flags, mpi.world_size());
     spec.validate(mpi.world_size());
-    ControlChannel channel(mpi);
+    ControlChannelOptions channel_options;
+    if (options.link == "tcp") {
+      channel_options.link = ControlLink::kTcp;
+    } else if (options.link != "mpi") {
+      throw Error(ErrorKind::kInvalidArgument, "--link is mpi or tcp, not " + options.link);
+    }
+    ControlChannel channel(mpi, channel_options);
     HandshakeOptions handshake;
     handshake.timeout = std::chrono::milliseconds(options.handshake_timeout_ms);
     if (self.value == options.bad_version_rank) handshake.protocol_version = 99;
@@ -405,6 +540,10 @@ int run(const ClusterFlags& flags, const Options& options) {
       check(channel.close(30s), "every rank closed");
     } else if (options.scenario == "shutdown") {
       run_shutdown(channel, spec, options);
+    } else if (options.scenario == "forget") {
+      run_forget(channel, options);
+    } else if (options.scenario == "lost") {
+      run_lost(mpi, channel);
     } else if (options.scenario == "idle") {
       run_idle(channel, spec, options);
       if (self != kCoordinatorRank && spec.is_leader(self)) {
@@ -429,7 +568,9 @@ int main(int argc, char** argv) {
   duet::Options options;
   duet::ClusterFlags flags;
   CLI::App app("The control plane's mpirun tests");
-  app.add_option("--scenario", options.scenario, "handshake, roundtrip, shutdown or idle");
+  app.add_option("--scenario", options.scenario,
+                 "handshake, roundtrip, shutdown, idle, forget or lost");
+  app.add_option("--link", options.link, "the control channel's link: mpi or tcp");
   app.add_option("--prefill", flags.prefill, "prefill instances");
   app.add_option("--decode", flags.decode, "decode instances");
   app.add_option("--tp", flags.tp, "ranks per instance");

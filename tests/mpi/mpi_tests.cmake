@@ -3,7 +3,8 @@
 # Unit tests (no MPI initialized, milliseconds): the cluster spec, the control
 # messages' wire form, MpiRuntime's refusal outside mpirun.
 # mpirun tests (label `mpi`): control_plane_test, one scenario per run, on 3
-# ranks (a coordinator and two leaders) with --oversubscribe. The idle-CPU
+# ranks (a coordinator and two leaders) with --oversubscribe, over each of
+# the channel's links (MPI, TCP). The idle-CPU
 # measurement idles 10 s and also carries the label `slow`; it still runs in CI.
 duet_add_test(cluster_spec_test SOURCES common/cluster_spec_test.cpp LIBS duet_control)
 duet_add_test(transfer_kind_test SOURCES worker/transfer/transfer_kind_test.cpp LIBS duet_transfer_kind)
@@ -35,6 +36,31 @@ duet_add_mpi_test(mpi_roundtrip 3 300 mpi --scenario roundtrip --prefill 1 --dec
 duet_add_mpi_test(mpi_shutdown 3 60 mpi --scenario shutdown --prefill 1 --decode 1)
 duet_add_mpi_test(mpi_idle_cpu 3 90 "mpi;slow" --scenario idle --prefill 1 --decode 1
   --idle-seconds 10)
+# The channel's own messages over its TCP link (--link tcp) instead of MPI:
+# the same scenarios, and forget() with both links. Idle over TCP, the thread
+# waits in poll() with no timeout: 0.006% of a core for all 3 ranks here
+# (2.9% over MPI's back-off), so its limit is 2%.
+duet_add_mpi_test(mpi_handshake_tcp 3 60 mpi --scenario handshake --prefill 1 --decode 1
+  --link tcp)
+duet_add_mpi_test(mpi_roundtrip_tp2_tcp 4 300 mpi --scenario roundtrip
+  --cluster ${CMAKE_CURRENT_LIST_DIR}/cluster_tp2.json --requests 1000 --link tcp)
+duet_add_mpi_test(mpi_roundtrip_tcp 3 300 mpi --scenario roundtrip --prefill 1 --decode 1
+  --requests 4000 --link tcp)
+duet_add_mpi_test(mpi_shutdown_tcp 3 60 mpi --scenario shutdown --prefill 1 --decode 1
+  --link tcp)
+duet_add_mpi_test(mpi_idle_cpu_tcp 3 90 "mpi;slow" --scenario idle --prefill 1 --decode 1
+  --idle-seconds 10 --link tcp --idle-cpu-limit 0.02)
+duet_add_mpi_test(mpi_forget 3 60 mpi --scenario forget --prefill 1 --decode 1)
+duet_add_mpi_test(mpi_forget_tcp 3 60 mpi --scenario forget --prefill 1 --decode 1 --link tcp)
+# A rank SIGKILLed over the TCP link (mpirun --enable-recovery keeps the job
+# going): the coordinator hears of it at once and closes without it. Rank 0
+# prints "lost: PASS" only when every check held; the survivors leave
+# without MPI_Finalize, so mpirun's exit code says nothing.
+add_test(NAME mpi_lost_tcp
+  COMMAND ${DUET_MPIRUN} --enable-recovery -np 3 $<TARGET_FILE:control_plane_test>
+    --scenario lost --prefill 1 --decode 1 --link tcp)
+set_tests_properties(mpi_lost_tcp PROPERTIES LABELS mpi TIMEOUT 60
+  PASS_REGULAR_EXPRESSION "lost: PASS" FAIL_REGULAR_EXPRESSION "\\] error:")
 
 # Failures: every rank exits non-zero with the same line, and nothing hangs.
 add_test(NAME mpi_version_mismatch
@@ -116,6 +142,14 @@ set_tests_properties(mpi_serve_disaggregated_tcp_test PROPERTIES
   ENVIRONMENT "DUET_KV_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
+# The same with the coordinator's control messages over the channel's TCP
+# link (--control-transport tcp) on loopback, KV over MPI.
+add_test(NAME mpi_serve_disaggregated_control_tcp_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_disaggregated.py)
+set_tests_properties(mpi_serve_disaggregated_control_tcp_test PROPERTIES
+  ENVIRONMENT "DUET_CONTROL_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 900)
 # `duet serve` with tensor-parallel instances (tests/mpi/test_serve_tp.py):
 # colocated TP=2, and disaggregated TP=1 -> TP=3 and TP=3 -> TP=1 with the KV
 # re-sharded rank to rank.
@@ -168,6 +202,16 @@ add_test(NAME mpi_failover_test
   COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_failover.py)
 set_tests_properties(mpi_failover_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)
+
+# The same with the control channel over TCP (--control-transport tcp): a
+# killed rank is lost by its connection's end; a stopped one, forgotten, has
+# its socket closed and still leaves when it wakes.
+add_test(NAME mpi_failover_control_tcp_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_failover.py)
+set_tests_properties(mpi_failover_control_tcp_test PROPERTIES
+  ENVIRONMENT "DUET_CONTROL_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 600)
 

@@ -22,6 +22,11 @@ case runs 12 concurrent streaming completions (6 greedy, 6 seeded), then
   error event (never a reset, never a hang), /health answers 503, and a new
   request is refused with 503.
 
+The control channel's link is DUET_CONTROL_TRANSPORT's (`--control-transport`:
+auto by default, which is mpi on one host; with tcp a killed rank's
+connection ends and its instance is lost by that, not by the lease, and a
+stopped rank's socket is closed when it is forgotten).
+
 Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
 DUET_MPIEXEC set.
 """
@@ -39,8 +44,9 @@ from mpirun_serve import (MpirunServe, SseStream, http_request, metrics,  # noqa
                           serve_environment, wait_until)
 
 LEASE_S = 1.0
+CONTROL_TRANSPORT = os.environ.get("DUET_CONTROL_TRANSPORT", "auto")
 CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-cache-mem", "64MiB",
-           "--instance-lease", str(LEASE_S)]
+           "--instance-lease", str(LEASE_S), "--control-transport", CONTROL_TRANSPORT]
 MAX_TOKENS = 48
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "The three primary colors are", "A haiku about the sea:", "To make bread, first"]
@@ -158,6 +164,9 @@ class FailoverTest(unittest.TestCase):
             capture_output=True, text=True, timeout=30, check=True).stdout
         self.assertIn("instance 0 prefill rank 1 live epoch 0", stats)
         self.assertIn("instance 1 decode rank 2 lost epoch 1: ", stats)
+        if CONTROL_TRANSPORT == "tcp":  # lost by its connection's end, not the lease
+            self.assertIn("instance 1 decode rank 2 lost epoch 1: rank 2's control connection "
+                          "ended", stats)
         self.assertIn("instance 2 decode rank 3 live epoch 0", stats)
         self.assertEqual(m["duet_request_reruns_total"], len(rerun))
         self.assertEqual(m["duet_requests_failed_after_retries_total"], 0)
@@ -171,7 +180,11 @@ class FailoverTest(unittest.TestCase):
         self.expect_same_answers(streams)
         os.kill(stopped, signal.SIGCONT)  # after the lease: it hears it was lost, and leaves
         wait_until(lambda: 3 not in server.rank_pids(), 30, "the stalled rank to leave")
-        wait_until(lambda: any("(rank 3): lost at epoch 1" in line and "leaving" in line
+        # Told by its RanksLost; over TCP its socket was closed too, which,
+        # should the RanksLost not have fit in the socket's buffer, says the same.
+        wait_until(lambda: any(("(rank 3): lost at epoch 1" in line or
+                                "(rank 3): its control connection to the coordinator ended" in
+                                line) and "leaving" in line
                                for line in server.log_lines()), 10,
                    "the stalled rank's last words:\n" + "\n".join(server.log_lines()[-30:]))
         self.expect_degraded_and_serving(server)

@@ -2,7 +2,9 @@
 prefill instance (rank 1) and two decode instances (ranks 2 and 3), KV
 shipped with checksums on, against the single-process `duet serve`. The KV
 transport is DUET_KV_TRANSPORT's (`--kv-transport`: mpi by default, tcp for
-TcpKvTransfer over loopback).
+TcpKvTransfer over loopback), the control channel's link DUET_CONTROL_TRANSPORT's
+(`--control-transport`: auto by default, which is mpi on one host; tcp for
+the coordinator's messages over Duet's own sockets on loopback).
 
 - greedy and seeded-sampling completions are identical to the single
   process's, for prompts of one chunk and of many (the step budget is small);
@@ -36,8 +38,9 @@ from mpirun_serve import (ServeProcess, cancel_after, complete, complete_all,  #
 # 8192-token context, so a request can be too big for the KV cache alone.
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
 KV_TRANSPORT = os.environ.get("DUET_KV_TRANSPORT", "mpi")
+CONTROL_TRANSPORT = os.environ.get("DUET_CONTROL_TRANSPORT", "auto")
 CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-checksums", "--kv-transport", KV_TRANSPORT,
-           *ENGINE]
+           "--control-transport", CONTROL_TRANSPORT, *ENGINE]
 cluster = None
 
 
@@ -124,6 +127,8 @@ class DisaggregatedClusterTest(unittest.TestCase):
         self.assertIn("cancelled before its KV arrived", log)
         # The KV went the way asked, and bytes moved on every instance.
         self.assertIn(f"kv transfer: between instances over {KV_TRANSPORT}", log)
+        control = "mpi" if CONTROL_TRANSPORT == "auto" else CONTROL_TRANSPORT  # one host
+        self.assertIn(f"control channel: coordinator to ranks over {control}", log)
         sent = [int(n) for n in re.findall(r"kv transfer: \d+ messages \((\d+) bytes\) sent", log)]
         self.assertEqual(len(sent), 3, log)
         self.assertTrue(all(n > 0 for n in sent), sent)

@@ -9,7 +9,7 @@
 // turns bytes from the sockets into its events and carries out its actions.
 //
 // One connected socket per peer (a prefill rank with each decode rank), made
-// at start-up (worker/transfer/tcp_kv_connect.h), and one thread of its own
+// at start-up (common/net/tcp_connect.h, kKvPurpose), and one thread of its own
 // that poll()s them and a wake-up eventfd; every socket is non-blocking, and
 // no call ever waits on a peer.
 //
@@ -45,11 +45,15 @@
 #include <thread>
 #include <vector>
 
+#include "common/net/tcp_connect.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 #include "worker/transfer/kv_transfer_wire.h"
 
 namespace duet {
+
+// The KV connections' hello (connect_tcp_peers): the lower rank of each pair dials.
+inline constexpr TcpPurpose kKvPurpose{0x4856'4b44, "kv transfer"};  // "DKVH"
 
 struct TcpKvTransferOptions {
   // As MpiKvTransferOptions'.

@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/net/tcp_connect.h"
 #include "worker/model/model_forward.h"
-#include "worker/transfer/tcp_kv_connect.h"
 #ifdef DUET_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "worker/transfer/device/cuda_ipc_kv_transfer.h"
@@ -266,7 +266,7 @@ std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi,
   // the all-gather).
   constexpr auto kConnectTimeout = std::chrono::seconds(60);
   const Rank self = mpi.rank();
-  std::optional<TcpKvListener> listener;
+  std::optional<TcpListener> listener;
   std::string failure;
   if (!peers.empty()) {
     try {
@@ -276,21 +276,22 @@ std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi,
     }
   }
   agree_transfer_ready(mpi, failure, "TCP");
-  const TcpKvAddress own = listener ? listener->address() : TcpKvAddress{};
+  const TcpAddress own = listener ? listener->address() : TcpAddress{};
   const std::vector<std::byte> all = mpi.all_gather(own.encode());
   std::map<int, int> sockets;
   if (!peers.empty()) {
-    std::vector<TcpKvPeer> to;
+    std::vector<TcpPeer> to;
     for (int rank : peers) {
-      const auto at = static_cast<size_t>(rank) * TcpKvAddress::kRecordBytes;
-      to.push_back({rank,
-                    TcpKvAddress::decode(std::span(all).subspan(at, TcpKvAddress::kRecordBytes)),
+      const auto at = static_cast<size_t>(rank) * TcpAddress::kRecordBytes;
+      // The lower rank of each pair dials the higher.
+      to.push_back({rank, TcpAddress::decode(std::span(all).subspan(at, TcpAddress::kRecordBytes)),
                     placements[static_cast<size_t>(rank)].host ==
-                        placements[static_cast<size_t>(self.value)].host});
+                        placements[static_cast<size_t>(self.value)].host,
+                    rank > self.value});
     }
     try {
-      sockets = connect_kv_peers(self.value, *listener, to,
-                                 std::chrono::steady_clock::now() + kConnectTimeout);
+      sockets = connect_tcp_peers(self.value, &*listener, to, kKvPurpose,
+                                  std::chrono::steady_clock::now() + kConnectTimeout);
     } catch (const std::exception& e) {
       failure = e.what();
     }

@@ -40,7 +40,7 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
 // The KV transfer over TCP of every rank that may exchange KV (a prefill
 // rank or a decode rank of a disaggregated cluster), null for the others:
 // those listen, every rank all-gathers the listeners' addresses, the pairs
-// connect (worker/transfer/tcp_kv_connect.h) and all agree they did before
+// connect (common/net/tcp_connect.h) and all agree they did before
 // any goes on. Collective over MPI_COMM_WORLD; throws on every rank alike
 // when a pair could not connect.
 std::unique_ptr<TcpKvTransfer> make_tcp_kv_transfer(const MpiRuntime& mpi, const ClusterSpec& spec,

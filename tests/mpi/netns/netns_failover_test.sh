@@ -2,8 +2,9 @@
 # A decode rank on another host dies while a prompt's KV flows to it, and
 # the cluster goes on: four hosts that are network namespaces on this machine
 # (netns_lib.sh), launch/hostfile.sh with --enable-recovery, MPI over TCP
-# only, and KV between instances over Duet's own TCP connections
-# (--kv-transport auto picks tcp across hosts):
+# only, and KV and the coordinator's control messages over Duet's own TCP
+# connections (--kv-transport and --control-transport auto pick tcp across
+# hosts):
 #
 #   host a, 10.77.0.1: mpirun, rank 0 (the coordinator)
 #   host b, 10.77.0.2: rank 1 (the prefill instance)
@@ -14,8 +15,9 @@
 # until host c receives KV, and SIGKILLs rank 2 then. Checks: every stream
 # ends with single-process `duet generate`'s text (greedy), at least one was
 # re-run, /health says degraded and a new request is served; the prefill
-# rank saw its connection to rank 2 go; SIGTERM then ends the survivors with
-# exit 0. Open MPI 4.1's TCP transport could wedge the prefill rank here
+# rank saw its connection to rank 2 go, and the coordinator counted rank 2's
+# instance lost because its control connection ended (not after the lease);
+# SIGTERM then ends the survivors with exit 0. Open MPI 4.1's TCP transport could wedge the prefill rank here
 # when the KV went over MPI (docs/FAILURES.md).
 #
 # Usage: netns_failover_test.sh [duet serve arguments...]  (e.g. --kv-transport mpi)
@@ -108,6 +110,10 @@ say "cluster listening on $url after $((SECONDS - started)) s; KV over ${transpo
 want=tcp  # across hosts, unless the arguments force mpi
 [[ " $* " != *" --kv-transport mpi "* ]] || want=mpi
 [ "$transport" = "$want" ] || fail "KV goes over ${transport:-?}, not $want"
+control=tcp  # across hosts, unless the arguments force mpi
+[[ " $* " != *" --control-transport mpi "* ]] || control=mpi
+grep -q "control channel: coordinator to ranks over $control (" "$work/cluster.log" ||
+  fail "the coordinator's control messages do not go over $control"
 
 victim=""
 for pid in $(ip netns pids "$(netns_namespace c)"); do
@@ -120,6 +126,9 @@ ip netns exec "$ns_a" python3 "$here/failover_streams.py" "$url" "$work/expected
   "$victim" "$(netns_namespace c)" >&2 || fail "the streams did not all survive the loss"
 grep -q "kv transfer: rank 2: " "$work/cluster.log" || [ "$want" != tcp ] ||
   fail "the prefill rank's KV transfer did not see rank 2 go"
+say "the coordinator: $(grep -m 1 -o "instance .* lost at epoch 1: [^;]*" "$work/cluster.log")"
+grep -q "lost at epoch 1: rank 2's control connection ended" "$work/cluster.log" ||
+  [ "$control" != tcp ] || fail "the coordinator did not count rank 2 lost by its connection"
 
 kill -TERM "$cluster"
 for _ in $(seq 1 300); do kill -0 "$cluster" 2>/dev/null || break; sleep 0.1; done

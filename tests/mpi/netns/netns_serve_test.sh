@@ -14,6 +14,8 @@
 # - bytes really crossed the veths of hosts b and c while they were answered
 #   (disaggregated: host c received at least the prompts' KV cache, over
 #   Duet's own TCP connections: --kv-transport auto picks tcp across hosts);
+# - the coordinator's control messages go over Duet's own TCP connections
+#   too (--control-transport auto picks tcp across hosts);
 # - SIGTERM to the launcher ends every rank with exit 0, and no process is
 #   left in any namespace;
 # and always removes the namespaces (also those a killed run left behind).
@@ -147,6 +149,10 @@ if [ "$mode" = disaggregated ]; then
   grep -q "kv transfer: between instances over $transport (" "$work/cluster.log" ||
     fail "the cluster's ranks span 3 hosts, yet its KV does not go over $transport"
 fi
+control=tcp  # across hosts, unless the arguments force mpi
+[[ " $* " != *" --control-transport mpi "* ]] || control=mpi
+grep -q "control channel: coordinator to ranks over $control (" "$work/cluster.log" ||
+  fail "the cluster's ranks span 3 hosts, yet its control messages do not go over $control"
 
 bytes_b=$(netns_veth_bytes b)
 bytes_c=$(netns_veth_bytes c)

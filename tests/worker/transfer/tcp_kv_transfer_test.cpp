@@ -1,6 +1,6 @@
 // TcpKvTransfer (worker/transfer/tcp_kv_transfer.h) over loopback, in one
 // process, no MPI: two ranks connect as duet serve's start-up connects them
-// (connect_kv_peers), then
+// (connect_tcp_peers), then
 // - a decode rank imports a prompt's rows from a prefill rank: every row
 //   lands in the reserved blocks, checksums on, and the import completes;
 // - a prefill rank that dies with a payload half-sent (the test plays it on
@@ -28,7 +28,6 @@
 
 #include "worker/kv/kv_rows.h"
 #include "worker/transfer/kv_transfer_wire.h"
-#include "worker/transfer/tcp_kv_connect.h"
 
 namespace duet {
 namespace {
@@ -53,15 +52,16 @@ KvLayout test_layout() {
 
 // Connected sockets between kPrefill and kDecode, as the start-up makes them.
 std::pair<int, int> connected_pair() {
-  TcpKvListener prefill_listener, decode_listener;
+  TcpListener prefill_listener, decode_listener;
   const auto deadline = std::chrono::steady_clock::now() + kPatience;
   auto prefill = std::async(std::launch::async, [&] {
-    const TcpKvPeer peer{kDecode, decode_listener.address(), true};
-    return connect_kv_peers(kPrefill, prefill_listener, std::span(&peer, 1), deadline);
+    const TcpPeer peer{kDecode, decode_listener.address(), true, kPrefill < kDecode};
+    return connect_tcp_peers(kPrefill, &prefill_listener, std::span(&peer, 1), kKvPurpose,
+                             deadline);
   });
-  const TcpKvPeer peer{kPrefill, prefill_listener.address(), true};
+  const TcpPeer peer{kPrefill, prefill_listener.address(), true, kDecode < kPrefill};
   std::map<int, int> decode =
-      connect_kv_peers(kDecode, decode_listener, std::span(&peer, 1), deadline);
+      connect_tcp_peers(kDecode, &decode_listener, std::span(&peer, 1), kKvPurpose, deadline);
   return {prefill.get().at(kDecode), decode.at(kPrefill)};
 }
 

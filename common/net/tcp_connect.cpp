@@ -1,4 +1,4 @@
-#include "worker/transfer/tcp_kv_connect.h"
+#include "common/net/tcp_connect.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -24,14 +24,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kHelloMagic = 0x4856'4b44;  // "DKVH"
 // How long one connection attempt (connect, hello, its answer) may take
 // before the next address is tried.
 constexpr auto kAttemptPatience = std::chrono::seconds(3);
 constexpr auto kRetryPause = std::chrono::milliseconds(100);
 
 struct Hello {
-  uint32_t magic = kHelloMagic;
+  uint32_t magic = 0;
   int32_t from = 0;
   int32_t to = 0;
   uint32_t reserved = 0;
@@ -73,8 +72,9 @@ struct Attempt {
   Clock::time_point give_up;
 };
 
-std::array<std::byte, sizeof(Hello)> hello_bytes(int from, int to) {
+std::array<std::byte, sizeof(Hello)> hello_bytes(uint32_t magic, int from, int to) {
   Hello hello;
+  hello.magic = magic;
   hello.from = from;
   hello.to = to;
   std::array<std::byte, sizeof(Hello)> bytes;
@@ -106,7 +106,7 @@ bool pump(Attempt& a) {
 }
 
 // The addresses to try for `peer`, in order.
-std::vector<uint32_t> targets(const TcpKvPeer& peer) {
+std::vector<uint32_t> targets(const TcpPeer& peer) {
   std::vector<uint32_t> out;
   if (peer.same_host) out.push_back(htonl(INADDR_LOOPBACK));
   for (uint32_t ipv4 : peer.address.ipv4) {
@@ -118,7 +118,7 @@ std::vector<uint32_t> targets(const TcpKvPeer& peer) {
 
 }  // namespace
 
-std::array<std::byte, TcpKvAddress::kRecordBytes> TcpKvAddress::encode() const {
+std::array<std::byte, TcpAddress::kRecordBytes> TcpAddress::encode() const {
   std::array<std::byte, kRecordBytes> record{};
   const uint32_t port32 = port;
   const auto count = static_cast<uint32_t>(std::min(ipv4.size(), kMaxAddresses));
@@ -128,22 +128,21 @@ std::array<std::byte, TcpKvAddress::kRecordBytes> TcpKvAddress::encode() const {
   return record;
 }
 
-TcpKvAddress TcpKvAddress::decode(std::span<const std::byte> record) {
-  DUET_ASSERT(record.size() == kRecordBytes, "a {}-byte KV address record", record.size());
+TcpAddress TcpAddress::decode(std::span<const std::byte> record) {
+  DUET_ASSERT(record.size() == kRecordBytes, "a {}-byte TCP address record", record.size());
   uint32_t port32 = 0, count = 0;
   std::memcpy(&port32, record.data(), 4);
   std::memcpy(&count, record.data() + 4, 4);
-  TcpKvAddress address;
+  TcpAddress address;
   address.port = static_cast<uint16_t>(port32);
   address.ipv4.resize(std::min<size_t>(count, kMaxAddresses));
   std::memcpy(address.ipv4.data(), record.data() + 8, 4 * address.ipv4.size());
   return address;
 }
 
-TcpKvListener::TcpKvListener() {
+TcpListener::TcpListener() {
   fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd_ < 0)
-    throw Error(ErrorKind::kInternal, format("kv transfer: socket: {}", strerror(errno)));
+  if (fd_ < 0) throw Error(ErrorKind::kInternal, format("tcp: socket: {}", strerror(errno)));
   sockaddr_in any{};
   any.sin_family = AF_INET;
   any.sin_addr.s_addr = htonl(INADDR_ANY);
@@ -154,16 +153,16 @@ TcpKvListener::TcpKvListener() {
       getsockname(fd_, reinterpret_cast<sockaddr*>(&any), &length) != 0) {
     const std::string why = strerror(errno);
     close(fd_);
-    throw Error(ErrorKind::kInternal, format("kv transfer: cannot listen: {}", why));
+    throw Error(ErrorKind::kInternal, format("tcp: cannot listen: {}", why));
   }
   non_blocking(fd_);
   port_ = ntohs(any.sin_port);
 }
 
-TcpKvListener::~TcpKvListener() { close(fd_); }
+TcpListener::~TcpListener() { close(fd_); }
 
-TcpKvAddress TcpKvListener::address() const {
-  TcpKvAddress address;
+TcpAddress TcpListener::address() const {
+  TcpAddress address;
   address.port = port_;
   std::vector<uint32_t> loopback;
   ifaddrs* all = nullptr;
@@ -177,25 +176,28 @@ TcpKvAddress TcpKvListener::address() const {
     freeifaddrs(all);
   }
   address.ipv4.insert(address.ipv4.end(), loopback.begin(), loopback.end());
-  if (address.ipv4.size() > TcpKvAddress::kMaxAddresses)
-    address.ipv4.resize(TcpKvAddress::kMaxAddresses);
+  if (address.ipv4.size() > TcpAddress::kMaxAddresses)
+    address.ipv4.resize(TcpAddress::kMaxAddresses);
   return address;
 }
 
-std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
-                                    std::span<const TcpKvPeer> peers, Clock::time_point deadline) {
+std::map<int, int> connect_tcp_peers(int self, const TcpListener* listener,
+                                     std::span<const TcpPeer> peers, TcpPurpose purpose,
+                                     Clock::time_point deadline) {
   std::map<int, int> connected;
-  std::map<int, const TcpKvPeer*> lower;  // accepted from
-  std::vector<Attempt> attempts;          // connects out and accepts in, being set up
+  std::map<int, const TcpPeer*> accepted;  // the peers that dial this rank
+  std::vector<Attempt> attempts;           // connects out and accepts in, being set up
   std::map<int, std::vector<uint32_t>> addresses;
   std::map<int, size_t> next_address;
   std::map<int, Clock::time_point> retry_at;
-  for (const TcpKvPeer& peer : peers) {
-    if (peer.rank < self) lower[peer.rank] = &peer;
-    if (peer.rank > self) addresses[peer.rank] = targets(peer);
+  for (const TcpPeer& peer : peers) {
+    DUET_ASSERT(peer.rank != self, "rank {} does not connect to itself", self);
+    if (!peer.dial) accepted[peer.rank] = &peer;
+    if (peer.dial) addresses[peer.rank] = targets(peer);
   }
+  DUET_ASSERT(accepted.empty() || listener != nullptr, "rank {} accepts without a listener", self);
   const auto port_of = [&](int rank) {
-    for (const TcpKvPeer& peer : peers) {
+    for (const TcpPeer& peer : peers) {
       if (peer.rank == rank) return peer.address.port;
     }
     return uint16_t{0};
@@ -213,7 +215,7 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
     a.address = index % to.size();
     ++index;
     a.give_up = now + kAttemptPatience;
-    a.out = hello_bytes(self, rank);
+    a.out = hello_bytes(purpose.magic, self, rank);
     a.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (a.fd < 0) return;
     non_blocking(a.fd);
@@ -225,7 +227,7 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
     if (connect(a.fd, reinterpret_cast<sockaddr*>(&target), sizeof target) == 0) {
       a.connected = true;
     } else if (errno != EINPROGRESS) {
-      spdlog::debug("kv transfer: connect to rank {} at {}: {}", rank, dotted(to[a.address]),
+      spdlog::debug("{}: connect to rank {} at {}: {}", purpose.name, rank, dotted(to[a.address]),
                     strerror(errno));
       drop(a);
       retry_at[rank] = now + kRetryPause;
@@ -233,19 +235,19 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
     }
     attempts.push_back(a);
   };
-  while (connected.size() < addresses.size() + lower.size()) {
+  while (connected.size() < addresses.size() + accepted.size()) {
     const Clock::time_point now = Clock::now();
     if (now >= deadline) {
       std::string missing;
-      for (const TcpKvPeer& peer : peers) {
+      for (const TcpPeer& peer : peers) {
         if (!connected.contains(peer.rank))
           missing += format("{}{}", missing.empty() ? "" : ", ", peer.rank);
       }
       for (Attempt& a : attempts) drop(a);
       for (auto& [rank, fd] : connected) close(fd);
-      throw Error(
-          ErrorKind::kInternal,
-          format("kv transfer: rank {} could not connect to rank(s) {} in time", self, missing));
+      throw Error(ErrorKind::kInternal,
+                  format("{}: rank {} could not connect to rank(s) {} in time", purpose.name, self,
+                         missing));
     }
     // A connection under way to every higher peer not yet connected.
     for (const auto& [rank, to] : addresses) {
@@ -256,7 +258,7 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
       if (!under_way) start(rank, now);
     }
     std::vector<pollfd> fds;
-    fds.push_back({listener.fd(), POLLIN, 0});
+    if (listener != nullptr) fds.push_back({listener->fd(), POLLIN, 0});
     for (const Attempt& a : attempts) {
       const bool writing = !a.connected || a.sent < a.out.size();
       fds.push_back({a.fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0});
@@ -264,9 +266,9 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
     const auto wait = std::min<Clock::duration>(deadline - now, kRetryPause);
     poll(fds.data(), fds.size(),
          static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(wait).count()) + 1);
-    // New connections from lower ranks: their hello says who they are.
-    for (;;) {
-      const int fd = accept4(listener.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    // New connections from the peers that dial: their hello says who they are.
+    while (listener != nullptr) {
+      const int fd = accept4(listener->fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) break;
       no_delay(fd);
       Attempt a;
@@ -284,7 +286,7 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
         socklen_t length = sizeof error;
         getsockopt(a.fd, SOL_SOCKET, SO_ERROR, &error, &length);
         if (error != 0) {
-          spdlog::debug("kv transfer: connect to rank {}: {}", a.peer, strerror(error));
+          spdlog::debug("{}: connect to rank {}: {}", purpose.name, a.peer, strerror(error));
           drop(a);
           retry_at[a.peer] = Clock::now() + kRetryPause;
           continue;
@@ -305,13 +307,13 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
       if (!outgoing && a.peer < 0 && a.received == a.in.size()) {
         // An accepted connection's hello: answer it if it is one we wait for.
         const Hello hello = read_hello(a.in);
-        if (hello.magic != kHelloMagic || hello.to != self || !lower.contains(hello.from) ||
+        if (hello.magic != purpose.magic || hello.to != self || !accepted.contains(hello.from) ||
             connected.contains(hello.from)) {
           drop(a);
           continue;
         }
         a.peer = hello.from;
-        a.out = hello_bytes(self, hello.from);
+        a.out = hello_bytes(purpose.magic, self, hello.from);
         a.sent = 0;
         if (!pump(a)) {
           drop(a);
@@ -321,7 +323,7 @@ std::map<int, int> connect_kv_peers(int self, const TcpKvListener& listener,
       const bool done = a.sent == a.out.size() && a.received == a.in.size() && a.peer >= 0;
       if (done && outgoing) {
         const Hello answer = read_hello(a.in);
-        if (answer.magic != kHelloMagic || answer.from != a.peer || answer.to != self) {
+        if (answer.magic != purpose.magic || answer.from != a.peer || answer.to != self) {
           drop(a);  // another listener at that address: try the next one
           continue;
         }

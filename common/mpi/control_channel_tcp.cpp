@@ -1,0 +1,151 @@
+// The control channel's TCP link (common/mpi/control_channel.h,
+// ControlLink::kTcp): its start-up in the constructor, the communication
+// thread's wake-up eventfd, and the receive side of each pass. The rest of
+// the channel is control_channel.cpp's.
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/error.h"
+#include "common/format.h"
+#include "common/mpi/control_channel.h"
+#include "common/net/tcp_connect.h"
+
+namespace duet {
+namespace {
+
+// The control connections' hello (connect_tcp_peers): every rank dials rank 0.
+constexpr TcpPurpose kControlPurpose{0x4843'4344, "control channel"};  // "DCCH"
+
+// Throws on every rank alike unless every rank's `failure` is empty.
+void agree_connected(const MpiRuntime& mpi, const std::string& failure) {
+  const std::byte ready{static_cast<unsigned char>(failure.empty() ? 1 : 0)};
+  const std::vector<std::byte> all = mpi.all_gather(std::span(&ready, 1));
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] == std::byte{1}) continue;
+    throw Error(ErrorKind::kInternal,
+                failure.empty() ? format("control channel: rank {} could not connect over TCP", r)
+                                : failure);
+  }
+}
+
+}  // namespace
+
+void ControlChannel::connect_tcp(const MpiRuntime& mpi) {
+  std::optional<TcpListener> listener;
+  std::string failure;
+  if (rank_ == kCoordinatorRank) {
+    try {
+      listener.emplace();
+    } catch (const std::exception& e) {
+      failure = format("control channel: rank 0: {}", e.what());
+    }
+  }
+  agree_connected(mpi, failure);
+  // Rank 0's address to every rank (the others' records are empty).
+  const TcpAddress own = listener ? listener->address() : TcpAddress{};
+  const std::vector<std::byte> all = mpi.all_gather(own.encode());
+  const TcpAddress coordinator = TcpAddress::decode(std::span(all).first(TcpAddress::kRecordBytes));
+  std::vector<TcpPeer> peers;
+  if (rank_ == kCoordinatorRank) {
+    for (int r = 1; r < world_size_; ++r) peers.push_back({r, {}, false, false});
+  } else {
+    // Its addresses other than loopback first: a rank on rank 0's host
+    // reaches them too.
+    peers.push_back({kCoordinatorRank.value, coordinator, false, true});
+  }
+  std::map<int, int> sockets;
+  try {
+    sockets =
+        connect_tcp_peers(rank_.value, listener ? &*listener : nullptr, peers, kControlPurpose,
+                          std::chrono::steady_clock::now() + options_.connect_timeout);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  agree_connected(mpi, failure);
+  tcp_ = std::make_unique<TcpFrameLink>(std::move(sockets));
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw Error(ErrorKind::kInternal, "control channel: eventfd failed");
+}
+
+bool ControlChannel::linked(int rank) const {
+  if (rank == rank_.value) return false;
+  if (!tcp_) return true;
+  return rank_ == kCoordinatorRank || rank == kCoordinatorRank.value;
+}
+
+void ControlChannel::notify_thread() {
+  wake_.notify_one();
+  if (wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    static_cast<void>(write(wake_fd_, &one, sizeof one));
+  }
+}
+
+void ControlChannel::drain_wake_fd() {
+  uint64_t count = 0;
+  static_cast<void>(read(wake_fd_, &count, sizeof count));
+}
+
+bool ControlChannel::receive_tcp() {
+  std::vector<TcpFrameLink::Frame> frames;
+  std::vector<TcpFrameLink::Ended> ended;
+  const bool moved = tcp_->pump(frames, ended);
+  std::vector<ReceivedMessage> received;
+  int64_t malformed = 0;
+  for (TcpFrameLink::Frame& frame : frames) {
+    if (frame.tag == kCloseTag) {
+      closed_by_[static_cast<size_t>(frame.peer)] = true;
+      continue;
+    }
+    try {
+      ReceivedMessage message{Rank{frame.peer}, decode_control_message(frame.body)};
+      if (intercept_ && intercept_(message)) continue;
+      received.push_back(std::move(message));
+    } catch (const Error& e) {
+      ++malformed;
+      spdlog::error("control channel: rank {}: dropped a message from rank {}: {}", rank_.value,
+                    frame.peer, e.what());
+    }
+  }
+  // Connections that ended before their close marker, of ranks not
+  // forgotten: lost peers.
+  std::vector<TcpFrameLink::Ended> lost;
+  {
+    std::lock_guard lock(mutex_);
+    counters_.received += static_cast<int64_t>(received.size());
+    counters_.malformed += malformed;
+    for (ReceivedMessage& message : received) inbox_.push_back(std::move(message));
+    for (TcpFrameLink::Ended& end : ended) {
+      const auto r = static_cast<size_t>(end.peer);
+      ended_[r] = true;
+      if (closed_by_[r] || forgotten_[r]) continue;
+      link_lost_any_ = true;
+      ++counters_.links_lost;
+      lost.push_back(std::move(end));
+    }
+  }
+  for (const TcpFrameLink::Ended& end : lost) {
+    spdlog::warn(
+        "control channel: rank {} lost its connection to rank {} ({}); it waits on it "
+        "no more",
+        rank_.value, end.peer, end.why);
+    if (link_lost_) link_lost_(Rank{end.peer}, end.why);
+  }
+  // Only a handler's owner expects a receive() to return early; the waits
+  // of the start-up (handshake, readiness) keep their deadlines.
+  if (!lost.empty() && link_lost_) {
+    std::lock_guard lock(mutex_);
+    ++receive_interrupts_;
+  }
+  if (!received.empty() || !lost.empty()) inbox_ready_.notify_all();
+  return moved;
+}
+
+}  // namespace duet
