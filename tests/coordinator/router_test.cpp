@@ -14,6 +14,7 @@
 #include <mutex>
 #include <numeric>
 #include <thread>
+#include <vector>
 
 #include "common/error.h"
 #include "common/model/kv_layout.h"
@@ -85,11 +86,12 @@ class Collector {
  public:
   void on_events(std::span<const InstanceEvent> events) {
     std::unique_lock lock(mutex_);
-    bool any_token = false;
+    bool any_token = false, past_early = false;
     for (const InstanceEvent& e : events) {
       any_token = any_token || e.token >= 0;
       Output& out = outputs_[e.id];
       if (e.token >= 0) out.tokens.push_back(e.token);
+      past_early = past_early || static_cast<int64_t>(out.tokens.size()) > early_tokens_;
       if (e.finished) {
         EXPECT_FALSE(out.finished) << "two finished events for request " << e.id.value;
         out.finished = true;
@@ -97,16 +99,26 @@ class Collector {
       }
     }
     changed_.notify_all();
-    if (any_token) changed_.wait(lock, [&] { return !held_; });
+    if (any_token) changed_.wait(lock, [&] { return !held_ || (!gate_open() && !past_early); });
   }
 
-  void hold() {
+  // Token events block their engine thread until release().
+  void hold() { hold_once_each_has_a_token({}, 0); }
+  // hold() from the moment each of `ids` has a token, or a request has more
+  // than `early_tokens`; until then tokens flow, so that a request admitted
+  // a step or two after another on the same instance still gets its first
+  // one (holding at once would stop that instance after its first request's
+  // token), and none runs far ahead.
+  void hold_once_each_has_a_token(std::vector<RequestId> ids, int64_t early_tokens) {
     std::lock_guard lock(mutex_);
     held_ = true;
+    gate_ = std::move(ids);
+    early_tokens_ = early_tokens;
   }
   void release() {
     std::lock_guard lock(mutex_);
     held_ = false;
+    gate_.clear();
     changed_.notify_all();
   }
 
@@ -131,7 +143,16 @@ class Collector {
   }
 
  private:
+  // Under mutex_: every request of the gate has a token.
+  bool gate_open() {
+    for (RequestId id : gate_)
+      if (outputs_[id].tokens.empty()) return false;
+    return true;
+  }
+
   bool held_ = false;
+  std::vector<RequestId> gate_;
+  int64_t early_tokens_ = 0;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::map<RequestId, Output> outputs_;
@@ -285,7 +306,8 @@ TEST_F(RoutedInstancesTest, ALostInstancesRequestsContinueWithTheSameTokens) {
     }
     collector.on_events(events);
   });
-  collector.hold();
+  // Each request has 1 to 8 of its 24 tokens when instance a is lost.
+  collector.hold_once_each_has_a_token({RequestId{1}, RequestId{2}, RequestId{3}, RequestId{4}}, 8);
   for (const InstanceRequest& r : requests) routed.submit(r);
   EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 2}));
   for (const InstanceRequest& r : requests) collector.wait_for_token(r.id);
