@@ -22,6 +22,8 @@ constexpr auto kForgetPatience = std::chrono::seconds(5);
 // Messages (headers, then payloads) received per pass before the thread
 // looks at its other work again.
 constexpr int kMaxReceivesPerPass = 64;
+// MPI_Test calls in a row on a payload still arriving, per pass.
+constexpr int kPayloadTestsPerPass = 64;
 
 // Which world ranks `device` carries rows to and from.
 std::vector<bool> device_peers(int world_size, const DeviceKvTransfer* device) {
@@ -276,8 +278,12 @@ bool MpiKvTransfer::receive_payloads(std::vector<KvTransferCall>& calls) {
         }
         pending = payload_receives_.emplace(source, std::move(receive)).first;
       }
+      // A payload into the blocks' datatype arrives in fragments, each moved
+      // inside an MPI call: test it a bounded number of times in a row (a
+      // way out stays: a later pass finishes what this one does not).
       int done = 0;
-      DUET_MPI_CHECK(MPI_Test(&pending->second.request, &done, MPI_STATUS_IGNORE));
+      for (int test = 0; test < kPayloadTestsPerPass && done == 0; ++test)
+        DUET_MPI_CHECK(MPI_Test(&pending->second.request, &done, MPI_STATUS_IGNORE));
       if (!done) break;  // still arriving: a later pass finishes it
       ++received;
       const bool whole = pending->second.whole;
