@@ -160,13 +160,17 @@ bool TcpFrameLink::read_some(int peer, Peer& p, std::vector<Frame>& frames,
   return true;
 }
 
+void TcpFrameLink::Peer::close_socket() {
+  close(fd);
+  fd = -1;
+  out = {};
+  out_sent = 0;
+  in = {};
+  in_used = 0;
+}
+
 void TcpFrameLink::end(int peer, Peer& p, std::string why, std::vector<Ended>& ended) {
-  close(p.fd);
-  p.fd = -1;
-  p.out = {};
-  p.out_sent = 0;
-  p.in = {};
-  p.in_used = 0;
+  p.close_socket();
   ended.push_back(Ended{peer, std::move(why)});
 }
 
@@ -201,12 +205,7 @@ void TcpFrameLink::drop(int peer) {
                            MSG_NOSIGNAL | MSG_DONTWAIT));
   }
   shutdown(p.fd, SHUT_WR);
-  close(p.fd);
-  p.fd = -1;
-  p.out = {};
-  p.out_sent = 0;
-  p.in = {};
-  p.in_used = 0;
+  p.close_socket();
 }
 
 }  // namespace duet

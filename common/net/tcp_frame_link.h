@@ -79,6 +79,8 @@ class TcpFrameLink final {
     size_t out_sent = 0;
     std::vector<std::byte> in;  // in[0..in_used) read, not yet a whole frame
     size_t in_used = 0;
+
+    void close_socket();  // closes fd (-1 after) and forgets both buffers
   };
   // False when the connection ended (reported in `ended`).
   bool write_some(int peer, Peer& p, std::vector<Ended>& ended, bool& moved);

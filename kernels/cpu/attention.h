@@ -51,8 +51,9 @@ void kv_cache_store_batch(const KernelTable& kernels, const KvLayout& layout, Kv
                           const float* k, const float* v, ThreadPool& pool);
 
 // attention() for several sequences in one parallel pass (one task per
-// sequence, query token and head); each sequence's result is exactly what
-// attention() gives it alone.
+// sequence, tile of up to 8 consecutive query rows in one order, and run of
+// heads: a prefill's rows share one pass over the keys); each sequence's
+// result is exactly what attention() gives it alone.
 void attention_batch(const KernelTable& kernels, const KvLayout& layout, const KvElement* cache,
                      int64_t layer, std::span<const AttentionSequence> sequences,
                      const AttentionShape& shape, const float* q, float* out, ThreadPool& pool);

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/x86/x86_kernels_inl.h"
@@ -376,27 +377,37 @@ void kqv_sum_vecs(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* con
   }
 }
 
-// kqv_sum, 64 values of d at a time (a masked last vector for the rest).
-void kqv_sum(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* const* segments,
-             int64_t n_keys, int64_t dim, int groups, float* out) {
+// fn(std::integral_constant<int, kVecs>, d0, last) for d in 64-value chunks
+// [d0, d0 + 16 kVecs), the last vector `last` lanes wide. Callers capture by
+// value: a kernel reading its arguments through references ran 25% slower.
+template <typename Fn>
+void for_each_d_chunk(int64_t dim, Fn&& fn) {
   for (int64_t d0 = 0; d0 < dim; d0 += 64) {
     const int64_t width = std::min<int64_t>(64, dim - d0);
     const __mmask16 last = static_cast<__mmask16>(0xffffu >> ((16 - width % 16) % 16));
     switch ((width + 15) / 16) {
       case 1:
-        kqv_sum_vecs<1>(p, ld_p, n_q, segments, n_keys, dim, groups, d0, last, out);
+        fn(std::integral_constant<int, 1>{}, d0, last);
         break;
       case 2:
-        kqv_sum_vecs<2>(p, ld_p, n_q, segments, n_keys, dim, groups, d0, last, out);
+        fn(std::integral_constant<int, 2>{}, d0, last);
         break;
       case 3:
-        kqv_sum_vecs<3>(p, ld_p, n_q, segments, n_keys, dim, groups, d0, last, out);
+        fn(std::integral_constant<int, 3>{}, d0, last);
         break;
       default:
-        kqv_sum_vecs<4>(p, ld_p, n_q, segments, n_keys, dim, groups, d0, last, out);
+        fn(std::integral_constant<int, 4>{}, d0, last);
         break;
     }
   }
+}
+
+// kqv_sum, 64 values of d at a time (a masked last vector for the rest).
+void kqv_sum(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* const* segments,
+             int64_t n_keys, int64_t dim, int groups, float* out) {
+  for_each_d_chunk(dim, [=](auto vecs, int64_t d0, __mmask16 last) {
+    kqv_sum_vecs<decltype(vecs)::value>(p, ld_p, n_q, segments, n_keys, dim, groups, d0, last, out);
+  });
 }
 
 // kqv_sum_tile (kernel_table.h) in the multi-token order: the value rows
@@ -479,24 +490,9 @@ void kqv_sum_tile(const float* p, int64_t ld_p, int64_t n_q, int64_t n_rows, int
       if (end <= b0) continue;
       const float* pr = p + r * n_q * ld_p;
       float* sr = state + r * n_q * 16 * dim;
-      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-        const int64_t width = std::min<int64_t>(64, dim - d0);
-        const __mmask16 last = static_cast<__mmask16>(0xffffu >> ((16 - width % 16) % 16));
-        switch ((width + 15) / 16) {
-          case 1:
-            kqv_tile_heads<1>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
-            break;
-          case 2:
-            kqv_tile_heads<2>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
-            break;
-          case 3:
-            kqv_tile_heads<3>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
-            break;
-          default:
-            kqv_tile_heads<4>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
-            break;
-        }
-      }
+      for_each_d_chunk(dim, [=](auto vecs, int64_t d0, __mmask16 last) {
+        kqv_tile_heads<decltype(vecs)::value>(pr, ld_p, n_q, segments, dim, b0, end, d0, last, sr);
+      });
     }
   }
   // The 16-lane tree over the slots, as kqv_sum_pass ends.
