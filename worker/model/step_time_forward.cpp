@@ -13,7 +13,9 @@ StepShape step_shape(std::span<const ForwardSequence> sequences, int64_t n_logit
   for (const ForwardSequence& s : sequences) {
     shape.n_tokens += s.n_tokens;
     // Row i (0-based) attends to positions [0, pos0 + i].
-    shape.n_attention += s.n_tokens * s.pos0 + s.n_tokens * (s.n_tokens + 1) / 2;
+    const int64_t pairs = s.n_tokens * s.pos0 + s.n_tokens * (s.n_tokens + 1) / 2;
+    shape.n_attention += pairs;
+    if (s.n_tokens == 1) shape.n_decode_attention += pairs;
   }
   return shape;
 }
