@@ -8,8 +8,6 @@
 //              --slo ttft=500,tpot=50 --json out.json --plot out.png
 //   duet-bench --http http://127.0.0.1:8080 --concurrency 16 --trace chat.csv
 #include <fmt/format.h>
-#include <spawn.h>
-#include <sys/wait.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -21,10 +19,12 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <unistd.h>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/loadgen/command_line.h"
 #include "bench/loadgen/http_client.h"
 #include "bench/loadgen/prompts.h"
 #include "bench/loadgen/report.h"
@@ -33,8 +33,6 @@
 #include "bench/loadgen/stats.h"
 #include "bench/loadgen/workload.h"
 #include "common/error.h"
-
-extern char** environ;
 
 namespace {
 
@@ -71,109 +69,6 @@ struct MakeTraceFlags {
   uint64_t seed = 0;
   std::string output;
 };
-
-std::vector<std::string> split(const std::string& text, char separator) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  for (std::string part; std::getline(stream, part, separator);)
-    if (!part.empty()) parts.push_back(part);
-  return parts;
-}
-
-double parse_number(const std::string& text, const char* what) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  DUET_REQUIRE(used == text.size() && used > 0, "{}: '{}' is not a number", what, text);
-  return value;
-}
-
-// "4", "1,2,4", "inf".
-std::vector<double> parse_rates(const std::string& text) {
-  std::vector<double> rates;
-  for (const std::string& part : split(text, ',')) {
-    const double rate =
-        part == "inf" ? std::numeric_limits<double>::infinity() : parse_number(part, "--rate");
-    DUET_REQUIRE(rate > 0, "--rate must be positive, got {}", part);
-    rates.push_back(rate);
-  }
-  return rates;
-}
-
-// "ttft=500,tpot=50" (milliseconds; either may be left out).
-Slo parse_slo(const std::string& text) {
-  Slo slo;
-  for (const std::string& part : split(text, ',')) {
-    const size_t eq = part.find('=');
-    DUET_REQUIRE(eq != std::string::npos, "--slo {}: expected ttft=MS,tpot=MS", text);
-    const std::string key = part.substr(0, eq);
-    const double ms = parse_number(part.substr(eq + 1), "--slo");
-    DUET_REQUIRE(ms > 0, "--slo {}: bounds must be positive", text);
-    DUET_REQUIRE(key == "ttft" || key == "tpot", "--slo {}: unknown bound '{}'", text, key);
-    (key == "ttft" ? slo.ttft : slo.tpot) = ms / 1e3;
-  }
-  return slo;
-}
-
-std::string format_rate(double rate) {
-  return std::isinf(rate) ? "rate inf" : fmt::format("rate {:g} req/s", rate);
-}
-
-// The requests of one open-loop run at `rate` (nullopt: the trace's own times).
-std::vector<PlannedRequest> open_loop_plan(const Flags& flags,
-                                           const std::vector<PlannedRequest>& workload,
-                                           std::optional<double> rate, bool from_trace) {
-  std::vector<PlannedRequest> plan = workload;
-  if (from_trace) {
-    if (!rate) return scale_trace(std::move(plan), flags.time_scale);
-    const double span = plan.back().at - plan.front().at;
-    if (std::isinf(*rate) || span <= 0) {
-      for (PlannedRequest& p : plan) p.at = 0;
-      return plan;
-    }
-    // Scaled so that its mean rate is `rate`.
-    const double recorded = static_cast<double>(plan.size() - 1) / span;
-    return scale_trace(std::move(plan), *rate / recorded);
-  }
-  if (std::isinf(*rate)) {
-    for (PlannedRequest& p : plan) p.at = 0;
-    return plan;
-  }
-  // The same seed for every rate: one arrival pattern, stretched.
-  std::mt19937_64 rng(flags.seed + 1);
-  const std::vector<double> at =
-      arrival_times(static_cast<int64_t>(plan.size()), *rate, flags.burstiness, rng);
-  for (size_t i = 0; i < plan.size(); ++i) plan[i].at = at[i];
-  return plan;
-}
-
-// Runs bench/plot_bench.py on the JSON; a missing matplotlib is a message, not a failure.
-void plot(const std::string& json_path, const std::string& png_path) {
-  const char* script_env = std::getenv("DUET_BENCH_PLOT_SCRIPT");
-  const std::string script = script_env != nullptr ? script_env : DUET_BENCH_PLOT_SCRIPT;
-  const char* python_env = std::getenv("DUET_PYTHON");
-  const std::string python = python_env != nullptr ? python_env : "python3";
-  std::vector<std::string> args = {python, script, json_path, png_path};
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  int status = 0;
-  if (posix_spawnp(&pid, python.c_str(), nullptr, nullptr, argv.data(), environ) != 0 ||
-      waitpid(pid, &status, 0) < 0) {
-    std::cerr << "duet-bench: no plot: cannot run " << python << "\n";
-    return;
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::cerr << "duet-bench: no plot written (" << script << " failed; see above)\n";
-    return;
-  }
-  std::cerr << "duet-bench: wrote " << png_path << "\n";
-}
 
 int make_trace_command(const MakeTraceFlags& flags) {
   const std::vector<PlannedRequest> trace = make_trace(flags.mix, flags.n, flags.rate, flags.seed);
@@ -236,6 +131,7 @@ int bench_command(const Flags& flags) {
   const PromptSource prompts(std::move(corpus_tokens));
   std::cerr << "duet-bench: corpus of " << prompts.size() << " tokens\n";
 
+  const ArrivalOptions arrivals{from_trace, flags.time_scale, flags.burstiness, flags.seed};
   // Runs: every rate (open loop), then every concurrency (closed loop).
   std::vector<std::pair<RunOptions, RunResult>> plans;
   const auto add = [&](RunOptions options, RunResult result) {
@@ -245,14 +141,14 @@ int bench_command(const Flags& flags) {
     plans.emplace_back(std::move(options), std::move(result));
   };
   for (const double rate : rates) {
-    add({open_loop_plan(flags, workload, rate, from_trace)}, {format_rate(rate), rate});
+    add({open_loop_plan(workload, rate, arrivals)}, {format_rate(rate), rate});
   }
   for (const int64_t c : concurrencies) {
     RunOptions options{workload, c};
     add(std::move(options), {fmt::format("concurrency {}", c), std::nullopt, c});
   }
   if (from_trace && plans.empty()) {
-    add({open_loop_plan(flags, workload, std::nullopt, true)},
+    add({open_loop_plan(workload, std::nullopt, arrivals)},
         {fmt::format("trace x{:g}", flags.time_scale)});
   }
 
@@ -302,7 +198,7 @@ int bench_command(const Flags& flags) {
     write_json(json_path, report_json(config, slo, results));
     if (!flags.json.empty()) std::cerr << "duet-bench: wrote " << json_path << "\n";
   }
-  if (!flags.plot.empty()) plot(json_path, flags.plot);
+  if (!flags.plot.empty()) plot("duet-bench", DUET_BENCH_PLOT_SCRIPT, json_path, flags.plot);
   if (flags.json.empty() && !json_path.empty()) std::filesystem::remove(json_path);
   return 0;
 }

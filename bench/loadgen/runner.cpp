@@ -103,7 +103,10 @@ std::vector<RequestRecord> run(Client& client, const PromptSource& prompts, std:
   std::vector<ClientRequest> requests;
   requests.reserve(options.requests.size());
   for (const PlannedRequest& planned : options.requests) {
-    requests.push_back(ClientRequest{prompts.draw(planned.prompt_tokens, rng),
+    // A trace that carries its prompts is sent as it is (shared prefixes included).
+    requests.push_back(ClientRequest{planned.prompt_ids.empty()
+                                         ? prompts.draw(planned.prompt_tokens, rng)
+                                         : planned.prompt_ids,
                                      planned.output_tokens, options.stream});
   }
 

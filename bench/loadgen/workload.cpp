@@ -6,7 +6,9 @@
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <climits>
 #include <optional>
+#include <sstream>
 #include <string_view>
 #include <type_traits>
 
@@ -249,7 +251,12 @@ std::vector<PlannedRequest> read_trace(const std::filesystem::path& path) {
   const size_t time_col = column("TIMESTAMP");
   const size_t context_col = column("ContextTokens");
   const size_t generated_col = column("GeneratedTokens");
-  const size_t n_needed = std::max({time_col, context_col, generated_col}) + 1;
+  const auto ids_it = std::find(header.begin(), header.end(), "TokenIds");
+  const std::optional<size_t> ids_col =
+      ids_it == header.end() ? std::nullopt
+                             : std::optional<size_t>(static_cast<size_t>(ids_it - header.begin()));
+  const size_t n_needed =
+      std::max({time_col, context_col, generated_col, ids_col.value_or(0)}) + 1;
 
   std::vector<Timestamp> times;
   std::vector<PlannedRequest> rows;
@@ -275,6 +282,18 @@ std::vector<PlannedRequest> read_trace(const std::filesystem::path& path) {
     PlannedRequest request;
     request.prompt_tokens = tokens(context_col, "ContextTokens");
     request.output_tokens = tokens(generated_col, "GeneratedTokens");
+    if (ids_col && !trim(fields[*ids_col]).empty()) {
+      std::istringstream ids{std::string(fields[*ids_col])};
+      for (std::string id; ids >> id;) {
+        const std::optional<int64_t> value = parse_number<int64_t>(id);
+        DUET_REQUIRE(value.has_value() && *value >= 0 && *value <= INT32_MAX,
+                     "{}:{}: TokenIds holds '{}', not a token id", name, line_no, id);
+        request.prompt_ids.push_back(static_cast<int32_t>(*value));
+      }
+      DUET_REQUIRE(static_cast<int64_t>(request.prompt_ids.size()) == request.prompt_tokens,
+                   "{}:{}: ContextTokens is {} but TokenIds holds {} ids", name, line_no,
+                   request.prompt_tokens, request.prompt_ids.size());
+    }
     times.push_back(*time);
     rows.push_back(request);
   }
@@ -296,9 +315,14 @@ void write_trace(const std::filesystem::path& path, const std::vector<PlannedReq
   if (!out) {
     throw Error(ErrorKind::kNotFound, fmt::format("cannot write trace {}", path.string()));
   }
-  out << "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+  const bool with_ids = std::any_of(requests.begin(), requests.end(),
+                                    [](const PlannedRequest& r) { return !r.prompt_ids.empty(); });
+  out << (with_ids ? "TIMESTAMP,ContextTokens,GeneratedTokens,TokenIds\n"
+                   : "TIMESTAMP,ContextTokens,GeneratedTokens\n");
   for (const PlannedRequest& r : requests) {
-    out << fmt::format("{:.6f},{},{}\n", r.at, r.prompt_tokens, r.output_tokens);
+    out << fmt::format("{:.6f},{},{}", r.at, r.prompt_tokens, r.output_tokens);
+    if (with_ids) out << fmt::format(",{}", fmt::join(r.prompt_ids, " "));
+    out << "\n";
   }
   out.flush();
   if (!out) {

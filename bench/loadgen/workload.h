@@ -20,6 +20,9 @@ struct PlannedRequest {
   double at = 0;  // seconds from the start (open loop); ignored by closed-loop runs
   int64_t prompt_tokens = 0;
   int64_t output_tokens = 0;
+  // The prompt itself, when the trace carries it (its TokenIds column):
+  // prompt_tokens ids. Empty: the sender makes a prompt of that length.
+  std::vector<int32_t> prompt_ids;
 };
 
 // Inter-arrival gaps: exponential (burstiness 1) or gamma(shape = burstiness,
@@ -39,7 +42,9 @@ int64_t draw_length(const LengthSpec& spec, std::mt19937_64& rng);
 // ContextTokens, GeneratedTokens (the public Azure LLM inference traces);
 // TIMESTAMP is seconds (a number) or an ISO date-time ("2023-11-16
 // 18:15:46.6805900"), relative to the first row. Throws duet::Error naming
-// the line on a malformed row.
+// the line on a malformed row. An optional TokenIds column holds each
+// prompt's ids separated by spaces (then ContextTokens must count them), so
+// that prompts sharing a prefix share it in a replay or a simulation.
 std::vector<PlannedRequest> read_trace(const std::filesystem::path& path);
 void write_trace(const std::filesystem::path& path, const std::vector<PlannedRequest>& requests);
 

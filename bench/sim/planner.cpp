@@ -1,0 +1,299 @@
+#include "bench/sim/planner.h"
+
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <set>
+
+#include "bench/loadgen/command_line.h"
+#include "bench/sim/simulator.h"
+#include "common/error.h"
+
+namespace duet::sim {
+namespace {
+
+// A candidate and what its search has found so far.
+struct Candidate {
+  LayoutGoodput result;
+  int n_instances = 0;
+  double lo = 0;                                            // a rate that meets the attainment
+  double hi = std::numeric_limits<double>::infinity();      // one that does not
+};
+
+struct Probe {
+  double attainment = 0;
+  double ttft_p99 = 0;
+  double tpot_p99 = 0;
+};
+
+// The traffic of one probe: n requests at `rate`.
+std::vector<loadgen::PlannedRequest> traffic(const PlanOptions& options, int64_t n, double rate) {
+  if (options.trace.empty()) return loadgen::make_trace(options.mix, n, rate, options.seed);
+  // The trace's requests, repeated when it has fewer, its arrival pattern
+  // stretched to `rate`.
+  std::vector<loadgen::PlannedRequest> workload;
+  const double span = options.trace.back().at - options.trace.front().at;
+  const double period = span + span / std::max<size_t>(1, options.trace.size() - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(i) % options.trace.size();
+    loadgen::PlannedRequest r = options.trace[k];
+    r.at += period * static_cast<double>(static_cast<size_t>(i) / options.trace.size());
+    workload.push_back(std::move(r));
+  }
+  return loadgen::open_loop_plan(workload, rate, {.from_trace = true});
+}
+
+Probe probe(const Profile& profile, const PlanOptions& options, const Candidate& candidate,
+            double rate) {
+  const int64_t n = std::max(options.min_requests,
+                             options.requests_per_instance * candidate.n_instances);
+  SimOptions sim;
+  sim.cluster = candidate.result.cluster;
+  sim.engine = options.engine;
+  sim.transfer_path = options.transfer_path;
+  sim.seed = options.seed;
+  const SimResult result = simulate(profile, sim, traffic(options, n, rate));
+  const loadgen::Summary summary = loadgen::summarize(result.records, options.slo);
+  return {summary.goodput_fraction, summary.ttft.p99, summary.tpot.p99};
+}
+
+void record(Candidate& c, double rate, const Probe& p, int cluster_gpus) {
+  c.lo = rate;
+  c.result.rate = rate;
+  c.result.goodput_per_gpu = rate / cluster_gpus;
+  c.result.attainment = p.attainment;
+  c.result.ttft_p99 = p.ttft_p99;
+  c.result.tpot_p99 = p.tpot_p99;
+}
+
+// Brackets the highest passing rate (from `guess`, by factors of 4), then
+// bisects it `steps` times in log space. Continues from an earlier bracket.
+void search(const Profile& profile, const PlanOptions& options, Candidate& c, double guess,
+            int steps, int cluster_gpus) {
+  constexpr int kMaxExpansions = 16;
+  const auto passes = [&](double rate) {
+    const Probe p = probe(profile, options, c, rate);
+    const bool ok = p.attainment >= options.attainment;
+    if (ok) record(c, rate, p, cluster_gpus);
+    return ok;
+  };
+  if (c.lo == 0 && std::isinf(c.hi)) {
+    double rate = guess;
+    for (int i = 0; i < kMaxExpansions; ++i) {
+      if (passes(rate)) {
+        if (!std::isinf(c.hi)) break;
+        rate *= 4;
+      } else {
+        c.hi = rate;
+        if (c.lo > 0) break;
+        rate /= 4;
+      }
+    }
+    if (c.lo == 0) return;  // meets the SLO at no rate tried
+  }
+  if (std::isinf(c.hi)) return;  // never saturated within the expansions
+  for (int i = 0; i < steps; ++i) {
+    const double mid = std::sqrt(c.lo * c.hi);
+    if (!passes(mid)) c.hi = mid;
+  }
+}
+
+std::vector<Candidate> candidates(int n_gpus, const std::vector<int>& tps,
+                                  const std::vector<double>& shares) {
+  std::vector<Candidate> out;
+  const auto add = [&](ClusterSpec spec) {
+    Candidate c;
+    c.n_instances = static_cast<int>(spec.instances.size());
+    c.result.gpus = spec.required_world_size() - 1;
+    c.result.layout = describe_layout(spec);
+    c.result.cluster = std::move(spec);
+    out.push_back(std::move(c));
+  };
+  for (int tp : tps) {
+    if (n_gpus / tp >= 1)
+      add(parse_cluster_flags(0, n_gpus / tp, tp, tp, ClusterMode::kColocated));
+  }
+  std::set<std::tuple<int, int, int, int>> seen;
+  for (int tp_p : tps) {
+    for (int tp_d : tps) {
+      for (double share : shares) {
+        const int p = std::max(1, static_cast<int>(std::lround(share * n_gpus / tp_p)));
+        const int d = (n_gpus - p * tp_p) / tp_d;
+        if (d < 1 || !seen.insert({p, tp_p, d, tp_d}).second) continue;
+        add(parse_cluster_flags(p, d, tp_p, tp_d, ClusterMode::kDisaggregated));
+      }
+    }
+  }
+  return out;
+}
+
+bool colocated(const LayoutGoodput& l) { return l.cluster.mode == ClusterMode::kColocated; }
+
+}  // namespace
+
+std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& options) {
+  DUET_REQUIRE(options.slo.ttft || options.slo.tpot, "planning needs an SLO (--slo ttft=MS,tpot=MS)");
+  DUET_REQUIRE(options.attainment > 0 && options.attainment <= 1,
+               "the attainment is a share in (0, 1], got {}", options.attainment);
+  std::vector<int> tps = options.tps;
+  if (tps.empty()) {
+    for (const InstanceProfile& i : profile.instances)
+      if (i.kv_capacity_tokens > 0) tps.push_back(i.tp);
+  }
+  DUET_REQUIRE(!tps.empty(), "the profile has no instance size whose KV cache holds anything");
+  for (int tp : tps) profile.instance(tp);  // each one there
+
+  constexpr int kCoarseSteps = 3;  // a bracket of 4x bisected to ~19%
+  constexpr int kFineSteps = 4;    // then to ~1%
+  std::vector<PlanResult> results;
+  double per_gpu_guess = 0.5;  // req/s per GPU to start from; then the last size's best
+  for (int n_gpus : options.gpus) {
+    DUET_REQUIRE(n_gpus >= 1, "a cluster needs at least one GPU, got {}", n_gpus);
+    std::vector<Candidate> all = candidates(n_gpus, tps, options.prefill_shares);
+    if (all.empty()) continue;
+    for (Candidate& c : all)
+      search(profile, options, c, per_gpu_guess * n_gpus, kCoarseSteps, n_gpus);
+    std::vector<Candidate*> order;
+    for (Candidate& c : all) order.push_back(&c);
+    const auto by_goodput = [](const Candidate* a, const Candidate* b) {
+      return a->result.goodput_per_gpu > b->result.goodput_per_gpu;
+    };
+    std::stable_sort(order.begin(), order.end(), by_goodput);
+    // The best few and the best colocated, finely.
+    std::vector<Candidate*> fine(order.begin(),
+                                 order.begin() + std::min<size_t>(options.refine, order.size()));
+    for (Candidate* c : order) {
+      if (colocated(c->result)) {
+        if (std::find(fine.begin(), fine.end(), c) == fine.end()) fine.push_back(c);
+        break;
+      }
+    }
+    for (Candidate* c : fine) {
+      search(profile, options, *c, c->lo, kFineSteps, n_gpus);
+      c->result.refined = true;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](const Candidate* a, const Candidate* b) {
+      if (a->result.refined != b->result.refined) return a->result.refined;
+      return by_goodput(a, b);
+    });
+    PlanResult result;
+    result.gpus = n_gpus;
+    for (Candidate* c : order) {
+      result.ranked.push_back(c->result);
+      if (colocated(c->result) && !result.best_colocated) result.best_colocated = c->result;
+      if (!colocated(c->result) && !result.best_disaggregated)
+        result.best_disaggregated = c->result;
+    }
+    if (result.ranked.front().goodput_per_gpu > 0)
+      per_gpu_guess = result.ranked.front().goodput_per_gpu;
+    results.push_back(std::move(result));
+  }
+  return results;
+}
+
+void print_plan(std::ostream& out, const std::vector<PlanResult>& results, int runners_up) {
+  out << "| GPUs | best layout | goodput/GPU req/s | TTFT p99 ms | TPOT p99 ms | best colocated "
+         "| its goodput/GPU | best / colocated | runners-up (goodput/GPU) |\n";
+  out << "|---:|---|---:|---:|---:|---|---:|---:|---|\n";
+  for (const PlanResult& r : results) {
+    const LayoutGoodput& best = r.ranked.front();
+    std::string others;
+    for (size_t i = 1; i < r.ranked.size() && static_cast<int>(i) <= runners_up; ++i) {
+      if (!others.empty()) others += ", ";
+      others += fmt::format("{} ({:.3g})", r.ranked[i].layout, r.ranked[i].goodput_per_gpu);
+    }
+    const double base = r.best_colocated ? r.best_colocated->goodput_per_gpu : 0.0;
+    out << fmt::format("| {} | {} | {:.3g} | {:.0f} | {:.1f} | {} | {:.3g} | {} | {} |\n", r.gpus,
+                       best.layout, best.goodput_per_gpu, best.ttft_p99 * 1e3,
+                       best.tpot_p99 * 1e3, r.best_colocated ? r.best_colocated->layout : "-",
+                       base, base > 0 ? fmt::format("{:.2f}x", best.goodput_per_gpu / base) : "-",
+                       others);
+  }
+}
+
+void add_plan_flags(CLI::App& app, PlanFlags& flags) {
+  app.add_option("--profile", flags.profile, "Profile (duet profile --out)")->required();
+  app.add_option("--gpus", flags.gpus, "Cluster sizes, comma-separated")->capture_default_str();
+  app.add_option("--slo", flags.slo, "ttft=MS,tpot=MS")->required();
+  app.add_option("--attainment", flags.attainment, "Share of requests that must meet the SLO")
+      ->capture_default_str();
+  app.add_option("--mix", flags.mix, "Traffic shape: chat, long or mixed")->capture_default_str();
+  app.add_option("--trace", flags.trace, "Traffic shape from a trace file (instead of --mix)");
+  app.add_option("--tp", flags.tps, "Instance sizes to try, comma-separated (default: the profile's)");
+  app.add_option("--requests-per-instance", flags.requests_per_instance,
+                 "Simulated requests per probe, per instance")
+      ->capture_default_str();
+  app.add_option("--min-requests", flags.min_requests, "Simulated requests per probe, at least")
+      ->capture_default_str();
+  app.add_option("--transfer", flags.transfer, "KV transfer path in the profile (default: its first)");
+  app.add_option("--seed", flags.seed, "Seed of the traffic")->capture_default_str();
+  app.add_option("--json", flags.json, "Write every size's ranked layouts here");
+  app.add_option("--plot", flags.plot, "Write goodput per GPU against cluster size to this PNG");
+}
+
+int plan_command(const PlanFlags& flags, std::ostream& out) {
+  const Profile profile = read_profile(flags.profile);
+  PlanOptions options;
+  options.gpus.clear();
+  for (const std::string& part : loadgen::split(flags.gpus, ','))
+    options.gpus.push_back(static_cast<int>(loadgen::parse_number(part, "--gpus")));
+  for (const std::string& part : loadgen::split(flags.tps, ','))
+    options.tps.push_back(static_cast<int>(loadgen::parse_number(part, "--tp")));
+  options.slo = loadgen::parse_slo(flags.slo);
+  options.attainment = flags.attainment;
+  options.mix = flags.mix;
+  if (!flags.trace.empty()) options.trace = loadgen::read_trace(flags.trace);
+  options.requests_per_instance = flags.requests_per_instance;
+  options.min_requests = flags.min_requests;
+  options.engine = flags.engine;
+  options.transfer_path = flags.transfer;
+  options.seed = flags.seed;
+
+  std::cerr << fmt::format("duet-sim plan: {} ({}), {}; SLO {}, {:.0f}% attainment\n",
+                           profile.device, profile.source, profile.model.name, flags.slo,
+                           options.attainment * 100);
+  const std::vector<PlanResult> results = plan_layouts(profile, options);
+  print_plan(out, results);
+
+  nlohmann::json sizes = nlohmann::json::array();
+  for (const PlanResult& r : results) {
+    nlohmann::json layouts = nlohmann::json::array();
+    for (const LayoutGoodput& l : r.ranked) {
+      layouts.push_back({{"layout", l.layout},
+                         {"mode", cluster_mode_name(l.cluster.mode)},
+                         {"gpus_used", l.gpus},
+                         {"rate", l.rate},
+                         {"goodput_per_gpu", l.goodput_per_gpu},
+                         {"attainment", l.attainment},
+                         {"ttft_p99_ms", l.ttft_p99 * 1e3},
+                         {"tpot_p99_ms", l.tpot_p99 * 1e3},
+                         {"refined", l.refined}});
+    }
+    sizes.push_back({{"gpus", r.gpus}, {"layouts", std::move(layouts)}});
+  }
+  const nlohmann::json report = {
+      {"tool", "duet-sim plan"},
+      {"profile", {{"path", flags.profile}, {"source", profile.source}, {"device", profile.device},
+                   {"model", profile.model.name}}},
+      {"slo", {{"ttft_ms", options.slo.ttft ? nlohmann::json(*options.slo.ttft * 1e3) : nullptr},
+               {"tpot_ms", options.slo.tpot ? nlohmann::json(*options.slo.tpot * 1e3) : nullptr}}},
+      {"attainment", options.attainment},
+      {"traffic", flags.trace.empty() ? flags.mix : flags.trace},
+      {"sizes", std::move(sizes)}};
+  std::string json_path = flags.json;
+  if (json_path.empty() && !flags.plot.empty()) json_path = flags.plot + ".json";
+  if (!json_path.empty()) {
+    std::ofstream file(json_path);
+    file << report.dump(1) << "\n";
+    DUET_REQUIRE(file.good(), "cannot write {}", json_path);
+    std::cerr << "duet-sim plan: wrote " << json_path << "\n";
+  }
+  if (!flags.plot.empty()) loadgen::plot("duet-sim plan", DUET_SIM_PLAN_PLOT_SCRIPT, json_path, flags.plot);
+  return 0;
+}
+
+}  // namespace duet::sim
