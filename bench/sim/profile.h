@@ -45,9 +45,17 @@ struct StepCost {
   double per_prefill_attention = 0;  // per pair of a sequence with several rows
   double per_logit_row = 0;
 
+  // No knots: 0. Throws duet::Error (kInvalidArgument) when the two vectors
+  // differ in length.
   double weights(int64_t n_tokens) const;
   double operator()(const StepShape& shape) const;  // seconds
 };
+
+// The interpolation weights of the knots at n_tokens: weights(n) is
+// sum_i knot_weights(knots, n)[i] * knot_seconds[i]. Past the last knot the
+// last two weights are 1 + s and -s (the last segment's slope carried on).
+// `token_knots` as in StepCost (not checked here).
+std::vector<double> knot_weights(std::span<const int64_t> token_knots, int64_t n_tokens);
 
 // One measured step.
 struct StepSample {
@@ -82,7 +90,8 @@ FitQuality fit_quality(std::span<const FitResidual> residuals);
 // ranks) takes latency_s + bytes / bytes_per_s.
 struct LinkCost {
   double latency_s = 0;
-  double bytes_per_s = 0;  // > 0
+  double bytes_per_s = 0;  // > 0; +infinity when the time does not grow with bytes
+  // Throws duet::Error (kInvalidArgument) unless bytes_per_s > 0.
   double seconds(double bytes) const;
 };
 
@@ -141,15 +150,15 @@ struct ModelShape {
 // A stated accelerator (or CPU) for a roofline profile.
 struct HardwareSpec {
   std::string name;
-  double memory_bytes = 0;       // per device
+  double memory_bytes = 0;        // per device
   double memory_bytes_per_s = 0;  // per device
   double flops_per_s = 0;         // dense, in the weights' compute type, per device
   double link_bytes_per_s = 0;    // between devices (collectives, KV transfer), per direction
   double link_latency_s = 0;
-  double step_overhead_s = 0;          // fixed per step (launches, scheduling)
-  double memory_efficiency = 0.8;      // share of memory_bytes_per_s reached
-  double compute_efficiency = 0.6;     // share of flops_per_s reached
-  double kv_memory_fraction = 0.9;     // of memory left after the weights, given to KV
+  double step_overhead_s = 0;       // fixed per step (launches, scheduling)
+  double memory_efficiency = 0.8;   // share of memory_bytes_per_s reached
+  double compute_efficiency = 0.6;  // share of flops_per_s reached
+  double kv_memory_fraction = 0.9;  // of memory left after the weights, given to KV
 };
 
 struct Profile {
