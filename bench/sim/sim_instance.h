@@ -34,6 +34,7 @@
 
 #include "bench/sim/event_queue.h"
 #include "bench/sim/profile.h"
+#include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
 #include "worker/engine.h"
 
