@@ -2,13 +2,20 @@
 # KV message size, and (with --model) the TTFT a transfer adds; included from
 # bench/CMakeLists.txt. Its smoke run (label `mpi`, no model) passes only when
 # every transferred KV equals what was sent.
+#
+# Its rig and transfer phases are a library of their own: `duet profile`
+# (bench/sim/link_measure.h) times transfers with them too.
+add_library(duet_kv_transfer_phases STATIC ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/rig.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/transfer_phases.cpp)
+target_link_libraries(duet_kv_transfer_phases PUBLIC duet_transfer_mpi duet_worker
+  PRIVATE spdlog::spdlog duet_warnings)
+target_include_directories(duet_kv_transfer_phases PUBLIC ${PROJECT_SOURCE_DIR})
+
 add_executable(duet-kv-transfer-bench ${CMAKE_CURRENT_LIST_DIR}/kv_transfer_bench.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/rig.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/transfer_phases.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/ttft_phase.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/report.cpp)
-target_link_libraries(duet-kv-transfer-bench PRIVATE duet_transfer_mpi duet_worker CLI11::CLI11 spdlog::spdlog
-  nlohmann_json::nlohmann_json duet_warnings)
+target_link_libraries(duet-kv-transfer-bench PRIVATE duet_kv_transfer_phases duet_transfer_mpi
+  duet_worker CLI11::CLI11 spdlog::spdlog nlohmann_json::nlohmann_json duet_warnings)
 target_include_directories(duet-kv-transfer-bench PRIVATE ${PROJECT_SOURCE_DIR})
 
 add_test(NAME kv_transfer_bench_smoke

@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "tools/command_line.h"
 #include "tools/generate_command.h"
+#include "tools/profile_command.h"
 #include "tools/serve_command.h"
 
 int main(int argc, char** argv) {
@@ -24,6 +25,8 @@ int main(int argc, char** argv) {
   duet::tools::add_generate_command(app, generate_args);
   duet::tools::ServeArgs serve_args;
   duet::tools::add_serve_command(app, serve_args);
+  duet::tools::ProfileArgs profile_args;
+  duet::tools::add_profile_command(app, profile_args);
 
   if (const auto exit_code = duet::tools::parse_command_line(app, argc, argv, "duet", "error", 2)) {
     return *exit_code;
@@ -33,6 +36,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("generate")) return duet::tools::run_generate(generate_args);
     if (app.got_subcommand("serve")) return duet::tools::run_serve(serve_args);
+    if (app.got_subcommand("profile")) return duet::tools::run_profile(profile_args);
   } catch (const duet::Error& e) {
     std::fprintf(stderr, "duet: %s: %s\n", std::string(duet::error_kind_name(e.kind())).c_str(),
                  e.what());

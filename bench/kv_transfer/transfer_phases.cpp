@@ -113,7 +113,7 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
 }
 
 void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
-                    const Shape& shape, int reps, uint64_t seed) {
+                    const Shape& shape, int reps, uint64_t seed, int receiver) {
   KvCache cache(shape.layout);
   std::mt19937_64 rng(seed);
   for (int rep = -1; rep < reps; ++rep) {
@@ -129,12 +129,12 @@ void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Com
     // Chunk after chunk, each layer after layer: the order a chunked prefill stores them.
     for (int64_t pos0 = 0; pos0 < shape.n_tokens; pos0 += shape.chunk) {
       for (int64_t layer = 0; layer < shape.layout.n_layers; ++layer)
-        transfer.send_rows(kReceiver, id, layer, pos0, shape.chunk, cache, table, 0,
+        transfer.send_rows(receiver, id, layer, pos0, shape.chunk, cache, table, 0,
                            all_kv_heads_of(cache));
     }
     report.last_send = MPI_Wtime();
     transfer.send_handoff(
-        kReceiver, KvHandoff{id, 0, 0, 0, shape.n_tokens * shape.layout.n_layers, std::nullopt});
+        receiver, KvHandoff{id, 0, 0, 0, shape.n_tokens * shape.layout.n_layers, std::nullopt});
     report.checksum = kv_rows_checksum(shape.layout, cache.data(), table, 0, shape.n_tokens);
     send_value(pair, kPairReceiver, report);
   }
@@ -142,7 +142,7 @@ void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Com
 
 TransferTimes receive_transfers(KvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
                                 const Shape& shape, int reps, uint64_t seed, const ClockSync& sync,
-                                uint64_t& next_id) {
+                                uint64_t& next_id, int sender) {
   KvCache cache(shape.layout);
   std::mt19937_64 rng(seed * 31 + 7);  // other block tables than the sender's
   PrefillOrder order;
@@ -155,8 +155,8 @@ TransferTimes receive_transfers(KvTransfer& transfer, Mailbox<Arrival>& arrivals
     order.request.id = RequestId{next_id++};
     barrier_quietly(pair);
     const double start = MPI_Wtime();
-    transfer.start_import(kSender, order,
-                          whole_import_plan(kSender, order, cache, table,
+    transfer.start_import(sender, order,
+                          whole_import_plan(sender, order, cache, table,
                                             KvTransfer::Clock::now() + kTransferTimeout));
     const Arrival arrival = arrivals.take();
     DUET_REQUIRE(arrival.handoff, "KV transfer failed: {}", arrival.error);

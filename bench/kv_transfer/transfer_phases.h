@@ -43,13 +43,15 @@ struct TransferTimes {
   bool kv_equal = true;
 };
 
-// Rank 1: serves `reps` transfers (and a warm-up) as rank 2 orders them.
+// The sender (rank 1 of the bench): serves `reps` transfers (and a warm-up)
+// as `receiver` (a world rank) orders them.
 void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
-                    const Shape& shape, int reps, uint64_t seed);
+                    const Shape& shape, int reps, uint64_t seed, int receiver = kReceiver);
 
-// Rank 2: orders them, checks each, and times them (request ids from next_id on).
+// The receiver (rank 2 of the bench): orders them from `sender` (a world
+// rank), checks each, and times them (request ids from next_id on).
 TransferTimes receive_transfers(KvTransfer& transfer, Mailbox<Arrival>& arrivals, MPI_Comm pair,
                                 const Shape& shape, int reps, uint64_t seed, const ClockSync& sync,
-                                uint64_t& next_id);
+                                uint64_t& next_id, int sender = kSender);
 
 }  // namespace duet::kv_bench
