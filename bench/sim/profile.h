@@ -80,8 +80,11 @@ struct FitQuality {
 
 // The StepCost with these knots that fits the samples best in relative terms
 // (least squares of (fitted - measured) / measured), every coefficient >= 0.
+// A term no sample exercises (no prefill attention among the samples, say)
+// is 0; terms the samples cannot tell apart share the cost the least-norm way
+// (bench/sim/nnls.h), so vary the shapes to pin every term down.
 // Throws duet::Error (kInvalidArgument) with no samples, knots that are not
-// increasing from >= 1, or a sample with seconds <= 0.
+// increasing from >= 1, or a sample with seconds <= 0 or a negative count.
 StepCost fit_step_cost(std::span<const StepSample> samples, std::vector<int64_t> token_knots);
 std::vector<FitResidual> fit_residuals(const StepCost& cost, std::span<const StepSample> samples);
 FitQuality fit_quality(std::span<const FitResidual> residuals);
@@ -177,10 +180,19 @@ struct Profile {
   const TransferProfile& transfer(std::string_view path) const;
 };
 
+// The JSON form: {"format": "duet-profile", "version": 1, ...} and every
+// field of every struct above under its own name ("hardware": null for a
+// measured profile; an infinite bytes_per_s as "inf"). Doubles read back
+// exactly.
 nlohmann::json profile_json(const Profile& profile);
-// Throws duet::Error (kInvalidArgument) naming the missing or malformed field.
+// Throws duet::Error (kInvalidArgument) naming the missing, malformed or
+// unknown field ("instances[1].step.knot_seconds[3]: expected a number"), or
+// a format or version this build does not read.
 Profile profile_from_json(const nlohmann::json& json);
+// Throws duet::Error: kInvalidArgument when the file cannot be written.
 void write_profile(const std::filesystem::path& path, const Profile& profile);
+// Throws duet::Error: kNotFound when the file cannot be opened,
+// kInvalidArgument (prefixed with the path) when it is not a profile.
 Profile read_profile(const std::filesystem::path& path);
 
 }  // namespace duet::sim
