@@ -45,9 +45,17 @@ struct StepCost {
   double per_prefill_attention = 0;  // per pair of a sequence with several rows
   double per_logit_row = 0;
 
+  // No knots: 0. Throws duet::Error (kInvalidArgument) when the two vectors
+  // differ in length.
   double weights(int64_t n_tokens) const;
   double operator()(const StepShape& shape) const;  // seconds
 };
+
+// The interpolation weights of the knots at n_tokens: weights(n) is
+// sum_i knot_weights(knots, n)[i] * knot_seconds[i]. Past the last knot the
+// last two weights are 1 + s and -s (the last segment's slope carried on).
+// `token_knots` as in StepCost (not checked here).
+std::vector<double> knot_weights(std::span<const int64_t> token_knots, int64_t n_tokens);
 
 // One measured step.
 struct StepSample {
@@ -72,8 +80,11 @@ struct FitQuality {
 
 // The StepCost with these knots that fits the samples best in relative terms
 // (least squares of (fitted - measured) / measured), every coefficient >= 0.
+// A term no sample exercises (no prefill attention among the samples, say)
+// is 0; terms the samples cannot tell apart share the cost the least-norm way
+// (bench/sim/nnls.h), so vary the shapes to pin every term down.
 // Throws duet::Error (kInvalidArgument) with no samples, knots that are not
-// increasing from >= 1, or a sample with seconds <= 0.
+// increasing from >= 1, or a sample with seconds <= 0 or a negative count.
 StepCost fit_step_cost(std::span<const StepSample> samples, std::vector<int64_t> token_knots);
 std::vector<FitResidual> fit_residuals(const StepCost& cost, std::span<const StepSample> samples);
 FitQuality fit_quality(std::span<const FitResidual> residuals);
@@ -82,7 +93,8 @@ FitQuality fit_quality(std::span<const FitResidual> residuals);
 // ranks) takes latency_s + bytes / bytes_per_s.
 struct LinkCost {
   double latency_s = 0;
-  double bytes_per_s = 0;  // > 0
+  double bytes_per_s = 0;  // > 0; +infinity when the time does not grow with bytes
+  // Throws duet::Error (kInvalidArgument) unless bytes_per_s > 0.
   double seconds(double bytes) const;
 };
 
@@ -141,15 +153,15 @@ struct ModelShape {
 // A stated accelerator (or CPU) for a roofline profile.
 struct HardwareSpec {
   std::string name;
-  double memory_bytes = 0;       // per device
+  double memory_bytes = 0;        // per device
   double memory_bytes_per_s = 0;  // per device
   double flops_per_s = 0;         // dense, in the weights' compute type, per device
   double link_bytes_per_s = 0;    // between devices (collectives, KV transfer), per direction
   double link_latency_s = 0;
-  double step_overhead_s = 0;          // fixed per step (launches, scheduling)
-  double memory_efficiency = 0.8;      // share of memory_bytes_per_s reached
-  double compute_efficiency = 0.6;     // share of flops_per_s reached
-  double kv_memory_fraction = 0.9;     // of memory left after the weights, given to KV
+  double step_overhead_s = 0;       // fixed per step (launches, scheduling)
+  double memory_efficiency = 0.8;   // share of memory_bytes_per_s reached
+  double compute_efficiency = 0.6;  // share of flops_per_s reached
+  double kv_memory_fraction = 0.9;  // of memory left after the weights, given to KV
 };
 
 struct Profile {
@@ -168,10 +180,19 @@ struct Profile {
   const TransferProfile& transfer(std::string_view path) const;
 };
 
+// The JSON form: {"format": "duet-profile", "version": 1, ...} and every
+// field of every struct above under its own name ("hardware": null for a
+// measured profile; an infinite bytes_per_s as "inf"). Doubles read back
+// exactly.
 nlohmann::json profile_json(const Profile& profile);
-// Throws duet::Error (kInvalidArgument) naming the missing or malformed field.
+// Throws duet::Error (kInvalidArgument) naming the missing, malformed or
+// unknown field ("instances[1].step.knot_seconds[3]: expected a number"), or
+// a format or version this build does not read.
 Profile profile_from_json(const nlohmann::json& json);
+// Throws duet::Error: kInvalidArgument when the file cannot be written.
 void write_profile(const std::filesystem::path& path, const Profile& profile);
+// Throws duet::Error: kNotFound when the file cannot be opened,
+// kInvalidArgument (prefixed with the path) when it is not a profile.
 Profile read_profile(const std::filesystem::path& path);
 
 }  // namespace duet::sim
