@@ -13,10 +13,16 @@ PrefixMemory::PrefixMemory(int64_t block_size, size_t capacity)
 }
 
 int64_t PrefixMemory::cached_tokens(std::span<const int32_t> prompt) const {
-  if (prompt.empty()) return 0;
+  return cached_tokens_of(lookup_keys(prompt));
+}
+
+std::vector<uint64_t> PrefixMemory::lookup_keys(std::span<const int32_t> prompt) const {
+  if (prompt.empty()) return {};
   // The engine leaves the last token to compute: its blocks before it only.
-  const std::vector<uint64_t> keys =
-      prompt_block_hashes(prompt.first(prompt.size() - 1), block_size_);
+  return prompt_block_hashes(prompt.first(prompt.size() - 1), block_size_);
+}
+
+int64_t PrefixMemory::cached_tokens_of(std::span<const uint64_t> keys) const {
   int64_t tokens = 0;
   for (const uint64_t key : keys) {
     if (!blocks_.contains(key)) break;

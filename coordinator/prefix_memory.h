@@ -18,6 +18,7 @@
 #include <deque>
 #include <span>
 #include <unordered_set>
+#include <vector>
 
 namespace duet {
 
@@ -34,6 +35,10 @@ class PrefixMemory final {
   // Leading tokens of `prompt` (whole blocks) that the instance likely holds
   // cached, as its engine would find them.
   int64_t cached_tokens(std::span<const int32_t> prompt) const;
+  // The same in two halves, for a router that asks many instances of one
+  // block size about one prompt: the prompt's keys hashed once, then looked up.
+  std::vector<uint64_t> lookup_keys(std::span<const int32_t> prompt) const;
+  int64_t cached_tokens_of(std::span<const uint64_t> lookup_keys) const;
   // Records the whole blocks of `prompt`, which the instance will compute
   // and cache; past `capacity` blocks, forgets the oldest.
   void remember(std::span<const int32_t> prompt);

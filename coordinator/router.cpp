@@ -176,9 +176,14 @@ std::optional<RoutedInstances::Attempt> RoutedInstances::place(
   });
   if (!has_target) return std::nullopt;
   if (n_prefill > 1) {
+    // The prompt's keys hashed once per block size, not once per instance.
+    std::map<int64_t, std::vector<uint64_t>> keys;
     for (size_t k = 0; k < loads.size(); ++k) {
-      if (loads[k].role == InstanceRole::kPrefill)
-        loads[k].prefix_tokens = prefixes_[live[k]].cached_tokens(request.prompt);
+      if (loads[k].role != InstanceRole::kPrefill) continue;
+      const PrefixMemory& memory = prefixes_[live[k]];
+      auto [it, fresh] = keys.try_emplace(memory.block_size());
+      if (fresh) it->second = memory.lookup_keys(request.prompt);
+      loads[k].prefix_tokens = memory.cached_tokens_of(it->second);
     }
   }
   const Route route = policy_->pick(loads, request);

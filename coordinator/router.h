@@ -43,6 +43,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/cluster/cluster_spec.h"
@@ -195,8 +196,12 @@ class RoutedInstances final : public InstanceClient {
 
   mutable std::mutex mutex_;  // guards the members below
   EventHandler handler_;
-  std::map<RequestId, Placement> placements_;               // submitted, not finished
-  std::map<RequestId, RequestId> attempts_;                 // live attempt id -> request id
+  // Looked up for every token event: hashed, not ordered (a loss sorts by arrival).
+  struct IdHash {
+    size_t operator()(RequestId id) const { return std::hash<uint64_t>{}(id.value); }
+  };
+  std::unordered_map<RequestId, Placement, IdHash> placements_;  // submitted, not finished
+  std::unordered_map<RequestId, RequestId, IdHash> attempts_;    // live attempt id -> request id
   std::vector<bool> lost_;                                  // per instance
   std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
   uint64_t next_arrival_ = 0;
