@@ -42,6 +42,7 @@ struct Flags {
   std::string profile;
   std::string cluster = "1C";
   std::string transfer;
+  int host_cores = 0;
   std::string rates;
   double burstiness = 1;
   int64_t n_requests = 100;
@@ -90,6 +91,7 @@ int run_command(const Flags& flags) {
   options.cluster = cluster_spec(flags.cluster);
   options.engine = engine_config(flags.engine);
   options.transfer_path = flags.transfer;
+  options.host_cores = flags.host_cores;
   options.seed = flags.seed;
 
   const bool from_trace = !flags.trace.empty();
@@ -146,6 +148,7 @@ int run_command(const Flags& flags) {
                                  {"model", profile.model.name},
                                  {"cluster", sim::describe_layout(options.cluster)},
                                  {"transfer", flags.transfer},
+                                 {"host_cores", flags.host_cores},
                                  {"max_running", flags.engine.max_running},
                                  {"step_tokens", flags.engine.step_tokens},
                                  {"kv_blocks", flags.engine.kv_blocks},
@@ -194,6 +197,9 @@ int main(int argc, char** argv) {
                  "Layout (2C, 1P+2D, 4P@tp2+8D@tp4) or a cluster spec JSON file")
       ->capture_default_str();
   app.add_option("--transfer", flags.transfer, "KV transfer path in the profile (default: its first)");
+  app.add_option("--host-cores", flags.host_cores,
+                 "Cores all instances share (a CPU cluster on one host); 0: each its own")
+      ->capture_default_str();
   app.add_option("--rate", flags.rates, "Request rates, req/s, comma-separated (inf: all at once)");
   app.add_option("--burstiness", flags.burstiness, "Gamma arrivals' shape: 1 Poisson, < 1 burstier")
       ->capture_default_str();

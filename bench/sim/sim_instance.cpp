@@ -39,14 +39,15 @@ EngineBackend cost_model_backend(const StepCost& cost, const ModelShape& model,
 
 SimInstance::SimInstance(EventQueue& clock, InstanceRole role, int tp, const StepCost& cost,
                          EngineConfig config, InstanceInfo info, const ModelShape& model,
-                         SimTransfer transfer, PeerLookup peers)
+                         SimTransfer transfer, PeerLookup peers, SharedCores& cores)
     : clock_(clock),
       role_(role),
       tp_(tp),
       info_(std::move(info)),
       engine_(cost_model_backend(cost, model, &forward_), std::move(config)),
       transfer_(transfer),
-      peers_(std::move(peers)) {
+      peers_(std::move(peers)),
+      cores_(cores) {
   DUET_REQUIRE(tp >= 1, "an instance needs at least one rank, got tp {}", tp);
   DUET_REQUIRE(transfer_.n_layers >= 1, "a transfer needs the model's layer count");
   publish();
@@ -79,7 +80,7 @@ void SimInstance::cycle() {
     if (!events_.empty()) publish();
     return;
   }
-  const double seconds = forward_->last_step_seconds();
+  const double seconds = forward_->last_step_seconds() * cores_.begin_step();
   busy_ = true;
   busy_seconds_ += seconds;
   clock_.after(seconds, [this, seconds] { step_done(seconds); });
@@ -87,6 +88,7 @@ void SimInstance::cycle() {
 
 void SimInstance::step_done(double seconds) {
   busy_ = false;
+  cores_.end_step();
   publish();
   for (Handoff& handoff : handoffs_) {
     const double bytes = static_cast<double>(handoff.rows) * transfer_.kv_bytes_per_token / tp_;

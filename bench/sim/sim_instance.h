@@ -25,6 +25,7 @@
 // Thread affinity: the simulator's one thread.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -47,16 +48,32 @@ struct SimTransfer {
   int64_t n_layers = 1;
 };
 
+// Instances that share one host's cores (a CPU cluster on one machine): a
+// step that starts while more instance steps run than there are cores takes
+// proportionally longer. Processor sharing judged at each step's start: a
+// step already running is not slowed by one that starts after it.
+struct SharedCores {
+  int cores = 0;  // 0: every instance has cores of its own
+  int busy = 0;   // steps running now
+
+  double begin_step() {
+    ++busy;
+    return cores > 0 ? std::max(1.0, static_cast<double>(busy) / cores) : 1.0;
+  }
+  void end_step() { --busy; }
+};
+
 class SimInstance final : public InstanceClient {
  public:
   // The prefill instance with transfer address `peer` (InstanceRequest::prefill_peer).
   using PeerLookup = std::function<SimInstance*(int32_t peer)>;
 
-  // `clock`, and what `peers` returns, outlive the instance. `tp` divides the
-  // bytes each transfer moves (every rank ships its KV heads in parallel).
+  // `clock`, `cores` and what `peers` returns outlive the instance. `tp`
+  // divides the bytes each transfer moves (every rank ships its KV heads in
+  // parallel).
   SimInstance(EventQueue& clock, InstanceRole role, int tp, const StepCost& cost,
               EngineConfig config, InstanceInfo info, const ModelShape& model,
-              SimTransfer transfer, PeerLookup peers);
+              SimTransfer transfer, PeerLookup peers, SharedCores& cores);
   SimInstance(const SimInstance&) = delete;
   SimInstance& operator=(const SimInstance&) = delete;
 
@@ -122,6 +139,7 @@ class SimInstance final : public InstanceClient {
   Engine engine_;
   const SimTransfer transfer_;
   const PeerLookup peers_;
+  SharedCores& cores_;
   EventHandler handler_;
 
   std::deque<Command> commands_;

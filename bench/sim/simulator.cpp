@@ -123,6 +123,7 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
   }
 
   EventQueue clock;
+  SharedCores cores{options.host_cores};
   std::vector<std::unique_ptr<SimInstance>> instances;
   std::map<int32_t, SimInstance*> prefill_by_peer;
   std::vector<RoutedInstance> routed;
@@ -140,7 +141,8 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
         [&prefill_by_peer](int32_t p) -> SimInstance* {
           auto it = prefill_by_peer.find(p);
           return it == prefill_by_peer.end() ? nullptr : it->second;
-        }));
+        },
+        cores));
     if (spec.role == InstanceRole::kPrefill) prefill_by_peer.emplace(peer, instances.back().get());
     routed.push_back({instances.back().get(), spec.role, peer});
   }

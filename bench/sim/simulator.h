@@ -6,9 +6,9 @@
 // the real router (coordinator/router.h RoutedInstances with the policy the
 // cluster's mode names), exactly as `duet serve` places them. What is
 // modelled: the seconds of each step (the profile's StepCost for the
-// instance's tp), the KV transfer between instances (the profile's link for
-// the chosen path), and nothing else: the coordinator, the client and the
-// network to it take no time.
+// instance's tp, slowed when instances share too few cores), the KV transfer
+// between instances (the profile's link for the chosen path), and nothing
+// else: the coordinator, the client and the network to it take no time.
 //
 // Requests are recorded as duet-bench records them (bench/loadgen/record.h:
 // sent at their arrival, every token at the end of the step that made it),
@@ -44,6 +44,9 @@ struct SimOptions {
   std::string transfer_path;
   int max_retries = 2;
   uint64_t seed = 0;  // prompt ids of requests whose trace row has none
+  // The cores all instances share (a CPU cluster on one host, one compute
+  // thread per rank; sim_instance.h SharedCores); 0: each has its own.
+  int host_cores = 0;
 };
 
 struct InstanceReport {

@@ -190,6 +190,24 @@ TEST(Simulator, ARequestTooLongForTheModelFailsAndTheRestGoOn) {
   EXPECT_TRUE(result.records[1].ok);
 }
 
+TEST(Simulator, InstancesSharingTooFewCoresSlowDown) {
+  // Two colocated instances, one request each at once: on cores of their
+  // own both prefill in one step's time; sharing one core, the second step
+  // to start takes twice as long.
+  const Profile profile = stated_profile(simple_cost());
+  const std::vector<loadgen::PlannedRequest> trace = {{0.0, 64, 1}, {0.0, 64, 1}};
+  SimOptions options;
+  options.cluster = parse_cluster_layout("2C");
+  const double step = 0.010 + 63 * 1e-4;
+  const SimResult own = simulate(profile, options, trace);
+  EXPECT_NEAR(own.records[0].finished, step, 1e-9);
+  EXPECT_NEAR(own.records[1].finished, step, 1e-9);
+  options.host_cores = 1;
+  const SimResult shared = simulate(profile, options, trace);
+  EXPECT_NEAR(shared.records[0].finished, step, 1e-9);
+  EXPECT_NEAR(shared.records[1].finished, 2 * step, 1e-9);
+}
+
 TEST(Simulator, RefusesWhatTheProfileCannotCost) {
   const Profile profile = stated_profile(simple_cost());
   SimOptions options;

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The cluster simulator against real clusters on this machine, figure by
+# figure. One profile of the model is measured here (`duet profile` under
+# mpirun -np 2: steps on one thread, KV transfers, the all-reduce); then each
+# layout of LAYOUTS is started for real with mpirun (coordinator + instance
+# ranks, one compute thread each) and driven twice by duet-bench with the same
+# trace (two prompt seeds: the same lengths and arrivals, fresh prompt text,
+# so nothing hits the prefix cache), and the same trace goes through duet-sim
+# with the profile, the cluster's layout, and the host's core count. For
+# TTFT and TPOT p50/p99, output throughput and goodput it prints the two
+# real figures, their spread (|a - b| / mean), the simulated figure and its
+# error against the real mean, and whether the error is within
+# max(10%, spread); then the median error.
+#
+# Usage: bench/validate_sim.sh [MODEL]
+#   env LAYOUTS="2C 1P+1D 1P+2D 2P+1D"
+#       TRACE=bench/traces/chat_80.csv  N=60  RATE=   (empty: the trace's own times)
+#       SLO=ttft=2000,tpot=150          goodput's bounds, ms
+#       BUDGET=60                       seconds of step measurement
+#       PROFILE=                        an existing profile to use instead of measuring
+#       OUT=.cache/validate_sim  DUET_BUILD_DIR=build
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+layouts=${LAYOUTS:-2C 1P+1D 1P+2D 2P+1D}
+trace=${TRACE:-$root/bench/traces/chat_80.csv}
+n=${N:-60}
+rate=${RATE:-}
+slo=${SLO:-ttft=2000,tpot=150}
+budget=${BUDGET:-60}
+out=${OUT:-$root/.cache/validate_sim}
+build=${DUET_BUILD_DIR:-$root/build}
+duet=$build/tools/duet
+bench=$build/bench/duet-bench
+sim=$build/bench/sim/duet-sim
+mpirun=(mpirun --allow-run-as-root --oversubscribe)
+
+for tool in "$duet" "$bench" "$sim"; do
+  [[ -x "$tool" ]] || { echo "build duet, duet-bench and duet-sim in $build first" >&2; exit 1; }
+done
+[[ -f "$model" ]] || { echo "no model at $model" >&2; exit 1; }
+mkdir -p "$out"
+start=$(date +%s)
+cores=$(nproc)
+rate_args=()
+[[ -n "$rate" ]] && rate_args=(--rate "$rate")
+
+profile=${PROFILE:-$out/profile.json}
+if [[ -z "${PROFILE:-}" ]]; then
+  echo "[validate_sim] measuring the profile (${budget}s of steps, then transfers)" >&2
+  "${mpirun[@]}" -np 2 "$duet" profile --model "$model" --threads 1 --budget "$budget" \
+    --out "$profile" 2>"$out/profile.log"
+fi
+
+# "2C" -> colocated flags; "1P+2D" -> disaggregated flags; and the world size.
+serve_args() {
+  case "$1" in
+    *C) echo "--mode colocated" ;;  # as many instances as the ranks after the coordinator
+    *P+*D) local p=${1%%P+*} d=${1#*+}; echo "--prefill $p --decode ${d%D}" ;;
+    *) echo "unknown layout $1" >&2; exit 1 ;;
+  esac
+}
+world_size() {
+  case "$1" in
+    *C) echo $((1 + ${1%C})) ;;
+    *P+*D) local p=${1%%P+*} d=${1#*+}; echo $((1 + p + ${d%D})) ;;
+  esac
+}
+
+# shellcheck source=launch/cluster_lib.sh
+. "$root/launch/cluster_lib.sh"
+mpirun_pid=
+trap 'serve_stop "$mpirun_pid"' EXIT
+
+for layout in $layouts; do
+  name=${layout//+/_}
+  log=$out/$name.log
+  # shellcheck disable=SC2046
+  "${mpirun[@]}" -np "$(world_size "$layout")" "$duet" serve --model "$model" --threads 1 \
+    --rpc-port 0 --http-port 0 $(serve_args "$layout") >"$out/$name.ports" 2>"$log" &
+  mpirun_pid=$!
+  serve_wait_ready "$out/$name.ports" "$mpirun_pid" "$log"
+  rpc=$(sed -n 's/^rpc listening on //p' "$out/$name.ports")
+  for run in 1 2; do
+    echo "[validate_sim] $layout: real run $run ($n requests)" >&2
+    "$bench" --connect "$rpc" --trace "$trace" "${rate_args[@]}" -n "$n" --seed "$run" \
+      --slo "$slo" --warmup 2 --no-progress --json "$out/${name}_real$run.json" \
+      >"$out/${name}_real$run.txt"
+  done
+  serve_stop "$mpirun_pid"
+  mpirun_pid=
+  transfer=()
+  [[ $layout == *P+*D ]] && transfer=(--transfer mpi-shm)
+  "$sim" --profile "$profile" --cluster "$layout" --host-cores "$cores" "${transfer[@]}" \
+    --trace "$trace" "${rate_args[@]}" -n "$n" --slo "$slo" --json "$out/${name}_sim.json" \
+    >"$out/${name}_sim.txt"
+done
+
+python3 - "$out" "$profile" "$slo" "$trace" "$n" "$(( $(date +%s) - start ))" $layouts <<'PY'
+import json, pathlib, statistics, sys
+out, profile_path, slo, trace, n, seconds = pathlib.Path(sys.argv[1]), *sys.argv[2:7]
+layouts = sys.argv[7:]
+profile = json.loads(pathlib.Path(profile_path).read_text())
+figures = [("TTFT p50 ms", lambda s: s["ttft_ms"]["p50"]), ("TTFT p99 ms", lambda s: s["ttft_ms"]["p99"]),
+           ("TPOT p50 ms", lambda s: s["tpot_ms"]["p50"]), ("TPOT p99 ms", lambda s: s["tpot_ms"]["p99"]),
+           ("output tok/s", lambda s: s["output_token_rate"]), ("goodput req/s", lambda s: s["goodput"])]
+def summary(name):
+    return json.loads((out / name).read_text())["runs"][0]["summary"]
+print(f"profile: {profile['device']}; trace {pathlib.Path(trace).name} (first {n} requests); "
+      f"SLO {slo} ms; one compute thread per instance rank\n")
+print("| layout | figure | real 1 | real 2 | spread | sim | error | within max(10%, spread) |")
+print("|---|---|---:|---:|---:|---:|---:|---|")
+errors, misses = [], []
+for layout in layouts:
+    name = layout.replace("+", "_")
+    a, b, s = summary(f"{name}_real1.json"), summary(f"{name}_real2.json"), summary(f"{name}_sim.json")
+    for label, get in figures:
+        x, y, z = get(a), get(b), get(s)
+        mean = (x + y) / 2
+        spread = abs(x - y) / mean if mean else 0.0
+        error = abs(z - mean) / mean if mean else 0.0
+        ok = error <= max(0.10, spread)
+        errors.append(error)
+        if not ok:
+            misses.append(f"{layout} {label}")
+        print(f"| {layout} | {label} | {x:.1f} | {y:.1f} | {spread * 100:.1f}% | {z:.1f} | "
+              f"{error * 100:.1f}% | {'yes' if ok else 'no'} |")
+print(f"\nmedian error {statistics.median(errors) * 100:.1f}% over {len(errors)} figures; "
+      f"{len(errors) - len(misses)} within max(10%, spread)"
+      + (f"; off: {', '.join(misses)}" if misses else "") + f"; {seconds} s in all")
+PY
