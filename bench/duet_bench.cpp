@@ -8,6 +8,7 @@
 //              --slo ttft=500,tpot=50 --json out.json --plot out.png
 //   duet-bench --http http://127.0.0.1:8080 --concurrency 16 --trace chat.csv
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -19,7 +20,6 @@
 #include <limits>
 #include <optional>
 #include <random>
-#include <unistd.h>
 #include <sstream>
 #include <string>
 #include <vector>

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The cluster simulator against real clusters on this machine, figure by
-# figure. One profile of the model is measured here (`duet profile` under
-# mpirun -np 2: steps on one thread, KV transfers, the all-reduce); then each
-# layout of LAYOUTS is started for real with mpirun (coordinator + instance
-# ranks, one compute thread each) and driven twice by duet-bench with the same
-# trace (two prompt seeds: the same lengths and arrivals, fresh prompt text,
-# so nothing hits the prefix cache), and the same trace goes through duet-sim
-# with the profile, the cluster's layout, and the host's core count. For
+# figure. For each layout of LAYOUTS: a profile of the model is measured
+# (`duet profile` under mpirun -np 2: steps on one thread, KV transfers, the
+# all-reduce), right before the real runs, because a shared VM's speed drifts
+# by tens of percent over minutes; the layout is started for real with mpirun
+# (coordinator + instance ranks, one compute thread each) and driven twice by
+# duet-bench with the same trace (two prompt seeds: the same lengths and
+# arrivals, fresh prompt text, so nothing hits the prefix cache); and the
+# same trace goes through duet-sim with that profile, the cluster's layout,
+# and the host's core count. For
 # TTFT and TPOT p50/p99, output throughput and goodput it prints the two
 # real figures, their spread (|a - b| / mean), the simulated figure and its
 # error against the real mean, and whether the error is within
@@ -14,20 +16,20 @@
 #
 # Usage: bench/validate_sim.sh [MODEL]
 #   env LAYOUTS="2C 1P+1D 1P+2D 2P+1D"
-#       TRACE=bench/traces/chat_80.csv  N=60  RATE=   (empty: the trace's own times)
+#       TRACE=bench/traces/chat_80.csv  N=40  RATE=   (empty: the trace's own times)
 #       SLO=ttft=2000,tpot=150          goodput's bounds, ms
-#       BUDGET=60                       seconds of step measurement
-#       PROFILE=                        an existing profile to use instead of measuring
+#       BUDGET=40                       seconds of step measurement per profile
+#       PROFILE=                        one existing profile for every layout instead
 #       OUT=.cache/validate_sim  DUET_BUILD_DIR=build
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 layouts=${LAYOUTS:-2C 1P+1D 1P+2D 2P+1D}
 trace=${TRACE:-$root/bench/traces/chat_80.csv}
-n=${N:-60}
+n=${N:-40}
 rate=${RATE:-}
 slo=${SLO:-ttft=2000,tpot=150}
-budget=${BUDGET:-60}
+budget=${BUDGET:-40}
 out=${OUT:-$root/.cache/validate_sim}
 build=${DUET_BUILD_DIR:-$root/build}
 duet=$build/tools/duet
@@ -45,12 +47,11 @@ cores=$(nproc)
 rate_args=()
 [[ -n "$rate" ]] && rate_args=(--rate "$rate")
 
-profile=${PROFILE:-$out/profile.json}
-if [[ -z "${PROFILE:-}" ]]; then
-  echo "[validate_sim] measuring the profile (${budget}s of steps, then transfers)" >&2
+measure_profile() {
+  echo "[validate_sim] $1: measuring a profile (${budget}s of steps, then transfers)" >&2
   "${mpirun[@]}" -np 2 "$duet" profile --model "$model" --threads 1 --budget "$budget" \
-    --out "$profile" 2>"$out/profile.log"
-fi
+    --out "$2" 2>"${2%.json}.log"
+}
 
 # "2C" -> colocated flags; "1P+2D" -> disaggregated flags; and the world size.
 serve_args() {
@@ -75,6 +76,8 @@ trap 'serve_stop "$mpirun_pid"' EXIT
 for layout in $layouts; do
   name=${layout//+/_}
   log=$out/$name.log
+  profile=${PROFILE:-$out/${name}_profile.json}
+  [[ -n "${PROFILE:-}" ]] || measure_profile "$layout" "$profile"
   # shellcheck disable=SC2046
   "${mpirun[@]}" -np "$(world_size "$layout")" "$duet" serve --model "$model" --threads 1 \
     --rpc-port 0 --http-port 0 $(serve_args "$layout") >"$out/$name.ports" 2>"$log" &
@@ -100,14 +103,22 @@ python3 - "$out" "$profile" "$slo" "$trace" "$n" "$(( $(date +%s) - start ))" $l
 import json, pathlib, statistics, sys
 out, profile_path, slo, trace, n, seconds = pathlib.Path(sys.argv[1]), *sys.argv[2:7]
 layouts = sys.argv[7:]
-profile = json.loads(pathlib.Path(profile_path).read_text())
+profile = json.loads(pathlib.Path(profile_path).read_text())  # the last layout's
 figures = [("TTFT p50 ms", lambda s: s["ttft_ms"]["p50"]), ("TTFT p99 ms", lambda s: s["ttft_ms"]["p99"]),
            ("TPOT p50 ms", lambda s: s["tpot_ms"]["p50"]), ("TPOT p99 ms", lambda s: s["tpot_ms"]["p99"]),
            ("output tok/s", lambda s: s["output_token_rate"]), ("goodput req/s", lambda s: s["goodput"])]
 def summary(name):
     return json.loads((out / name).read_text())["runs"][0]["summary"]
 print(f"profile: {profile['device']}; trace {pathlib.Path(trace).name} (first {n} requests); "
-      f"SLO {slo} ms; one compute thread per instance rank\n")
+      f"SLO {slo} ms; one compute thread per instance rank")
+for layout in layouts:
+    path = out / f"{layout.replace('+', '_')}_profile.json"
+    if path.exists():
+        q = json.loads(path.read_text())["instances"][0]["quality"]
+        print(f"- {layout}: its profile's step fit, relative error median "
+              f"{q['median_rel_error'] * 100:.1f}%, p90 {q['p90_rel_error'] * 100:.1f}% "
+              f"({q['n_samples']} steps)")
+print()
 print("| layout | figure | real 1 | real 2 | spread | sim | error | within max(10%, spread) |")
 print("|---|---|---:|---:|---:|---:|---:|---|")
 errors, misses = [], []

@@ -202,8 +202,8 @@ class RoutedInstances final : public InstanceClient {
   };
   std::unordered_map<RequestId, Placement, IdHash> placements_;  // submitted, not finished
   std::unordered_map<RequestId, RequestId, IdHash> attempts_;    // live attempt id -> request id
-  std::vector<bool> lost_;                                  // per instance
-  std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
+  std::vector<bool> lost_;                                       // per instance
+  std::vector<std::pair<uint64_t, std::string>> lost_why_;       // per instance: epoch, reason
   uint64_t next_arrival_ = 0;
   uint64_t next_attempt_ = 1;
   FailoverCounters failover_;

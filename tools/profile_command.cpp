@@ -151,8 +151,8 @@ int run_measured(const ProfileArgs& args) {
   profile.transfers = std::move(links.transfers);
   profile.collectives = std::move(links.collectives);
   profile.note =
-      "steps: the real engine with duet serve's configuration; decode batches share their "
-      "context's prefix KV blocks (bench/sim/profile_measure.h). ";
+      "steps: the real engine with duet serve's configuration; each decoding sequence has KV "
+      "blocks of its own, imported (bench/sim/profile_measure.h). ";
   profile.note += mpi ? "transfers and all_reduce: two ranks of one mpirun job on this machine."
                       : "transfers and collectives not measured (run under mpirun -np 2 to "
                         "measure them).";

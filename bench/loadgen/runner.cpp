@@ -104,10 +104,9 @@ std::vector<RequestRecord> run(Client& client, const PromptSource& prompts, std:
   requests.reserve(options.requests.size());
   for (const PlannedRequest& planned : options.requests) {
     // A trace that carries its prompts is sent as it is (shared prefixes included).
-    requests.push_back(ClientRequest{planned.prompt_ids.empty()
-                                         ? prompts.draw(planned.prompt_tokens, rng)
-                                         : planned.prompt_ids,
-                                     planned.output_tokens, options.stream});
+    requests.push_back(ClientRequest{
+        planned.prompt_ids.empty() ? prompts.draw(planned.prompt_tokens, rng) : planned.prompt_ids,
+        planned.output_tokens, options.stream});
   }
 
   Collector collector(options.requests.size());

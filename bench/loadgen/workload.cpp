@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <charconv>
+#include <climits>
 #include <cmath>
 #include <fstream>
-#include <climits>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -251,12 +251,12 @@ std::vector<PlannedRequest> read_trace(const std::filesystem::path& path) {
   const size_t time_col = column("TIMESTAMP");
   const size_t context_col = column("ContextTokens");
   const size_t generated_col = column("GeneratedTokens");
+  // Optional: each prompt's token ids.
   const auto ids_it = std::find(header.begin(), header.end(), "TokenIds");
-  const std::optional<size_t> ids_col =
-      ids_it == header.end() ? std::nullopt
-                             : std::optional<size_t>(static_cast<size_t>(ids_it - header.begin()));
+  const bool has_ids = ids_it != header.end();
+  const auto ids_col = static_cast<size_t>(ids_it - header.begin());
   const size_t n_needed =
-      std::max({time_col, context_col, generated_col, ids_col.value_or(0)}) + 1;
+      std::max({time_col, context_col, generated_col, has_ids ? ids_col : size_t{0}}) + 1;
 
   std::vector<Timestamp> times;
   std::vector<PlannedRequest> rows;
@@ -282,8 +282,8 @@ std::vector<PlannedRequest> read_trace(const std::filesystem::path& path) {
     PlannedRequest request;
     request.prompt_tokens = tokens(context_col, "ContextTokens");
     request.output_tokens = tokens(generated_col, "GeneratedTokens");
-    if (ids_col && !trim(fields[*ids_col]).empty()) {
-      std::istringstream ids{std::string(fields[*ids_col])};
+    if (has_ids && !trim(fields[ids_col]).empty()) {
+      std::istringstream ids{std::string(fields[ids_col])};
       for (std::string id; ids >> id;) {
         const std::optional<int64_t> value = parse_number<int64_t>(id);
         DUET_REQUIRE(value.has_value() && *value >= 0 && *value <= INT32_MAX,

@@ -196,7 +196,8 @@ int main(int argc, char** argv) {
   app.add_option("--cluster", flags.cluster,
                  "Layout (2C, 1P+2D, 4P@tp2+8D@tp4) or a cluster spec JSON file")
       ->capture_default_str();
-  app.add_option("--transfer", flags.transfer, "KV transfer path in the profile (default: its first)");
+  app.add_option("--transfer", flags.transfer,
+                 "KV transfer path in the profile (default: its first)");
   app.add_option("--host-cores", flags.host_cores,
                  "Cores all instances share (a CPU cluster on one host); 0: each its own")
       ->capture_default_str();

@@ -20,8 +20,8 @@ namespace {
 struct Candidate {
   LayoutGoodput result;
   int n_instances = 0;
-  double lo = 0;                                            // a rate that meets the attainment
-  double hi = std::numeric_limits<double>::infinity();      // one that does not
+  double lo = 0;                                        // a rate that meets the attainment
+  double hi = std::numeric_limits<double>::infinity();  // one that does not
 };
 
 struct Probe {
@@ -47,10 +47,29 @@ std::vector<loadgen::PlannedRequest> traffic(const PlanOptions& options, int64_t
   return loadgen::open_loop_plan(workload, rate, {.from_trace = true});
 }
 
+// Requests per probe: enough for every instance to see
+// requests_per_instance of them, and for the arrivals to span
+// span_s seconds, so that a rate is held, not taken as one burst (a burst
+// of a fixed size meets any TTFT bound a cluster can drain it within). The
+// coarse pass simulates a quarter of the requests and of the span. Past
+// kMaxProbeRequests the probe counts as failed: a rate that high is out of
+// what the search simulates.
+constexpr int64_t kMaxProbeRequests = 400'000;
+
+int64_t probe_requests(const PlanOptions& options, const Candidate& candidate, double rate,
+                       bool coarse) {
+  const double share = coarse ? 0.25 : 1.0;
+  const auto per_instance =
+      std::max<int64_t>(1, static_cast<int64_t>(options.requests_per_instance * share));
+  const auto span = static_cast<int64_t>(std::ceil(rate * options.span_s * share));
+  return std::max({static_cast<int64_t>(options.min_requests * share),
+                   per_instance * candidate.n_instances, span});
+}
+
 Probe probe(const Profile& profile, const PlanOptions& options, const Candidate& candidate,
-            double rate) {
-  const int64_t n = std::max(options.min_requests,
-                             options.requests_per_instance * candidate.n_instances);
+            double rate, bool coarse) {
+  const int64_t n = probe_requests(options, candidate, rate, coarse);
+  if (n > kMaxProbeRequests) return {};  // attainment 0: beyond the search
   SimOptions sim;
   sim.cluster = candidate.result.cluster;
   sim.engine = options.engine;
@@ -70,32 +89,32 @@ void record(Candidate& c, double rate, const Probe& p, int cluster_gpus) {
   c.result.tpot_p99 = p.tpot_p99;
 }
 
-// Brackets the highest passing rate (from `guess`, by factors of 4), then
-// bisects it `steps` times in log space. Continues from an earlier bracket.
+// Brackets the highest passing rate from `guess` (by factors of `factor`),
+// then bisects the bracket `steps` times in log space.
 void search(const Profile& profile, const PlanOptions& options, Candidate& c, double guess,
-            int steps, int cluster_gpus) {
+            double factor, int steps, bool coarse, int cluster_gpus) {
   constexpr int kMaxExpansions = 16;
   const auto passes = [&](double rate) {
-    const Probe p = probe(profile, options, c, rate);
+    const Probe p = probe(profile, options, c, rate, coarse);
     const bool ok = p.attainment >= options.attainment;
     if (ok) record(c, rate, p, cluster_gpus);
     return ok;
   };
-  if (c.lo == 0 && std::isinf(c.hi)) {
-    double rate = guess;
-    for (int i = 0; i < kMaxExpansions; ++i) {
-      if (passes(rate)) {
-        if (!std::isinf(c.hi)) break;
-        rate *= 4;
-      } else {
-        c.hi = rate;
-        if (c.lo > 0) break;
-        rate /= 4;
-      }
+  c.lo = 0;
+  c.hi = std::numeric_limits<double>::infinity();
+  c.result.rate = c.result.goodput_per_gpu = 0;
+  double rate = guess;
+  for (int i = 0; i < kMaxExpansions; ++i) {
+    if (passes(rate)) {
+      if (!std::isinf(c.hi)) break;
+      rate *= factor;
+    } else {
+      c.hi = rate;
+      if (c.lo > 0) break;
+      rate /= factor;
     }
-    if (c.lo == 0) return;  // meets the SLO at no rate tried
   }
-  if (std::isinf(c.hi)) return;  // never saturated within the expansions
+  if (c.lo == 0 || std::isinf(c.hi)) return;  // no rate met the SLO, or none saturated
   for (int i = 0; i < steps; ++i) {
     const double mid = std::sqrt(c.lo * c.hi);
     if (!passes(mid)) c.hi = mid;
@@ -114,8 +133,7 @@ std::vector<Candidate> candidates(int n_gpus, const std::vector<int>& tps,
     out.push_back(std::move(c));
   };
   for (int tp : tps) {
-    if (n_gpus / tp >= 1)
-      add(parse_cluster_flags(0, n_gpus / tp, tp, tp, ClusterMode::kColocated));
+    if (n_gpus / tp >= 1) add(parse_cluster_flags(0, n_gpus / tp, tp, tp, ClusterMode::kColocated));
   }
   std::set<std::tuple<int, int, int, int>> seen;
   for (int tp_p : tps) {
@@ -136,7 +154,8 @@ bool colocated(const LayoutGoodput& l) { return l.cluster.mode == ClusterMode::k
 }  // namespace
 
 std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& options) {
-  DUET_REQUIRE(options.slo.ttft || options.slo.tpot, "planning needs an SLO (--slo ttft=MS,tpot=MS)");
+  DUET_REQUIRE(options.slo.ttft || options.slo.tpot,
+               "planning needs an SLO (--slo ttft=MS,tpot=MS)");
   DUET_REQUIRE(options.attainment > 0 && options.attainment <= 1,
                "the attainment is a share in (0, 1], got {}", options.attainment);
   std::vector<int> tps = options.tps;
@@ -147,8 +166,10 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
   DUET_REQUIRE(!tps.empty(), "the profile has no instance size whose KV cache holds anything");
   for (int tp : tps) profile.instance(tp);  // each one there
 
-  constexpr int kCoarseSteps = 3;  // a bracket of 4x bisected to ~19%
-  constexpr int kFineSteps = 4;    // then to ~1%
+  // Coarse: a quarter of the requests, a bracket of 4x bisected to ~19%.
+  // Fine: all of them, a bracket of 1.3x around the coarse figure bisected to ~3%.
+  constexpr double kCoarseFactor = 4, kFineFactor = 1.3;
+  constexpr int kCoarseSteps = 3, kFineSteps = 3;
   std::vector<PlanResult> results;
   double per_gpu_guess = 0.5;  // req/s per GPU to start from; then the last size's best
   for (int n_gpus : options.gpus) {
@@ -156,7 +177,8 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
     std::vector<Candidate> all = candidates(n_gpus, tps, options.prefill_shares);
     if (all.empty()) continue;
     for (Candidate& c : all)
-      search(profile, options, c, per_gpu_guess * n_gpus, kCoarseSteps, n_gpus);
+      search(profile, options, c, per_gpu_guess * n_gpus, kCoarseFactor, kCoarseSteps, true,
+             n_gpus);
     std::vector<Candidate*> order;
     for (Candidate& c : all) order.push_back(&c);
     const auto by_goodput = [](const Candidate* a, const Candidate* b) {
@@ -173,7 +195,8 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
       }
     }
     for (Candidate* c : fine) {
-      search(profile, options, *c, c->lo, kFineSteps, n_gpus);
+      const double coarse_rate = c->lo > 0 ? c->lo : per_gpu_guess * n_gpus;
+      search(profile, options, *c, coarse_rate, kFineFactor, kFineSteps, false, n_gpus);
       c->result.refined = true;
     }
     std::stable_sort(order.begin(), order.end(), [&](const Candidate* a, const Candidate* b) {
@@ -197,20 +220,22 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
 
 void print_plan(std::ostream& out, const std::vector<PlanResult>& results, int runners_up) {
   out << "| GPUs | best layout | goodput/GPU req/s | TTFT p99 ms | TPOT p99 ms | best colocated "
-         "| its goodput/GPU | best / colocated | runners-up (goodput/GPU) |\n";
+         "| its goodput/GPU | best / colocated | runners-up (goodput/GPU; ~ coarse) |\n";
   out << "|---:|---|---:|---:|---:|---|---:|---:|---|\n";
   for (const PlanResult& r : results) {
     const LayoutGoodput& best = r.ranked.front();
     std::string others;
     for (size_t i = 1; i < r.ranked.size() && static_cast<int>(i) <= runners_up; ++i) {
       if (!others.empty()) others += ", ";
-      others += fmt::format("{} ({:.3g})", r.ranked[i].layout, r.ranked[i].goodput_per_gpu);
+      // A coarse figure (not refined) is marked: it comes from a shorter probe.
+      others += fmt::format("{} ({}{:.3g})", r.ranked[i].layout, r.ranked[i].refined ? "" : "~",
+                            r.ranked[i].goodput_per_gpu);
     }
     const double base = r.best_colocated ? r.best_colocated->goodput_per_gpu : 0.0;
     out << fmt::format("| {} | {} | {:.3g} | {:.0f} | {:.1f} | {} | {:.3g} | {} | {} |\n", r.gpus,
-                       best.layout, best.goodput_per_gpu, best.ttft_p99 * 1e3,
-                       best.tpot_p99 * 1e3, r.best_colocated ? r.best_colocated->layout : "-",
-                       base, base > 0 ? fmt::format("{:.2f}x", best.goodput_per_gpu / base) : "-",
+                       best.layout, best.goodput_per_gpu, best.ttft_p99 * 1e3, best.tpot_p99 * 1e3,
+                       r.best_colocated ? r.best_colocated->layout : "-", base,
+                       base > 0 ? fmt::format("{:.2f}x", best.goodput_per_gpu / base) : "-",
                        others);
   }
 }
@@ -223,13 +248,19 @@ void add_plan_flags(CLI::App& app, PlanFlags& flags) {
       ->capture_default_str();
   app.add_option("--mix", flags.mix, "Traffic shape: chat, long or mixed")->capture_default_str();
   app.add_option("--trace", flags.trace, "Traffic shape from a trace file (instead of --mix)");
-  app.add_option("--tp", flags.tps, "Instance sizes to try, comma-separated (default: the profile's)");
+  app.add_option("--refine", flags.refine, "Best candidates per size searched finely")
+      ->capture_default_str();
+  app.add_option("--tp", flags.tps,
+                 "Instance sizes to try, comma-separated (default: the profile's)");
   app.add_option("--requests-per-instance", flags.requests_per_instance,
                  "Simulated requests per probe, per instance")
       ->capture_default_str();
   app.add_option("--min-requests", flags.min_requests, "Simulated requests per probe, at least")
       ->capture_default_str();
-  app.add_option("--transfer", flags.transfer, "KV transfer path in the profile (default: its first)");
+  app.add_option("--span", flags.span_s, "Seconds of arrivals a probe simulates, at least")
+      ->capture_default_str();
+  app.add_option("--transfer", flags.transfer,
+                 "KV transfer path in the profile (default: its first)");
   app.add_option("--seed", flags.seed, "Seed of the traffic")->capture_default_str();
   app.add_option("--json", flags.json, "Write every size's ranked layouts here");
   app.add_option("--plot", flags.plot, "Write goodput per GPU against cluster size to this PNG");
@@ -249,6 +280,8 @@ int plan_command(const PlanFlags& flags, std::ostream& out) {
   if (!flags.trace.empty()) options.trace = loadgen::read_trace(flags.trace);
   options.requests_per_instance = flags.requests_per_instance;
   options.min_requests = flags.min_requests;
+  options.span_s = flags.span_s;
+  options.refine = flags.refine;
   options.engine = flags.engine;
   options.transfer_path = flags.transfer;
   options.seed = flags.seed;
@@ -277,10 +310,14 @@ int plan_command(const PlanFlags& flags, std::ostream& out) {
   }
   const nlohmann::json report = {
       {"tool", "duet-sim plan"},
-      {"profile", {{"path", flags.profile}, {"source", profile.source}, {"device", profile.device},
-                   {"model", profile.model.name}}},
-      {"slo", {{"ttft_ms", options.slo.ttft ? nlohmann::json(*options.slo.ttft * 1e3) : nullptr},
-               {"tpot_ms", options.slo.tpot ? nlohmann::json(*options.slo.tpot * 1e3) : nullptr}}},
+      {"profile",
+       {{"path", flags.profile},
+        {"source", profile.source},
+        {"device", profile.device},
+        {"model", profile.model.name}}},
+      {"slo",
+       {{"ttft_ms", options.slo.ttft ? nlohmann::json(*options.slo.ttft * 1e3) : nullptr},
+        {"tpot_ms", options.slo.tpot ? nlohmann::json(*options.slo.tpot * 1e3) : nullptr}}},
       {"attainment", options.attainment},
       {"traffic", flags.trace.empty() ? flags.mix : flags.trace},
       {"sizes", std::move(sizes)}};
@@ -292,7 +329,8 @@ int plan_command(const PlanFlags& flags, std::ostream& out) {
     DUET_REQUIRE(file.good(), "cannot write {}", json_path);
     std::cerr << "duet-sim plan: wrote " << json_path << "\n";
   }
-  if (!flags.plot.empty()) loadgen::plot("duet-sim plan", DUET_SIM_PLAN_PLOT_SCRIPT, json_path, flags.plot);
+  if (!flags.plot.empty())
+    loadgen::plot("duet-sim plan", DUET_SIM_PLAN_PLOT_SCRIPT, json_path, flags.plot);
   return 0;
 }
 

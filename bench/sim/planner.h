@@ -11,9 +11,10 @@
 //                  the prefill instances taking each share of the GPUs in
 //                  `prefill_shares` (rounded to whole instances, at least one
 //                  of each kind), the decode instances the rest.
-// The search is in two passes: every candidate with a coarse bisection, then
-// the best few again with a fine one; the report ranks them by the fine
-// figure where there is one.
+// The search is in two passes: every candidate coarsely (a quarter of the
+// simulated requests, a wide bracket), then the best few and the best
+// colocated finely (all the requests, a narrow bracket around the coarse
+// figure); the report ranks the fine figures first.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +43,9 @@ struct PlanOptions {
   // of `mix` (make_trace's chat, long, mixed) or of a trace file.
   std::string mix = "chat";
   std::vector<loadgen::PlannedRequest> trace;  // used when not empty
-  int64_t requests_per_instance = 40;  // simulated requests per probe, per instance
+  int64_t requests_per_instance = 40;          // simulated requests per probe, per instance
   int64_t min_requests = 400;
+  double span_s = 20;    // seconds of arrivals per probe, at least (a held rate, not a burst)
   std::vector<int> tps;  // empty: every tp the profile has
   std::vector<double> prefill_shares = {0.125, 0.2, 0.25, 1.0 / 3, 0.4, 0.5, 0.6, 2.0 / 3, 0.75};
   int refine = 3;  // candidates searched finely per cluster size
@@ -54,9 +56,9 @@ struct PlanOptions {
 
 struct LayoutGoodput {
   ClusterSpec cluster;
-  std::string layout;  // describe_layout
-  int gpus = 0;        // used by the layout (<= the cluster size)
-  double rate = 0;     // req/s at which the attainment holds
+  std::string layout;          // describe_layout
+  int gpus = 0;                // used by the layout (<= the cluster size)
+  double rate = 0;             // req/s at which the attainment holds
   double goodput_per_gpu = 0;  // rate / cluster size, req/s
   double attainment = 0;       // reached at `rate`
   double ttft_p99 = 0;         // seconds, at `rate`
@@ -90,6 +92,8 @@ struct PlanFlags {
   std::string tps;
   int64_t requests_per_instance = 40;
   int64_t min_requests = 400;
+  double span_s = 20;
+  int refine = 3;
   std::string transfer;
   uint64_t seed = 0;
   std::string json;

@@ -64,8 +64,8 @@ class TimedEngine {
   bool ran_forward_ = false;
 };
 
-// The plan, grouped by context: every workload at a context reuses the
-// prefix computed once for it.
+// The plan, grouped by context: the prefill chunks at a context reuse the
+// prefix computed once for it; the decode batches import their contexts.
 struct ContextGroup {
   int64_t context = 0;
   std::vector<int64_t> prefill_chunks;
@@ -86,7 +86,7 @@ int64_t blocks_for(int64_t tokens) {
 
 std::vector<ContextGroup> make_plan(const Limits& limits) {
   std::vector<ContextGroup> plan;
-  const int64_t decode_tokens = 2 + kDecodeSteps;  // a sequence's own tokens past the prefix
+  const int64_t decode_tokens = 2 + kDecodeSteps;  // a sequence's tokens past its prompt
   for (const int64_t context : kContexts) {
     ContextGroup group{.context = context};
     for (const int64_t chunk : kPrefillChunks) {
@@ -97,8 +97,7 @@ std::vector<ContextGroup> make_plan(const Limits& limits) {
     const auto fits_decode = [&](int64_t batch, int64_t extra_tokens) {
       return context > 0 && batch <= limits.max_running && batch < limits.max_step_tokens &&
              context + decode_tokens + extra_tokens <= limits.max_context &&
-             blocks_for(context) + batch * (blocks_for(decode_tokens) + 1) +
-                     blocks_for(extra_tokens) + 1 <=
+             batch * (blocks_for(context + decode_tokens) + 1) + blocks_for(extra_tokens) + 1 <=
                  limits.kv_blocks;
     };
     for (const int64_t batch : kDecodeBatches) {
@@ -192,11 +191,24 @@ class Workloads {
     engine_.run_until_idle();
   }
 
-  // `batch` sequences on the prefix, one token of their own each, decoding;
-  // with `mixed_chunk` > 0 a fresh prompt of that length arrives after their
+  // `batch` sequences of `context` prompt tokens, decoding, each with KV
+  // blocks of its own, as in serving (a shared prefix would let later
+  // sequences read the first one's KV from cache): they come in through
+  // the engine's import path, which reserves their blocks, and nothing
+  // computes their rows, whose values do not change a step's time. With
+  // `mixed_chunk` > 0 a fresh prompt of that length arrives after their
   // first step and is prefilled beside their decodes.
-  void decode(const std::vector<int32_t>& prefix, int64_t batch, int64_t mixed_chunk) {
-    for (int64_t i = 0; i < batch; ++i) submit(concat(prefix, random_tokens(1)), 2 + kDecodeSteps);
+  void decode(int64_t context, int64_t batch, int64_t mixed_chunk) {
+    Engine& engine = engine_.engine();
+    const RequestOptions options{.max_tokens = 2 + kDecodeSteps, .ignore_eos = true};
+    std::vector<SequenceId> ids;
+    for (int64_t i = 0; i < batch; ++i)
+      ids.push_back(engine.submit_import(random_tokens(std::max<int64_t>(1, context)), options,
+                                         nullptr, ImportHooks{}));
+    for (const SequenceId id : ids) {
+      DUET_ASSERT(engine.import_reserved(id), "the plan's decode batch does not fit the KV cache");
+      engine.complete_import(id, token_(rng_));
+    }
     engine_.step();
     if (mixed_chunk > 0) submit(random_tokens(mixed_chunk), 2 + kDecodeSteps);
     engine_.run_until_idle();
@@ -274,7 +286,7 @@ std::vector<StepSample> measure_steps(const LlamaModel& model, const cpu::Kernel
     Workloads workloads(timed, model.config().n_vocab, options.seed ^ 0x5eed);
     for (int i = 0; i < 2; ++i) {
       warm_up.clear();
-      workloads.decode(workloads.random_tokens(limits.max_step_tokens), 1, 0);
+      workloads.decode(limits.max_step_tokens, 1, 0);
     }
     for (const StepSample& s : warm_up) {
       if (s.shape.n_tokens == limits.max_step_tokens) estimate.per_row_s = s.seconds;
@@ -310,10 +322,10 @@ std::vector<StepSample> measure_steps(const LlamaModel& model, const cpu::Kernel
         if (!spent()) workloads.prefill(prefix, chunk);
       }
       for (const int64_t batch : group.decode_batches) {
-        if (!spent()) workloads.decode(prefix, batch, 0);
+        if (!spent()) workloads.decode(group.context, batch, 0);
       }
       for (const int64_t batch : group.mixed_batches) {
-        if (!spent()) workloads.decode(prefix, batch, limits.max_step_tokens);
+        if (!spent()) workloads.decode(group.context, batch, limits.max_step_tokens);
       }
     }
   }

@@ -8,11 +8,11 @@
 //     computed first (its own steps are samples too: chunks of the step
 //     budget from context 0), then the prefix plus T new tokens, of which the
 //     prefix cache holds the C, so the measured step computes T rows at C;
-//   - decode steps of B sequences at context L: B prompts sharing a computed
-//     prefix of L tokens, each with one token of its own, decode a few
-//     tokens. They share the prefix's KV blocks (so that a plan of 64
-//     sequences at 2048 tokens needs no 64 prefills), so attention reads KV
-//     that caches may hold more often than B distinct contexts would;
+//   - decode steps of B sequences at context L: B prompts of L tokens, each
+//     with KV blocks of its own as in serving, decode a few tokens. They
+//     come in through the engine's import path (their blocks reserved,
+//     nothing computing their rows, whose values do not change a step's
+//     time), so 64 sequences at 2048 tokens need no 64 prefills;
 //   - mixed steps: a prompt's chunk arriving while B sequences decode, which
 //     the scheduler batches with the decodes (chunked prefill).
 // Requests ignore end-of-generation, so their lengths are the plan's.

@@ -217,9 +217,8 @@ void SimInstance::apply_order(Order& order) {
   };
   sink.done = [this, rid](SequenceId, int32_t first_token, int64_t cached_tokens) {
     auto it = exports_.find(rid);
-    handoffs_.push_back({it->second.decode,
-                         Imported{rid, first_token, cached_tokens},
-                         it->second.rows_this_step});
+    handoffs_.push_back(
+        {it->second.decode, Imported{rid, first_token, cached_tokens}, it->second.rows_this_step});
     exports_.erase(it);
   };
   try {

@@ -72,8 +72,8 @@ class SimInstance final : public InstanceClient {
   // divides the bytes each transfer moves (every rank ships its KV heads in
   // parallel).
   SimInstance(EventQueue& clock, InstanceRole role, int tp, const StepCost& cost,
-              EngineConfig config, InstanceInfo info, const ModelShape& model,
-              SimTransfer transfer, PeerLookup peers, SharedCores& cores);
+              EngineConfig config, InstanceInfo info, const ModelShape& model, SimTransfer transfer,
+              PeerLookup peers, SharedCores& cores);
   SimInstance(const SimInstance&) = delete;
   SimInstance& operator=(const SimInstance&) = delete;
 

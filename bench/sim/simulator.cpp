@@ -131,7 +131,8 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
     const InstanceProfile& costs = profile.instance(spec.tp);
     EngineConfig config = options.engine;
     if (config.n_kv_blocks <= 0) {
-      config.n_kv_blocks = std::max<int64_t>(1, costs.kv_capacity_tokens / KvLayout::kDefaultBlockSize);
+      config.n_kv_blocks =
+          std::max<int64_t>(1, costs.kv_capacity_tokens / KvLayout::kDefaultBlockSize);
     }
     InstanceInfo info{model.name, model.n_ctx, model.n_vocab,
                       config.n_kv_blocks * KvLayout::kDefaultBlockSize, config.end_of_generation};
@@ -146,8 +147,7 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
     if (spec.role == InstanceRole::kPrefill) prefill_by_peer.emplace(peer, instances.back().get());
     routed.push_back({instances.back().get(), spec.role, peer});
   }
-  RoutedInstances router(std::move(routed), make_routing_policy(cluster.mode),
-                         options.max_retries);
+  RoutedInstances router(std::move(routed), make_routing_policy(cluster.mode), options.max_retries);
 
   SimResult result;
   result.records.resize(trace.size());

@@ -419,6 +419,27 @@ TEST_F(TraceTest, MissingColumnOrFile) {
       read_trace(write("header_only.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n")).empty());
 }
 
+TEST_F(TraceTest, TokenIdsRoundTripAndMustMatchTheirCount) {
+  const std::vector<PlannedRequest> trace = {{0.0, 3, 5, {7, 8, 9}}, {0.5, 2, 1, {7, 8}}};
+  const std::filesystem::path p = path("ids.csv");
+  write_trace(p, trace);
+  const std::vector<PlannedRequest> back = read_trace(p);
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(back[0].prompt_ids, (std::vector<int32_t>{7, 8, 9}));
+  EXPECT_EQ(back[1].prompt_ids, (std::vector<int32_t>{7, 8}));
+  // A trace without the column, or a row with it empty, has no ids.
+  EXPECT_TRUE(read_trace(write("no_ids.csv",
+                               "TIMESTAMP,ContextTokens,GeneratedTokens,TokenIds\n"
+                               "0,4,1,\n"))[0]
+                  .prompt_ids.empty());
+  EXPECT_NE(error_of("TIMESTAMP,ContextTokens,GeneratedTokens,TokenIds\n0,4,1,1 2 3\n")
+                .find("ContextTokens is 4 but TokenIds holds 3 ids"),
+            std::string::npos);
+  EXPECT_NE(error_of("TIMESTAMP,ContextTokens,GeneratedTokens,TokenIds\n0,2,1,1 x\n")
+                .find("not a token id"),
+            std::string::npos);
+}
+
 TEST(ScaleTraceTest, DividesTimes) {
   const std::vector<PlannedRequest> scaled =
       scale_trace({{0.0, 1, 2}, {1.0, 3, 4}, {3.0, 5, 6}}, 2.0);

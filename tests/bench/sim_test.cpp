@@ -174,7 +174,9 @@ TEST(Simulator, ATracesTokenIdsReachThePrefixCache) {
   const SimResult shared = simulate(profile, options, trace);
   trace[1].prompt_ids[0] = 7;  // no shared prefix
   const SimResult distinct = simulate(profile, options, trace);
-  const auto ttft = [](const SimResult& r) { return *r.records[1].first_token - r.records[1].sent; };
+  const auto ttft = [](const SimResult& r) {
+    return *r.records[1].first_token - r.records[1].sent;
+  };
   EXPECT_NEAR(ttft(distinct), 0.010 + 255 * 1e-4, 1e-9);
   EXPECT_NEAR(ttft(shared), 0.010 + 15 * 1e-4, 1e-9);
 }
@@ -226,6 +228,7 @@ TEST(Planner, FindsAHigherRateForMoreGpusAndRanksLayouts) {
   options.slo.tpot = 0.05;
   options.requests_per_instance = 30;
   options.min_requests = 100;
+  options.span_s = 10;
   options.prefill_shares = {0.25, 0.5};
   const std::vector<PlanResult> plan = plan_layouts(profile, options);
   ASSERT_EQ(plan.size(), 2u);

@@ -21,9 +21,9 @@ namespace duet {
 
 // What one forward step computes, as a cost model reads it.
 struct StepShape {
-  int64_t n_tokens = 0;      // rows through the weights
-  int64_t n_sequences = 0;   // sequences in the batch
-  int64_t n_attention = 0;   // (query row, key position) pairs attention visits
+  int64_t n_tokens = 0;     // rows through the weights
+  int64_t n_sequences = 0;  // sequences in the batch
+  int64_t n_attention = 0;  // (query row, key position) pairs attention visits
   // Of n_attention, the pairs of sequences with one row in the step (decode
   // rows: each key's KV is read for one query row, a memory-bound visit).
   int64_t n_decode_attention = 0;
