@@ -92,21 +92,8 @@ int bench_command(const Flags& flags) {
     std::cerr << "duet-bench: warning: --no-stream requests have no TTFT; none meets a TTFT SLO\n";
 
   // The workload: lengths (and, from a trace, arrival times), the same for every run.
-  std::vector<PlannedRequest> workload;
-  if (from_trace) {
-    workload = read_trace(flags.trace);
-    DUET_REQUIRE(!workload.empty(), "{} holds no requests", flags.trace);
-    if (static_cast<int64_t>(workload.size()) > flags.n_requests)
-      workload.resize(static_cast<size_t>(flags.n_requests));
-  } else {
-    const LengthSpec input = parse_length_spec(flags.input_len);
-    const LengthSpec output = parse_length_spec(flags.output_len);
-    std::mt19937_64 rng(flags.seed);
-    for (int64_t i = 0; i < flags.n_requests; ++i) {
-      const int64_t prompt_tokens = draw_length(input, rng);
-      workload.push_back({0, prompt_tokens, draw_length(output, rng)});
-    }
-  }
+  const std::vector<PlannedRequest> workload =
+      make_workload({flags.trace, flags.n_requests, flags.input_len, flags.output_len, flags.seed});
 
   std::unique_ptr<Client> client;
   try {

@@ -9,7 +9,15 @@
 #include "common/model/kv_layout.h"
 
 namespace duet {
-namespace {
+
+RequestOptions request_options(const InstanceRequest& request) {
+  RequestOptions options;
+  options.max_tokens = request.max_tokens;
+  options.sampling = request.sampling;
+  options.ignore_eos = request.ignore_eos;
+  options.n_prompt = request.n_prompt;
+  return options;
+}
 
 InstanceFinish instance_finish(FinishReason reason) {
   switch (reason) {
@@ -22,8 +30,6 @@ InstanceFinish instance_finish(FinishReason reason) {
   }
   return InstanceFinish::kFailed;
 }
-
-}  // namespace
 
 LocalInstance::LocalInstance(const LlamaModel& model, const cpu::KernelTable& kernels,
                              cpu::ThreadPool& pool, EngineConfig config, std::string model_name,
@@ -180,11 +186,7 @@ void LocalInstance::fail(RequestId id, ServeError error) {
 
 void LocalInstance::apply_submit(InstanceRequest& request) {
   const RequestId rid = request.id;
-  RequestOptions options;
-  options.max_tokens = request.max_tokens;
-  options.sampling = request.sampling;
-  options.ignore_eos = request.ignore_eos;
-  options.n_prompt = request.n_prompt;
+  const RequestOptions options = request_options(request);
   auto on_token = [this, rid](const TokenEvent& e) {
     InstanceEvent event{.id = rid, .token = e.token, .finished = e.finished};
     if (e.finished) {
@@ -277,11 +279,8 @@ void LocalInstance::apply_order(Order& order) {
   std::vector<int32_t> decode_ranks = order.order.decode_ranks;
   if (decode_ranks.empty()) decode_ranks = {peer};
   InstanceRequest& request = order.order.request;
-  RequestOptions options;
+  RequestOptions options = request_options(request);
   options.max_tokens = 1;  // this side samples the first token only
-  options.sampling = request.sampling;
-  options.ignore_eos = request.ignore_eos;
-  options.n_prompt = request.n_prompt;
   ExportSink sink;
   sink.layer = [this, rid](SequenceId, int64_t layer, int64_t pos0, int64_t n,
                            std::span<const int32_t> block_table, const KvCache& cache) {

@@ -49,6 +49,11 @@ struct EngineProgress {
   bool busy = false;
 };
 
+// A request's engine options (its prompt aside), as every instance submits it.
+RequestOptions request_options(const InstanceRequest& request);
+// How an engine's finish reads to the coordinator.
+InstanceFinish instance_finish(FinishReason reason);
+
 // How an instance takes part in disaggregated serving.
 struct PeerLinks {
   KvTransfer* transfer = nullptr;  // outlives the instance; none: no peers

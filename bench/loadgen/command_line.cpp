@@ -66,6 +66,25 @@ std::string format_rate(double rate) {
   return std::isinf(rate) ? "rate inf" : fmt::format("rate {:g} req/s", rate);
 }
 
+std::vector<PlannedRequest> make_workload(const WorkloadOptions& options) {
+  std::vector<PlannedRequest> workload;
+  if (!options.trace.empty()) {
+    workload = read_trace(options.trace);
+    DUET_REQUIRE(!workload.empty(), "{} holds no requests", options.trace);
+    if (static_cast<int64_t>(workload.size()) > options.n_requests)
+      workload.resize(static_cast<size_t>(options.n_requests));
+    return workload;
+  }
+  const LengthSpec input = parse_length_spec(options.input_len);
+  const LengthSpec output = parse_length_spec(options.output_len);
+  std::mt19937_64 rng(options.seed);
+  for (int64_t i = 0; i < options.n_requests; ++i) {
+    const int64_t prompt_tokens = draw_length(input, rng);
+    workload.push_back({0, prompt_tokens, draw_length(output, rng)});
+  }
+  return workload;
+}
+
 std::vector<PlannedRequest> open_loop_plan(const std::vector<PlannedRequest>& workload,
                                            std::optional<double> rate,
                                            const ArrivalOptions& options) {

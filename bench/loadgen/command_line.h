@@ -22,6 +22,18 @@ std::vector<double> parse_rates(const std::string& text);
 Slo parse_slo(const std::string& text);
 std::string format_rate(double rate);  // "rate 4 req/s", "rate inf"
 
+// What a run sends, before arrival times: a trace's first n_requests rows, or
+// n_requests of synthetic lengths (LengthSpec texts) drawn from `seed`.
+struct WorkloadOptions {
+  std::string trace;  // empty: synthetic
+  int64_t n_requests = 100;
+  std::string input_len = "128";
+  std::string output_len = "128";
+  uint64_t seed = 0;
+};
+// Throws duet::Error for an empty trace or a malformed length.
+std::vector<PlannedRequest> make_workload(const WorkloadOptions& options);
+
 // How an open-loop run's arrivals are made.
 struct ArrivalOptions {
   bool from_trace = false;  // the workload's times are a trace's

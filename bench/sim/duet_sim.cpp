@@ -98,21 +98,8 @@ int run_command(const Flags& flags) {
   std::vector<double> rates = parse_rates(flags.rates);
   DUET_REQUIRE(from_trace || !rates.empty(), "say what to send: --rate R[,R...] or --trace FILE");
   DUET_REQUIRE(flags.n_requests >= 1, "--num-requests must be at least 1");
-  std::vector<PlannedRequest> workload;
-  if (from_trace) {
-    workload = read_trace(flags.trace);
-    DUET_REQUIRE(!workload.empty(), "{} holds no requests", flags.trace);
-    if (static_cast<int64_t>(workload.size()) > flags.n_requests)
-      workload.resize(static_cast<size_t>(flags.n_requests));
-  } else {
-    const LengthSpec input = parse_length_spec(flags.input_len);
-    const LengthSpec output = parse_length_spec(flags.output_len);
-    std::mt19937_64 rng(flags.seed);
-    for (int64_t i = 0; i < flags.n_requests; ++i) {
-      const int64_t prompt_tokens = draw_length(input, rng);
-      workload.push_back({0, prompt_tokens, draw_length(output, rng)});
-    }
-  }
+  const std::vector<PlannedRequest> workload =
+      make_workload({flags.trace, flags.n_requests, flags.input_len, flags.output_len, flags.seed});
   const ArrivalOptions arrivals{from_trace, flags.time_scale, flags.burstiness, flags.seed};
   std::vector<std::optional<double>> plans(rates.begin(), rates.end());
   if (plans.empty()) plans.push_back(std::nullopt);

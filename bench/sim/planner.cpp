@@ -51,17 +51,19 @@ std::vector<loadgen::PlannedRequest> traffic(const PlanOptions& options, int64_t
 // requests_per_instance of them, and for the arrivals to span
 // span_s seconds, so that a rate is held, not taken as one burst (a burst
 // of a fixed size meets any TTFT bound a cluster can drain it within). The
-// coarse pass simulates a quarter of the requests and of the span. Past
+// coarse pass simulates a quarter of the requests and half the span. Past
 // kMaxProbeRequests the probe counts as failed: a rate that high is out of
 // what the search simulates.
 constexpr int64_t kMaxProbeRequests = 400'000;
 
 int64_t probe_requests(const PlanOptions& options, const Candidate& candidate, double rate,
                        bool coarse) {
-  const double share = coarse ? 0.25 : 1.0;
+  const double share = coarse ? 0.25 : 1.0;  // of the requests per instance and the minimum
   const auto per_instance =
       std::max<int64_t>(1, static_cast<int64_t>(options.requests_per_instance * share));
-  const auto span = static_cast<int64_t>(std::ceil(rate * options.span_s * share));
+  // The span is halved, not quartered: a shorter one lets queues build less
+  // and flatters every candidate.
+  const auto span = static_cast<int64_t>(std::ceil(rate * options.span_s * (coarse ? 0.5 : 1.0)));
   return std::max({static_cast<int64_t>(options.min_requests * share),
                    per_instance * candidate.n_instances, span});
 }
@@ -185,9 +187,17 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
       return a->result.goodput_per_gpu > b->result.goodput_per_gpu;
     };
     std::stable_sort(order.begin(), order.end(), by_goodput);
-    // The best few and the best colocated, finely.
-    std::vector<Candidate*> fine(order.begin(),
-                                 order.begin() + std::min<size_t>(options.refine, order.size()));
+    // Finely: the candidates whose coarse figure is within kNearBest of the
+    // best one (the coarse pass is optimistic about all of them alike), at
+    // most `refine`, and the best colocated.
+    constexpr double kNearBest = 0.8;
+    const double best_coarse = order.front()->result.goodput_per_gpu;
+    std::vector<Candidate*> fine;
+    for (Candidate* c : order) {
+      if (static_cast<int>(fine.size()) >= options.refine) break;
+      if (c->result.goodput_per_gpu < kNearBest * best_coarse && !fine.empty()) break;
+      fine.push_back(c);
+    }
     for (Candidate* c : order) {
       if (colocated(c->result)) {
         if (std::find(fine.begin(), fine.end(), c) == fine.end()) fine.push_back(c);

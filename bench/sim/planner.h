@@ -11,10 +11,11 @@
 //                  the prefill instances taking each share of the GPUs in
 //                  `prefill_shares` (rounded to whole instances, at least one
 //                  of each kind), the decode instances the rest.
-// The search is in two passes: every candidate coarsely (a quarter of the
-// simulated requests, a wide bracket), then the best few and the best
-// colocated finely (all the requests, a narrow bracket around the coarse
-// figure); the report ranks the fine figures first.
+// The search is in two passes: every candidate coarsely (fewer simulated
+// requests, a shorter span, a wide bracket), then those within 80% of the
+// best coarse figure (at most `refine`) and the best colocated finely (all
+// the requests, a narrow bracket around the coarse figure); the report ranks
+// the fine figures first.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +49,7 @@ struct PlanOptions {
   double span_s = 20;    // seconds of arrivals per probe, at least (a held rate, not a burst)
   std::vector<int> tps;  // empty: every tp the profile has
   std::vector<double> prefill_shares = {0.125, 0.2, 0.25, 1.0 / 3, 0.4, 0.5, 0.6, 2.0 / 3, 0.75};
-  int refine = 3;  // candidates searched finely per cluster size
+  int refine = 6;  // candidates searched finely per cluster size, at most
   EngineConfig engine;
   std::string transfer_path;
   uint64_t seed = 0;
@@ -93,7 +94,7 @@ struct PlanFlags {
   int64_t requests_per_instance = 40;
   int64_t min_requests = 400;
   double span_s = 20;
-  int refine = 3;
+  int refine = 6;
   std::string transfer;
   uint64_t seed = 0;
   std::string json;

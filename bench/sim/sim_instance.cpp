@@ -5,22 +5,11 @@
 
 #include "common/error.h"
 #include "common/model/kv_layout.h"
+#include "worker/local_instance.h"
 #include "worker/model/step_time_forward.h"
 
 namespace duet::sim {
 namespace {
-
-InstanceFinish instance_finish(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kEndOfGeneration:
-      return InstanceFinish::kEndOfGeneration;
-    case FinishReason::kLength:
-      return InstanceFinish::kLength;
-    case FinishReason::kStopped:
-      return InstanceFinish::kCancelled;
-  }
-  return InstanceFinish::kFailed;
-}
 
 EngineBackend cost_model_backend(const StepCost& cost, const ModelShape& model,
                                  StepTimeForward** forward) {
@@ -142,11 +131,7 @@ void SimInstance::fail(RequestId id, ServeError error) {
 
 void SimInstance::apply_submit(InstanceRequest& request) {
   const RequestId rid = request.id;
-  RequestOptions options;
-  options.max_tokens = request.max_tokens;
-  options.sampling = request.sampling;
-  options.ignore_eos = request.ignore_eos;
-  options.n_prompt = request.n_prompt;
+  const RequestOptions options = request_options(request);
   auto on_token = [this, rid](const TokenEvent& e) {
     InstanceEvent event{.id = rid, .token = e.token, .finished = e.finished};
     if (e.finished) {
@@ -205,11 +190,8 @@ void SimInstance::apply_imported(const Imported& imported) {
 void SimInstance::apply_order(Order& order) {
   const RequestId rid = order.request.id;
   SimInstance* decode = order.decode;
-  RequestOptions options;
+  RequestOptions options = request_options(order.request);
   options.max_tokens = 1;  // this side samples the first token only
-  options.sampling = order.request.sampling;
-  options.ignore_eos = order.request.ignore_eos;
-  options.n_prompt = order.request.n_prompt;
   ExportSink sink;
   sink.layer = [this, rid](SequenceId, int64_t layer, int64_t, int64_t n, std::span<const int32_t>,
                            const KvCache&) {
