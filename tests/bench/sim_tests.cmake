@@ -1,2 +1,7 @@
 # The cluster simulator and its planner (no model, no MPI: milliseconds to seconds).
 duet_add_test(sim_test SOURCES bench/sim_test.cpp LIBS duet_sim)
+
+# duet-sim as a user runs it, on a roofline profile `duet profile` writes.
+add_test(NAME duet_sim_cli_test
+  COMMAND ${DUET_TEST_PYTHON} -S ${CMAKE_CURRENT_SOURCE_DIR}/bench/duet_sim_cli_test.py
+    $<TARGET_FILE:duet> $<TARGET_FILE:duet-sim> ${PROJECT_SOURCE_DIR}/bench/traces/chat_80.csv)
