@@ -305,6 +305,10 @@ bool Engine::step() {
     }
     emit(chunk.id, token, position);
   }
+  // The blocks and running slots the finished sequences freed may be what a
+  // queued import waits for: reserved now, it does not wait for a next step
+  // that an otherwise idle engine would never run.
+  reserve_imports();
   return true;
 }
 

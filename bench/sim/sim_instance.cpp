@@ -65,8 +65,9 @@ void SimInstance::cycle() {
   const int64_t steps_before = forward_->steps();
   engine_.step();
   if (forward_->steps() == steps_before) {
-    // Nothing to compute (imports wait for their rows): sleep until a command.
-    if (!events_.empty()) publish();
+    // Nothing to compute (imports wait for their rows): fresh stats, then
+    // sleep until a command.
+    publish();
     return;
   }
   const double seconds = forward_->last_step_seconds() * cores_.begin_step();
@@ -101,17 +102,21 @@ void SimInstance::apply(Command& command) {
     if (it == sequences_.end()) return;
     const SequenceId sid = it->second;
     const bool in_transfer = engine_.import_reserved(sid);
-    engine_.cancel(sid);  // its sink reports the finish
-    if (auto prefill = prefill_of_.find(*id); prefill != prefill_of_.end()) {
+    SimInstance* prefill = nullptr;
+    if (auto p = prefill_of_.find(*id); p != prefill_of_.end()) {
+      prefill = p->second;
+      prefill_of_.erase(p);
+    }
+    engine_.cancel(sid);  // its sink reports the finish and forgets the ids
+    if (prefill != nullptr) {
       // No rows are in flight in a model of the transfer: withdraw the order
       // and free the blocks at once.
-      SimInstance* peer = prefill->second;
-      clock_.after(transfer_.link.latency_s, [peer, rid = *id] { peer->post(Withdrawn{rid}); });
-      prefill_of_.erase(prefill);
+      clock_.after(transfer_.link.latency_s,
+                   [prefill, rid = *id] { prefill->post(Withdrawn{rid}); });
     }
     if (in_transfer) engine_.release_import(sid);
     requests_.erase(sid);
-    sequences_.erase(it);
+    sequences_.erase(*id);
   } else if (auto* order = std::get_if<Order>(&command)) {
     apply_order(*order);
   } else if (const auto* withdrawn = std::get_if<Withdrawn>(&command)) {

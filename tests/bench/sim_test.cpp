@@ -8,6 +8,7 @@
 
 #include "bench/loadgen/stats.h"
 #include "bench/sim/planner.h"
+#include "bench/sim/sim_instance.h"
 #include "bench/sim/simulator.h"
 #include "common/error.h"
 
@@ -218,6 +219,60 @@ TEST(Simulator, RefusesWhatTheProfileCannotCost) {
   options.cluster = parse_cluster_layout("1P+1D");
   options.transfer_path = "nvlink";
   EXPECT_THROW(simulate(profile, options, {}), Error);
+}
+
+TEST(SimInstance, ACancelledImportEndsAndItsOrderIsWithdrawn) {
+  // Two requests from one decode instance to one prefill instance: the first
+  // keeps the prefill busy for a 512-token step while the second's order
+  // waits there; the second is cancelled meanwhile, so its order is
+  // withdrawn before it runs, and nothing of it is left on either side.
+  const Profile profile = stated_profile(simple_cost());
+  EventQueue clock;
+  SharedCores cores;
+  const SimTransfer transfer{LinkCost{0.001, 1e9}, profile.model.kv_bytes_per_token,
+                             profile.model.n_layers};
+  EngineConfig config;
+  config.n_kv_blocks = 128;
+  const InstanceInfo info{"test", profile.model.n_ctx, profile.model.n_vocab, 128 * 16, {}};
+  SimInstance prefill(
+      clock, InstanceRole::kPrefill, 1, simple_cost(), config, info, profile.model, transfer,
+      [](int32_t) -> SimInstance* { return nullptr; }, cores);
+  SimInstance decode(
+      clock, InstanceRole::kDecode, 1, simple_cost(), config, info, profile.model, transfer,
+      [&](int32_t p) { return p == 0 ? &prefill : nullptr; }, cores);
+  std::vector<InstanceEvent> events;
+  decode.set_event_handler([&](std::span<const InstanceEvent> batch) {
+    events.insert(events.end(), batch.begin(), batch.end());
+  });
+  for (uint64_t id : {1, 2}) {
+    InstanceRequest request;
+    request.id = RequestId{id};
+    request.prompt.assign(id == 1 ? 511 : 64, static_cast<int32_t>(id));
+    request.max_tokens = 5;
+    request.ignore_eos = true;
+    request.prefill_peer = 0;
+    decode.submit(std::move(request));
+  }
+  clock.at(0.010, [&] { decode.cancel(RequestId{2}); });
+  clock.run();
+
+  int64_t first_tokens = 0;
+  bool second_cancelled = false;
+  for (const InstanceEvent& e : events) {
+    if (e.id.value == 1 && e.token >= 0) ++first_tokens;
+    if (e.id.value == 2) {
+      EXPECT_TRUE(e.finished && e.finish == InstanceFinish::kCancelled);
+      EXPECT_LT(e.token, 0);
+      second_cancelled = true;
+    }
+  }
+  EXPECT_EQ(first_tokens, 5);
+  EXPECT_TRUE(second_cancelled);
+  EXPECT_EQ(prefill.steps(), 1) << "the withdrawn order still ran";
+  for (const SimInstance* instance : {&prefill, &decode}) {
+    EXPECT_EQ(instance->stats().running, 0);
+    EXPECT_EQ(instance->stats().waiting, 0);
+  }
 }
 
 TEST(Planner, FindsAHigherRateForMoreGpusAndRanksLayouts) {

@@ -172,6 +172,30 @@ TEST_P(EngineCostModelTest, ExportsAndImportsRunWithoutKvMemory) {
   EXPECT_EQ(prefill.n_free_kv_blocks(), prefill.n_kv_blocks());
 }
 
+TEST_P(EngineCostModelTest, AnImportWaitingForASlotIsReservedByTheStepThatFreesIt) {
+  // One running slot, taken; an import waits for it. The step that ends the
+  // running sequence must reserve the import: after it the engine is idle
+  // and would run no further step to do so (found by the cluster simulator:
+  // a decode instance's last import waited forever).
+  std::mt19937 rng(5);
+  EngineConfig config;
+  config.n_kv_blocks = 32;
+  config.scheduler.max_running = 1;
+  StepTimeForward* forward = nullptr;
+  Engine engine(step_time_backend(model_->config(), &forward), config);
+  engine.submit(random_prompt(rng, 8), {.max_tokens = 2, .ignore_eos = true}, nullptr);
+  ASSERT_TRUE(engine.step());  // admitted and prefilled: the slot is taken
+  bool reserved = false;
+  ImportHooks hooks;
+  hooks.reserved = [&](SequenceId, int64_t, std::span<const int32_t>) { reserved = true; };
+  engine.submit_import(random_prompt(rng, 8), {.max_tokens = 2, .ignore_eos = true}, nullptr,
+                       std::move(hooks));
+  EXPECT_FALSE(reserved);
+  ASSERT_TRUE(engine.step());  // the running sequence's last token
+  EXPECT_TRUE(engine.idle());
+  EXPECT_TRUE(reserved);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, EngineCostModelTest,
                          ::testing::Values("tiny_q4_1_gqa_tied.gguf", "tiny_q8_0_mha_untied.gguf"),
                          testing::model_param_name);
