@@ -95,6 +95,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   RequestOptions request;
   request.max_tokens = options.max_tokens;
   request.sampling = options.sampling;
+  request.ignore_eos = args.ignore_eos;
   const auto start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < prompt_ids.size(); ++i) {
     engine.submit(prompt_ids[i], request, [&outputs, i](const TokenEvent& e) {
@@ -114,7 +115,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
     }
     n_output += static_cast<int64_t>(outputs[i].tokens.size());
     const nlohmann::json line = {{"index", i},
-                                 {"text", tokenizer.decode(text_ids)},
+                                 {"text", tokenizer.decode(text_ids, /*skip_special=*/true)},
                                  {"completion_tokens", outputs[i].tokens.size()},
                                  {"token_ids", outputs[i].tokens},
                                  {"finish", finish_name(outputs[i].finish)}};

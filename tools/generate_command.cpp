@@ -83,6 +83,9 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
       ->check(device_validator());
   cmd->add_flag("--no-kv-cache", args.no_kv_cache,
                 "Recompute the whole context at every step (to measure what the cache saves)");
+  cmd->add_flag("--ignore-eos", args.ignore_eos,
+                "Generate exactly --n-tokens: end-of-generation tokens do not end the text "
+                "(and are not part of it), as serving's ignore_eos");
   cmd->add_flag("--token-ids", args.token_ids,
                 "Also print the generated token ids on stderr, as 'token_ids: [...]' (JSON)");
 }
@@ -142,7 +145,8 @@ int run_generate(const GenerateArgs& args) {
 
   cpu::ThreadPool pool(n_threads);
   Generator generator(*model, kernels, pool, parse_device(args.device));
-  IncrementalDecoder decoder(tokenizer);
+  // Special tokens are no text, as the server streams it: one prompt, one answer.
+  IncrementalDecoder decoder(tokenizer, /*skip_special=*/true);
 
   // Text goes token -> decoder (whole UTF-8 characters) -> stop matcher (holds
   // back what may begin a stop string) -> stdout.
@@ -156,7 +160,7 @@ int run_generate(const GenerateArgs& args) {
     print(stop_matcher.push(decoder.push(id)));
     return !stop_matcher.stopped();
   };
-  auto is_end = [&](TokenId id) { return tokenizer.is_end_of_generation(id); };
+  auto is_end = [&](TokenId id) { return !args.ignore_eos && tokenizer.is_end_of_generation(id); };
   const GenerateResult result = generator.generate(prompt_ids, options, emit, is_end);
   if (!stop_matcher.stopped()) {
     print(stop_matcher.push(decoder.flush()));

@@ -31,7 +31,8 @@ struct GenerateArgs {
   int threads = 0;                // 0: all hardware threads
   std::string device = "cpu";     // cpu, cuda or cuda:N
   bool no_kv_cache = false;
-  bool token_ids = false;  // print the generated ids on stderr (JSON lines carry them always)
+  bool token_ids = false;   // print the generated ids on stderr (JSON lines carry them always)
+  bool ignore_eos = false;  // exactly n_tokens: end-of-generation tokens do not end it
   // Batch mode: every line of this file is a prompt, run through the batching engine.
   std::string prompts_file;
   std::string kv_cache_mem =

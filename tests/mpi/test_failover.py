@@ -76,6 +76,8 @@ def generate(body):
                "--temp", str(body["temperature"])]
     if "seed" in body:
         command += ["--seed", str(body["seed"]), "--top-p", str(body["top_p"])]
+    if body.get("ignore_eos"):
+        command.append("--ignore-eos")
     result = subprocess.run(command, capture_output=True, timeout=120, check=True)
     text = result.stdout.decode()
     return text[:-1] if text.endswith("\n") else text  # generate ends its output with a newline
