@@ -1,12 +1,15 @@
 #include "tools/profile_command.h"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "bench/kv_transfer/rig.h"
 #include "bench/sim/link_measure.h"
@@ -65,6 +68,15 @@ std::vector<int64_t> transfer_prompts(int64_t step_tokens) {
   return prompts;
 }
 
+// The CPUs this process may run on (its affinity mask; mpirun may bind it).
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0)
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return CPU_COUNT(&set);
+}
+
 void print_summary(const sim::Profile& profile) {
   const sim::InstanceProfile& instance = profile.instance(1);
   const sim::FitQuality& q = instance.quality;
@@ -90,6 +102,10 @@ void print_summary(const sim::Profile& profile) {
   for (const sim::CollectiveProfile& c : profile.collectives) {
     std::fprintf(stderr, "%s over %d ranks: latency %.1f us, %.2f GB/s\n", c.op.c_str(), c.ranks,
                  1e6 * c.cost.latency_s, c.cost.bytes_per_s / 1e9);
+  }
+  if (!profile.host.samples.empty()) {
+    std::fprintf(stderr, "a neighbour instance on this host slows a step by %.3fx\n",
+                 profile.host.neighbour_slowdown);
   }
 }
 
@@ -138,6 +154,21 @@ int run_measured(const ProfileArgs& args) {
   options.reps = args.reps;
   options.max_context = args.max_context;
   options.seed = args.seed;
+  // GPU instances of one host each have a device of their own.
+  options.neighbour_rounds = device >= 0 ? 0 : args.neighbour_rounds;
+  // The neighbour needs cores of its own: otherwise the figure is time
+  // sharing, which duet-sim --host-cores counts apart. mpirun binds each of
+  // two ranks to one core unless told --bind-to none.
+  const int usable = usable_cpus();
+  std::string host_note;
+  if (options.neighbour_rounds > 0 && 2 * n_threads > usable) {
+    host_note = fmt::format(
+        "host sharing not measured: two instances of {} thread(s) need {} CPUs, this process may "
+        "use {} (under mpirun: --bind-to none).",
+        n_threads, 2 * n_threads, usable);
+    spdlog::warn("{}", host_note);
+    options.neighbour_rounds = 0;
+  }
   sim::Profile profile;
   try {
     profile =
@@ -153,9 +184,17 @@ int run_measured(const ProfileArgs& args) {
   profile.note =
       "steps: the real engine with duet serve's configuration; each decoding sequence has KV "
       "blocks of its own, imported (bench/sim/profile_measure.h). ";
-  profile.note += mpi ? "transfers and all_reduce: two ranks of one mpirun job on this machine."
+  profile.note += mpi ? "transfers and all_reduce: two ranks of one mpirun job on this machine. "
                       : "transfers and collectives not measured (run under mpirun -np 2 to "
-                        "measure them).";
+                        "measure them). ";
+  if (!host_note.empty()) {
+    profile.note += host_note;
+  } else {
+    profile.note += profile.host.samples.empty()
+                        ? "host sharing not measured."
+                        : "host: steps timed alone and beside a second instance of the same "
+                          "threads (bench/sim/profile_measure.h measure_neighbour).";
+  }
   sim::write_profile(args.out, profile);
   print_summary(profile);
   std::fprintf(stderr, "profile written to %s\n", args.out.c_str());
@@ -197,6 +236,10 @@ void add_profile_command(CLI::App& app, ProfileArgs& args) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   cmd->add_option("--seed", args.seed, "Seed of the random prompts");
+  cmd->add_option("--neighbour-rounds", args.neighbour_rounds,
+                  "Rounds timing steps beside a second instance on this host (0: none; CPU only)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
   cmd->add_flag("--roofline", args.roofline,
                 "Derive the profile from --hardware and a model instead of measuring");
   cmd->add_option("--hardware", args.hardware,

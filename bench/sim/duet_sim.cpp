@@ -43,6 +43,7 @@ struct Flags {
   std::string cluster = "1C";
   std::string transfer;
   int host_cores = 0;
+  double neighbour_slowdown = 0;  // 0: the profile's
   std::string rates;
   double burstiness = 1;
   int64_t n_requests = 100;
@@ -92,6 +93,7 @@ int run_command(const Flags& flags) {
   options.engine = engine_config(flags.engine);
   options.transfer_path = flags.transfer;
   options.host_cores = flags.host_cores;
+  if (flags.neighbour_slowdown > 0) options.neighbour_slowdown = flags.neighbour_slowdown;
   options.seed = flags.seed;
 
   const bool from_trace = !flags.trace.empty();
@@ -129,24 +131,26 @@ int run_command(const Flags& flags) {
   if (results.size() > 1) print_sweep(std::cout, results);
   std::cout.flush();
 
-  const nlohmann::json config = {{"profile", flags.profile},
-                                 {"profile_source", profile.source},
-                                 {"device", profile.device},
-                                 {"model", profile.model.name},
-                                 {"cluster", sim::describe_layout(options.cluster)},
-                                 {"transfer", flags.transfer},
-                                 {"host_cores", flags.host_cores},
-                                 {"max_running", flags.engine.max_running},
-                                 {"step_tokens", flags.engine.step_tokens},
-                                 {"kv_blocks", flags.engine.kv_blocks},
-                                 {"rates", flags.rates},
-                                 {"burstiness", flags.burstiness},
-                                 {"num_requests", flags.n_requests},
-                                 {"input_len", from_trace ? "trace" : flags.input_len},
-                                 {"output_len", from_trace ? "trace" : flags.output_len},
-                                 {"trace", flags.trace},
-                                 {"time_scale", flags.time_scale},
-                                 {"seed", flags.seed}};
+  const nlohmann::json config = {
+      {"profile", flags.profile},
+      {"profile_source", profile.source},
+      {"device", profile.device},
+      {"model", profile.model.name},
+      {"cluster", sim::describe_layout(options.cluster)},
+      {"transfer", flags.transfer},
+      {"host_cores", flags.host_cores},
+      {"neighbour_slowdown", options.neighbour_slowdown.value_or(profile.host.neighbour_slowdown)},
+      {"max_running", flags.engine.max_running},
+      {"step_tokens", flags.engine.step_tokens},
+      {"kv_blocks", flags.engine.kv_blocks},
+      {"rates", flags.rates},
+      {"burstiness", flags.burstiness},
+      {"num_requests", flags.n_requests},
+      {"input_len", from_trace ? "trace" : flags.input_len},
+      {"output_len", from_trace ? "trace" : flags.output_len},
+      {"trace", flags.trace},
+      {"time_scale", flags.time_scale},
+      {"seed", flags.seed}};
   std::string json_path = flags.json;
   if (json_path.empty() && !flags.plot.empty())
     json_path = (std::filesystem::temp_directory_path() /
@@ -188,6 +192,10 @@ int main(int argc, char** argv) {
   app.add_option("--host-cores", flags.host_cores,
                  "Cores all instances share (a CPU cluster on one host); 0: each its own")
       ->capture_default_str();
+  app.add_option("--neighbour-slowdown", flags.neighbour_slowdown,
+                 "With --host-cores: a step's slowdown beside another (0: the profile's)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--rate", flags.rates, "Request rates, req/s, comma-separated (inf: all at once)");
   app.add_option("--burstiness", flags.burstiness, "Gamma arrivals' shape: 1 Poisson, < 1 burstier")
       ->capture_default_str();

@@ -4,10 +4,16 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <exception>
 #include <fstream>
+#include <functional>
 #include <iostream>
-#include <set>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "bench/loadgen/command_line.h"
 #include "bench/sim/simulator.h"
@@ -16,9 +22,21 @@
 namespace duet::sim {
 namespace {
 
+// A layout's shape, the same at every cluster size: colocated instances of
+// one tp, or a (prefill tp, decode tp) pair with the prefill instances
+// taking prefill_shares[share] of the GPUs.
+struct Shape {
+  bool colocated = false;
+  int tp_prefill = 0;  // colocated: the instances' tp
+  int tp_decode = 0;
+  int share = -1;  // index into prefill_shares
+  auto operator<=>(const Shape&) const = default;
+};
+
 // A candidate and what its search has found so far.
 struct Candidate {
   LayoutGoodput result;
+  std::vector<Shape> shapes;  // several shares may round to one layout
   int n_instances = 0;
   double lo = 0;                                        // a rate that meets the attainment
   double hi = std::numeric_limits<double>::infinity();  // one that does not
@@ -93,10 +111,13 @@ void record(Candidate& c, double rate, const Probe& p, int cluster_gpus) {
 
 // Brackets the highest passing rate from `guess` (by factors of `factor`),
 // then bisects the bracket `steps` times in log space.
-void search(const Profile& profile, const PlanOptions& options, Candidate& c, double guess,
-            double factor, int steps, bool coarse, int cluster_gpus) {
+// Returns the number of probes.
+int search(const Profile& profile, const PlanOptions& options, Candidate& c, double guess,
+           double factor, int steps, bool coarse, int cluster_gpus) {
   constexpr int kMaxExpansions = 16;
+  int probes = 0;
   const auto passes = [&](double rate) {
+    ++probes;
     const Probe p = probe(profile, options, c, rate, coarse);
     const bool ok = p.attainment >= options.attainment;
     if (ok) record(c, rate, p, cluster_gpus);
@@ -116,39 +137,78 @@ void search(const Profile& profile, const PlanOptions& options, Candidate& c, do
       rate /= factor;
     }
   }
-  if (c.lo == 0 || std::isinf(c.hi)) return;  // no rate met the SLO, or none saturated
+  if (c.lo == 0 || std::isinf(c.hi)) return probes;  // no rate met the SLO, or none saturated
   for (int i = 0; i < steps; ++i) {
     const double mid = std::sqrt(c.lo * c.hi);
     if (!passes(mid)) c.hi = mid;
   }
+  return probes;
 }
 
+// Every layout of `n_gpus` whose shape `keep` accepts; shapes that round to
+// the same layout share one candidate.
 std::vector<Candidate> candidates(int n_gpus, const std::vector<int>& tps,
-                                  const std::vector<double>& shares) {
+                                  const std::vector<double>& shares,
+                                  const std::function<bool(const Shape&)>& keep) {
   std::vector<Candidate> out;
-  const auto add = [&](ClusterSpec spec) {
+  const auto add = [&](ClusterSpec spec, Shape shape) {
     Candidate c;
     c.n_instances = static_cast<int>(spec.instances.size());
     c.result.gpus = spec.required_world_size() - 1;
     c.result.layout = describe_layout(spec);
     c.result.cluster = std::move(spec);
+    c.shapes.push_back(shape);
     out.push_back(std::move(c));
   };
   for (int tp : tps) {
-    if (n_gpus / tp >= 1) add(parse_cluster_flags(0, n_gpus / tp, tp, tp, ClusterMode::kColocated));
+    const Shape shape{.colocated = true, .tp_prefill = tp, .tp_decode = tp};
+    if (n_gpus / tp >= 1 && keep(shape))
+      add(parse_cluster_flags(0, n_gpus / tp, tp, tp, ClusterMode::kColocated), shape);
   }
-  std::set<std::tuple<int, int, int, int>> seen;
+  std::map<std::tuple<int, int, int, int>, size_t> seen;  // layout -> candidate
   for (int tp_p : tps) {
     for (int tp_d : tps) {
-      for (double share : shares) {
-        const int p = std::max(1, static_cast<int>(std::lround(share * n_gpus / tp_p)));
+      for (size_t i = 0; i < shares.size(); ++i) {
+        const Shape shape{.tp_prefill = tp_p, .tp_decode = tp_d, .share = static_cast<int>(i)};
+        if (!keep(shape)) continue;
+        const int p = std::max(1, static_cast<int>(std::lround(shares[i] * n_gpus / tp_p)));
         const int d = (n_gpus - p * tp_p) / tp_d;
-        if (d < 1 || !seen.insert({p, tp_p, d, tp_d}).second) continue;
-        add(parse_cluster_flags(p, d, tp_p, tp_d, ClusterMode::kDisaggregated));
+        if (d < 1) continue;
+        const auto [it, fresh] = seen.try_emplace({p, tp_p, d, tp_d}, out.size());
+        if (fresh) {
+          add(parse_cluster_flags(p, d, tp_p, tp_d, ClusterMode::kDisaggregated), shape);
+        } else {
+          out[it->second].shapes.push_back(shape);
+        }
       }
     }
   }
   return out;
+}
+
+// Runs `work` on every candidate, `jobs` at a time (each probe is a
+// simulation of its own: nothing is shared but the profile and options).
+void for_each_candidate(const std::vector<Candidate*>& all, int jobs,
+                        const std::function<void(Candidate&)>& work) {
+  std::atomic<size_t> next = 0;
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  const auto run = [&] {
+    for (size_t i = next++; i < all.size(); i = next++) {
+      try {
+        work(*all[i]);
+      } catch (...) {
+        std::lock_guard lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  const int n = std::clamp<int>(jobs, 1, static_cast<int>(std::max<size_t>(1, all.size())));
+  for (int t = 1; t < n; ++t) threads.emplace_back(run);
+  run();
+  for (std::thread& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
 bool colocated(const LayoutGoodput& l) { return l.cluster.mode == ClusterMode::kColocated; }
@@ -168,29 +228,58 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
   DUET_REQUIRE(!tps.empty(), "the profile has no instance size whose KV cache holds anything");
   for (int tp : tps) profile.instance(tp);  // each one there
 
-  // Coarse: a quarter of the requests, a bracket of 4x bisected to ~19%.
-  // Fine: all of them, a bracket of 1.3x around the coarse figure bisected to ~3%.
-  constexpr double kCoarseFactor = 4, kFineFactor = 1.3;
-  constexpr int kCoarseSteps = 3, kFineSteps = 3;
+  // Coarse: a quarter of the requests, a bracket of 4x bisected to ~19%, or
+  // where the shape has a figure from the last size, a bracket of 1.5x
+  // around it bisected to ~11%. Fine: all of them, a bracket of 1.3x around
+  // the coarse figure bisected to ~3%.
+  constexpr double kCoarseFactor = 4, kKnownFactor = 1.5, kFineFactor = 1.3;
+  constexpr int kCoarseSteps = 3, kKnownSteps = 2, kFineSteps = 3;
+  // Candidates within kNearBest of the best coarse figure are searched finely.
+  constexpr double kNearBest = 0.8;
   std::vector<PlanResult> results;
   double per_gpu_guess = 0.5;  // req/s per GPU to start from; then the last size's best
+  // The last size's figure of each shape, and the best disaggregated one.
+  std::map<Shape, double> known;
+  double best_known_disaggregated = 0;
   for (int n_gpus : options.gpus) {
     DUET_REQUIRE(n_gpus >= 1, "a cluster needs at least one GPU, got {}", n_gpus);
-    std::vector<Candidate> all = candidates(n_gpus, tps, options.prefill_shares);
+    const auto wall_start = std::chrono::steady_clock::now();
+    // Pruning by the last size: colocated shapes always; a disaggregated
+    // one when it was within kNearBest of the best disaggregated figure
+    // there, or is a neighbouring share of one that was, or had no figure.
+    const auto near = [&](const Shape& s) {
+      const auto it = known.find(s);
+      return it == known.end() || it->second >= kNearBest * best_known_disaggregated;
+    };
+    const auto keep = [&](const Shape& s) {
+      if (!options.prune || s.colocated || known.empty()) return true;
+      for (int d : {-1, 0, 1}) {
+        Shape n = s;
+        n.share += d;
+        if (n.share < 0 || n.share >= static_cast<int>(options.prefill_shares.size())) continue;
+        if ((d == 0 || known.contains(n)) && near(n)) return true;
+      }
+      return false;
+    };
+    std::vector<Candidate> all = candidates(n_gpus, tps, options.prefill_shares, keep);
     if (all.empty()) continue;
-    for (Candidate& c : all)
-      search(profile, options, c, per_gpu_guess * n_gpus, kCoarseFactor, kCoarseSteps, true,
-             n_gpus);
     std::vector<Candidate*> order;
     for (Candidate& c : all) order.push_back(&c);
+    std::atomic<int64_t> probes = 0;
+    for_each_candidate(order, options.jobs, [&](Candidate& c) {
+      const auto it = known.find(c.shapes.front());
+      const bool has_figure = it != known.end() && it->second > 0;
+      const double guess = (has_figure ? it->second : per_gpu_guess) * n_gpus;
+      probes += search(profile, options, c, guess, has_figure ? kKnownFactor : kCoarseFactor,
+                       has_figure ? kKnownSteps : kCoarseSteps, true, n_gpus);
+    });
     const auto by_goodput = [](const Candidate* a, const Candidate* b) {
       return a->result.goodput_per_gpu > b->result.goodput_per_gpu;
     };
     std::stable_sort(order.begin(), order.end(), by_goodput);
     // Finely: the candidates whose coarse figure is within kNearBest of the
     // best one (the coarse pass is optimistic about all of them alike), at
-    // most `refine`, and the best colocated.
-    constexpr double kNearBest = 0.8;
+    // most `refine`, and the best colocated and best disaggregated ones.
     const double best_coarse = order.front()->result.goodput_per_gpu;
     std::vector<Candidate*> fine;
     for (Candidate* c : order) {
@@ -198,17 +287,18 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
       if (c->result.goodput_per_gpu < kNearBest * best_coarse && !fine.empty()) break;
       fine.push_back(c);
     }
-    for (Candidate* c : order) {
-      if (colocated(c->result)) {
+    for (bool mode : {true, false}) {
+      for (Candidate* c : order) {
+        if (colocated(c->result) != mode) continue;
         if (std::find(fine.begin(), fine.end(), c) == fine.end()) fine.push_back(c);
         break;
       }
     }
-    for (Candidate* c : fine) {
-      const double coarse_rate = c->lo > 0 ? c->lo : per_gpu_guess * n_gpus;
-      search(profile, options, *c, coarse_rate, kFineFactor, kFineSteps, false, n_gpus);
-      c->result.refined = true;
-    }
+    for_each_candidate(fine, options.jobs, [&](Candidate& c) {
+      const double coarse_rate = c.lo > 0 ? c.lo : per_gpu_guess * n_gpus;
+      probes += search(profile, options, c, coarse_rate, kFineFactor, kFineSteps, false, n_gpus);
+      c.result.refined = true;
+    });
     std::stable_sort(order.begin(), order.end(), [&](const Candidate* a, const Candidate* b) {
       if (a->result.refined != b->result.refined) return a->result.refined;
       return by_goodput(a, b);
@@ -223,6 +313,19 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
     }
     if (result.ranked.front().goodput_per_gpu > 0)
       per_gpu_guess = result.ranked.front().goodput_per_gpu;
+    known.clear();
+    best_known_disaggregated = 0;
+    for (const Candidate& c : all) {
+      for (const Shape& s : c.shapes) known[s] = c.result.goodput_per_gpu;
+      if (!colocated(c.result))
+        best_known_disaggregated = std::max(best_known_disaggregated, c.result.goodput_per_gpu);
+    }
+    if (options.progress) {
+      *options.progress << fmt::format(
+          "duet-sim plan: {} GPUs: {} layouts ({} finely), {} probes, {:.1f} s\n", n_gpus,
+          all.size(), fine.size(), probes.load(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count());
+    }
     results.push_back(std::move(result));
   }
   return results;
@@ -260,6 +363,10 @@ void add_plan_flags(CLI::App& app, PlanFlags& flags) {
   app.add_option("--trace", flags.trace, "Traffic shape from a trace file (instead of --mix)");
   app.add_option("--refine", flags.refine, "Best candidates per size searched finely")
       ->capture_default_str();
+  app.add_flag("--no-prune", flags.no_prune,
+               "Search every shape at every size, not only those near the best at the size before");
+  app.add_option("--jobs", flags.jobs, "Layouts searched at once (0: one per hardware thread)")
+      ->capture_default_str();
   app.add_option("--tp", flags.tps,
                  "Instance sizes to try, comma-separated (default: the profile's)");
   app.add_option("--requests-per-instance", flags.requests_per_instance,
@@ -292,6 +399,11 @@ int plan_command(const PlanFlags& flags, std::ostream& out) {
   options.min_requests = flags.min_requests;
   options.span_s = flags.span_s;
   options.refine = flags.refine;
+  options.prune = !flags.no_prune;
+  options.jobs = flags.jobs > 0
+                     ? flags.jobs
+                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.progress = &std::cerr;
   options.engine = flags.engine;
   options.transfer_path = flags.transfer;
   options.seed = flags.seed;

@@ -13,9 +13,15 @@
 //                  of each kind), the decode instances the rest.
 // The search is in two passes: every candidate coarsely (fewer simulated
 // requests, a shorter span, a wide bracket), then those within 80% of the
-// best coarse figure (at most `refine`) and the best colocated finely (all
-// the requests, a narrow bracket around the coarse figure); the report ranks
-// the fine figures first.
+// best coarse figure (at most `refine`), the best colocated and the best
+// disaggregated one finely (all the requests, a narrow bracket around the
+// coarse figure); the report ranks the fine figures first.
+// From the second size on, `prune` keeps the disaggregated shapes (tp pair
+// and share) that came within 80% of the best disaggregated figure at the
+// size before, and their neighbouring shares; each kept shape's search
+// starts from its figure there. Goodput per GPU changes slowly with the
+// cluster's size, so this finds the same layouts with a fraction of the
+// probes. Candidates are searched `jobs` at a time.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +56,9 @@ struct PlanOptions {
   std::vector<int> tps;  // empty: every tp the profile has
   std::vector<double> prefill_shares = {0.125, 0.2, 0.25, 1.0 / 3, 0.4, 0.5, 0.6, 2.0 / 3, 0.75};
   int refine = 6;  // candidates searched finely per cluster size, at most
+  bool prune = true;
+  int jobs = 1;                      // candidates searched at once (threads)
+  std::ostream* progress = nullptr;  // a line per cluster size, when set
   EngineConfig engine;
   std::string transfer_path;
   uint64_t seed = 0;
@@ -95,6 +104,8 @@ struct PlanFlags {
   int64_t min_requests = 400;
   double span_s = 20;
   int refine = 6;
+  bool no_prune = false;
+  int jobs = 0;  // 0: the machine's hardware threads
   std::string transfer;
   uint64_t seed = 0;
   std::string json;

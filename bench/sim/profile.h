@@ -164,6 +164,15 @@ struct HardwareSpec {
   double kv_memory_fraction = 0.9;  // of memory left after the weights, given to KV
 };
 
+// Instances that share one host (a CPU cluster on one machine): how much
+// longer a step takes while another instance like it computes beside it, on
+// cores of its own but the same memory and caches. Measured by `duet
+// profile` (bench/sim/profile_measure.h); 1 when not measured.
+struct HostSharing {
+  double neighbour_slowdown = 1;
+  std::vector<double> samples;  // the ratio of each measured round
+};
+
 struct Profile {
   std::string source;  // "measured" or "roofline"
   std::string device;  // what it describes: "cpu: <model name>, 1 thread", "roofline: h200"
@@ -173,6 +182,7 @@ struct Profile {
   std::vector<InstanceProfile> instances;  // ascending tp, each tp once
   std::vector<TransferProfile> transfers;
   std::vector<CollectiveProfile> collectives;
+  HostSharing host;
   std::optional<HardwareSpec> hardware;  // a roofline's description
 
   // Throw duet::Error (kInvalidArgument) naming what the profile has.
@@ -182,8 +192,8 @@ struct Profile {
 
 // The JSON form: {"format": "duet-profile", "version": 1, ...} and every
 // field of every struct above under its own name ("hardware": null for a
-// measured profile; an infinite bytes_per_s as "inf"). Doubles read back
-// exactly.
+// measured profile; an infinite bytes_per_s as "inf"; "host" may be absent,
+// as in files written before it was measured). Doubles read back exactly.
 nlohmann::json profile_json(const Profile& profile);
 // Throws duet::Error (kInvalidArgument) naming the missing, malformed or
 // unknown field ("instances[1].step.knot_seconds[3]: expected a number"), or

@@ -1,6 +1,7 @@
 // A profile as JSON: every field of every struct under its own name, doubles
 // at full precision (nlohmann writes the shortest form that reads back
 // exactly), so write_profile then read_profile gives the same profile.
+#include <cmath>
 #include <fstream>
 
 #include "bench/sim/json_fields.h"
@@ -209,7 +210,10 @@ nlohmann::json profile_json(const Profile& profile) {
                          {"model", model_json(profile.model)},
                          {"instances", instances},
                          {"transfers", transfers},
-                         {"collectives", collectives}};
+                         {"collectives", collectives},
+                         {"host",
+                          {{"neighbour_slowdown", profile.host.neighbour_slowdown},
+                           {"samples", profile.host.samples}}}};
   json["hardware"] = profile.hardware ? hardware_json(*profile.hardware) : nlohmann::json(nullptr);
   return json;
 }
@@ -217,7 +221,7 @@ nlohmann::json profile_json(const Profile& profile) {
 Profile profile_from_json(const nlohmann::json& json) {
   const JsonFields f(json, "");
   f.only({"format", "version", "source", "device", "threads", "note", "model", "instances",
-          "transfers", "collectives", "hardware"});
+          "transfers", "collectives", "host", "hardware"});
   const std::string format = f.string("format");
   DUET_REQUIRE(format == kFormat, "format: '{}', expected '{}'", format, kFormat);
   const int64_t version = f.integer("version");
@@ -248,6 +252,15 @@ Profile profile_from_json(const nlohmann::json& json) {
     profile.collectives.push_back({c.string("op"),
                                    to_int(c.integer("ranks"), c.field_path("ranks")),
                                    read_link(c.object("cost")), read_link_samples(c, "samples")});
+  }
+  if (f.has("host")) {
+    const JsonFields h = f.object("host");
+    h.only({"neighbour_slowdown", "samples"});
+    profile.host.neighbour_slowdown = h.number("neighbour_slowdown");
+    DUET_REQUIRE(
+        profile.host.neighbour_slowdown > 0 && std::isfinite(profile.host.neighbour_slowdown),
+        "host.neighbour_slowdown: {}, expected a positive number", profile.host.neighbour_slowdown);
+    profile.host.samples = h.numbers("samples");
   }
   // "hardware" may be absent or null: a measured profile has none.
   if (f.has("hardware") && !f.at("hardware").is_null()) {

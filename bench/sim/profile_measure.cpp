@@ -3,10 +3,12 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "bench/sim/roofline.h"
 #include "common/error.h"
@@ -333,6 +335,92 @@ std::vector<StepSample> measure_steps(const LlamaModel& model, const cpu::Kernel
   return samples;
 }
 
+HostSharing measure_neighbour(const LlamaModel& model, const cpu::KernelTable& kernels,
+                              cpu::ThreadPool& pool, const MeasureOptions& options) {
+  HostSharing host;
+  if (options.neighbour_rounds <= 0) return host;
+  EngineConfig config = options.engine;
+  config.end_of_generation.clear();
+  const int64_t chunk = std::min<int64_t>(config.scheduler.max_step_tokens, 512);
+  const int64_t batch = std::min<int64_t>(config.scheduler.max_running, 8);
+  constexpr int64_t kContext = 256;
+  // KV for the workload, no more: two engines share the host's memory.
+  const int64_t blocks =
+      batch * (blocks_for(kContext + 2 + kDecodeSteps) + 1) + blocks_for(chunk + 1) + 2;
+  if (config.n_kv_blocks < blocks || model.config().n_ctx_train < kContext + 2 + kDecodeSteps) {
+    spdlog::warn("the KV cache is too small for the neighbour measurement; not measured");
+    return host;
+  }
+  config.n_kv_blocks = blocks;
+  const int64_t n_vocab = model.config().n_vocab;
+
+  Engine engine(model, kernels, pool, config);
+  std::vector<StepSample> samples;
+  TimedEngine timed(engine, samples);
+  Workloads workloads(timed, n_vocab, options.seed ^ 0x1a);
+  const auto workload_seconds = [&] {
+    samples.clear();
+    workloads.prefill({}, chunk);
+    workloads.decode(kContext, batch, 0);
+    double seconds = 0;
+    for (const StepSample& s : samples) seconds += s.seconds;
+    return seconds;
+  };
+
+  cpu::ThreadPool neighbour_pool(pool.size());
+  Engine neighbour(model, kernels, neighbour_pool, config);
+  std::atomic<bool> stop = false;
+  std::atomic<int64_t> neighbour_steps = 0;
+  const auto beside = [&] {
+    std::vector<StepSample> own;
+    TimedEngine t(neighbour, own);
+    Workloads w(t, n_vocab, options.seed ^ 0x2b);
+    while (!stop) {
+      w.prefill({}, chunk);
+      ++neighbour_steps;
+      if (!stop) w.decode(kContext, batch, 0);
+      own.clear();
+    }
+  };
+  const auto with_neighbour = [&] {
+    stop = false;
+    neighbour_steps = 0;
+    std::thread thread(beside);
+    while (neighbour_steps == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    double seconds = 0;
+    try {
+      seconds = workload_seconds();
+    } catch (...) {
+      stop = true;
+      thread.join();
+      throw;
+    }
+    stop = true;
+    thread.join();
+    return seconds;
+  };
+
+  workload_seconds();  // warm-up: weights paged in, caches and pool threads awake
+  for (int round = 0; round < options.neighbour_rounds; ++round) {
+    double alone = 0, together = 0;
+    if (round % 2 == 0) {
+      alone = workload_seconds();
+      together = with_neighbour();
+    } else {
+      together = with_neighbour();
+      alone = workload_seconds();
+    }
+    host.samples.push_back(together / alone);
+  }
+  std::vector<double> sorted = host.samples;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  host.neighbour_slowdown = n % 2 == 1 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  spdlog::info("a neighbour slows this instance's steps by {:.3f}x (median of {} rounds)",
+               host.neighbour_slowdown, n);
+  return host;
+}
+
 Profile measure_profile(const LlamaModel& model, const cpu::KernelTable& kernels,
                         cpu::ThreadPool& pool, const MeasureOptions& options) {
   const std::vector<StepSample> samples = measure_steps(model, kernels, pool, options);
@@ -349,6 +437,7 @@ Profile measure_profile(const LlamaModel& model, const cpu::KernelTable& kernels
   instance.residuals = fit_residuals(instance.step, samples);
   instance.quality = fit_quality(instance.residuals);
   profile.instances.push_back(std::move(instance));
+  profile.host = measure_neighbour(model, kernels, pool, options);
   return profile;
 }
 

@@ -49,6 +49,8 @@ struct MeasureOptions {
   // model's context and the KV cache).
   int64_t max_context = 4096;
   uint64_t seed = 1;
+  // Rounds of the neighbour measurement (measure_neighbour); 0: not measured.
+  int neighbour_rounds = 5;
 };
 
 // The steps of the plan, in the order they ran. Throws duet::Error
@@ -65,11 +67,24 @@ std::vector<int64_t> measure_knots(int64_t max_step_tokens);
 // /proc/cpuinfo>, N thread(s)" ("cpu: unknown, ..." where it cannot be read).
 std::string cpu_device(int n_threads);
 
+// How much longer this engine's steps take while a second instance like it
+// (its own engine and KV cache, a thread pool of the same size) computes
+// beside it: the host sharing a CPU cluster on one machine has, beyond the
+// cores. Each round times the same workload (a prefill chunk of up to 512
+// tokens, then a batch of 8 sequences decoding at 256 tokens) alone and
+// with the neighbour looping over that workload too, in alternating order;
+// a round's sample is the ratio of the two, the figure their median. Needs
+// twice the threads in cores to mean what it says (`duet profile` on a
+// 2-core machine: --threads 1). A profile without it (rounds 0) says 1.
+HostSharing measure_neighbour(const LlamaModel& model, const cpu::KernelTable& kernels,
+                              cpu::ThreadPool& pool, const MeasureOptions& options);
+
 // measure_steps fitted into a profile of one instance (tp 1): the step cost
 // with measure_knots, every sample's residual and the fit's quality, the KV
 // the engine holds (n_kv_blocks * 16 tokens), the model's shape. source
 // "measured"; transfers and collectives are left empty (the caller adds what
-// bench/sim/link_measure.h measures and says in `note` what is missing).
+// bench/sim/link_measure.h measures and says in `note` what is missing);
+// `host` from measure_neighbour.
 Profile measure_profile(const LlamaModel& model, const cpu::KernelTable& kernels,
                         cpu::ThreadPool& pool, const MeasureOptions& options);
 

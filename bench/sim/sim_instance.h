@@ -50,15 +50,19 @@ struct SimTransfer {
 
 // Instances that share one host's cores (a CPU cluster on one machine): a
 // step that starts while more instance steps run than there are cores takes
-// proportionally longer. Processor sharing judged at each step's start: a
-// step already running is not slowed by one that starts after it.
+// proportionally longer, and one that starts while any other runs takes
+// `neighbour_slowdown` times longer on top (the memory and caches they share;
+// the profile's HostSharing). Judged at each step's start: a step already
+// running is not slowed by one that starts after it.
 struct SharedCores {
   int cores = 0;  // 0: every instance has cores of its own
-  int busy = 0;   // steps running now
+  double neighbour_slowdown = 1;
+  int busy = 0;  // steps running now
 
   double begin_step() {
     ++busy;
-    return cores > 0 ? std::max(1.0, static_cast<double>(busy) / cores) : 1.0;
+    if (cores <= 0) return 1.0;
+    return std::max(1.0, static_cast<double>(busy) / cores) * (busy > 1 ? neighbour_slowdown : 1.0);
   }
   void end_step() { --busy; }
 };

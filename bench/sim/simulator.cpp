@@ -123,7 +123,8 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
   }
 
   EventQueue clock;
-  SharedCores cores{options.host_cores};
+  SharedCores cores{options.host_cores,
+                    options.neighbour_slowdown.value_or(profile.host.neighbour_slowdown)};
   std::vector<std::unique_ptr<SimInstance>> instances;
   std::map<int32_t, SimInstance*> prefill_by_peer;
   std::vector<RoutedInstance> routed;

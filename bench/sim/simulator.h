@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,6 +48,9 @@ struct SimOptions {
   // The cores all instances share (a CPU cluster on one host, one compute
   // thread per rank; sim_instance.h SharedCores); 0: each has its own.
   int host_cores = 0;
+  // With host_cores: a step's slowdown beside another running step; unset:
+  // the profile's (HostSharing).
+  std::optional<double> neighbour_slowdown;
 };
 
 struct InstanceReport {

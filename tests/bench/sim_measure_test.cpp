@@ -91,6 +91,32 @@ TEST(MeasureProfile, FitsTheDefaultModelsSteps) {
   EXPECT_GT(instance.quality.n_samples, 20);
   EXPECT_LT(instance.quality.median_rel_error, 0.5);
   EXPECT_EQ(profile.model.n_layers, model->config().n_layers);
+  EXPECT_EQ(profile.host.samples.size(), static_cast<size_t>(options.neighbour_rounds));
+}
+
+TEST(MeasureNeighbour, TimesStepsAloneAndBesideASecondInstance) {
+  DUET_SKIP_WITHOUT_DEFAULT_MODEL(path);
+  const auto model = LlamaModel::load(path);
+  cpu::ThreadPool pool(1);
+  MeasureOptions options = small_options(64, 6);
+  options.neighbour_rounds = 3;
+  const HostSharing host =
+      measure_neighbour(*model, cpu::kernel_table(cpu::best_isa()), pool, options);
+  ASSERT_EQ(host.samples.size(), 3u);
+  std::vector<double> sorted = host.samples;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(host.neighbour_slowdown, sorted[1]);  // the median
+  for (const double ratio : host.samples) {
+    // Beside a second instance a step is never many times faster or slower
+    // (the neighbour has a core of its own, or shares this one).
+    EXPECT_GT(ratio, 0.5);
+    EXPECT_LT(ratio, 4.0);
+  }
+  options.neighbour_rounds = 0;
+  const HostSharing none =
+      measure_neighbour(*model, cpu::kernel_table(cpu::best_isa()), pool, options);
+  EXPECT_EQ(none.neighbour_slowdown, 1.0);
+  EXPECT_TRUE(none.samples.empty());
 }
 
 // ---------------------------------------------------------------- the command

@@ -254,6 +254,7 @@ Profile measured_profile() {
   p.transfers.push_back({"mpi-shm", {3.3e-6, 7.7e9}, {{1e3, 3.4e-6}, {1e6, 1.3e-4}}});
   p.transfers.push_back({"tcp", {1e-5, std::numeric_limits<double>::infinity()}, {}});
   p.collectives.push_back({"all_reduce", 2, {1.1e-6, 2.2e10}, {{4096, 1.3e-6}}});
+  p.host = {.neighbour_slowdown = 1.0 + 1.0 / 7, .samples = {1.1, 1.0 + 1.0 / 7, 1.2}};
   return p;
 }
 
@@ -280,6 +281,8 @@ void expect_same(const std::vector<LinkSample>& a, const std::vector<LinkSample>
 
 void expect_same(const Profile& a, const Profile& b) {
   EXPECT_EQ(a.source, b.source);
+  EXPECT_EQ(a.host.neighbour_slowdown, b.host.neighbour_slowdown);
+  EXPECT_EQ(a.host.samples, b.host.samples);
   EXPECT_EQ(a.device, b.device);
   EXPECT_EQ(a.threads, b.threads);
   EXPECT_EQ(a.note, b.note);
@@ -412,6 +415,17 @@ TEST(ProfileJsonTest, ErrorsNameTheField) {
   bad = good;
   bad["version"] = 2;
   expect_names(bad, "version");
+  bad = good;
+  bad["host"]["neighbour_slowdown"] = -1;
+  expect_names(bad, "host.neighbour_slowdown");
+  bad = good;
+  bad["host"]["samples"][1] = "slow";
+  expect_names(bad, "host.samples[1]");
+  // A file from before host sharing was measured reads, with no slowdown.
+  bad = good;
+  bad.erase("host");
+  EXPECT_EQ(read_error(bad), "");
+  EXPECT_EQ(profile_from_json(bad).host.neighbour_slowdown, 1.0);
   EXPECT_NE(read_error(nlohmann::json::array()), "");
   EXPECT_THROW(read_profile(std::filesystem::path(testing::TempDir()) / "no-such-profile.json"),
                Error);

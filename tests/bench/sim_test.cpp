@@ -211,6 +211,30 @@ TEST(Simulator, InstancesSharingTooFewCoresSlowDown) {
   EXPECT_NEAR(shared.records[1].finished, 2 * step, 1e-9);
 }
 
+TEST(Simulator, AStepBesideAnotherOnTheHostTakesTheNeighbourSlowdown) {
+  // Two cores for two instances: no time sharing, but the second step to
+  // start runs beside the first and takes the profile's slowdown; a step
+  // alone does not.
+  Profile profile = stated_profile(simple_cost());
+  profile.host.neighbour_slowdown = 1.25;
+  const double step = 0.010 + 63 * 1e-4;
+  SimOptions options;
+  options.cluster = parse_cluster_layout("2C");
+  options.host_cores = 2;
+  const std::vector<loadgen::PlannedRequest> together = {{0.0, 64, 1}, {0.0, 64, 1}};
+  const SimResult both = simulate(profile, options, together);
+  EXPECT_NEAR(both.records[0].finished, step, 1e-9);
+  EXPECT_NEAR(both.records[1].finished, 1.25 * step, 1e-9);
+  const std::vector<loadgen::PlannedRequest> apart = {{0.0, 64, 1}, {1.0, 64, 1}};
+  const SimResult alone = simulate(profile, options, apart);
+  EXPECT_NEAR(alone.records[1].finished - 1.0, step, 1e-9);
+  options.neighbour_slowdown = 1.0;  // the option overrides the profile
+  EXPECT_NEAR(simulate(profile, options, together).records[1].finished, step, 1e-9);
+  options.host_cores = 0;  // hosts of their own: no sharing at all
+  options.neighbour_slowdown.reset();
+  EXPECT_NEAR(simulate(profile, options, together).records[1].finished, step, 1e-9);
+}
+
 TEST(Simulator, RefusesWhatTheProfileCannotCost) {
   const Profile profile = stated_profile(simple_cost());
   SimOptions options;
@@ -295,6 +319,58 @@ TEST(Planner, FindsAHigherRateForMoreGpusAndRanksLayouts) {
     EXPECT_GE(r.ranked.front().goodput_per_gpu, r.best_colocated->goodput_per_gpu * 0.999);
   }
   EXPECT_GT(plan[1].ranked.front().rate, plan[0].ranked.front().rate);
+}
+
+// Two threads search the candidates of a size at once; each probe is its own
+// simulation, so the plan is the same as one thread's, figure for figure.
+TEST(Planner, GivesTheSamePlanOnTwoThreadsAsOnOne) {
+  const Profile profile = stated_profile(simple_cost());
+  PlanOptions options;
+  options.gpus = {4, 8};
+  options.slo.ttft = 0.5;
+  options.slo.tpot = 0.05;
+  options.requests_per_instance = 20;
+  options.min_requests = 80;
+  options.span_s = 5;
+  options.jobs = 1;
+  const std::vector<PlanResult> one = plan_layouts(profile, options);
+  options.jobs = 2;
+  const std::vector<PlanResult> two = plan_layouts(profile, options);
+  ASSERT_EQ(one.size(), two.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    ASSERT_EQ(one[i].ranked.size(), two[i].ranked.size());
+    for (size_t k = 0; k < one[i].ranked.size(); ++k) {
+      EXPECT_EQ(one[i].ranked[k].layout, two[i].ranked[k].layout);
+      EXPECT_EQ(one[i].ranked[k].rate, two[i].ranked[k].rate);
+      EXPECT_EQ(one[i].ranked[k].refined, two[i].ranked[k].refined);
+    }
+  }
+}
+
+// From the second size on, only the disaggregated shapes near the best one
+// at the size before are searched (and every colocated one): fewer layouts,
+// and a best layout no worse than a little under the full search's.
+TEST(Planner, PrunesByTheSizeBeforeAndKeepsTheBest) {
+  const Profile profile = stated_profile(simple_cost());
+  PlanOptions options;
+  options.gpus = {8, 16};
+  options.slo.ttft = 0.5;
+  options.slo.tpot = 0.05;
+  options.requests_per_instance = 20;
+  options.min_requests = 80;
+  options.span_s = 5;
+  options.jobs = 2;
+  options.prune = false;
+  const std::vector<PlanResult> full = plan_layouts(profile, options);
+  options.prune = true;
+  const std::vector<PlanResult> pruned = plan_layouts(profile, options);
+  ASSERT_EQ(full.size(), 2u);
+  ASSERT_EQ(pruned.size(), 2u);
+  EXPECT_EQ(pruned[0].ranked.size(), full[0].ranked.size()) << "the first size is searched whole";
+  EXPECT_LT(pruned[1].ranked.size(), full[1].ranked.size());
+  ASSERT_TRUE(pruned[1].best_colocated && pruned[1].best_disaggregated);
+  EXPECT_EQ(pruned[1].best_colocated->layout, full[1].best_colocated->layout);
+  EXPECT_GE(pruned[1].ranked.front().goodput_per_gpu, 0.9 * full[1].ranked.front().goodput_per_gpu);
 }
 
 }  // namespace
