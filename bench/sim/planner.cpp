@@ -236,6 +236,9 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
   constexpr int kCoarseSteps = 3, kKnownSteps = 2, kFineSteps = 3;
   // Candidates within kNearBest of the best coarse figure are searched finely.
   constexpr double kNearBest = 0.8;
+  // From the second size on, disaggregated shapes within kKeep of the best
+  // one at the size before are searched again.
+  constexpr double kKeep = 0.9;
   std::vector<PlanResult> results;
   double per_gpu_guess = 0.5;  // req/s per GPU to start from; then the last size's best
   // The last size's figure of each shape, and the best disaggregated one.
@@ -245,19 +248,23 @@ std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& 
     DUET_REQUIRE(n_gpus >= 1, "a cluster needs at least one GPU, got {}", n_gpus);
     const auto wall_start = std::chrono::steady_clock::now();
     // Pruning by the last size: colocated shapes always; a disaggregated
-    // one when it was within kNearBest of the best disaggregated figure
-    // there, or is a neighbouring share of one that was, or had no figure.
-    const auto near = [&](const Shape& s) {
+    // one when it came within kKeep of the best disaggregated figure there
+    // (closer than the coarse bracket resolves), is a neighbouring share of
+    // the best one, or had no figure.
+    const auto figure = [&](const Shape& s) -> std::optional<double> {
       const auto it = known.find(s);
-      return it == known.end() || it->second >= kNearBest * best_known_disaggregated;
+      if (it == known.end()) return std::nullopt;
+      return it->second;
     };
     const auto keep = [&](const Shape& s) {
       if (!options.prune || s.colocated || known.empty()) return true;
-      for (int d : {-1, 0, 1}) {
+      const std::optional<double> own = figure(s);
+      if (!own || *own >= kKeep * best_known_disaggregated) return true;
+      for (int d : {-1, 1}) {
         Shape n = s;
         n.share += d;
-        if (n.share < 0 || n.share >= static_cast<int>(options.prefill_shares.size())) continue;
-        if ((d == 0 || known.contains(n)) && near(n)) return true;
+        const std::optional<double> next = figure(n);
+        if (next && *next >= best_known_disaggregated) return true;
       }
       return false;
     };

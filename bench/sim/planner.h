@@ -17,8 +17,8 @@
 // disaggregated one finely (all the requests, a narrow bracket around the
 // coarse figure); the report ranks the fine figures first.
 // From the second size on, `prune` keeps the disaggregated shapes (tp pair
-// and share) that came within 80% of the best disaggregated figure at the
-// size before, and their neighbouring shares; each kept shape's search
+// and share) that came within 90% of the best disaggregated figure at the
+// size before, and the best one's neighbouring shares; each kept shape's search
 // starts from its figure there. Goodput per GPU changes slowly with the
 // cluster's size, so this finds the same layouts with a fraction of the
 // probes. Candidates are searched `jobs` at a time.

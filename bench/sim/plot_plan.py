@@ -31,7 +31,7 @@ def main():
         print("plot_plan.py: matplotlib is not installed; no plot", file=sys.stderr)
         return 3
     report = json.load(open(sys.argv[1]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 5))
     for mode, style in (("disaggregated", "o-"), ("colocated", "s--")):
         xs, ys, labels = [], [], []
         for size in report["sizes"]:
@@ -44,9 +44,10 @@ def main():
         if not xs:
             continue
         ax.plot(xs, ys, style, label=f"best {mode}")
-        for x, y, label in zip(xs, ys, labels):
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
-                        fontsize=7)
+        # Above and below in turn: long labels of neighbouring sizes overlap.
+        for i, (x, y, label) in enumerate(zip(xs, ys, labels)):
+            ax.annotate(label, (x, y), textcoords="offset points",
+                        xytext=(0, 6 if i % 2 == 0 else -11), ha="center", fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("goodput per GPU (req/s)")
