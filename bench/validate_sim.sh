@@ -20,6 +20,8 @@
 #       SLO=ttft=2000,tpot=150          goodput's bounds, ms
 #       BUDGET=40                       seconds of step measurement per profile
 #       PROFILE=                        one existing profile for every layout instead
+#       SIM_ONLY=1                      simulate again against OUT's real runs and
+#                                       profiles, measuring nothing (a simulator change)
 #       OUT=.cache/validate_sim  DUET_BUILD_DIR=build
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,6 +37,7 @@ build=${DUET_BUILD_DIR:-$root/build}
 duet=$build/tools/duet
 bench=$build/bench/duet-bench
 sim=$build/bench/sim/duet-sim
+sim_only=${SIM_ONLY:-0}
 mpirun=(mpirun --allow-run-as-root --oversubscribe)
 
 for tool in "$duet" "$bench" "$sim"; do
@@ -74,11 +77,9 @@ world_size() {
 mpirun_pid=
 trap 'serve_stop "$mpirun_pid"' EXIT
 
-for layout in $layouts; do
-  name=${layout//+/_}
-  log=$out/$name.log
-  profile=${PROFILE:-$out/${name}_profile.json}
-  [[ -n "${PROFILE:-}" ]] || measure_profile "$layout" "$profile"
+# Starts LAYOUT for real and drives it twice with the trace.
+real_runs() {
+  local layout=$1 name=$2 log=$3 rpc run
   # shellcheck disable=SC2046
   "${mpirun[@]}" -np "$(world_size "$layout")" "$duet" serve --model "$model" --threads 1 \
     --rpc-port 0 --http-port 0 $(serve_args "$layout") >"$out/$name.ports" 2>"$log" &
@@ -93,6 +94,19 @@ for layout in $layouts; do
   done
   serve_stop "$mpirun_pid"
   mpirun_pid=
+}
+
+for layout in $layouts; do
+  name=${layout//+/_}
+  log=$out/$name.log
+  profile=${PROFILE:-$out/${name}_profile.json}
+  if [[ $sim_only == 1 ]]; then
+    for f in "$profile" "$out/${name}_real1.json" "$out/${name}_real2.json"; do
+      [[ -f "$f" ]] || { echo "SIM_ONLY: no $f from an earlier run" >&2; exit 1; }
+    done
+  fi
+  [[ -n "${PROFILE:-}" || $sim_only == 1 ]] || measure_profile "$layout" "$profile"
+  [[ $sim_only == 1 ]] || real_runs "$layout" "$name" "$log"
   transfer=()
   [[ $layout == *P+*D ]] && transfer=(--transfer mpi-shm)
   "$sim" --profile "$profile" --cluster "$layout" --host-cores "$cores" "${transfer[@]}" \

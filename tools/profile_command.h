@@ -29,7 +29,7 @@ struct ProfileArgs {
   int reps = 3;
   int64_t max_context = 4096;
   uint64_t seed = 1;
-  int neighbour_rounds = 5;  // host sharing (sim::measure_neighbour); 0: not measured
+  int neighbour_rounds = 9;  // host sharing (sim::measure_neighbour); 0: not measured
   // Roofline.
   bool roofline = false;
   std::string hardware;     // a named accelerator (h200, ...) or a JSON file

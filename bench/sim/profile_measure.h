@@ -50,7 +50,7 @@ struct MeasureOptions {
   int64_t max_context = 4096;
   uint64_t seed = 1;
   // Rounds of the neighbour measurement (measure_neighbour); 0: not measured.
-  int neighbour_rounds = 5;
+  int neighbour_rounds = 9;
 };
 
 // The steps of the plan, in the order they ran. Throws duet::Error

@@ -79,6 +79,7 @@ TEST(MeasureProfile, FitsTheDefaultModelsSteps) {
   cpu::ThreadPool pool(2);
   MeasureOptions options = small_options(64, 6);
   options.reps = 2;
+  options.neighbour_rounds = 3;
   const Profile profile =
       measure_profile(*model, cpu::kernel_table(cpu::best_isa()), pool, options);
   EXPECT_EQ(profile.source, "measured");
