@@ -64,6 +64,8 @@ int run_sender(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   bench_raw(pair, kPairSender, shape, args.reps, {});
   bench_raw(pair, kPairSender, shape, args.reps, {},
             std::chrono::microseconds(args.transfer_poll_us));
+  bench_raw_blocks(pair, kPairSender, shape, args.reps, args.seed, {},
+                   std::chrono::microseconds(args.transfer_poll_us));
   send_transfers(transfer, orders, pair, shape, args.reps, args.seed);
   if (model) serve_prefills(*model, transfer, orders, pair, shape, args);
   transfer.set_handlers({});
@@ -89,10 +91,13 @@ int run_receiver(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   const std::vector<double> raw_polled =
       bench_raw(pair, kPairReceiver, shape, args.reps, sync,
                 std::chrono::microseconds(args.transfer_poll_us));
+  const std::vector<double> raw_blocks =
+      bench_raw_blocks(pair, kPairReceiver, shape, args.reps, args.seed, sync,
+                       std::chrono::microseconds(args.transfer_poll_us));
   const TransferTimes times =
       receive_transfers(transfer, arrivals, pair, shape, args.reps, args.seed, sync, next_id);
   Json json;
-  report_transfer(shape, args, sync, raw, raw_polled, times, json);
+  report_transfer(shape, args, sync, raw, raw_polled, raw_blocks, times, json);
   bool ok = times.kv_equal;
   if (model) {
     const TtftTimes ttft =

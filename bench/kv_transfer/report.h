@@ -17,7 +17,8 @@ using Json = nlohmann::json;
 // `raw_polled`: under the transfer's progress model).
 void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync,
                      const std::vector<double>& raw, const std::vector<double>& raw_polled,
-                     const TransferTimes& transfer, Json& json);
+                     const std::vector<double>& raw_blocks, const TransferTimes& transfer,
+                     Json& json);
 // Phase 3.
 void report_ttft(const Shape& shape, const Args& args, const TtftTimes& t, Json& json);
 

@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <random>
+#include <span>
 #include <thread>
 
 #include "common/stats.h"
@@ -56,7 +58,97 @@ void test_until_done(std::vector<MPI_Request>& requests, std::chrono::microsecon
   }
 }
 
+// One message's rows (`layer`, positions [pos0, pos0 + n), every head) in
+// `cache` under `table`, in the packed order (K then V, head, position), as
+// one committed datatype over absolute addresses (use with MPI_BOTTOM).
+MPI_Datatype rows_datatype(const KvCache& cache, std::span<const int32_t> table, int64_t layer,
+                           int64_t pos0, int64_t n) {
+  const KvLayout& layout = cache.layout();
+  const int64_t slot_bytes = layout.head_dim * static_cast<int64_t>(sizeof(KvElement));
+  std::vector<int> lengths;
+  std::vector<MPI_Aint> addresses;
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    for (int64_t head = 0; head < layout.n_kv_heads; ++head) {
+      for (int64_t done = 0; done < n;) {
+        const int64_t pos = pos0 + done;
+        const int64_t slot = pos % layout.block_size;
+        const int64_t run = std::min(layout.block_size - slot, n - done);
+        const int64_t block = table[static_cast<size_t>(pos / layout.block_size)];
+        const int64_t offset =
+            layout.k_offset(layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0);
+        MPI_Aint address = 0;
+        DUET_MPI_CHECK(MPI_Get_address(cache.data() + offset, &address));
+        addresses.push_back(address);
+        lengths.push_back(static_cast<int>(run * slot_bytes));
+        done += run;
+      }
+    }
+  }
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  DUET_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                          addresses.data(), MPI_BYTE, &type));
+  DUET_MPI_CHECK(MPI_Type_commit(&type));
+  return type;
+}
+
 }  // namespace
+
+std::vector<double> bench_raw_blocks(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
+                                     uint64_t seed, const ClockSync& sync,
+                                     std::chrono::microseconds poll) {
+  const bool sender = pair_rank == kPairSender;
+  KvCache cache(shape.layout);
+  std::mt19937_64 rng(sender ? seed : seed * 31 + 7);
+  std::vector<MPI_Request> requests(static_cast<size_t>(shape.n_messages()));
+  std::vector<double> stamps;  // the sender's first sends, the receiver's last receives
+  uint64_t sent_sum = 0;
+  for (int rep = -1; rep < reps; ++rep) {  // rep -1 warms up
+    if (sender) {
+      fill_random(cache, rng);
+    } else {
+      std::fill_n(cache.data(), cache.layout().total_elems(), KvElement{0});
+    }
+    const std::vector<int32_t> table = shuffled_table(shape, rng);
+    DUET_MPI_CHECK(MPI_Barrier(pair));
+    const double start = MPI_Wtime();
+    size_t i = 0;
+    for (int64_t pos0 = 0; pos0 < shape.n_tokens; pos0 += shape.chunk) {
+      for (int64_t layer = 0; layer < shape.layout.n_layers; ++layer, ++i) {
+        MPI_Datatype type = rows_datatype(cache, table, layer, pos0, shape.chunk);
+        const int code =
+            sender ? MPI_Isend(MPI_BOTTOM, 1, type, kPairReceiver, kTag, pair, &requests[i])
+                   : MPI_Irecv(MPI_BOTTOM, 1, type, kPairSender, kTag, pair, &requests[i]);
+        MPI_Type_free(&type);  // the request keeps what it needs of it
+        DUET_MPI_CHECK(code);
+      }
+    }
+    test_until_done(requests, poll);
+    const double end = MPI_Wtime();
+    // Checked outside the timed span: the receiver's rows equal the sender's.
+    const uint64_t sum = kv_rows_checksum(shape.layout, cache.data(), table, 0, shape.n_tokens);
+    if (sender) {
+      sent_sum = sum;
+      DUET_MPI_CHECK(MPI_Send(&sent_sum, 1, MPI_UINT64_T, kPairReceiver, kTag, pair));
+    } else {
+      DUET_MPI_CHECK(
+          MPI_Recv(&sent_sum, 1, MPI_UINT64_T, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+      DUET_REQUIRE(sum == sent_sum, "raw MPI between blocks: the received KV differs (rep {})",
+                   rep);
+    }
+    if (rep >= 0) stamps.push_back(sender ? start : end);
+  }
+  if (sender) {
+    DUET_MPI_CHECK(MPI_Send(stamps.data(), reps, MPI_DOUBLE, kPairReceiver, kTag, pair));
+    return {};
+  }
+  std::vector<double> starts(static_cast<size_t>(reps));
+  DUET_MPI_CHECK(
+      MPI_Recv(starts.data(), reps, MPI_DOUBLE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+  std::vector<double> seconds;
+  for (size_t k = 0; k < stamps.size(); ++k)
+    seconds.push_back(stamps[k] - (starts[k] - sync.offset));
+  return seconds;
+}
 
 std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
                               const ClockSync& sync,

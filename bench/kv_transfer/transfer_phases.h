@@ -32,6 +32,15 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
                               const ClockSync& sync,
                               std::optional<std::chrono::microseconds> poll = std::nullopt);
 
+// Raw MPI under the polled progress model as above, but straight between
+// two KvCaches with different (shuffled) block tables: each message is sent
+// from the sender's blocks and received into the receiver's through an
+// MPI_Type_create_hindexed datatype per side, built inside the timed span.
+// What a transfer that neither packs nor unpacks itself could reach.
+std::vector<double> bench_raw_blocks(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
+                                     uint64_t seed, const ClockSync& sync,
+                                     std::chrono::microseconds poll);
+
 // ---------------------------------------------------------------- 2. MpiKvTransfer
 
 struct TransferTimes {
