@@ -58,6 +58,24 @@ void test_until_done(std::vector<MPI_Request>& requests, std::chrono::microsecon
   }
 }
 
+// Each rep's seconds from the sender's start stamp to the receiver's end
+// stamp, on the receiver's clock; the sender sends its stamps and gets none.
+std::vector<double> rep_seconds(MPI_Comm pair, bool sender, const std::vector<double>& stamps,
+                                const ClockSync& sync) {
+  const int reps = static_cast<int>(stamps.size());
+  if (sender) {
+    DUET_MPI_CHECK(MPI_Send(stamps.data(), reps, MPI_DOUBLE, kPairReceiver, kTag, pair));
+    return {};
+  }
+  std::vector<double> starts(stamps.size());
+  DUET_MPI_CHECK(
+      MPI_Recv(starts.data(), reps, MPI_DOUBLE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+  std::vector<double> seconds;
+  for (size_t i = 0; i < stamps.size(); ++i)
+    seconds.push_back(stamps[i] - (starts[i] - sync.offset));
+  return seconds;
+}
+
 // One message's rows (`layer`, positions [pos0, pos0 + n), every head) in
 // `cache` under `table`, in the packed order (K then V, head, position), as
 // one committed datatype over absolute addresses (use with MPI_BOTTOM).
@@ -137,17 +155,7 @@ std::vector<double> bench_raw_blocks(MPI_Comm pair, int pair_rank, const Shape& 
     }
     if (rep >= 0) stamps.push_back(sender ? start : end);
   }
-  if (sender) {
-    DUET_MPI_CHECK(MPI_Send(stamps.data(), reps, MPI_DOUBLE, kPairReceiver, kTag, pair));
-    return {};
-  }
-  std::vector<double> starts(static_cast<size_t>(reps));
-  DUET_MPI_CHECK(
-      MPI_Recv(starts.data(), reps, MPI_DOUBLE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
-  std::vector<double> seconds;
-  for (size_t k = 0; k < stamps.size(); ++k)
-    seconds.push_back(stamps[k] - (starts[k] - sync.offset));
-  return seconds;
+  return rep_seconds(pair, sender, stamps, sync);
 }
 
 std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
@@ -175,8 +183,7 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
       }
       if (rep >= 0) stamps.push_back(start);
     }
-    DUET_MPI_CHECK(MPI_Send(stamps.data(), reps, MPI_DOUBLE, kPairReceiver, kTag, pair));
-    return {};
+    return rep_seconds(pair, true, stamps, sync);
   }
   std::vector<std::byte> buffer(static_cast<size_t>(poll ? n * size : size));
   for (int rep = -1; rep < reps; ++rep) {
@@ -195,13 +202,7 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
     }
     if (rep >= 0) stamps.push_back(MPI_Wtime());
   }
-  std::vector<double> starts(static_cast<size_t>(reps));
-  DUET_MPI_CHECK(
-      MPI_Recv(starts.data(), reps, MPI_DOUBLE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
-  std::vector<double> seconds;
-  for (size_t i = 0; i < stamps.size(); ++i)
-    seconds.push_back(stamps[i] - (starts[i] - sync.offset));
-  return seconds;
+  return rep_seconds(pair, false, stamps, sync);
 }
 
 void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Comm pair,
