@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <random>
-#include <span>
 #include <thread>
 
 #include "common/stats.h"
+#include "worker/transfer/kv_transfer_protocol.h"
 
 namespace duet::kv_bench {
 namespace {
@@ -77,31 +77,24 @@ std::vector<double> rep_seconds(MPI_Comm pair, bool sender, const std::vector<do
 }
 
 // One message's rows (`layer`, positions [pos0, pos0 + n), every head) in
-// `cache` under `table`, in the packed order (K then V, head, position), as
-// one committed datatype over absolute addresses (use with MPI_BOTTOM).
-MPI_Datatype rows_datatype(const KvCache& cache, std::span<const int32_t> table, int64_t layer,
+// `cache` under `table`, in the packed order, as one committed datatype over
+// absolute addresses (use with MPI_BOTTOM): the runs MpiKvTransfer receives
+// into, walked by the same for_each_payload_run.
+MPI_Datatype rows_datatype(KvCache& cache, const std::vector<int32_t>& table, int64_t layer,
                            int64_t pos0, int64_t n) {
-  const KvLayout& layout = cache.layout();
-  const int64_t slot_bytes = layout.head_dim * static_cast<int64_t>(sizeof(KvElement));
+  KvTransfer::ImportPlan plan;
+  plan.cache = &cache;
+  plan.block_table = table;
+  const KvTransferProtocol::PayloadPlace place{&plan, layer, pos0, n, all_kv_heads(cache.layout()),
+                                               0};
   std::vector<int> lengths;
   std::vector<MPI_Aint> addresses;
-  for (int64_t kv = 0; kv < 2; ++kv) {
-    for (int64_t head = 0; head < layout.n_kv_heads; ++head) {
-      for (int64_t done = 0; done < n;) {
-        const int64_t pos = pos0 + done;
-        const int64_t slot = pos % layout.block_size;
-        const int64_t run = std::min(layout.block_size - slot, n - done);
-        const int64_t block = table[static_cast<size_t>(pos / layout.block_size)];
-        const int64_t offset =
-            layout.k_offset(layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0);
-        MPI_Aint address = 0;
-        DUET_MPI_CHECK(MPI_Get_address(cache.data() + offset, &address));
-        addresses.push_back(address);
-        lengths.push_back(static_cast<int>(run * slot_bytes));
-        done += run;
-      }
-    }
-  }
+  for_each_payload_run(place, [&](KvElement* at, size_t bytes) {
+    MPI_Aint address = 0;
+    DUET_MPI_CHECK(MPI_Get_address(at, &address));
+    addresses.push_back(address);
+    lengths.push_back(static_cast<int>(bytes));
+  });
   MPI_Datatype type = MPI_DATATYPE_NULL;
   DUET_MPI_CHECK(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
                                           addresses.data(), MPI_BYTE, &type));
