@@ -49,7 +49,7 @@
 namespace duet::kv_bench {
 namespace {
 
-int run_sender(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
+int run_sender(const Args& args, KvTransferAdapter& transfer, MPI_Comm pair) {
   const auto model = args.model.empty() ? nullptr : LlamaModel::load(args.model);
   const Shape shape = make_shape(args, model.get());
   Mailbox<PrefillOrder> orders;
@@ -72,7 +72,7 @@ int run_sender(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   return 0;
 }
 
-int run_receiver(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
+int run_receiver(const Args& args, KvTransferAdapter& transfer, MPI_Comm pair) {
   const auto model = args.model.empty() ? nullptr : LlamaModel::load(args.model);
   const Shape shape = make_shape(args, model.get());
   Mailbox<Arrival> arrivals;
@@ -94,8 +94,10 @@ int run_receiver(const Args& args, KvTransfer& transfer, MPI_Comm pair) {
   const std::vector<double> raw_blocks =
       bench_raw_blocks(pair, kPairReceiver, shape, args.reps, args.seed, sync,
                        std::chrono::microseconds(args.transfer_poll_us));
-  const TransferTimes times =
+  const int64_t cma_before = transfer.counters().cma_bytes_received;
+  TransferTimes times =
       receive_transfers(transfer, arrivals, pair, shape, args.reps, args.seed, sync, next_id);
+  times.cma_bytes = transfer.counters().cma_bytes_received - cma_before;
   Json json;
   report_transfer(shape, args, sync, raw, raw_polled, raw_blocks, times, json);
   bool ok = times.kv_equal;
@@ -130,7 +132,7 @@ int run(const Args& args) {
   const int rank = mpi.rank().value;
   const bool in_pair = rank == kSender || rank == kReceiver;
   // Collective either way: MPI's communicator, or TCP's address all-gather.
-  std::unique_ptr<KvTransfer> transfer;
+  std::unique_ptr<KvTransferAdapter> transfer;
   if (args.transport == "tcp") {
     RankPlacement own;
     own.host = mpi.processor_name();
@@ -139,7 +141,9 @@ int run(const Args& args) {
     if (in_pair) peers.push_back(rank == kSender ? kReceiver : kSender);
     transfer = make_tcp_kv_transfer(mpi, peers, placements, TcpKvTransferOptions{args.checksums});
   } else {
-    transfer = std::make_unique<MpiKvTransfer>(channel, MpiKvTransferOptions{args.checksums});
+    MpiKvTransferOptions options{args.checksums};
+    if (args.cma == "off") options.cma_staging_bytes = 0;
+    transfer = std::make_unique<MpiKvTransfer>(channel, options);
   }
   MPI_Comm pair = MPI_COMM_NULL;
   DUET_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, in_pair ? 0 : MPI_UNDEFINED, rank, &pair));
@@ -181,6 +185,11 @@ int main(int argc, char** argv) {
   app.add_option("--transport", args.transport,
                  "what carries the KV transfer: mpi (MpiKvTransfer) or tcp (TcpKvTransfer)")
       ->check(CLI::IsMember({"mpi", "tcp"}))
+      ->capture_default_str();
+  app.add_option("--cma", args.cma,
+                 "mpi between ranks of one host: auto (payloads read by cross-memory attach "
+                 "where the kernel allows it) or off (every payload an MPI message)")
+      ->check(CLI::IsMember({"auto", "off"}))
       ->capture_default_str();
   app.add_option("--transfer-poll-us", args.transfer_poll_us)->check(CLI::NonNegativeNumber);
   app.add_option("--max-idle-sleep-us", args.max_idle_sleep_us)->check(CLI::PositiveNumber);

@@ -191,8 +191,10 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       transfer = make_tcp_kv_transfer(mpi, spec, placements,
                                       TcpKvTransferOptions{args.kv_checksums, drop_rows_of});
     } else {
+      MpiKvTransferOptions options{args.kv_checksums, drop_rows_of};
+      if (args.kv_cma == "off") options.cma_staging_bytes = 0;
       transfer = std::make_unique<MpiKvTransfer>(
-          channel, MpiKvTransferOptions{args.kv_checksums, drop_rows_of},
+          channel, options,
           make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
     }
     if (mpi.rank() == kCoordinatorRank) {

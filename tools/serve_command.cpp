@@ -169,6 +169,13 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::IsMember({"auto", "mpi", "tcp"}))
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--kv-cma", args.kv_cma,
+                  "KV over MPI between ranks of one host: auto (the decode rank copies each "
+                  "payload out of the prefill rank's memory, cross-memory attach, where the "
+                  "kernel allows it) or off (every payload an MPI message)")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str()
+      ->group(group);
   cmd->add_option("--control-transport", args.control_transport,
                   "How the coordinator's control messages move: mpi, tcp (sockets of its own, "
                   "which a dead peer cannot wedge; any device), or auto (tcp when the ranks span "

@@ -55,6 +55,10 @@ struct ServeArgs {
   // How KV moves between instances: mpi, tcp (sockets of Duet's own; CPU
   // instances only), or auto (tcp when the ranks span hosts, else mpi).
   std::string kv_transport = "auto";
+  // Over MPI, between ranks of one host: auto (the receiver reads each
+  // payload out of the sender's memory, cross-memory attach, where the
+  // kernel allows it) or off (every payload an MPI message).
+  std::string kv_cma = "auto";
   // How the coordinator's control messages move: mpi, tcp (sockets of Duet's
   // own, CPU or GPU instances alike), or auto (tcp when the ranks span hosts).
   std::string control_transport = "auto";

@@ -43,9 +43,11 @@ void log_transfer(const InstanceSpec& self, Rank rank, const KvTransferAdapter& 
   const KvTransferAdapter::Counters c = transfer.counters();
   spdlog::info(
       "instance {} (rank {}): kv transfer: {} messages ({} bytes) sent, {} ({} bytes) "
-      "received, {} rows messages dropped, {} imports completed, {} failed",
+      "received, {} rows messages dropped, {} imports completed, {} failed; rows by "
+      "cross-memory attach: {} bytes sent, {} received",
       self.id, rank.value, c.messages_sent, c.bytes_sent, c.messages_received, c.bytes_received,
-      c.rows_dropped, c.imports_completed, c.imports_failed);
+      c.rows_dropped, c.imports_completed, c.imports_failed, c.cma_bytes_sent,
+      c.cma_bytes_received);
 }
 
 // This rank's shard of the model and, when the instance runs on GPUs, the

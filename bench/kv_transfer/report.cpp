@@ -50,7 +50,9 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
           .c_str(),
       polled_s);
   row("raw MPI, polled, block to block: a datatype over the blocks on each side", blocks_s);
-  const std::string adapter = args.transport == "tcp" ? "TcpKvTransfer" : "MpiKvTransfer";
+  const std::string adapter = args.transport == "tcp"  ? "TcpKvTransfer"
+                              : transfer.cma_bytes > 0 ? "MpiKvTransfer, payloads by CMA"
+                                                       : "MpiKvTransfer, payloads over MPI";
   row(fmt::format("{}: first send_rows -> on_complete", adapter).c_str(), send_s);
   row(fmt::format("{}: start_import -> on_complete (with the order's trip)", adapter).c_str(),
       start_s);
@@ -69,6 +71,7 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
                    {"payload_bytes", shape.total_payload()}};
   json["reps"] = args.reps;
   json["transport"] = args.transport;
+  json["cma_bytes"] = transfer.cma_bytes;
   json["clock"] = {{"offset_us", sync.offset * 1e6},
                    {"uncertainty_us", sync.uncertainty * 1e6},
                    {"wtime_is_global", sync.wtime_global}};

@@ -52,6 +52,7 @@ struct Args {
   uint64_t seed = 1;
   bool checksums = false;
   std::string transport = "mpi";  // what carries the KV transfer: mpi or tcp
+  std::string cma = "auto";       // mpi: payloads by cross-memory attach (auto) or not (off)
   int64_t transfer_poll_us = ControlChannelOptions{}.transfer_poll.count();
   int64_t max_idle_sleep_us = ControlChannelOptions{}.max_idle_sleep.count();
   std::string json;

@@ -50,6 +50,7 @@ struct TransferTimes {
   double pack = 0.0;               // pack_kv_rows alone, every message (median)
   double unpack = 0.0;             // unpack_kv_rows alone, every message (median)
   bool kv_equal = true;
+  int64_t cma_bytes = 0;  // of the payloads, read by cross-memory attach (rank 2)
 };
 
 // The sender (rank 1 of the bench): serves `reps` transfers (and a warm-up)

@@ -143,11 +143,12 @@ set_tests_properties(mpi_serve_disaggregated_tcp_test PROPERTIES
   LABELS mpi
   TIMEOUT 900)
 # The same with the coordinator's control messages over the channel's TCP
-# link (--control-transport tcp) on loopback, KV over MPI.
+# link (--control-transport tcp) on loopback, KV over MPI with every payload
+# an MPI message (--kv-cma off; the first test reads them by cross-memory attach).
 add_test(NAME mpi_serve_disaggregated_control_tcp_test
   COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_disaggregated.py)
 set_tests_properties(mpi_serve_disaggregated_control_tcp_test PROPERTIES
-  ENVIRONMENT "DUET_CONTROL_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  ENVIRONMENT "DUET_CONTROL_TRANSPORT=tcp;DUET_KV_CMA=off;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
 # `duet serve` with tensor-parallel instances (tests/mpi/test_serve_tp.py):

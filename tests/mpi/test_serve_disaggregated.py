@@ -4,7 +4,10 @@ shipped with checksums on, against the single-process `duet serve`. The KV
 transport is DUET_KV_TRANSPORT's (`--kv-transport`: mpi by default, tcp for
 TcpKvTransfer over loopback), the control channel's link DUET_CONTROL_TRANSPORT's
 (`--control-transport`: auto by default, which is mpi on one host; tcp for
-the coordinator's messages over Duet's own sockets on loopback).
+the coordinator's messages over Duet's own sockets on loopback), and
+DUET_KV_CMA says whether KV over MPI may go by cross-memory attach
+(`--kv-cma`: auto by default, which it then must; off for every payload as an
+MPI message).
 
 - greedy and seeded-sampling completions are identical to the single
   process's, for prompts of one chunk and of many (the step budget is small);
@@ -39,8 +42,9 @@ from mpirun_serve import (ServeProcess, cancel_after, complete, complete_all,  #
 ENGINE = ["--kv-cache-mem", "128MiB", "--step-tokens", "128"]
 KV_TRANSPORT = os.environ.get("DUET_KV_TRANSPORT", "mpi")
 CONTROL_TRANSPORT = os.environ.get("DUET_CONTROL_TRANSPORT", "auto")
+KV_CMA = os.environ.get("DUET_KV_CMA", "auto")
 CLUSTER = ["--prefill", "1", "--decode", "2", "--kv-checksums", "--kv-transport", KV_TRANSPORT,
-           "--control-transport", CONTROL_TRANSPORT, *ENGINE]
+           "--kv-cma", KV_CMA, "--control-transport", CONTROL_TRANSPORT, *ENGINE]
 cluster = None
 
 
@@ -132,6 +136,15 @@ class DisaggregatedClusterTest(unittest.TestCase):
         sent = [int(n) for n in re.findall(r"kv transfer: \d+ messages \((\d+) bytes\) sent", log)]
         self.assertEqual(len(sent), 3, log)
         self.assertTrue(all(n > 0 for n in sent), sent)
+        # Over MPI on one host the rows went by cross-memory attach, unless told not to.
+        cma = [(int(s), int(r)) for s, r in re.findall(
+            r"rows by cross-memory attach: (\d+) bytes sent, (\d+) received", log)]
+        self.assertEqual(len(cma), 3, log)
+        if KV_TRANSPORT == "mpi" and KV_CMA == "auto":
+            self.assertGreater(sum(s for s, _ in cma), 0, cma)  # by the prefill instance
+            self.assertEqual(sum(1 for _, r in cma if r > 0), 2, cma)  # into both decode instances
+        else:
+            self.assertEqual(cma, [(0, 0)] * 3, cma)
 
 
 if __name__ == "__main__":

@@ -127,10 +127,14 @@ class TensorParallelClusterTest(unittest.TestCase):
         self.assertTrue(shares, log)
         if LAYOUT == "colocated":
             return
-        sent = {int(r): int(b) for r, b in re.findall(
-            r"rank (\d)\): kv transfer: \d+ messages \((\d+) bytes\) sent", log)}
-        received = {int(r): int(b) for r, b in re.findall(
-            r"rank (\d)\): kv transfer: .* sent, \d+ \((\d+) bytes\) received", log)}
+        # Bytes as messages plus rows read by cross-memory attach (MPI on one host).
+        sent, received = {}, {}
+        for r, s, got, cma_s, cma_got in re.findall(
+                r"rank (\d)\): kv transfer: \d+ messages \((\d+) bytes\) sent, \d+ \((\d+) "
+                r"bytes\) received, .* rows by cross-memory attach: (\d+) bytes sent, (\d+) "
+                r"received", log):
+            sent[int(r)] = int(s) + int(cma_s)
+            received[int(r)] = int(got) + int(cma_got)
         prefill, decode = ([1], [2, 3, 4]) if LAYOUT == "1to3" else ([1, 2, 3], [4])
         for rank in prefill:  # sends rows (the leader also its handoffs)
             self.assertGreater(sent.get(rank, 0), 1_000_000, (rank, sent))

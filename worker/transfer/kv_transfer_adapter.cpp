@@ -80,6 +80,16 @@ void KvTransferAdapter::count_device_received(int64_t bytes) {
   counters_.device_bytes_received += bytes;
 }
 
+void KvTransferAdapter::count_cma_sent(int64_t bytes) {
+  std::lock_guard lock(counters_mutex_);
+  counters_.cma_bytes_sent += bytes;
+}
+
+void KvTransferAdapter::count_cma_received(int64_t bytes) {
+  std::lock_guard lock(counters_mutex_);
+  counters_.cma_bytes_received += bytes;
+}
+
 void KvTransferAdapter::set_rows_dropped(int64_t rows_dropped) {
   std::lock_guard lock(counters_mutex_);
   counters_.rows_dropped = rows_dropped;

@@ -36,6 +36,8 @@ class KvTransferAdapter : public KvTransfer {
     int64_t imports_quarantined = 0;  // failed with rows from a lost rank half-received
     int64_t device_bytes_sent = 0;    // rows payloads through the device transfer
     int64_t device_bytes_received = 0;
+    int64_t cma_bytes_sent = 0;  // rows payloads read out of this rank's CMA staging
+    int64_t cma_bytes_received = 0;
   };
 
   // Queued, then the communication thread is woken (wake_thread).
@@ -62,6 +64,8 @@ class KvTransferAdapter : public KvTransfer {
   void count_received(int64_t bytes);
   void count_device_sent(int64_t bytes);
   void count_device_received(int64_t bytes);
+  void count_cma_sent(int64_t bytes);
+  void count_cma_received(int64_t bytes);
   void set_rows_dropped(int64_t rows_dropped);
   // Counts the calls and runs their handlers, in order; clears `calls`.
   void deliver(std::vector<KvTransferCall>& calls);

@@ -171,6 +171,7 @@ void KvTransferProtocol::on_message(int source, std::span<const std::byte> bytes
   switch (header->kind) {
     case kv_wire::kRows:
     case kv_wire::kDeviceRows:
+    case kv_wire::kCmaRows:
       on_rows(source, *header, now, out);
       return;
     case kv_wire::kRowsDone:
@@ -231,6 +232,18 @@ void KvTransferProtocol::on_rows(int source, const kv_wire::Header& h, Clock::ti
         {source, id, {h.ticket_offset, h.ticket_bytes}, &plan, h.layer, h.pos0, h.n, heads});
     return;
   }
+  if (h.kind == kv_wire::kCmaRows) {  // announced once read
+    out.cma_reads.push_back({source,
+                             id,
+                             {h.ticket_offset, h.ticket_bytes},
+                             &plan,
+                             h.layer,
+                             h.pos0,
+                             h.n,
+                             heads,
+                             h.checksum});
+    return;
+  }
   payloads_[source].push_back({id, import.serial, h.layer, h.pos0, h.n, heads, h.checksum});
   from.rows_announced += h.n;
   last_rows_at_ = now;
@@ -253,6 +266,9 @@ void KvTransferProtocol::drain(int source, const kv_wire::Header& h, Actions& ou
   const RequestId id{h.request};
   if (h.kind == kv_wire::kDeviceRows) {
     out.device_receives.push_back(
+        {source, id, {h.ticket_offset, h.ticket_bytes}, nullptr, h.layer, h.pos0, h.n, {}});
+  } else if (h.kind == kv_wire::kCmaRows) {
+    out.cma_reads.push_back(
         {source, id, {h.ticket_offset, h.ticket_bytes}, nullptr, h.layer, h.pos0, h.n, {}});
   } else {
     payloads_[source].push_back({id, 0, h.layer, h.pos0, h.n, {}, 0});
@@ -379,23 +395,28 @@ void KvTransferProtocol::land(int source, bool whole, Clock::time_point now, Act
          now, out);
     return;
   }
-  if (payload.checksum != 0) {
-    const ImportPlan& plan = import->plan;
-    const KvLayout& layout = plan.cache->layout();
-    check_rows_.resize(static_cast<size_t>(packed_kv_elems(layout, payload.n, payload.heads)));
-    pack_kv_rows(layout, plan.cache->data(), payload.layer, plan.block_table, payload.pos0,
-                 payload.n, payload.heads, check_rows_.data());
-    if (kv_wire::rows_checksum(check_rows_) != payload.checksum) {
-      fail(payload.id,
-           {ServeErrorKind::kInternal,
-            fmt::format("KV transfer: checksum mismatch in layer {} positions [{}, {}) from "
-                        "rank {}",
-                        payload.layer, payload.pos0, payload.pos0 + payload.n, source)},
-           now, out);
-      return;
-    }
-  }
+  if (!rows_match(*import, source, payload.layer, payload.pos0, payload.n, payload.heads,
+                  payload.checksum, now, out))
+    return;
   rows_in_place(payload.id, source, payload.n, now, out);
+}
+
+bool KvTransferProtocol::rows_match(const Import& import, int source, int64_t layer, int64_t pos0,
+                                    int64_t n, KvHeads heads, uint64_t checksum,
+                                    Clock::time_point now, Actions& out) {
+  if (checksum == 0) return true;
+  const ImportPlan& plan = import.plan;
+  const KvLayout& layout = plan.cache->layout();
+  check_rows_.resize(static_cast<size_t>(packed_kv_elems(layout, n, heads)));
+  pack_kv_rows(layout, plan.cache->data(), layer, plan.block_table, pos0, n, heads,
+               check_rows_.data());
+  if (kv_wire::rows_checksum(check_rows_) == checksum) return true;
+  fail(plan.id,
+       {ServeErrorKind::kInternal,
+        fmt::format("KV transfer: checksum mismatch in layer {} positions [{}, {}) from rank {}",
+                    layer, pos0, pos0 + n, source)},
+       now, out);
+  return false;
 }
 
 // ---------------------------------------------------------------- device receipts
@@ -435,6 +456,32 @@ void KvTransferProtocol::device_receipt_done(const DeviceKvTransfer::Done& done,
     return;
   }
   rows_in_place(rows->id, rows->source, rows->n, now, out);
+}
+
+// ---------------------------------------------------------------- CMA reads
+
+void KvTransferProtocol::cma_read_done(const Actions::CmaRead& read,
+                                       const std::optional<std::string>& error,
+                                       Clock::time_point now, Actions& out) {
+  kv_wire::Header ack;  // the sender's staging is free again
+  ack.kind = kv_wire::kRowsDone;
+  ack.ticket_offset = read.ticket.offset;
+  ack.ticket_bytes = read.ticket.bytes;
+  out.sends.push_back({read.source, kv_wire::header_bytes(ack)});
+  if (read.into == nullptr) return;  // drained
+  auto it = imports_.find(read.id);
+  DUET_ASSERT(it != imports_.end() && read.into == &it->second.plan,
+              "a CMA read for request {}, whose import is not live", read.id.value);
+  if (error) {
+    fail(read.id, {ServeErrorKind::kUnavailable, "KV transfer: " + *error}, now, out);
+    return;
+  }
+  if (!rows_match(it->second, read.source, read.layer, read.pos0, read.n, read.heads, read.checksum,
+                  now, out))
+    return;
+  it->second.source(read.source)->rows_announced += read.n;
+  last_rows_at_ = now;
+  rows_in_place(read.id, read.source, read.n, now, out);
 }
 
 // ---------------------------------------------------------------- ends

@@ -91,8 +91,14 @@ struct KvTransferActions {
     int64_t layer = 0;
     int64_t pos0 = 0;
     int64_t n = 0;
-    KvHeads heads;  // of `into`'s cache
+    KvHeads heads;          // of `into`'s cache
+    uint64_t checksum = 0;  // CMA reads: the rows' checksum (0: none)
   };
+  // Copy a CMA rows payload out of `source`'s staging
+  // (worker/transfer/cma_staging.h) into `into`'s blocks, or, `into` null,
+  // nothing (nobody wants it); then tell the protocol cma_read_done, which
+  // answers "rows done". The fields are a device receipt's.
+  using CmaRead = DeviceReceive;
   // The device transfer' staging `ticket` at `peer` is free again (sender side).
   struct StagingReleased {
     int peer = 0;
@@ -101,11 +107,13 @@ struct KvTransferActions {
 
   std::vector<Send> sends;
   std::vector<DeviceReceive> device_receives;
+  std::vector<CmaRead> cma_reads;
   std::vector<StagingReleased> staging_released;
   std::vector<KvTransferCall> calls;  // in order, outside the adapter's locks
 
   bool empty() const {
-    return sends.empty() && device_receives.empty() && staging_released.empty() && calls.empty();
+    return sends.empty() && device_receives.empty() && cma_reads.empty() &&
+           staging_released.empty() && calls.empty();
   }
 };
 
@@ -184,6 +192,13 @@ class KvTransferProtocol {
                              Clock::time_point now, Actions& out);
   void device_receipt_done(const DeviceKvTransfer::Done& done, Clock::time_point now, Actions& out);
 
+  // ---------------------------------------------------------------- CMA reads
+  // The adapter has carried out `read` (in the same event: its import is
+  // still live): every byte in place (`error` nullopt), or why not. The
+  // sender is answered "rows done" either way.
+  void cma_read_done(const Actions::CmaRead& read, const std::optional<std::string>& error,
+                     Clock::time_point now, Actions& out);
+
   // ---------------------------------------------------------------- lost peers
   // `ranks` are lost (the coordinator's word, coordinator/cluster/liveness.h):
   // every import that waits on one of them (its prefill leader, or a source
@@ -260,6 +275,10 @@ class KvTransferProtocol {
   bool fits(const Import& import, int source, const kv_wire::Header& header) const;
   // The import a payload is for, while it lasts.
   const Import* live(const ExpectedPayload& payload) const;
+  // Whether rows [pos0, pos0 + n) of `layer` (`heads`) in `import`'s blocks
+  // have `checksum` (0: not checked); fails the import if not.
+  bool rows_match(const Import& import, int source, int64_t layer, int64_t pos0, int64_t n,
+                  KvHeads heads, uint64_t checksum, Clock::time_point now, Actions& out);
   // Counts `n` rows of `source` in place; completes the import if they were its last.
   void rows_in_place(RequestId id, int source, int64_t n, Clock::time_point now, Actions& out);
   void complete_if_done(RequestId id, Actions& out);

@@ -9,7 +9,11 @@
 //                KvHandoff) after the header;
 //   device rows: as rows, but the payload moves through the device transfer and
 //                the header names its place in the sender's staging (a ticket);
-//   rows done:   receiver -> sender, a device payload's staging is free again.
+//   CMA rows:    as device rows, but the payload sits in the sender's host
+//                staging, which the receiver reads by cross-memory attach
+//                (worker/transfer/cma_staging.h);
+//   rows done:   receiver -> sender, a device or CMA payload's staging is free
+//                again.
 // On a byte stream (worker/transfer/tcp_kv_transfer.h) each message is a
 // frame: the header, then body_bytes(header) bytes: a control message, or a
 // rows payload (there, the header and its payload travel together).
@@ -37,7 +41,8 @@ inline constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
 inline constexpr uint32_t kRows = 1;             // a payload follows on kPayloadTag
 inline constexpr uint32_t kControl = 2;          // a control message follows in this message
 inline constexpr uint32_t kDeviceRows = 3;       // the payload goes through the device transfer
-inline constexpr uint32_t kRowsDone = 4;  // receiver -> sender: a device payload's staging is free
+inline constexpr uint32_t kRowsDone = 4;         // receiver -> sender: a payload's staging is free
+inline constexpr uint32_t kCmaRows = 5;  // the receiver reads the payload from the sender's staging
 
 struct Header {
   uint32_t magic = kMagic;
@@ -49,8 +54,8 @@ struct Header {
   uint64_t checksum = 0;   // of the rows payload; 0: not computed
   int64_t head_begin = 0;  // the global KV heads [head_begin, head_end) in the payload
   int64_t head_end = 0;
-  uint64_t ticket_offset = 0;  // device rows and rows done: the payload's DeviceRowsTicket
-  // Device rows and rows done: the ticket's size. Control, and rows on a
+  uint64_t ticket_offset = 0;  // device or CMA rows, rows done: the payload's DeviceRowsTicket
+  // Device or CMA rows, rows done: the ticket's size. Control, and rows on a
   // byte stream: the bytes after the header (body_bytes).
   uint64_t ticket_bytes = 0;
 };

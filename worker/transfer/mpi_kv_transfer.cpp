@@ -1,5 +1,6 @@
 #include "worker/transfer/mpi_kv_transfer.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -40,12 +41,56 @@ MpiKvTransfer::MpiKvTransfer(ControlChannel& channel, MpiKvTransferOptions optio
     : channel_(channel),
       options_(options),
       device_(std::move(device)),
+      cma_(std::make_unique<CmaStaging>(options_.cma_staging_bytes)),
       protocol_(device_peers(channel.world_size(), device_.get())) {
   DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+  connect_cma();
   channel_.attach(*this);
 }
 
+void MpiKvTransfer::connect_cma() {
+  int world = 0, rank = 0;
+  DUET_MPI_CHECK(MPI_Comm_size(comm_, &world));
+  DUET_MPI_CHECK(MPI_Comm_rank(comm_, &rank));
+  const CmaStaging::Endpoint mine = cma_->endpoint();
+  std::vector<CmaStaging::Endpoint> endpoints(static_cast<size_t>(world));
+  DUET_MPI_CHECK(
+      MPI_Allgather(&mine, sizeof mine, MPI_BYTE, endpoints.data(), sizeof mine, MPI_BYTE, comm_));
+  // reads[s]: this rank reads rank s's staging. Every rank probes before
+  // any rank leaves the second gather, so no payload has overwritten a nonce.
+  std::vector<uint8_t> reads(static_cast<size_t>(world), 0);
+  std::vector<int> sources, readers;
+  for (int s = 0; s < world; ++s) {
+    const CmaStaging::Endpoint& peer = endpoints[static_cast<size_t>(s)];
+    if (s == rank || options_.cma_staging_bytes == 0 || !CmaStaging::can_read(peer)) continue;
+    reads[static_cast<size_t>(s)] = 1;
+    cma_->add_source(s, peer);
+    sources.push_back(s);
+  }
+  std::vector<uint8_t> all_reads(static_cast<size_t>(world) * static_cast<size_t>(world));
+  DUET_MPI_CHECK(
+      MPI_Allgather(reads.data(), world, MPI_UINT8_T, all_reads.data(), world, MPI_UINT8_T, comm_));
+  for (int r = 0; r < world; ++r) {
+    if (all_reads[static_cast<size_t>(r) * static_cast<size_t>(world) +
+                  static_cast<size_t>(rank)] == 0)
+      continue;
+    cma_->add_reader(r);
+    readers.push_back(r);
+  }
+  if (!sources.empty() || !readers.empty()) {
+    spdlog::info(
+        "kv transfer: rank {}: rows to ranks [{}] and from ranks [{}] by cross-memory attach "
+        "({} MiB staging)",
+        rank, fmt::join(readers, ", "), fmt::join(sources, ", "), options_.cma_staging_bytes >> 20);
+  }
+}
+
 MpiKvTransfer::~MpiKvTransfer() {
+  // Payloads in CMA staging: their receivers get a moment to read them and
+  // answer (the thread, still attached, takes the answers).
+  const auto patience = Clock::now() + kFlushOnDestroy;
+  while (cma_->n_held() > 0 && Clock::now() < patience)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const size_t dropped = channel_.detach(*this, kFlushOnDestroy);
   if (dropped > 0) spdlog::warn("kv transfer: dropped {} unposted send(s)", dropped);
   // Sends still in flight on the communicator complete normally after this.
@@ -75,6 +120,7 @@ void MpiKvTransfer::apply_losses(std::vector<KvTransferCall>& calls) {
   }
   if (lost.empty()) return;
   for (int rank : lost) {
+    cma_->release_all(rank);  // what it never answered is free again
     if (auto it = header_receives_.find(rank); it != header_receives_.end()) {
       for (HeaderReceive& receive : it->second)
         abandoned_buffers_.push_back(std::move(receive.bytes));
@@ -126,6 +172,17 @@ void MpiKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int6
     return;
   }
   const size_t elems = static_cast<size_t>(packed_kv_elems(layout, n, local));
+  if (const auto region = cma_->acquire(decode_rank, elems * sizeof(KvElement))) {
+    auto* rows = reinterpret_cast<KvElement*>(region->data);
+    pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, local, rows);
+    if (options_.checksums) header.checksum = kv_wire::rows_checksum({rows, elems});
+    header.kind = kv_wire::kCmaRows;
+    header.ticket_offset = region->ticket.offset;
+    header.ticket_bytes = region->ticket.bytes;
+    count_cma_sent(static_cast<int64_t>(region->ticket.bytes));
+    queue(decode_rank, kv_wire::kHeaderTag, kv_wire::header_bytes(header), SendLane::kControl);
+    return;
+  }
   std::vector<std::byte> payload = channel_.buffer(elems * sizeof(KvElement));
   DUET_REQUIRE(payload.size() <= static_cast<size_t>(INT_MAX),
                "kv transfer: a {}-byte message is over MPI's 2 GiB count limit", payload.size());
@@ -319,6 +376,18 @@ MPI_Request MpiKvTransfer::receive_into_blocks(MPI_Message& message,
   return request;
 }
 
+std::optional<std::string> MpiKvTransfer::read_cma(const KvTransferActions::CmaRead& read) {
+  cma_runs_.clear();
+  const KvTransferProtocol::PayloadPlace place{read.into, read.layer, read.pos0,
+                                               read.n,    read.heads, 0};
+  for_each_payload_run(place, [&](KvElement* address, size_t bytes) {
+    cma_runs_.push_back({address, bytes});
+  });
+  std::optional<std::string> error = cma_->read(read.source, read.ticket, cma_runs_);
+  if (!error) count_cma_received(static_cast<int64_t>(read.ticket.bytes));
+  return error;
+}
+
 bool MpiKvTransfer::poll_device(std::vector<KvTransferCall>& calls) {
   std::vector<DeviceKvTransfer::Done> done;
   try {
@@ -344,7 +413,17 @@ void MpiKvTransfer::act(KvTransferActions& actions, std::vector<KvTransferCall>&
       queue(send.destination, kv_wire::kHeaderTag, std::move(send.bytes), SendLane::kControl);
     for (const KvTransferActions::StagingReleased& released :
          std::exchange(actions.staging_released, {})) {
-      if (device_ != nullptr) device_->released(released.peer, released.ticket);
+      if (device_transfer(released.peer)) {
+        device_->released(released.peer, released.ticket);
+      } else if (!cma_->release(released.peer, released.ticket)) {
+        spdlog::error("kv transfer: rank {} gave back CMA staging [{}, +{}) it does not hold",
+                      released.peer, released.ticket.offset, released.ticket.bytes);
+      }
+    }
+    for (const KvTransferActions::CmaRead& read : std::exchange(actions.cma_reads, {})) {
+      std::optional<std::string> error;
+      if (read.into != nullptr) error = read_cma(read);
+      protocol_.cma_read_done(read, error, Clock::now(), actions);
     }
     for (const KvTransferActions::DeviceReceive& receive :
          std::exchange(actions.device_receives, {}))

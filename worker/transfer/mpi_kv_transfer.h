@@ -25,7 +25,13 @@
 // control lane and payloads in its bulk lane: a handoff follows every rows
 // header its sender sent (one lane keeps their order) but never waits for
 // their payloads, and a cancel or an order never waits behind KV.
-// The rows are packed on the sending engine thread into a staging buffer
+// Between two ranks of one host whose kernel allows it, the payload does not
+// travel as a message at all: the sender packs it into its CMA staging and
+// the header (kind "CMA rows") names its place there; the receiver copies it
+// straight into the reserved blocks out of the sender's memory and answers
+// "rows done" (worker/transfer/cma_staging.h). A payload that finds the
+// staging full goes as below.
+// Otherwise the rows are packed on the sending engine thread into a staging buffer
 // (one memcpy per block run per head: the sender's blocks are free to be
 // reused as soon as send_rows returns) and sent as one contiguous message.
 // The receiver, knowing from the header where they go, receives them
@@ -59,6 +65,7 @@
 #include <vector>
 
 #include "common/mpi/control_channel.h"
+#include "worker/transfer/cma_staging.h"
 #include "worker/transfer/device/device_kv_transfer.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/kv_transfer_protocol.h"
@@ -73,6 +80,9 @@ struct MpiKvTransferOptions {
   // `drop_rows_of` (0: none), so its import never completes and fails at its
   // deadline. `duet serve` sets it from DUET_TEST_DROP_KV_ROWS_OF.
   uint64_t drop_rows_of = 0;
+  // Bytes of CMA staging on a sending rank (0: no CMA; every payload over
+  // MPI). Address space, touched as payloads use it.
+  size_t cma_staging_bytes = size_t{64} << 20;
 };
 
 class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
@@ -83,8 +93,9 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   // GPU pairs (null: every pair over MPI).
   MpiKvTransfer(ControlChannel& channel, MpiKvTransferOptions options = {},
                 std::unique_ptr<DeviceKvTransfer> device = nullptr);
-  // Detaches from the thread, gives its queued sends a moment to be posted
-  // (the channel sees the posted ones through), and frees the communicator.
+  // Gives the payloads in its CMA staging a moment to be read, detaches from
+  // the thread, gives its queued sends a moment to be posted (the channel
+  // sees the posted ones through), and frees the communicator.
   ~MpiKvTransfer() override;
   MpiKvTransfer(const MpiKvTransfer&) = delete;
   MpiKvTransfer& operator=(const MpiKvTransfer&) = delete;
@@ -118,6 +129,10 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   void start_receipt(const KvTransferActions::DeviceReceive& receive, KvTransferActions& actions);
   // A device payload nobody takes: the device transfer drain it (or give the connection up).
   void drain_device(const KvTransferActions::DeviceReceive& receive);
+  // Collective, from the constructor: which ranks read whose CMA staging.
+  void connect_cma();
+  // Carries out a CMA read into its import's blocks: nullopt, or why not.
+  std::optional<std::string> read_cma(const KvTransferActions::CmaRead& read);
   // Starts receiving the payload `message` straight into the blocks `place` names.
   MPI_Request receive_into_blocks(MPI_Message& message,
                                   const KvTransferProtocol::PayloadPlace& place);
@@ -128,6 +143,7 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   const MpiKvTransferOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   const std::unique_ptr<DeviceKvTransfer> device_;
+  const std::unique_ptr<CmaStaging> cma_;  // its setup is the constructor's
 
   // The communication thread's state: that thread holds the mutex while it
   // works on it; forget_imports takes it from another thread.
@@ -152,6 +168,7 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   bool abandoned_any_ = false;
   std::vector<int> type_lengths_;  // the receive datatype's runs, reused
   std::vector<MPI_Aint> type_addresses_;
+  std::vector<iovec> cma_runs_;  // a CMA read's block runs, reused
 
   mutable std::mutex mutex_;  // guards the members below
   std::vector<int> lost_;     // ranks lost since the last pass
