@@ -7,7 +7,9 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <functional>
 #include <random>
+#include <string>
 
 #include "common/error.h"
 
@@ -20,6 +22,13 @@ constexpr size_t kAlignment = 256;
 ssize_t read_remote(int64_t pid, std::span<const iovec> local, uint64_t remote, size_t bytes) {
   iovec from{reinterpret_cast<void*>(remote), bytes};
   return process_vm_readv(static_cast<pid_t>(pid), local.data(), local.size(), &from, 1, 0);
+}
+
+// A hash of this host's name (what MPI_Get_processor_name says on Linux).
+uint64_t host_hash() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return 0;
+  return std::hash<std::string>{}(name);
 }
 
 }  // namespace
@@ -52,11 +61,12 @@ CmaStaging::~CmaStaging() {
 }
 
 CmaStaging::Endpoint CmaStaging::endpoint() const {
-  return {static_cast<int64_t>(getpid()), reinterpret_cast<uint64_t>(ring_), capacity_, nonce_};
+  return {static_cast<int64_t>(getpid()), reinterpret_cast<uint64_t>(ring_), capacity_, nonce_,
+          host_hash()};
 }
 
 bool CmaStaging::can_read(const Endpoint& peer) {
-  if (peer.capacity == 0 || peer.address == 0) return false;
+  if (peer.capacity == 0 || peer.address == 0 || peer.host != host_hash()) return false;
   uint64_t nonce = 0;
   const iovec into{&nonce, sizeof nonce};
   return read_remote(peer.pid, {&into, 1}, peer.address, sizeof nonce) ==

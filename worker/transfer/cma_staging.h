@@ -20,10 +20,12 @@
 // left to fear.
 //
 // Which pairs use it is decided once, at start-up: each rank publishes its
-// Endpoint (pid, ring address, a random nonce written at the ring's start),
-// and a rank reads from a peer only if reading that peer's nonce worked
-// (same host, same PID namespace, and the kernel allows it: ptrace rules,
-// seccomp). Elsewhere rows go over MPI as before.
+// Endpoint (pid, ring address, a random nonce written at the ring's start,
+// its host name's hash), and a rank reads from a peer of its own host name
+// only if reading that peer's nonce worked (same kernel, same PID namespace,
+// and the kernel allows it: ptrace rules, seccomp). Elsewhere rows go over
+// MPI as before; ranks that stand for two hosts on one machine (network and
+// UTS namespaces) keep their network path.
 //
 // Threads: acquire() on the engine thread; release(), release_all() and
 // read() on the transfer's communication thread; the setup (add_*) before
@@ -55,6 +57,7 @@ class CmaStaging {
     uint64_t address = 0;   // the ring's first byte in the owner's address space
     uint64_t capacity = 0;  // 0: the owner sends nothing by CMA
     uint64_t nonce = 0;     // the ring's first 8 bytes until the setup is over
+    uint64_t host = 0;      // a hash of the owner's host name
   };
   // A region of the ring, to pack a payload into.
   struct Region {
@@ -70,7 +73,8 @@ class CmaStaging {
   CmaStaging& operator=(const CmaStaging&) = delete;
 
   Endpoint endpoint() const;
-  // Whether this process can read `peer`'s staging: reads its nonce.
+  // Whether this process can read `peer`'s staging: a peer of the same host
+  // name (as Open MPI tells hosts apart) whose nonce it reads.
   static bool can_read(const Endpoint& peer);
 
   // Setup: rank `rank` reads this rank's staging / this rank reads `rank`'s.

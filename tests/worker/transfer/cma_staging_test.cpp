@@ -72,6 +72,10 @@ TEST(CmaStaging, OnlyTheRightNonceIsReadable) {
   EXPECT_TRUE(CmaStaging::can_read(endpoint));
   endpoint.nonce ^= 1u << 7;
   EXPECT_FALSE(CmaStaging::can_read(endpoint));
+  // Another host's name: never read, even where the kernel would allow it.
+  CmaStaging::Endpoint elsewhere = staging.endpoint();
+  elsewhere.host ^= 1;
+  EXPECT_FALSE(CmaStaging::can_read(elsewhere));
   // A rank without staging publishes nothing to read.
   CmaStaging none(0);
   EXPECT_EQ(none.endpoint().capacity, 0u);
