@@ -4,10 +4,12 @@
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <utility>
 
@@ -28,6 +30,13 @@ constexpr size_t kReadPerPass = size_t{8} << 20;
 // The largest body a frame may announce (a layer's rows of a long chunk are
 // far smaller); more is a corrupt stream, and the peer is given up.
 constexpr uint64_t kMaxBody = uint64_t{1} << 30;
+// Written rows bodies kept for reuse (no fresh pages, no zeroing), and the
+// smallest worth keeping.
+constexpr size_t kMaxSpares = 64;
+constexpr size_t kMinSpareBytes = 4096;
+// Each KV socket's send buffer (the kernel caps it at net.core.wmem_max),
+// instead of the autotuned one, which starts at 16 KiB.
+constexpr int kSendBuffer = 4 << 20;
 constexpr size_t kDrainBytes = size_t{1} << 16;
 
 bool would_block() { return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR; }
@@ -41,7 +50,12 @@ TcpKvTransfer::TcpKvTransfer(int self, std::map<int, int> sockets, TcpKvTransfer
       protocol_({}, KvTransferProtocol::LostReceives::kStop),
       drain_(kDrainBytes) {
   DUET_REQUIRE(wake_fd_ >= 0, "kv transfer: eventfd: {}", strerror(errno));
-  for (const auto& [rank, fd] : sockets) peers_[rank].fd = fd;
+  for (const auto& [rank, fd] : sockets) {
+    peers_[rank].fd = fd;
+    // Room for a layer's rows and more: send_rows then writes whole frames
+    // from the blocks instead of packing what the socket did not take.
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSendBuffer, sizeof kSendBuffer);
+  }
   thread_ = std::thread([this] { run(); });
 }
 
@@ -94,6 +108,63 @@ void TcpKvTransfer::queue(int destination, Frame frame, Lane lane) {
   wake_thread();
 }
 
+std::vector<std::byte> TcpKvTransfer::body_buffer(size_t size) {
+  std::lock_guard lock(mutex_);
+  return body_buffer_locked(size);
+}
+
+std::vector<std::byte> TcpKvTransfer::body_buffer_locked(size_t size) {
+  std::vector<std::byte> bytes;
+  if (!spares_.empty()) {
+    bytes = std::move(spares_.back());
+    spares_.pop_back();
+  }
+  bytes.resize(size);
+  return bytes;
+}
+
+bool TcpKvTransfer::send_from_blocks(int rank, const kv_wire::Header& header, const KvCache& cache,
+                                     std::span<const int32_t> block_table, int64_t layer,
+                                     int64_t pos0, int64_t n, KvHeads heads) {
+  std::vector<std::byte> head = kv_wire::header_bytes(header);
+  send_parts_.clear();
+  send_parts_.push_back({head.data(), head.size()});
+  // The sender's runs in the packed order: the receiver's walk over the sender's blocks.
+  KvTransfer::ImportPlan blocks;
+  blocks.cache = const_cast<KvCache*>(&cache);  // only read: the runs are sent
+  blocks.block_table.assign(block_table.begin(), block_table.end());
+  for_each_payload_run({&blocks, layer, pos0, n, heads, 0}, [&](KvElement* at, size_t bytes) {
+    send_parts_.push_back({at, bytes});
+  });
+  if (send_parts_.size() > static_cast<size_t>(IOV_MAX)) return false;
+  const size_t total = head.size() + header.ticket_bytes;
+  bool partly = false;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = peers_.find(rank);
+    if (it == peers_.end()) return false;
+    Peer& peer = it->second;
+    if (peer.fd < 0 || peer.writing || !peer.control.empty() || !peer.bulk.empty()) return false;
+    msghdr message{};
+    message.msg_iov = send_parts_.data();
+    message.msg_iovlen = send_parts_.size();
+    const ssize_t sent = sendmsg(peer.fd, &message, MSG_NOSIGNAL);
+    if (sent <= 0) return false;  // full, or broken (the thread finds out): packed and queued
+    if (static_cast<size_t>(sent) < total) {
+      // The rest leaves from a packed copy, before anything else to this peer.
+      Frame frame{std::move(head), body_buffer_locked(header.ticket_bytes)};
+      pack_kv_rows(cache.layout(), cache.data(), layer, block_table, pos0, n, heads,
+                   reinterpret_cast<KvElement*>(frame.body.data()));
+      peer.writing = std::move(frame);
+      peer.written = static_cast<size_t>(sent);
+      partly = true;
+    }
+  }
+  count_sent(static_cast<int64_t>(total));
+  if (partly) wake_thread();
+  return true;
+}
+
 void TcpKvTransfer::peers_lost(std::span<const Rank> ranks) {
   {
     std::lock_guard lock(mutex_);
@@ -109,14 +180,18 @@ void TcpKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int6
   const KvLayout& layout = cache.layout();
   const KvHeads local{heads.head_begin - head_offset, heads.head_end - heads.head_begin};
   const size_t elems = static_cast<size_t>(packed_kv_elems(layout, n, local));
-  Frame frame;
-  frame.body.resize(elems * sizeof(KvElement));
-  auto* rows = reinterpret_cast<KvElement*>(frame.body.data());
-  pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, local, rows);
   kv_wire::Header header{kv_wire::kMagic,  kv_wire::kRows, id.value, layer, pos0, n, 0,
                          heads.head_begin, heads.head_end};
+  header.ticket_bytes = elems * sizeof(KvElement);
+  // Checksums are of the packed rows: those frames are always packed.
+  if (!options_.checksums &&
+      send_from_blocks(decode_rank, header, cache, block_table, layer, pos0, n, local))
+    return;
+  Frame frame;
+  frame.body = body_buffer(elems * sizeof(KvElement));
+  auto* rows = reinterpret_cast<KvElement*>(frame.body.data());
+  pack_kv_rows(layout, cache.data(), layer, block_table, pos0, n, local, rows);
   if (options_.checksums) header.checksum = kv_wire::rows_checksum({rows, elems});
-  header.ticket_bytes = frame.body.size();
   frame.head = kv_wire::header_bytes(header);
   queue(decode_rank, std::move(frame), Lane::kBulk);
 }
@@ -385,6 +460,8 @@ bool TcpKvTransfer::send(int rank, Peer& peer) {
     peer.written += static_cast<size_t>(n);
     if (peer.written < total) continue;
     std::lock_guard lock(mutex_);
+    if (spares_.size() < kMaxSpares && peer.writing->body.capacity() >= kMinSpareBytes)
+      spares_.push_back(std::move(peer.writing->body));
     peer.writing.reset();
   }
 }

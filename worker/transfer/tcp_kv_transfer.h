@@ -19,9 +19,14 @@
 // lanes, the control lane (orders, cancels) ahead of the bulk lane (rows
 // frames, and handoffs, which must follow their rows); a frame begun is
 // finished before the next, so a control frame waits for one rows frame at
-// most. A rows payload is received straight into the import's reserved
-// blocks (readv over the block runs, per K/V and head, as the protocol's
-// PayloadPlace says), or drained when nobody wants it.
+// most. A rows frame whose peer's socket is idle leaves straight from the
+// sender's blocks: send_rows writes it itself (one sendmsg over the header
+// and the block runs, which the kernel copies before it returns), and only
+// what the socket does not take at once is packed and left to the thread,
+// first in line; otherwise the rows are packed and queued. A rows payload is
+// received straight into the import's reserved blocks (readv over the block
+// runs, per K/V and head, as the protocol's PayloadPlace says), or drained
+// when nobody wants it.
 //
 // A lost peer (EOF, a reset, a broken pipe, or peers_lost from the
 // coordinator's word): its socket is closed, its queued frames dropped, and
@@ -113,6 +118,18 @@ class TcpKvTransfer final : public KvTransferAdapter {
   void wake_thread() override;
   // Any thread: a frame into a peer's lane (dropped when the peer is lost).
   void queue(int destination, Frame frame, Lane lane);
+  // Any thread: a body of `size` bytes, a written frame's when there is one
+  // (its pages made and, for the usual size, not zeroed again).
+  std::vector<std::byte> body_buffer(size_t size);
+  // Under mutex_: the same.
+  std::vector<std::byte> body_buffer_locked(size_t size);
+  // The engine thread (send_rows): writes a rows frame straight from the
+  // sender's blocks when `rank`'s socket is idle; false when it wrote
+  // nothing (the caller packs and queues it). What the socket does not take
+  // at once is packed and becomes the frame begun.
+  bool send_from_blocks(int rank, const kv_wire::Header& header, const KvCache& cache,
+                        std::span<const int32_t> block_table, int64_t layer, int64_t pos0,
+                        int64_t n, KvHeads heads);
 
   // The thread, under state_mutex_: each feeds the protocol events and carries
   // out their actions, collecting the handler calls.
@@ -142,9 +159,11 @@ class TcpKvTransfer final : public KvTransferAdapter {
   KvTransferProtocol protocol_;
   std::vector<std::byte> drain_;  // a drained payload's bytes go here
 
-  mutable std::mutex mutex_;   // guards the members below and every Peer's send lanes
-  std::map<int, Peer> peers_;  // the map itself is fixed after construction
-  std::vector<int> lost_;      // ranks lost since the last pass
+  mutable std::mutex mutex_;  // guards the members below and every Peer's send lanes
+  std::vector<std::vector<std::byte>> spares_;  // written frames' bodies, for the next rows
+  std::vector<iovec> send_parts_;  // send_from_blocks' header and runs (engine thread), reused
+  std::map<int, Peer> peers_;      // the map itself is fixed after construction
+  std::vector<int> lost_;          // ranks lost since the last pass
 
   std::thread thread_;  // last: starts after everything above exists
 };
