@@ -9,15 +9,22 @@
 // - bytes that are not the transfer's give the peer up the same way;
 // - an abort reaches the prefill side as a cancel, and releases;
 // - a peer that stops reading (stalled, SIGSTOP) holds nothing up: sends
-//   queue, and the transfer still ends in its flush time.
+//   queue, and the transfer still ends in its flush time;
+// - rows without checksums leave straight from the blocks while the socket
+//   takes them, then partly, then packed and queued: on the wire every
+//   frame is whole and in order (the test reads the raw stream).
+
 #include "worker/transfer/tcp_kv_transfer.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <map>
@@ -259,6 +266,71 @@ TEST(TcpKvTransferStall, APeerThatStopsReadingHoldsNothingUp) {
   const auto stop = std::chrono::steady_clock::now();
   transfer.reset();  // its frames cannot all leave: it gives them up after its flush time
   EXPECT_LT(std::chrono::steady_clock::now() - stop, 3s);
+  close(decode_fd);
+}
+
+// Reads `bytes` from non-blocking `fd` into `into`; false on EOF or after kPatience.
+bool read_exact(int fd, std::byte* into, size_t bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + kPatience;
+  while (bytes > 0) {
+    const ssize_t n = recv(fd, into, bytes, 0);
+    if (n > 0) {
+      into += n;
+      bytes -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return false;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    pollfd wait{fd, POLLIN, 0};
+    poll(&wait, 1, 100);
+  }
+  return true;
+}
+
+TEST(TcpKvTransferFrames, RowsFromTheBlocksArriveWholeAndInOrder) {
+  const auto [prefill_fd, decode_fd] = connected_pair();  // the test reads decode_fd itself
+  KvLayout layout = test_layout();
+  layout.head_dim = 64;
+  layout.n_blocks = 64;
+  constexpr int64_t kTokens = 1000;  // 500 KB of rows per layer, the last block partial
+  KvCache cache{layout};
+  for (int64_t i = 0; i < layout.total_elems(); ++i)
+    cache.data()[i] = static_cast<KvElement>(1 + i % 30011);
+  std::vector<int32_t> blocks;
+  for (int32_t b = 0; b < 63; ++b) blocks.push_back((b * 37 + 11) % 64);  // scattered
+  auto transfer =
+      std::make_unique<TcpKvTransfer>(kPrefill, std::map<int, int>{{kDecode, prefill_fd}});
+  // 24 frames, 12 MB: more than the socket buffers hold, so the first leave
+  // whole from the blocks, one partly, and the rest packed and queued.
+  constexpr int kReps = 8;
+  for (int rep = 0; rep < kReps; ++rep) {
+    for (int64_t layer = 0; layer < layout.n_layers; ++layer)
+      transfer->send_rows(kDecode, kId, layer, 0, kTokens, cache, blocks, 0,
+                          all_kv_heads_of(cache));
+  }
+  const KvHeads heads = all_kv_heads(layout);
+  std::vector<KvElement> expected(static_cast<size_t>(packed_kv_elems(layout, kTokens, heads)));
+  std::vector<std::byte> body(expected.size() * sizeof(KvElement));
+  for (int rep = 0; rep < kReps; ++rep) {
+    for (int64_t layer = 0; layer < layout.n_layers; ++layer) {
+      kv_wire::Header header;
+      ASSERT_TRUE(read_exact(decode_fd, reinterpret_cast<std::byte*>(&header), sizeof header))
+          << "rep " << rep << " layer " << layer;
+      ASSERT_EQ(header.magic, kv_wire::kMagic);
+      ASSERT_EQ(header.kind, kv_wire::kRows);
+      ASSERT_EQ(header.layer, layer);
+      ASSERT_EQ(header.n, kTokens);
+      ASSERT_EQ(header.ticket_bytes, body.size());
+      ASSERT_TRUE(read_exact(decode_fd, body.data(), body.size()));
+      pack_kv_rows(layout, cache.data(), layer, blocks, 0, kTokens, heads, expected.data());
+      ASSERT_EQ(std::memcmp(body.data(), expected.data(), body.size()), 0)
+          << "rep " << rep << " layer " << layer;
+    }
+  }
+  EXPECT_EQ(transfer->counters().bytes_sent,
+            int64_t{kReps} * layout.n_layers *
+                static_cast<int64_t>(sizeof(kv_wire::Header) + body.size()));
+  transfer.reset();
   close(decode_fd);
 }
 
