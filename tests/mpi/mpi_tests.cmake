@@ -135,11 +135,12 @@ set_tests_properties(mpi_serve_disaggregated_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
-# The same over TcpKvTransfer (--kv-transport tcp) on loopback.
+# The same over TcpKvTransfer (--kv-transport tcp) on loopback, without
+# checksums, so that rows leave straight from the prefill instance's blocks.
 add_test(NAME mpi_serve_disaggregated_tcp_test
   COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_serve_disaggregated.py)
 set_tests_properties(mpi_serve_disaggregated_tcp_test PROPERTIES
-  ENVIRONMENT "DUET_KV_TRANSPORT=tcp;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  ENVIRONMENT "DUET_KV_TRANSPORT=tcp;DUET_KV_CHECKSUMS=off;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 900)
 # The same with the coordinator's control messages over the channel's TCP
