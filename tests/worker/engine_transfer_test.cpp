@@ -275,6 +275,26 @@ TEST(KvRowsTest, PackUnpackAcrossDifferentBlockTables) {
             a[static_cast<size_t>(layout.v_offset(1, 2, 2, 1) + 3)]);
 }
 
+TEST(KvRowsTest, PackedRunsBackToBackAreThePackedRows) {
+  KvLayout layout;
+  layout.n_layers = 2;
+  layout.n_kv_heads = 3;
+  layout.head_dim = 4;
+  layout.block_size = 4;
+  layout.n_blocks = 8;
+  std::vector<KvElement> cache(static_cast<size_t>(layout.total_elems()));
+  for (size_t i = 0; i < cache.size(); ++i) cache[i] = static_cast<KvElement>(i * 5 + 3);
+  const std::vector<int32_t> table = {6, 1, 4};
+  const KvHeads heads{1, 2};
+  std::vector<KvElement> packed(static_cast<size_t>(packed_kv_elems(layout, 9, heads)));
+  pack_kv_rows(layout, cache.data(), 1, table, 2, 9, heads, packed.data());
+  std::vector<KvElement> gathered;
+  for_each_packed_run(layout, 1, table, 2, 9, heads, [&](int64_t at, int64_t elems) {
+    gathered.insert(gathered.end(), cache.begin() + at, cache.begin() + at + elems);
+  });
+  EXPECT_EQ(gathered, packed);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, EngineTransferTest,
                          ::testing::Values("tiny_q4_1_gqa_tied.gguf", "default"),
                          testing::model_param_name);

@@ -10,6 +10,7 @@
 // writes the blocks being read (or reads the blocks being written).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 
@@ -33,6 +34,30 @@ inline int64_t packed_kv_elems(const KvLayout& layout, int64_t n) {
 }
 inline int64_t packed_kv_elems(const KvLayout& layout, int64_t n, KvHeads heads) {
   return 2 * heads.count * n * layout.head_dim;
+}
+
+// Calls run(cache offset, elements) for each contiguous run of the cache
+// that rows [pos0, pos0 + n) of `heads` of `layer` occupy (blocks by
+// `block_table`), in the packed order: the packed rows are these runs back
+// to back. What a transfer gathers from or scatters into the blocks without
+// a packed copy (an iovec, an MPI datatype).
+template <typename Run>
+void for_each_packed_run(const KvLayout& layout, int64_t layer,
+                         std::span<const int32_t> block_table, int64_t pos0, int64_t n,
+                         KvHeads heads, Run&& run) {
+  for (int64_t kv = 0; kv < 2; ++kv) {
+    for (int64_t head = heads.first; head < heads.first + heads.count; ++head) {
+      for (int64_t done = 0; done < n;) {
+        const int64_t pos = pos0 + done;
+        const int64_t slot = pos % layout.block_size;
+        const int64_t length = std::min(layout.block_size - slot, n - done);
+        const int64_t block = block_table[static_cast<size_t>(pos / layout.block_size)];
+        run(layout.k_offset(layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0),
+            length * layout.head_dim);
+        done += length;
+      }
+    }
+  }
 }
 
 // Copies the rows of positions [pos0, pos0 + n) of `layer` from `cache`

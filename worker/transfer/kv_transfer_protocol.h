@@ -313,22 +313,11 @@ class KvTransferProtocol {
 template <typename Run>
 void for_each_payload_run(const KvTransferProtocol::PayloadPlace& place, Run&& run) {
   const KvTransfer::ImportPlan& plan = *place.into;
-  const KvLayout& layout = plan.cache->layout();
-  const int64_t slot_bytes = layout.head_dim * static_cast<int64_t>(sizeof(KvElement));
-  for (int64_t kv = 0; kv < 2; ++kv) {
-    for (int64_t head = place.heads.first; head < place.heads.first + place.heads.count; ++head) {
-      for (int64_t done = 0; done < place.n;) {
-        const int64_t pos = place.pos0 + done;
-        const int64_t slot = pos % layout.block_size;
-        const int64_t length = std::min(layout.block_size - slot, place.n - done);
-        const int64_t block = plan.block_table[static_cast<size_t>(pos / layout.block_size)];
-        const int64_t offset =
-            layout.k_offset(place.layer, block, head, slot) + (kv == 1 ? layout.kv_elems() : 0);
-        run(plan.cache->data() + offset, static_cast<size_t>(length * slot_bytes));
-        done += length;
-      }
-    }
-  }
+  for_each_packed_run(plan.cache->layout(), place.layer, plan.block_table, place.pos0, place.n,
+                      place.heads, [&](int64_t at, int64_t elems) {
+                        run(plan.cache->data() + at,
+                            static_cast<size_t>(elems) * sizeof(KvElement));
+                      });
 }
 
 }  // namespace duet

@@ -129,13 +129,12 @@ bool TcpKvTransfer::send_from_blocks(int rank, const kv_wire::Header& header, co
   std::vector<std::byte> head = kv_wire::header_bytes(header);
   send_parts_.clear();
   send_parts_.push_back({head.data(), head.size()});
-  // The sender's runs in the packed order: the receiver's walk over the sender's blocks.
-  KvTransfer::ImportPlan blocks;
-  blocks.cache = const_cast<KvCache*>(&cache);  // only read: the runs are sent
-  blocks.block_table.assign(block_table.begin(), block_table.end());
-  for_each_payload_run({&blocks, layer, pos0, n, heads, 0}, [&](KvElement* at, size_t bytes) {
-    send_parts_.push_back({at, bytes});
-  });
+  // The sender's runs in the packed order (iovec's pointer is not const: only read here).
+  auto* base = const_cast<KvElement*>(cache.data());
+  for_each_packed_run(
+      cache.layout(), layer, block_table, pos0, n, heads, [&](int64_t at, int64_t elems) {
+        send_parts_.push_back({base + at, static_cast<size_t>(elems) * sizeof(KvElement)});
+      });
   if (send_parts_.size() > static_cast<size_t>(IOV_MAX)) return false;
   const size_t total = head.size() + header.ticket_bytes;
   bool partly = false;
