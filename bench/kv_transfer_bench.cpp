@@ -43,6 +43,7 @@
 #include "common/error.h"
 #include "common/mpi/control_channel.h"
 #include "common/mpi/mpi_runtime.h"
+#include "common/timer_slack.h"
 #include "worker/transfer/mpi_kv_transfer.h"
 #include "worker/transfer/transfer_setup.h"
 
@@ -121,6 +122,8 @@ int run_receiver(const Args& args, KvTransferAdapter& transfer, MPI_Comm pair) {
 // `duet serve` does): the control channel, the KV transfer, then the pair
 // communicator of ranks 1 and 2. Other ranks wait, idle, in close().
 int run(const Args& args) {
+  // The raw baselines' polls sleep as the transfers' communication threads do.
+  set_thread_timer_slack();
   MpiRuntime mpi;
   DUET_REQUIRE(mpi.world_size() >= 3, "run under mpirun -np 3 (this job has {} process(es))",
                mpi.world_size());
@@ -139,7 +142,9 @@ int run(const Args& args) {
     const std::vector<RankPlacement> placements = gather_placements(mpi, own);
     std::vector<int> peers;
     if (in_pair) peers.push_back(rank == kSender ? kReceiver : kSender);
-    transfer = make_tcp_kv_transfer(mpi, peers, placements, TcpKvTransferOptions{args.checksums});
+    TcpKvTransferOptions options{args.checksums};
+    options.transfer_poll = std::chrono::microseconds(args.transfer_poll_us);
+    transfer = make_tcp_kv_transfer(mpi, peers, placements, options);
   } else {
     MpiKvTransferOptions options{args.checksums};
     if (args.cma == "off") options.cma_staging_bytes = 0;

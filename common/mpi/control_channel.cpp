@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/timer_slack.h"
 
 namespace duet {
 namespace {
@@ -238,6 +239,7 @@ ControlChannel::Counters ControlChannel::counters() const {
 // ---------------------------------------------------------------- the communication thread
 
 void ControlChannel::run() {
+  set_thread_timer_slack();  // transfer_poll's pauses last what they say
   auto idle_sleep = options_.min_idle_sleep;
   std::vector<Outgoing> fresh;  // taken from the queue under the lock, posted outside it
   bool closed = false;

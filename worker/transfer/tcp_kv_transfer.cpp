@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/timer_slack.h"
 #include "worker/kv/kv_rows.h"
 
 namespace duet {
@@ -226,9 +227,19 @@ void TcpKvTransfer::forget_imports(const KvCache& cache) {
 // ---------------------------------------------------------------- the thread
 
 void TcpKvTransfer::run() {
+  set_thread_timer_slack();
   std::vector<pollfd> fds;
   std::vector<int> ranks;  // of fds[1...]
   while (!stop_) {
+    // While rows are expected, the sockets are tested every transfer_poll
+    // rather than waited on: a thread asleep in poll() must be woken for
+    // every burst that arrives, and on loopback the sender's own send pays
+    // for waking it.
+    bool fast = false;
+    {
+      std::lock_guard state(state_mutex_);
+      fast = protocol_.fast_poll(Clock::now());
+    }
     fds.clear();
     ranks.clear();
     fds.push_back({wake_fd_, POLLIN, 0});
@@ -241,7 +252,7 @@ void TcpKvTransfer::run() {
         ranks.push_back(rank);
       }
     }
-    poll(fds.data(), fds.size(), static_cast<int>(kTick.count()));
+    const int ready = poll(fds.data(), fds.size(), fast ? 0 : static_cast<int>(kTick.count()));
     if (fds[0].revents & POLLIN) {
       uint64_t count = 0;
       [[maybe_unused]] const ssize_t n = read(wake_fd_, &count, sizeof count);
@@ -266,6 +277,7 @@ void TcpKvTransfer::run() {
       set_rows_dropped(protocol_.rows_dropped());
     }
     deliver(calls);  // handlers run without the state lock
+    if (fast && ready == 0) std::this_thread::sleep_for(options_.transfer_poll);
   }
 }
 

@@ -11,7 +11,12 @@
 // One connected socket per peer (a prefill rank with each decode rank), made
 // at start-up (common/net/tcp_connect.h, kKvPurpose), and one thread of its own
 // that poll()s them and a wake-up eventfd; every socket is non-blocking, and
-// no call ever waits on a peer.
+// no call ever waits on a peer. While rows are expected soon
+// (KvTransferProtocol::fast_poll) the thread does not wait in poll() but
+// tests the sockets every transfer_poll, as MpiKvTransfer's communication
+// thread tests MPI: a thread asleep on a socket must be woken for each burst
+// that arrives, and over loopback the sender's own sendmsg pays for the
+// wake-up (over loopback the transfer took a tenth longer that way).
 //
 // On the wire every message is a frame (worker/transfer/kv_transfer_wire.h):
 // the 80-byte header, then its body: a control message (order, cancel,
@@ -40,6 +45,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -64,6 +70,10 @@ struct TcpKvTransferOptions {
   // As MpiKvTransferOptions'.
   bool checksums = false;
   uint64_t drop_rows_of = 0;  // tests only
+  // While the protocol expects rows soon (KvTransferProtocol::fast_poll), the
+  // thread tests its sockets this often instead of waiting in poll() to be
+  // woken (ControlChannelOptions::transfer_poll for MPI).
+  std::chrono::microseconds transfer_poll{20};
 };
 
 class TcpKvTransfer final : public KvTransferAdapter {

@@ -117,11 +117,15 @@ class Calls {
 
 class TcpKvTransferTest : public ::testing::Test {
  protected:
-  TcpKvTransferTest() {
+  // `decode_poll`: how often the decode side tests its socket while rows are expected.
+  explicit TcpKvTransferTest(
+      std::chrono::microseconds decode_poll = TcpKvTransferOptions{}.transfer_poll) {
     const auto [prefill_fd, decode_fd] = connected_pair();
     prefill_fd_ = prefill_fd;
+    TcpKvTransferOptions options{true};
+    options.transfer_poll = decode_poll;
     decode_ = std::make_unique<TcpKvTransfer>(kDecode, std::map<int, int>{{kPrefill, decode_fd}},
-                                              TcpKvTransferOptions{true});
+                                              options);
     decode_->set_handlers(decode_calls_.handlers());
     // The prefill cache: every element tells its place.
     for (int64_t i = 0; i < prefill_cache_.layout().total_elems(); ++i)
@@ -204,6 +208,43 @@ TEST_F(TcpKvTransferTest, RowsLandInTheReservedBlocksAndTheImportCompletes) {
   const KvTransferAdapter::Counters sent = prefill_->counters();
   EXPECT_EQ(sent.messages_sent, 2 * layers + 1);
   EXPECT_EQ(decode_->counters().bytes_received, sent.bytes_sent);
+}
+
+// Once rows have come, the decode side tests its socket every transfer_poll
+// instead of waiting in poll(): with a long one, what arrives while it sleeps
+// (the second chunk, the handoff) is still taken, whole and in order.
+class TcpKvTransferSlowPollTest : public TcpKvTransferTest {
+ protected:
+  TcpKvTransferSlowPollTest() : TcpKvTransferTest(std::chrono::milliseconds(30)) {}
+};
+
+TEST_F(TcpKvTransferSlowPollTest, RowsThatArriveBetweenTestsLandAndTheImportCompletes) {
+  start_prefill();
+  start_import();
+  ASSERT_TRUE(prefill_calls_.wait([&] { return !prefill_calls_.orders.empty(); }));
+  const int64_t layers = prefill_cache_.layout().n_layers;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    prefill_->send_rows(kDecode, kId, layer, 0, 20, prefill_cache_, prefill_blocks_, 0,
+                        all_kv_heads_of(prefill_cache_));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));  // the decode side now polls
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    prefill_->send_rows(kDecode, kId, layer, 20, kPrompt - 20, prefill_cache_, prefill_blocks_, 0,
+                        all_kv_heads_of(prefill_cache_));
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }
+  KvHandoff handoff{kId};
+  handoff.first_token = 7;
+  handoff.rows_sent = kPrompt * layers;
+  prefill_->send_handoff(kDecode, handoff);
+  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.completed.empty(); }));
+  EXPECT_EQ(decode_calls_.completed[0].second.first_token, 7);
+  EXPECT_TRUE(decode_calls_.failed.empty());
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    EXPECT_EQ(packed(decode_cache_, decode_blocks_, layer),
+              packed(prefill_cache_, prefill_blocks_, layer))
+        << "layer " << layer;
+  }
 }
 
 TEST_F(TcpKvTransferTest, AnAbortCancelsAtThePrefillSideAndReleases) {
