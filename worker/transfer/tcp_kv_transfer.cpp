@@ -231,15 +231,9 @@ void TcpKvTransfer::run() {
   std::vector<pollfd> fds;
   std::vector<int> ranks;  // of fds[1...]
   while (!stop_) {
-    // While rows are expected, the sockets are tested every transfer_poll
-    // rather than waited on: a thread asleep in poll() must be woken for
-    // every burst that arrives, and on loopback the sender's own send pays
-    // for waking it.
-    bool fast = false;
-    {
-      std::lock_guard state(state_mutex_);
-      fast = protocol_.fast_poll(Clock::now());
-    }
+    // In a burst the sockets are tested every transfer_poll rather than
+    // waited on (see the header). Only this thread writes last_bytes_.
+    const bool fast = Clock::now() - last_bytes_ < options_.burst_window;
     fds.clear();
     ranks.clear();
     fds.push_back({wake_fd_, POLLIN, 0});
@@ -347,6 +341,7 @@ bool TcpKvTransfer::receive(int rank, Peer& peer, std::vector<KvTransferCall>& c
     }
     if (n == 0) return false;  // EOF
     if (n < 0) return would_block();
+    last_bytes_ = Clock::now();
     budget -= std::min(budget, static_cast<size_t>(n));
     if (!peer.in_body) {
       peer.header_got += static_cast<size_t>(n);

@@ -11,12 +11,13 @@
 // One connected socket per peer (a prefill rank with each decode rank), made
 // at start-up (common/net/tcp_connect.h, kKvPurpose), and one thread of its own
 // that poll()s them and a wake-up eventfd; every socket is non-blocking, and
-// no call ever waits on a peer. While rows are expected soon
-// (KvTransferProtocol::fast_poll) the thread does not wait in poll() but
-// tests the sockets every transfer_poll, as MpiKvTransfer's communication
-// thread tests MPI: a thread asleep on a socket must be woken for each burst
+// no call ever waits on a peer. Within burst_window of the last bytes
+// received the thread does not wait in poll() but tests the sockets every
+// transfer_poll: a thread asleep on a socket must be woken for each burst
 // that arrives, and over loopback the sender's own sendmsg pays for the
-// wake-up (over loopback the transfer took a tenth longer that way).
+// wake-up (rows sent back to back took a tenth longer that way). Rows a
+// prefill sends as it computes come a layer's compute apart, so between
+// layers the thread sleeps in poll() again and costs nothing.
 //
 // On the wire every message is a frame (worker/transfer/kv_transfer_wire.h):
 // the 80-byte header, then its body: a control message (order, cancel,
@@ -70,10 +71,14 @@ struct TcpKvTransferOptions {
   // As MpiKvTransferOptions'.
   bool checksums = false;
   uint64_t drop_rows_of = 0;  // tests only
-  // While the protocol expects rows soon (KvTransferProtocol::fast_poll), the
-  // thread tests its sockets this often instead of waiting in poll() to be
-  // woken (ControlChannelOptions::transfer_poll for MPI).
+  // For burst_window after bytes last came, the thread tests its sockets
+  // every transfer_poll instead of waiting in poll() to be woken. The window
+  // spans the gaps between the frames of rows sent back to back; it is far
+  // shorter than a layer's compute, and than the 5 ms MpiKvTransfer polls
+  // fast for after rows (KvTransferProtocol::fast_poll), because poll() sees
+  // what MPI's progress engine does not.
   std::chrono::microseconds transfer_poll{20};
+  std::chrono::microseconds burst_window{500};
 };
 
 class TcpKvTransfer final : public KvTransferAdapter {
@@ -167,7 +172,8 @@ class TcpKvTransfer final : public KvTransferAdapter {
   // forget_imports takes it from another thread.
   mutable std::mutex state_mutex_;
   KvTransferProtocol protocol_;
-  std::vector<std::byte> drain_;  // a drained payload's bytes go here
+  std::vector<std::byte> drain_;    // a drained payload's bytes go here
+  Clock::time_point last_bytes_{};  // when a socket last gave any
 
   mutable std::mutex mutex_;  // guards the members below and every Peer's send lanes
   std::vector<std::vector<std::byte>> spares_;  // written frames' bodies, for the next rows

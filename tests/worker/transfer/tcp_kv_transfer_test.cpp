@@ -21,6 +21,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -124,6 +125,7 @@ class TcpKvTransferTest : public ::testing::Test {
     prefill_fd_ = prefill_fd;
     TcpKvTransferOptions options{true};
     options.transfer_poll = decode_poll;
+    options.burst_window = std::max(options.burst_window, 100 * decode_poll);
     decode_ = std::make_unique<TcpKvTransfer>(kDecode, std::map<int, int>{{kPrefill, decode_fd}},
                                               options);
     decode_->set_handlers(decode_calls_.handlers());
@@ -210,9 +212,10 @@ TEST_F(TcpKvTransferTest, RowsLandInTheReservedBlocksAndTheImportCompletes) {
   EXPECT_EQ(decode_->counters().bytes_received, sent.bytes_sent);
 }
 
-// Once rows have come, the decode side tests its socket every transfer_poll
-// instead of waiting in poll(): with a long one, what arrives while it sleeps
-// (the second chunk, the handoff) is still taken, whole and in order.
+// Once bytes have come, the decode side tests its socket every transfer_poll
+// (for burst_window) instead of waiting in poll(): with a long poll, what
+// arrives while it sleeps (the second chunk, the handoff) is still taken,
+// whole and in order.
 class TcpKvTransferSlowPollTest : public TcpKvTransferTest {
  protected:
   TcpKvTransferSlowPollTest() : TcpKvTransferTest(std::chrono::milliseconds(30)) {}
