@@ -171,6 +171,27 @@ class TcpKvTransferTest : public ::testing::Test {
     return rows;
   }
 
+  // The prefill side's handoff after all of the prompt's rows.
+  void hand_off(int32_t first_token) {
+    KvHandoff handoff{kId};
+    handoff.first_token = first_token;
+    handoff.rows_sent = kPrompt * prefill_cache_.layout().n_layers;
+    prefill_->send_handoff(kDecode, handoff);
+  }
+
+  // The import completed with the handoff's first token, and every layer's
+  // rows in the decode side's blocks are the prefill side's.
+  void expect_completed(int32_t first_token) {
+    ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.completed.empty(); }));
+    EXPECT_EQ(decode_calls_.completed[0].second.first_token, first_token);
+    EXPECT_TRUE(decode_calls_.failed.empty());
+    for (int64_t layer = 0; layer < prefill_cache_.layout().n_layers; ++layer) {
+      EXPECT_EQ(packed(decode_cache_, decode_blocks_, layer),
+                packed(prefill_cache_, prefill_blocks_, layer))
+          << "layer " << layer;
+    }
+  }
+
   KvCache prefill_cache_{test_layout()};
   KvCache decode_cache_{test_layout()};
   const std::vector<int32_t> prefill_blocks_{4, 0, 6};
@@ -195,18 +216,8 @@ TEST_F(TcpKvTransferTest, RowsLandInTheReservedBlocksAndTheImportCompletes) {
     prefill_->send_rows(kDecode, kId, layer, 20, kPrompt - 20, prefill_cache_, prefill_blocks_, 0,
                         all_kv_heads_of(prefill_cache_));
   }
-  KvHandoff handoff{kId};
-  handoff.first_token = 42;
-  handoff.rows_sent = kPrompt * layers;
-  prefill_->send_handoff(kDecode, handoff);
-  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.completed.empty(); }));
-  EXPECT_EQ(decode_calls_.completed[0].second.first_token, 42);
-  EXPECT_TRUE(decode_calls_.failed.empty());
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    EXPECT_EQ(packed(decode_cache_, decode_blocks_, layer),
-              packed(prefill_cache_, prefill_blocks_, layer))
-        << "layer " << layer;
-  }
+  hand_off(42);
+  expect_completed(42);
   const KvTransferAdapter::Counters sent = prefill_->counters();
   EXPECT_EQ(sent.messages_sent, 2 * layers + 1);
   EXPECT_EQ(decode_->counters().bytes_received, sent.bytes_sent);
@@ -236,18 +247,8 @@ TEST_F(TcpKvTransferSlowPollTest, RowsThatArriveBetweenTestsLandAndTheImportComp
                         all_kv_heads_of(prefill_cache_));
     std::this_thread::sleep_for(std::chrono::milliseconds(3));
   }
-  KvHandoff handoff{kId};
-  handoff.first_token = 7;
-  handoff.rows_sent = kPrompt * layers;
-  prefill_->send_handoff(kDecode, handoff);
-  ASSERT_TRUE(decode_calls_.wait([&] { return !decode_calls_.completed.empty(); }));
-  EXPECT_EQ(decode_calls_.completed[0].second.first_token, 7);
-  EXPECT_TRUE(decode_calls_.failed.empty());
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    EXPECT_EQ(packed(decode_cache_, decode_blocks_, layer),
-              packed(prefill_cache_, prefill_blocks_, layer))
-        << "layer " << layer;
-  }
+  hand_off(7);
+  expect_completed(7);
 }
 
 TEST_F(TcpKvTransferTest, AnAbortCancelsAtThePrefillSideAndReleases) {
