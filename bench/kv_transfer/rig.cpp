@@ -70,6 +70,20 @@ void fill_random(KvCache& cache, std::mt19937_64& rng) {
                   [&] { return static_cast<KvElement>(rng()); });
 }
 
+void fill_blocks(KvCache& cache, const std::vector<int32_t>& table, std::mt19937_64* rng) {
+  const KvLayout& layout = cache.layout();
+  for (int64_t layer = 0; layer < layout.n_layers; ++layer) {
+    for (const int32_t block : table) {
+      KvElement* at = cache.data() + layer * layout.layer_elems() + block * layout.block_elems();
+      if (rng != nullptr) {
+        std::generate_n(at, layout.block_elems(), [&] { return static_cast<KvElement>((*rng)()); });
+      } else {
+        std::fill_n(at, layout.block_elems(), KvElement{0});
+      }
+    }
+  }
+}
+
 std::vector<int32_t> shuffled_table(const Shape& shape, std::mt19937_64& rng) {
   std::vector<int32_t> table(static_cast<size_t>(shape.layout.n_blocks));
   std::iota(table.begin(), table.end(), 0);

@@ -147,4 +147,13 @@ void fill_random(KvCache& cache, std::mt19937_64& rng);
 // The prompt's blocks: distinct blocks of the cache in a random order.
 std::vector<int32_t> shuffled_table(const Shape& shape, std::mt19937_64& rng);
 
+// Random values (or, without `rng`, zeros) in `table`'s blocks of every
+// layer, and nothing else. The cache holds twice the prompt; a rep that
+// wrote all of it on both sides (47 MB at 512 tokens) would push the rows to
+// be sent out of the last-level cache the two ranks share, while raw MPI's
+// buffers, the same every rep, fit in it (23.6 MB): the transfer would send
+// from DRAM and the baseline from cache. Preparing only the blocks a rep
+// moves touches as much memory as raw MPI does.
+void fill_blocks(KvCache& cache, const std::vector<int32_t>& table, std::mt19937_64* rng);
+
 }  // namespace duet::kv_bench

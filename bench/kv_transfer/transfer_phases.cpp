@@ -114,12 +114,8 @@ std::vector<double> bench_raw_blocks(MPI_Comm pair, int pair_rank, const Shape& 
   std::vector<double> stamps;  // the sender's first sends, the receiver's last receives
   uint64_t sent_sum = 0;
   for (int rep = -1; rep < reps; ++rep) {  // rep -1 warms up
-    if (sender) {
-      fill_random(cache, rng);
-    } else {
-      std::fill_n(cache.data(), cache.layout().total_elems(), KvElement{0});
-    }
     const std::vector<int32_t> table = shuffled_table(shape, rng);
+    fill_blocks(cache, table, sender ? &rng : nullptr);
     DUET_MPI_CHECK(MPI_Barrier(pair));
     const double start = MPI_Wtime();
     size_t i = 0;
@@ -203,8 +199,8 @@ void send_transfers(KvTransfer& transfer, Mailbox<PrefillOrder>& orders, MPI_Com
   KvCache cache(shape.layout);
   std::mt19937_64 rng(seed);
   for (int rep = -1; rep < reps; ++rep) {
-    fill_random(cache, rng);
     const std::vector<int32_t> table = shuffled_table(shape, rng);
+    fill_blocks(cache, table, &rng);
     // Before the timed span: computed while the rows are in flight, it would
     // take a core from the transfer on a small machine.
     const uint64_t checksum =
@@ -240,8 +236,8 @@ TransferTimes receive_transfers(KvTransfer& transfer, Mailbox<Arrival>& arrivals
   order.request.max_tokens = 1;
   TransferTimes times;
   for (int rep = -1; rep < reps; ++rep) {
-    std::fill_n(cache.data(), cache.layout().total_elems(), KvElement{0});
     const std::vector<int32_t> table = shuffled_table(shape, rng);
+    fill_blocks(cache, table, nullptr);
     order.request.id = RequestId{next_id++};
     barrier_quietly(pair);
     const double start = MPI_Wtime();
