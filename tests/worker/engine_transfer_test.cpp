@@ -250,13 +250,19 @@ TEST_P(EngineTransferTest, ImportsWaitForBlocksAndCancelFreesThem) {
   EXPECT_EQ(prefill->n_free_kv_blocks(), prefill->n_kv_blocks());
 }
 
-TEST(KvRowsTest, PackUnpackAcrossDifferentBlockTables) {
+// 2 layers, 3 KV heads of 4 dims, 8 blocks of 4 positions.
+KvLayout small_kv_layout() {
   KvLayout layout;
   layout.n_layers = 2;
   layout.n_kv_heads = 3;
   layout.head_dim = 4;
   layout.block_size = 4;
   layout.n_blocks = 8;
+  return layout;
+}
+
+TEST(KvRowsTest, PackUnpackAcrossDifferentBlockTables) {
+  const KvLayout layout = small_kv_layout();
   std::vector<KvElement> a(static_cast<size_t>(layout.total_elems()));
   for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<KvElement>(i * 7 + 1);
   std::vector<KvElement> b(a.size(), 0);
@@ -276,12 +282,7 @@ TEST(KvRowsTest, PackUnpackAcrossDifferentBlockTables) {
 }
 
 TEST(KvRowsTest, PackedRunsBackToBackAreThePackedRows) {
-  KvLayout layout;
-  layout.n_layers = 2;
-  layout.n_kv_heads = 3;
-  layout.head_dim = 4;
-  layout.block_size = 4;
-  layout.n_blocks = 8;
+  const KvLayout layout = small_kv_layout();
   std::vector<KvElement> cache(static_cast<size_t>(layout.total_elems()));
   for (size_t i = 0; i < cache.size(); ++i) cache[i] = static_cast<KvElement>(i * 5 + 3);
   const std::vector<int32_t> table = {6, 1, 4};
