@@ -16,7 +16,8 @@ KvLayout make_kv_layout(const ModelConfig& config, int64_t n_blocks, int64_t blo
 }
 
 KvCache::KvCache(const KvLayout& layout, KvMemory memory) : layout_(layout) {
-  if (memory == KvMemory::kHost) storage_.resize(static_cast<size_t>(layout.total_elems()));
+  if (memory == KvMemory::kHost)
+    storage_ = HugePageMemory(static_cast<size_t>(layout.total_elems()) * sizeof(KvElement));
 }
 
 }  // namespace duet

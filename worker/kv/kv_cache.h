@@ -9,8 +9,8 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
+#include "common/huge_pages.h"
 #include "common/model/kv_layout.h"
 #include "common/model/model_config.h"
 
@@ -40,9 +40,10 @@ class KvCache final {
   KvCache& operator=(const KvCache&) = delete;
 
   const KvLayout& layout() const { return layout_; }
-  // Null for KvMemory::kNone.
-  KvElement* data() { return storage_.empty() ? nullptr : storage_.data(); }
-  const KvElement* data() const { return storage_.empty() ? nullptr : storage_.data(); }
+  // Null for KvMemory::kNone. Zeroed at first, on huge pages where the
+  // kernel has them (common/huge_pages.h).
+  KvElement* data() { return reinterpret_cast<KvElement*>(storage_.data()); }
+  const KvElement* data() const { return reinterpret_cast<const KvElement*>(storage_.data()); }
 
   // The device pool of a GPU engine (set once by the engine), else invalid.
   const DeviceKv& device_copy() const { return device_copy_; }
@@ -50,7 +51,7 @@ class KvCache final {
 
  private:
   KvLayout layout_;
-  std::vector<KvElement> storage_;
+  HugePageMemory storage_;
   DeviceKv device_copy_;
 };
 
