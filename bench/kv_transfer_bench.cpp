@@ -7,6 +7,8 @@
 //      under the transfer's progress model (every send and receive posted,
 //      MPI_Testall every --transfer-poll-us, sleeping between): the
 //      baseline a transfer driven by a communication thread can reach;
+//      again with the buffers on huge pages, as the KV cache's are; and
+//      block to block, through datatypes over two KvCaches;
 //   2. the same KV through MpiKvTransfer between two KvCaches with different
 //      (shuffled) block tables: start_import on rank 2; on the order, rank 1
 //      send_rows each layer of each chunk, then send_handoff; rank 2's rows
@@ -65,6 +67,8 @@ int run_sender(const Args& args, KvTransferAdapter& transfer, MPI_Comm pair) {
   bench_raw(pair, kPairSender, shape, args.reps, {});
   bench_raw(pair, kPairSender, shape, args.reps, {},
             std::chrono::microseconds(args.transfer_poll_us));
+  bench_raw(pair, kPairSender, shape, args.reps, {},
+            std::chrono::microseconds(args.transfer_poll_us), RawBuffers::kHugePages);
   bench_raw_blocks(pair, kPairSender, shape, args.reps, args.seed, {},
                    std::chrono::microseconds(args.transfer_poll_us));
   send_transfers(transfer, orders, pair, shape, args.reps, args.seed);
@@ -92,6 +96,9 @@ int run_receiver(const Args& args, KvTransferAdapter& transfer, MPI_Comm pair) {
   const std::vector<double> raw_polled =
       bench_raw(pair, kPairReceiver, shape, args.reps, sync,
                 std::chrono::microseconds(args.transfer_poll_us));
+  const std::vector<double> raw_polled_huge =
+      bench_raw(pair, kPairReceiver, shape, args.reps, sync,
+                std::chrono::microseconds(args.transfer_poll_us), RawBuffers::kHugePages);
   const std::vector<double> raw_blocks =
       bench_raw_blocks(pair, kPairReceiver, shape, args.reps, args.seed, sync,
                        std::chrono::microseconds(args.transfer_poll_us));
@@ -100,7 +107,7 @@ int run_receiver(const Args& args, KvTransferAdapter& transfer, MPI_Comm pair) {
       receive_transfers(transfer, arrivals, pair, shape, args.reps, args.seed, sync, next_id);
   times.cma_bytes = transfer.counters().cma_bytes_received - cma_before;
   Json json;
-  report_transfer(shape, args, sync, raw, raw_polled, raw_blocks, times, json);
+  report_transfer(shape, args, sync, {raw, raw_polled, raw_polled_huge, raw_blocks}, times, json);
   bool ok = times.kv_equal;
   if (model) {
     const TtftTimes ttft =

@@ -19,12 +19,11 @@ Json timing_json(const std::vector<double>& seconds) {
 }  // namespace
 
 void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync,
-                     const std::vector<double>& raw, const std::vector<double>& raw_polled,
-                     const std::vector<double>& raw_blocks, const TransferTimes& transfer,
-                     Json& json) {
-  const double raw_s = median(raw);
-  const double polled_s = median(raw_polled);
-  const double blocks_s = median(raw_blocks);
+                     const RawTimes& raw, const TransferTimes& transfer, Json& json) {
+  const double raw_s = median(raw.spinning);
+  const double polled_s = median(raw.polled);
+  const double huge_s = median(raw.polled_huge);
+  const double blocks_s = median(raw.blocks);
   const double send_s = median(transfer.from_send);
   const double start_s = median(transfer.from_start);
   fmt::print(
@@ -37,18 +36,19 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
   fmt::print("clocks: rank 1 - rank 2 = {:+.1f} us (+- {:.1f} us); MPI_WTIME_IS_GLOBAL = {}\n\n",
              sync.offset * 1e6, sync.uncertainty * 1e6, sync.wtime_global ? 1 : 0);
   fmt::print(
-      "| path | ms | GB/s (wire) | GB/s (KV) | % of raw, polled | % of raw, spinning "
-      "| % of raw, block to block |\n"
-      "|---|---|---|---|---|---|---|\n");
+      "| path | ms | GB/s (wire) | GB/s (KV) | % of raw, polled | % of raw, polled, huge pages "
+      "| % of raw, spinning | % of raw, block to block |\n"
+      "|---|---|---|---|---|---|---|---|\n");
   const auto row = [&](const char* name, double s) {
-    fmt::print("| {} | {:.3f} | {:.2f} | {:.2f} | {:.0f} | {:.0f} | {:.0f} |\n", name, s * 1e3,
-               shape.total_wire() / s / 1e9, shape.total_payload() / s / 1e9, 100.0 * polled_s / s,
-               100.0 * raw_s / s, 100.0 * blocks_s / s);
+    fmt::print("| {} | {:.3f} | {:.2f} | {:.2f} | {:.0f} | {:.0f} | {:.0f} | {:.0f} |\n", name,
+               s * 1e3, shape.total_wire() / s / 1e9, shape.total_payload() / s / 1e9,
+               100.0 * polled_s / s, 100.0 * huge_s / s, 100.0 * raw_s / s, 100.0 * blocks_s / s);
   };
   row("raw MPI, spinning: Isend window -> last Recv (Waitall, Recv)", raw_s);
   row(fmt::format("raw MPI, polled: all posted, Testall every {} us", args.transfer_poll_us)
           .c_str(),
       polled_s);
+  row("raw MPI, polled, buffers on huge pages", huge_s);
   row("raw MPI, polled, block to block: a datatype over the blocks on each side", blocks_s);
   const std::string adapter = args.transport == "tcp"  ? "TcpKvTransfer"
                               : transfer.cma_bytes > 0 ? "MpiKvTransfer, payloads by CMA"
@@ -75,11 +75,13 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
   json["clock"] = {{"offset_us", sync.offset * 1e6},
                    {"uncertainty_us", sync.uncertainty * 1e6},
                    {"wtime_is_global", sync.wtime_global}};
-  json["raw"] = timing_json(raw);
+  json["raw"] = timing_json(raw.spinning);
   json["raw"]["gbps_wire"] = shape.total_wire() / raw_s / 1e9;
-  json["raw_polled"] = timing_json(raw_polled);
+  json["raw_polled"] = timing_json(raw.polled);
   json["raw_polled"]["gbps_wire"] = shape.total_wire() / polled_s / 1e9;
-  json["raw_blocks"] = timing_json(raw_blocks);
+  json["raw_polled_huge_pages"] = timing_json(raw.polled_huge);
+  json["raw_polled_huge_pages"]["gbps_wire"] = shape.total_wire() / huge_s / 1e9;
+  json["raw_blocks"] = timing_json(raw.blocks);
   json["transfer"] = {{"from_first_send", timing_json(transfer.from_send)},
                       {"from_start_import", timing_json(transfer.from_start)},
                       {"send_rows_loop", timing_json(transfer.send_loop)},
@@ -88,6 +90,7 @@ void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync
                       {"gbps_wire", shape.total_wire() / send_s / 1e9},
                       {"percent_of_raw", 100.0 * raw_s / send_s},
                       {"percent_of_raw_polled", 100.0 * polled_s / send_s},
+                      {"percent_of_raw_polled_huge_pages", 100.0 * huge_s / send_s},
                       {"percent_of_raw_blocks", 100.0 * blocks_s / send_s},
                       {"kv_equal", transfer.kv_equal}};
   json["options"] = {{"checksums", args.checksums},

@@ -13,12 +13,17 @@ namespace duet::kv_bench {
 
 using Json = nlohmann::json;
 
-// Phases 1 and 2 against each other (`raw`: bench_raw's seconds spinning,
-// `raw_polled`: under the transfer's progress model).
+// Phase 1's baselines, each rep's seconds.
+struct RawTimes {
+  std::vector<double> spinning;     // bench_raw without a poll
+  std::vector<double> polled;       // under the transfer's progress model
+  std::vector<double> polled_huge;  // the same, its buffers on huge pages
+  std::vector<double> blocks;       // bench_raw_blocks
+};
+
+// Phases 1 and 2 against each other.
 void report_transfer(const Shape& shape, const Args& args, const ClockSync& sync,
-                     const std::vector<double>& raw, const std::vector<double>& raw_polled,
-                     const std::vector<double>& raw_blocks, const TransferTimes& transfer,
-                     Json& json);
+                     const RawTimes& raw, const TransferTimes& transfer, Json& json);
 // Phase 3.
 void report_ttft(const Shape& shape, const Args& args, const TtftTimes& t, Json& json);
 

@@ -6,6 +6,7 @@
 #include <random>
 #include <thread>
 
+#include "common/huge_pages.h"
 #include "common/stats.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 
@@ -148,22 +149,33 @@ std::vector<double> bench_raw_blocks(MPI_Comm pair, int pair_rank, const Shape& 
 }
 
 std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
-                              const ClockSync& sync,
-                              std::optional<std::chrono::microseconds> poll) {
+                              const ClockSync& sync, std::optional<std::chrono::microseconds> poll,
+                              RawBuffers memory) {
   const int n = static_cast<int>(shape.n_messages());
   const int size = static_cast<int>(shape.message_bytes());
   std::vector<double> stamps;  // the sender's first sends, the receiver's last receives
   std::vector<MPI_Request> requests(static_cast<size_t>(n));
   if (pair_rank == kPairSender) {
-    // One buffer per message, as the transfer owns one per queued message.
-    std::vector<std::vector<std::byte>> buffers(
-        static_cast<size_t>(n), std::vector<std::byte>(static_cast<size_t>(size), std::byte{90}));
+    // One buffer per message, as the transfer owns one per queued message;
+    // on huge pages, one mapping that holds them all.
+    std::vector<std::vector<std::byte>> heap;
+    HugePageMemory huge;
+    std::vector<std::byte*> buffers;
+    if (memory == RawBuffers::kHugePages) {
+      huge = HugePageMemory(static_cast<size_t>(n) * static_cast<size_t>(size));
+      std::fill(huge.data(), huge.data() + huge.size(), std::byte{90});
+      for (int i = 0; i < n; ++i) buffers.push_back(huge.data() + static_cast<size_t>(i) * size);
+    } else {
+      heap.assign(static_cast<size_t>(n),
+                  std::vector<std::byte>(static_cast<size_t>(size), std::byte{90}));
+      for (auto& buffer : heap) buffers.push_back(buffer.data());
+    }
     for (int rep = -1; rep < reps; ++rep) {  // rep -1 warms up
       DUET_MPI_CHECK(MPI_Barrier(pair));
       const double start = MPI_Wtime();
       for (int i = 0; i < n; ++i) {
-        DUET_MPI_CHECK(MPI_Isend(buffers[static_cast<size_t>(i)].data(), size, MPI_BYTE,
-                                 kPairReceiver, kTag, pair, &requests[static_cast<size_t>(i)]));
+        DUET_MPI_CHECK(MPI_Isend(buffers[static_cast<size_t>(i)], size, MPI_BYTE, kPairReceiver,
+                                 kTag, pair, &requests[static_cast<size_t>(i)]));
       }
       if (poll) {
         test_until_done(requests, *poll);
@@ -174,19 +186,29 @@ std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, 
     }
     return rep_seconds(pair, true, stamps, sync);
   }
-  std::vector<std::byte> buffer(static_cast<size_t>(poll ? n * size : size));
+  const size_t bytes = static_cast<size_t>(poll ? n * size : size);
+  std::vector<std::byte> heap;
+  HugePageMemory huge;
+  std::byte* buffer = nullptr;
+  if (memory == RawBuffers::kHugePages) {
+    huge = HugePageMemory(bytes);
+    buffer = huge.data();
+  } else {
+    heap.resize(bytes);
+    buffer = heap.data();
+  }
   for (int rep = -1; rep < reps; ++rep) {
     DUET_MPI_CHECK(MPI_Barrier(pair));
     if (poll) {
       for (int i = 0; i < n; ++i) {
-        DUET_MPI_CHECK(MPI_Irecv(buffer.data() + static_cast<size_t>(i) * size, size, MPI_BYTE,
+        DUET_MPI_CHECK(MPI_Irecv(buffer + static_cast<size_t>(i) * size, size, MPI_BYTE,
                                  kPairSender, kTag, pair, &requests[static_cast<size_t>(i)]));
       }
       test_until_done(requests, *poll);
     } else {
       for (int i = 0; i < n; ++i) {
         DUET_MPI_CHECK(
-            MPI_Recv(buffer.data(), size, MPI_BYTE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
+            MPI_Recv(buffer, size, MPI_BYTE, kPairSender, kTag, pair, MPI_STATUS_IGNORE));
       }
     }
     if (rep >= 0) stamps.push_back(MPI_Wtime());

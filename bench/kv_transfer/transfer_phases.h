@@ -28,9 +28,16 @@ namespace duet::kv_bench {
 // moves the bytes only inside those calls. The receiver returns the seconds
 // of each rep, from the sender's first MPI_Isend to its own last receive;
 // the sender returns nothing.
+// Where raw MPI's buffers live: the heap (4 KiB pages), or transparent huge
+// pages, as the KV cache and the CMA staging ring do (common/huge_pages.h).
+// Open MPI's single-copy shared-memory path reads huge pages several times
+// faster; over TCP it makes no difference.
+enum class RawBuffers { kHeap, kHugePages };
+
 std::vector<double> bench_raw(MPI_Comm pair, int pair_rank, const Shape& shape, int reps,
                               const ClockSync& sync,
-                              std::optional<std::chrono::microseconds> poll = std::nullopt);
+                              std::optional<std::chrono::microseconds> poll = std::nullopt,
+                              RawBuffers memory = RawBuffers::kHeap);
 
 // Raw MPI under the polled progress model as above, but straight between
 // two KvCaches with different (shuffled) block tables: each message is sent
