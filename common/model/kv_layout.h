@@ -18,6 +18,10 @@ namespace duet {
 
 using KvElement = uint16_t;  // IEEE half bits
 
+// Positions per chunk of the packed rows KV travels in between instances
+// (worker/kv/kv_rows.h): a wire format, whatever a cache's block size.
+inline constexpr int64_t kKvPackChunk = 16;
+
 struct KvLayout {
   static constexpr int64_t kDefaultBlockSize = 16;
 

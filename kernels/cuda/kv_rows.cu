@@ -4,12 +4,14 @@
 // kv_rows_kernel: a copy of W-element vectors (W = 8, 4, 2 or 1 F16 values,
 // the widest that divides head_dim and keeps both pointers aligned; every row
 // starts at a multiple of head_dim elements on both sides, so then every
-// vector is aligned). blockIdx.y is one (K/V, head) run of the packed rows, n
-// rows of head_dim; in it one thread per vector, consecutive threads on
-// consecutive vectors of a row and then on the next position, so both sides
-// are read and written in order (the cache side in runs of a block's slots).
-// A thread finds its cache row through the block table: the launch depends
-// on n and the head range only and nothing is read back to the host.
+// vector is aligned). blockIdx.y is one (K/V, head): its n rows of head_dim,
+// which the packed rows hold a chunk at a time; in it one thread per vector,
+// consecutive threads on consecutive vectors of a row and then on the next
+// position, so both sides are read and written in runs (the cache side in
+// runs of a block's slots, the packed side in runs of a chunk's). A thread
+// finds its cache row through the block table and its packed row from its
+// chunk: the launch depends on n and the head range only and nothing is read
+// back to the host.
 //
 // Indices within a run (position, vector in a row, block-table index, slot)
 // are 32-bit, bounded on the host (pos0 + n and n * head_dim at most
@@ -35,9 +37,10 @@ struct RowsGeometry {
   int64_t kv_vecs = 0;     // from a K row to its V row
   int64_t head_vecs = 0;   // one KV head's rows in one block
   uint32_t row_vecs = 0;   // one row: head_dim elements
-  uint32_t run_vecs = 0;   // one (K/V, head) run of the packed rows: n rows
+  uint32_t run_vecs = 0;   // one (K/V, head)'s rows: n rows
   uint32_t block_size = 0;
   uint32_t pos0 = 0;
+  uint32_t n = 0;
   uint32_t head_count = 0;
 };
 
@@ -58,7 +61,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t block = block_table[table_index];
   const int64_t cache_at = g.base + block * g.block_vecs + kv * g.kv_vecs + head * g.head_vecs +
                            static_cast<int64_t>(slot) * g.row_vecs + c;
-  const int64_t packed_at = static_cast<int64_t>(y) * g.run_vecs + i;
+  // Its chunk of the packed rows: [chunk_first, chunk_end) of the positions.
+  const uint32_t chunk =
+      pos / static_cast<uint32_t>(kKvPackChunk) * static_cast<uint32_t>(kKvPackChunk);
+  const uint32_t chunk_first = chunk > g.pos0 ? chunk : g.pos0;
+  const uint32_t chunk_end = min(chunk + static_cast<uint32_t>(kKvPackChunk), g.pos0 + g.n);
+  const int64_t chunk_rows = static_cast<int64_t>(chunk_first - g.pos0) * 2 * g.head_count +
+                             static_cast<int64_t>(y) * (chunk_end - chunk_first) +
+                             (pos - chunk_first);
+  const int64_t packed_at = chunk_rows * g.row_vecs + c;
   if constexpr (kPack) {
     to[packed_at] = from[cache_at];
   } else {
@@ -116,6 +127,7 @@ void launch(const KvLayout& layout, int64_t layer, const int32_t* block_table, i
   g.run_vecs = static_cast<uint32_t>(n * (layout.head_dim / kElems));
   g.block_size = static_cast<uint32_t>(layout.block_size);
   g.pos0 = static_cast<uint32_t>(pos0);
+  g.n = static_cast<uint32_t>(n);
   g.head_count = static_cast<uint32_t>(head_count);
   const dim3 grid(static_cast<unsigned>((g.run_vecs + kThreads - 1) / kThreads),
                   static_cast<unsigned>(2 * head_count));

@@ -4,9 +4,11 @@
 // so the KV transfer can call them without knowing CUDA.
 //
 // The rows of positions [pos0, pos0 + n) of one layer, packed, are
-//   K then V -> KV head (head_first + [0, head_count)) -> position -> head_dim
-// F16 elements, packed_kv_elems(layout, n, {head_first, head_count}) of them;
-// the result is the CPU's bit for bit.
+//   chunk -> K then V -> KV head (head_first + [0, head_count)) -> position
+//   -> head_dim
+// (chunks of kKvPackChunk positions, split at its multiples), F16 elements,
+// packed_kv_elems(layout, n, {head_first, head_count}) of them; the result
+// is the CPU's bit for bit.
 //
 // Every pointer is a device pointer: the cache (layout.total_elems()
 // elements), the packed rows, and block_table, which covers positions

@@ -308,7 +308,7 @@ class KvTransferProtocol {
 };
 
 // Calls `run(address, bytes)` for each run of the blocks a payload fills, in
-// the packed order (K then V, head, position, dim): where an adapter
+// the packed order (worker/kv/kv_rows.h): where an adapter
 // receives the payload straight into the blocks (an MPI datatype, a readv).
 template <typename Run>
 void for_each_payload_run(const KvTransferProtocol::PayloadPlace& place, Run&& run) {

@@ -37,7 +37,7 @@ namespace duet::kv_wire {
 inline constexpr int kHeaderTag = 1;   // headers (and control messages)
 inline constexpr int kPayloadTag = 2;  // the rows after a rows header
 
-inline constexpr uint32_t kMagic = 0x3156'4b44;  // "DKV1"
+inline constexpr uint32_t kMagic = 0x3256'4b44;  // "DKV2": rows packed in chunks
 inline constexpr uint32_t kRows = 1;             // a payload follows on kPayloadTag
 inline constexpr uint32_t kControl = 2;          // a control message follows in this message
 inline constexpr uint32_t kDeviceRows = 3;       // the payload goes through the device transfer

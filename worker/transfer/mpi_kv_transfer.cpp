@@ -355,7 +355,7 @@ bool MpiKvTransfer::receive_payloads(std::vector<KvTransferCall>& calls) {
 
 MPI_Request MpiKvTransfer::receive_into_blocks(MPI_Message& message,
                                                const KvTransferProtocol::PayloadPlace& place) {
-  // The packed order (K then V, head, position, dim) as runs of the blocks.
+  // The packed order (worker/kv/kv_rows.h) as runs of the blocks.
   type_lengths_.clear();
   type_addresses_.clear();
   for_each_payload_run(place, [&](KvElement* address, size_t bytes) {

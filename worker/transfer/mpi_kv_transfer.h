@@ -36,7 +36,7 @@
 // reused as soon as send_rows returns) and sent as one contiguous message.
 // The receiver, knowing from the header where they go, receives them
 // straight into the reserved blocks with one MPI derived datatype
-// (hindexed over the block runs, per K/V and head): no receive buffer, no
+// (hindexed over the block runs, in the packed order): no receive buffer, no
 // second copy. Payloads from one rank arrive in their headers' order, so the
 // next tag-2 message from a rank is the payload its oldest unmatched header
 // announced; the receiver takes it when it is there (MPI_Improbe), never

@@ -32,7 +32,7 @@
 // what the socket does not take at once is packed and left to the thread,
 // first in line; otherwise the rows are packed and queued. A rows payload is
 // received straight into the import's reserved blocks (readv over the block
-// runs, per K/V and head, as the protocol's PayloadPlace says), or drained
+// runs in the packed order, as the protocol's PayloadPlace says), or drained
 // when nobody wants it.
 //
 // A lost peer (EOF, a reset, a broken pipe, or peers_lost from the
