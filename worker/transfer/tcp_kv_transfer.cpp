@@ -82,7 +82,8 @@ bool TcpKvTransfer::idle_sends() {
   std::lock_guard lock(mutex_);
   return std::all_of(peers_.begin(), peers_.end(), [](const auto& entry) {
     const Peer& peer = entry.second;
-    return peer.fd < 0 || (peer.control.empty() && peer.bulk.empty() && !peer.writing);
+    return peer.fd < 0 ||
+           (peer.control.empty() && peer.bulk.empty() && !peer.writing && !peer.claimed);
   });
 }
 
@@ -138,30 +139,43 @@ bool TcpKvTransfer::send_from_blocks(int rank, const kv_wire::Header& header, co
       });
   if (send_parts_.size() > static_cast<size_t>(IOV_MAX)) return false;
   const size_t total = head.size() + header.ticket_bytes;
-  bool partly = false;
+  auto it = peers_.find(rank);  // the map itself never changes
+  if (it == peers_.end()) return false;
+  Peer& peer = it->second;
+  int fd = -1;
   {
     std::lock_guard lock(mutex_);
-    auto it = peers_.find(rank);
-    if (it == peers_.end()) return false;
-    Peer& peer = it->second;
-    if (peer.fd < 0 || peer.writing || !peer.control.empty() || !peer.bulk.empty()) return false;
-    msghdr message{};
-    message.msg_iov = send_parts_.data();
-    message.msg_iovlen = send_parts_.size();
-    const ssize_t sent = sendmsg(peer.fd, &message, MSG_NOSIGNAL);
-    if (sent <= 0) return false;  // full, or broken (the thread finds out): packed and queued
-    if (static_cast<size_t>(sent) < total) {
+    if (peer.fd < 0 || peer.claimed || peer.writing || !peer.control.empty() || !peer.bulk.empty())
+      return false;
+    peer.claimed = true;
+    fd = peer.fd;
+  }
+  msghdr message{};
+  message.msg_iov = send_parts_.data();
+  message.msg_iovlen = send_parts_.size();
+  const ssize_t sent = sendmsg(fd, &message, MSG_NOSIGNAL);
+  bool wake = false;
+  {
+    std::lock_guard lock(mutex_);
+    peer.claimed = false;
+    if (peer.unclosed >= 0) {  // lost meanwhile: nothing more goes to it
+      close(std::exchange(peer.unclosed, -1));
+      return true;
+    }
+    if (sent > 0 && static_cast<size_t>(sent) < total) {
       // The rest leaves from a packed copy, before anything else to this peer.
       Frame frame{std::move(head), body_buffer_locked(header.ticket_bytes)};
       pack_kv_rows(cache.layout(), cache.data(), layer, block_table, pos0, n, heads,
                    reinterpret_cast<KvElement*>(frame.body.data()));
       peer.writing = std::move(frame);
       peer.written = static_cast<size_t>(sent);
-      partly = true;
     }
+    // Frames queued while the socket was claimed, or the rest above.
+    wake = peer.writing || !peer.control.empty() || !peer.bulk.empty();
   }
+  if (wake) wake_thread();
+  if (sent <= 0) return false;  // full, or broken (the thread finds out): packed and queued
   count_sent(static_cast<int64_t>(total));
-  if (partly) wake_thread();
   return true;
 }
 
@@ -241,7 +255,8 @@ void TcpKvTransfer::run() {
       std::lock_guard lock(mutex_);
       for (auto& [rank, peer] : peers_) {
         if (peer.fd < 0) continue;
-        const bool sending = peer.writing || !peer.control.empty() || !peer.bulk.empty();
+        const bool sending =
+            !peer.claimed && (peer.writing || !peer.control.empty() || !peer.bulk.empty());
         fds.push_back({peer.fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0});
         ranks.push_back(rank);
       }
@@ -304,7 +319,12 @@ void TcpKvTransfer::lose(int rank, Peer& peer, const char* why,
                          std::vector<KvTransferCall>& calls) {
   {
     std::lock_guard lock(mutex_);
-    close(peer.fd);
+    // A write from the blocks in progress closes it when it returns.
+    if (peer.claimed) {
+      peer.unclosed = peer.fd;
+    } else {
+      close(peer.fd);
+    }
     peer.fd = -1;
     peer.control.clear();
     peer.bulk.clear();
@@ -433,6 +453,7 @@ bool TcpKvTransfer::send(int rank, Peer& peer) {
     const Frame* frame = nullptr;
     {
       std::lock_guard lock(mutex_);
+      if (peer.claimed) return true;  // send_from_blocks is writing; it wakes the thread after
       if (!peer.writing) {
         std::deque<Frame>& lane = !peer.control.empty() ? peer.control : peer.bulk;
         if (lane.empty()) return true;

@@ -117,6 +117,11 @@ class TcpKvTransfer final : public KvTransferAdapter {
     std::deque<Frame> bulk;
     std::optional<Frame> writing;  // the frame begun
     size_t written = 0;
+    // send_from_blocks is writing a frame to the socket without the lock:
+    // the thread leaves the socket's sending alone, and a loss closes the
+    // socket only once the write has returned (`unclosed`).
+    bool claimed = false;
+    int unclosed = -1;
     // The frame being received: its header, then its body.
     std::array<std::byte, sizeof(kv_wire::Header)> header{};
     size_t header_got = 0;
@@ -142,7 +147,9 @@ class TcpKvTransfer final : public KvTransferAdapter {
   // The engine thread (send_rows): writes a rows frame straight from the
   // sender's blocks when `rank`'s socket is idle; false when it wrote
   // nothing (the caller packs and queues it). What the socket does not take
-  // at once is packed and becomes the frame begun.
+  // at once is packed and becomes the frame begun. The socket is claimed
+  // for the write, which runs without the lock: the thread, polling and
+  // queueing meanwhile, never waits for it.
   bool send_from_blocks(int rank, const kv_wire::Header& header, const KvCache& cache,
                         std::span<const int32_t> block_table, int64_t layer, int64_t pos0,
                         int64_t n, KvHeads heads);

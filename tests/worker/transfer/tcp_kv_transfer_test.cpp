@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -31,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -375,6 +377,120 @@ TEST(TcpKvTransferFrames, RowsFromTheBlocksArriveWholeAndInOrder) {
   EXPECT_EQ(transfer->counters().bytes_sent,
             int64_t{kReps} * layout.n_layers *
                 static_cast<int64_t>(sizeof(kv_wire::Header) + body.size()));
+  transfer.reset();
+  close(decode_fd);
+}
+
+// Reads frames from `fd` until `frames` came or the stream breaks: the rows
+// frames' bodies checked against `expected` (one layer's packed rows, any
+// layer), the handoffs counted. Returns {rows frames, handoffs}; -1, -1 on a
+// frame that is not whole.
+std::pair<int, int> read_frames(int fd, int frames, const std::vector<KvElement>& expected) {
+  std::vector<std::byte> body;
+  int rows = 0;
+  int handoffs = 0;
+  for (int i = 0; i < frames; ++i) {
+    std::array<std::byte, sizeof(kv_wire::Header)> head{};
+    if (!read_exact(fd, head.data(), head.size())) return {-1, -1};
+    const std::optional<kv_wire::Header> header = kv_wire::read_header(head);
+    if (!header) return {-1, -1};
+    body.resize(kv_wire::body_bytes(*header));
+    if (!read_exact(fd, body.data(), body.size())) return {-1, -1};
+    if (header->kind == kv_wire::kRows) {
+      if (body.size() != expected.size() * sizeof(KvElement) ||
+          std::memcmp(body.data(), expected.data(), body.size()) != 0)
+        return {-1, -1};
+      ++rows;
+    } else {
+      ++handoffs;
+    }
+  }
+  return {rows, handoffs};
+}
+
+// send_rows writes from the blocks without the lock while another thread
+// queues frames to the same peer and the transfer's own thread writes them:
+// every frame arrives whole, none inside another. (A check of the stream
+// under concurrent senders; the narrowest interleavings, a queued frame
+// written in the instant between a partial write from the blocks and its
+// rest being queued, come too rarely for it to catch reliably.)
+TEST(TcpKvTransferFrames, FramesQueuedDuringAWriteFromTheBlocksStayWhole) {
+  const auto [prefill_fd, decode_fd] = connected_pair();
+  KvLayout layout = test_layout();
+  layout.head_dim = 64;
+  layout.n_blocks = 64;
+  constexpr int64_t kTokens = 512;
+  KvCache cache{layout};
+  for (int64_t i = 0; i < layout.total_elems(); ++i)
+    cache.data()[i] = static_cast<KvElement>(1 + i % 30011);
+  std::vector<int32_t> blocks;
+  for (int32_t b = 0; b < 32; ++b) blocks.push_back((b * 37 + 11) % 64);
+  for (int64_t layer = 1; layer < layout.n_layers; ++layer) {  // every layer's rows alike
+    std::copy_n(cache.data(), layout.layer_elems(), cache.data() + layer * layout.layer_elems());
+  }
+  std::vector<KvElement> expected(
+      static_cast<size_t>(packed_kv_elems(layout, kTokens, all_kv_heads(layout))));
+  pack_kv_rows(layout, cache.data(), 0, blocks, 0, kTokens, expected.data());
+  constexpr int kRowsFrames = 400;
+  constexpr int kHandoffs = 400;
+  // The reader starts late: the socket fills, and writes from the blocks
+  // and the thread's writes of queued frames take turns at its edge.
+  auto read = std::async(std::launch::async, [&, fd = decode_fd] {
+    std::this_thread::sleep_for(20ms);
+    return read_frames(fd, kRowsFrames + kHandoffs, expected);
+  });
+  auto transfer =
+      std::make_unique<TcpKvTransfer>(kPrefill, std::map<int, int>{{kDecode, prefill_fd}});
+  std::thread handoffs([&] {
+    for (int i = 0; i < kHandoffs; ++i)
+      transfer->send_handoff(
+          kDecode, KvHandoff{RequestId{1000 + static_cast<uint64_t>(i)}, 0, 0, 0, 0, std::nullopt});
+  });
+  for (int i = 0; i < kRowsFrames; ++i) {
+    transfer->send_rows(kDecode, kId, i % layout.n_layers, 0, kTokens, cache, blocks, 0,
+                        all_kv_heads_of(cache));
+  }
+  handoffs.join();
+  ASSERT_EQ(read.wait_for(kPatience), std::future_status::ready);
+  EXPECT_EQ(read.get(), std::make_pair(kRowsFrames, kHandoffs));
+  transfer.reset();
+  close(decode_fd);
+}
+
+// A peer lost while send_rows may be writing to it: the socket is closed
+// (once the write has returned) and nothing hangs.
+TEST(TcpKvTransferFrames, APeerLostDuringWritesFromTheBlocksIsClosed) {
+  const auto [prefill_fd, decode_fd] = connected_pair();
+  KvCache cache{test_layout()};
+  const std::vector<int32_t> blocks{0, 1, 2};
+  auto drain = std::async(std::launch::async, [fd = decode_fd] {
+    std::vector<std::byte> sink(1 << 16);
+    const auto deadline = std::chrono::steady_clock::now() + kPatience;
+    while (std::chrono::steady_clock::now() < deadline) {
+      const ssize_t n = recv(fd, sink.data(), sink.size(), 0);
+      if (n == 0) return true;  // EOF: the prefill side closed it
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return true;
+      if (n < 0) {
+        pollfd wait{fd, POLLIN, 0};
+        poll(&wait, 1, 100);
+      }
+    }
+    return false;
+  });
+  auto transfer =
+      std::make_unique<TcpKvTransfer>(kPrefill, std::map<int, int>{{kDecode, prefill_fd}});
+  std::thread writer([&] {
+    for (int rep = 0; rep < 3000; ++rep) {
+      transfer->send_rows(kDecode, kId, rep % cache.layout().n_layers, 0, kPrompt, cache, blocks, 0,
+                          all_kv_heads_of(cache));
+    }
+  });
+  std::this_thread::sleep_for(5ms);
+  const Rank lost[] = {Rank{kDecode}};
+  transfer->peers_lost(lost);
+  writer.join();
+  ASSERT_EQ(drain.wait_for(kPatience), std::future_status::ready);
+  EXPECT_TRUE(drain.get());
   transfer.reset();
   close(decode_fd);
 }
