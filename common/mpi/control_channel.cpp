@@ -546,7 +546,8 @@ bool ControlChannel::finish_receives() {
       continue;
     }
     try {
-      ReceivedMessage message{incoming.source, decode_control_message(incoming.bytes)};
+      ReceivedMessage message{incoming.source, decode_control_message(incoming.bytes),
+                              std::chrono::steady_clock::now()};
       if (intercept_ && intercept_(message)) continue;
       received.push_back(std::move(message));
     } catch (const Error& e) {

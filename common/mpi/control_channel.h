@@ -138,6 +138,9 @@ struct ControlChannelOptions {
 struct ReceivedMessage {
   Rank source;
   ControlMessage message;
+  // When the communication thread took it off the wire: a dispatcher that
+  // falls behind still knows when each rank last spoke.
+  std::chrono::steady_clock::time_point arrived{};
 };
 
 class ControlChannel final {

@@ -105,7 +105,8 @@ bool ControlChannel::receive_tcp() {
       continue;
     }
     try {
-      ReceivedMessage message{Rank{frame.peer}, decode_control_message(frame.body)};
+      ReceivedMessage message{Rank{frame.peer}, decode_control_message(frame.body),
+                              std::chrono::steady_clock::now()};
       if (intercept_ && intercept_(message)) continue;
       received.push_back(std::move(message));
     } catch (const Error& e) {

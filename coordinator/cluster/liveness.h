@@ -1,20 +1,31 @@
 // The coordinator's leases on the instances of an mpirun cluster: which are
-// alive, which are lost, and since when. No MPI and no clock of its own:
-// the caller feeds it what the ranks send and the time, and asks it which
-// instances it has lost (tests drive it in milliseconds).
+// alive, which are suspect, which are lost, and since when. No MPI and no
+// clock of its own: the caller feeds it what the ranks send (stamped with
+// when it arrived) and the time, and asks it which instances it has lost
+// (tests drive it in milliseconds).
 //
 // Every instance rank heartbeats to the coordinator every lease / 6, also
 // when idle (worker/rank_liveness.h); any message from a rank counts as a
-// heartbeat. An instance is lost, once and for good, when
-// - any of its ranks has been silent for longer than the lease (a dead
-//   process, a SIGSTOP, a host gone), or
-// - its leader has been inside an engine step, with no progress, for longer
-//   than the lease (its progress counter, which moves with every step and
-//   every layer of a long one, stood still while busy: a hung collective, a
-//   wedged GPU, a follower that died under it), or
-// - the control channel's TCP connection to any of its ranks ended before
-//   that rank closed it (its process died, or its host is cut off: common/
-//   mpi/control_channel.h), at the next check, without waiting out the lease.
+// heartbeat. A loss needs evidence, not one late heartbeat:
+// - A rank silent for longer than the lease makes its instance *suspect*
+//   (logged; nothing else changes). Any word from it clears the suspicion.
+// - The instance is *lost*, once and for good, when the silence lasts the
+//   lease plus a grace (grace_for(lease): half the lease, at most 1 s), so
+//   a real silence (a dead process, a SIGSTOP, a host gone) is found within
+//   lease + grace + one check, and a healthy rank that a loaded machine
+//   left unscheduled for a second is not.
+// - Likewise when its leader has been inside an engine step, with no
+//   progress, for longer than the lease plus the grace (its progress
+//   counter, which moves with every step and every layer of a long one,
+//   stood still while busy: a hung collective, a wedged GPU, a follower that
+//   died under it).
+// - At once, at the next check, when the control channel's TCP connection to
+//   any of its ranks ended before that rank closed it (its process died, or
+//   its host is cut off: common/mpi/control_channel.h).
+// Silence is measured from each message's arrival, less the time the
+// coordinator itself was not running (coordinator_paused: its dispatcher
+// found it had slept far past its tick, e.g. descheduled on a busy machine):
+// a rank cannot be heard while nobody listens.
 // Each loss raises the cluster's epoch by one. Ranks told of a loss apply it
 // and report the epoch they have applied in their heartbeats; a lost rank
 // that wakes up (SIGCONT) is told again, and leaves.
@@ -24,6 +35,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <string>
 #include <vector>
@@ -47,10 +59,17 @@ class Liveness final {
   // Every instance of `spec` starts alive, as if each rank had just spoken.
   Liveness(const ClusterSpec& spec, std::chrono::milliseconds lease, Clock::time_point now);
 
-  // Any message from `rank`: it lives. Ranks in no instance are ignored.
-  void heard_from(Rank rank, Clock::time_point now);
+  // How long past the lease a silence must last to be a loss.
+  static std::chrono::milliseconds grace_for(std::chrono::milliseconds lease);
+
+  // Any message from `rank`, which arrived at `arrived`: it lives. Ranks in
+  // no instance are ignored.
+  void heard_from(Rank rank, Clock::time_point arrived);
   // A heartbeat: heard_from, and the leader's step counter and busy flag.
-  void on_heartbeat(const Heartbeat& beat, Clock::time_point now);
+  void on_heartbeat(const Heartbeat& beat, Clock::time_point arrived);
+  // The coordinator was not running from `from` to `to` (its dispatcher
+  // overslept): that time does not count as anyone's silence.
+  void coordinator_paused(Clock::time_point from, Clock::time_point to);
   // `rank`'s control connection ended (`why`: "closed the connection"): its
   // instance is lost at the next check(). Ranks in no instance, and lost
   // instances, are ignored; the first end of an instance's ranks names it.
@@ -58,6 +77,9 @@ class Liveness final {
 
   // The instances lost since the last call, each once, in instance order.
   std::vector<InstanceLoss> check(Clock::time_point now);
+  // What changed short of a loss since the last call, one log line each:
+  // instances that became suspect, and suspects heard again.
+  std::vector<std::string> take_notices();
 
   bool lost(int32_t instance_id) const;
   bool rank_lost(Rank rank) const;
@@ -66,14 +88,20 @@ class Liveness final {
   int n_lost() const;
   uint64_t epoch() const { return epoch_; }
   std::chrono::milliseconds lease() const { return lease_; }
+  std::chrono::milliseconds grace() const { return grace_; }
+  // Suspicions raised, and those cleared by the rank speaking again (each a
+  // loss that one late heartbeat would have made).
+  int64_t n_suspected() const { return n_suspected_; }
+  int64_t n_cleared() const { return n_cleared_; }
 
   // For stats: each instance's state, in instance order.
   struct InstanceView {
     int32_t instance_id = 0;
     bool lost = false;
+    bool suspect = false;
     uint64_t epoch = 0;  // the epoch its loss made; 0 while alive
     int64_t step = -1;   // its leader's last reported step
-    std::string reason;  // why it was lost
+    std::string reason;  // why it was lost, or why it is suspect
   };
   std::vector<InstanceView> view() const;
 
@@ -85,15 +113,32 @@ class Liveness final {
     int64_t step = -1;
     bool busy = false;
     Clock::time_point step_moved_at;  // when the step last moved, or busy began
+    bool suspect = false;
+    std::string suspicion;              // why, while suspect
+    std::chrono::milliseconds worst{};  // the longest silence while suspect
     bool lost = false;
     uint64_t lost_epoch = 0;
     std::string reason;
     std::string connection_lost;  // why, once a rank's control connection ended
   };
+  struct Pause {
+    Clock::time_point from, to;
+  };
   // The instance and position of `rank`, or nullptr.
   Watched* find(Rank rank, size_t* position);
+  // `now - since`, less the coordinator's pauses in between.
+  std::chrono::milliseconds silence(Clock::time_point since, Clock::time_point now) const;
+  // The longest silence of `watched`'s ranks or of its busy leader's step
+  // and what it is, or an empty reason when within the lease.
+  std::pair<std::chrono::milliseconds, std::string> worst_silence(const Watched& watched,
+                                                                  Clock::time_point now) const;
 
   const std::chrono::milliseconds lease_;
+  const std::chrono::milliseconds grace_;
+  std::deque<Pause> pauses_;  // oldest first; dropped once older than any silence that counts
+  std::vector<std::string> notices_;
+  int64_t n_suspected_ = 0;
+  int64_t n_cleared_ = 0;
   std::vector<Watched> instances_;
   // Every instance rank's instance (index) and position in it: each message
   // is looked up here, so a cluster of thousands of ranks costs no scan.

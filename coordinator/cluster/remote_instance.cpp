@@ -210,71 +210,93 @@ void RemoteCluster::dispatch() {
     std::lock_guard lock(mutex_);
     tick = std::max(liveness_.lease() / 4, std::chrono::milliseconds(1));
   }
+  Clock::time_point last_judged = Clock::now();
   for (;;) {
     std::optional<ReceivedMessage> received = channel_.receive(tick);
-    check_leases();
-    if (!received) {
-      if (!channel_.receiving()) return;
-      continue;
-    }
-    bool from_lost = false;
-    uint64_t epoch = 0;
-    {
+    // The leases are judged at `judged_at`, once everything that had arrived
+    // by then is applied: a heartbeat still waiting in the inbox (behind a
+    // slow loss, say) is not silence.
+    const Clock::time_point judged_at = Clock::now();
+    if (judged_at - last_judged > 2 * tick) {
+      // Woken far past its tick: the coordinator itself was not running
+      // (descheduled, or busy in a handler), and nobody could be heard.
       std::lock_guard lock(mutex_);
-      from_lost = liveness_.rank_lost(received->source);
-      epoch = liveness_.epoch();
-      if (!from_lost) {
-        if (const auto* beat = std::get_if<Heartbeat>(&received->message)) {
-          liveness_.on_heartbeat(*beat, Clock::now());
-        } else {
-          liveness_.heard_from(received->source, Clock::now());
-        }
-      }
+      liveness_.coordinator_paused(last_judged + tick, judged_at);
     }
-    if (from_lost) {
-      // A lost rank that speaks again was stalled, not dead: tell it again
-      // (it leaves), and drop what it says.
-      if (std::holds_alternative<Heartbeat>(received->message)) {
-        try {
-          channel_.send(received->source,
-                        RanksLost{epoch, {received->source}, "this rank's instance was lost"});
-        } catch (const Error&) {
-        }
-      }
-      continue;
+    last_judged = judged_at;
+    const bool any = received.has_value();
+    while (received) {
+      apply(*received, by_leader);
+      if (received->arrived > judged_at) break;  // newer than the judgement: the next pass's
+      received = channel_.try_receive();
     }
-    if (std::holds_alternative<Heartbeat>(received->message)) continue;
-    const auto it = by_leader.find(received->source);
-    if (it == by_leader.end()) {
-      spdlog::error("dropped a {} message from rank {}, which leads no instance",
-                    control_message_name(received->message), received->source.value);
-      continue;
-    }
-    try {
-      if (const auto* step = std::get_if<StepEvents>(&received->message)) {
-        it->second->on_step_events(step->events);
-      } else if (const auto* report = std::get_if<StatsReport>(&received->message)) {
-        it->second->on_stats(report->stats);
-      } else {
-        spdlog::error("dropped an unexpected {} message from rank {}",
-                      control_message_name(received->message), received->source.value);
-      }
-    } catch (const std::exception& e) {
-      // A handler's broken invariant must not end the dispatcher: every other
-      // request still needs its events.
-      spdlog::error("rank {}'s {} message: {}", received->source.value,
-                    control_message_name(received->message), e.what());
-    }
+    check_leases(judged_at);
+    if (!any && !channel_.receiving()) return;
   }
 }
 
-void RemoteCluster::check_leases() {
+void RemoteCluster::apply(const ReceivedMessage& received,
+                          const std::map<Rank, RemoteInstance*>& by_leader) {
+  bool from_lost = false;
+  uint64_t epoch = 0;
+  {
+    std::lock_guard lock(mutex_);
+    from_lost = liveness_.rank_lost(received.source);
+    epoch = liveness_.epoch();
+    if (!from_lost) {
+      if (const auto* beat = std::get_if<Heartbeat>(&received.message)) {
+        liveness_.on_heartbeat(*beat, received.arrived);
+      } else {
+        liveness_.heard_from(received.source, received.arrived);
+      }
+    }
+  }
+  if (from_lost) {
+    // A lost rank that speaks again was stalled, not dead: tell it again
+    // (it leaves), and drop what it says.
+    if (std::holds_alternative<Heartbeat>(received.message)) {
+      try {
+        channel_.send(received.source,
+                      RanksLost{epoch, {received.source}, "this rank's instance was lost"});
+      } catch (const Error&) {
+      }
+    }
+    return;
+  }
+  if (std::holds_alternative<Heartbeat>(received.message)) return;
+  const auto it = by_leader.find(received.source);
+  if (it == by_leader.end()) {
+    spdlog::error("dropped a {} message from rank {}, which leads no instance",
+                  control_message_name(received.message), received.source.value);
+    return;
+  }
+  try {
+    if (const auto* step = std::get_if<StepEvents>(&received.message)) {
+      it->second->on_step_events(step->events);
+    } else if (const auto* report = std::get_if<StatsReport>(&received.message)) {
+      it->second->on_stats(report->stats);
+    } else {
+      spdlog::error("dropped an unexpected {} message from rank {}",
+                    control_message_name(received.message), received.source.value);
+    }
+  } catch (const std::exception& e) {
+    // A handler's broken invariant must not end the dispatcher: every other
+    // request still needs its events.
+    spdlog::error("rank {}'s {} message: {}", received.source.value,
+                  control_message_name(received.message), e.what());
+  }
+}
+
+void RemoteCluster::check_leases(Clock::time_point now) {
   std::vector<InstanceLoss> losses;
+  std::vector<std::string> notices;
   {
     std::lock_guard lock(mutex_);
     if (shut_down_) return;  // the end of the cluster is not a loss
-    losses = liveness_.check(Clock::now());
+    losses = liveness_.check(now);
+    notices = liveness_.take_notices();
   }
+  for (const std::string& notice : notices) spdlog::warn("{}", notice);
   for (const InstanceLoss& loss : losses) lose(loss);
 }
 

@@ -16,7 +16,10 @@
 //
 // Liveness: the dispatcher also holds the coordinator's lease on every
 // instance (coordinator/cluster/liveness.h), fed by the ranks' heartbeats
-// and every other message, and checked at least four times per lease, and at
+// and every other message, each stamped with its arrival, and checked at
+// least four times per lease, after every message that had arrived by then
+// was applied (a message queued behind a slow loss is not silence); a
+// dispatcher that overslept its tick counts the gap as its own pause. And at
 // once when the control channel's TCP connection to one of its ranks ends
 // (ControlChannel::set_link_lost_handler; over MPI only silence tells). When
 // an instance is lost, every rank is told (RanksLost: the lost ones leave,
@@ -33,6 +36,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -122,8 +126,11 @@ class RemoteCluster final {
 
  private:
   void dispatch();  // the dispatcher thread
-  // The dispatcher thread: the losses the leases found, acted on.
-  void check_leases();
+  // The dispatcher thread: one received message, to the leases and to its
+  // instance.
+  void apply(const ReceivedMessage& received, const std::map<Rank, RemoteInstance*>& by_leader);
+  // The dispatcher thread: the leases judged at `now`, losses acted on.
+  void check_leases(std::chrono::steady_clock::time_point now);
   void lose(const InstanceLoss& loss);
 
   ControlChannel& channel_;

@@ -8,8 +8,10 @@ EXPECTED_JSON: a list of {"prompt", "max_tokens", "text"} (single-process
 `duet generate`'s greedy texts), the short prompts first, then the long ones.
 The short prompts stream first; once tokens flow on each, the long prompts
 go in one after another, until the victim's host receives KV (over 256 KiB
-in 20 ms on its veth, where tokens and heartbeats are a few hundred bytes);
-then the victim is killed. Checks: every stream ends with its expected text
+on its veth since the long prompt went in, where tokens and heartbeats are a
+few hundred bytes, and still arriving); then the victim is killed. A prompt's
+KV is sent layer by layer as its prefill computes it, so on a loaded machine
+it trickles: the bytes are counted from the prompt's start, not per poll. Checks: every stream ends with its expected text
 and no error, at least one was re-run, /health says degraded, and a new
 request is served. Prints one line per stream; exit 0 when all hold.
 """
@@ -78,15 +80,16 @@ def main():
                                                      "max_tokens": e["max_tokens"]})
         streams.append(stream)
         stream.start()
-        before, deadline = rx_bytes(victim_namespace), time.monotonic() + 3.0
+        start = before = rx_bytes(victim_namespace)
+        deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and not stream.done:
             time.sleep(0.02)
             now = rx_bytes(victim_namespace)
-            if now - before > 256 * 1024:
+            if now - start > 256 * 1024 and now > before:
                 os.kill(victim, signal.SIGKILL)
                 killed = True
                 print(f"killed rank pid {victim} with KV flowing to it "
-                      f"({now - before} bytes in 20 ms)", flush=True)
+                      f"({now - start} bytes since the prompt went in)", flush=True)
                 break
             before = now
         if killed:

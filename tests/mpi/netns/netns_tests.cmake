@@ -25,3 +25,17 @@ set_tests_properties(mpi_netns_failover_test PROPERTIES
   LABELS mpi
   SKIP_RETURN_CODE 77
   TIMEOUT 90)
+
+# The same beside two busy processes (tests/mpi/under_load.sh), under
+# ctest -j2 beside other tests: a loaded machine may delay a healthy rank's
+# heartbeats past the 1 s lease, which must make it suspect, never lost
+# (coordinator/cluster/liveness.h); the test checks that only rank 2's
+# instance was lost.
+add_test(NAME mpi_netns_failover_under_load_test
+  COMMAND ${PROJECT_SOURCE_DIR}/tests/mpi/under_load.sh 2
+          ${CMAKE_CURRENT_LIST_DIR}/netns_failover_test.sh)
+set_tests_properties(mpi_netns_failover_under_load_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIRUN=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  SKIP_RETURN_CODE 77
+  TIMEOUT 180)
