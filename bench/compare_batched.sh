@@ -3,10 +3,26 @@
 # llama-batched-bench on the same GGUF, in one run: 128-token prompts, 128
 # generated tokens, batches of 1..64 sequences, 2 threads. The engines take
 # turns ROUNDS times; the table reports medians over rounds, and a PNG plot.
+# The model is any GGUF path (default: SmolLM2-135M Q4_1), or, with SHAPE
+# set instead, a synthetic model that tests/gpu/synthetic_model.py writes into
+# a temporary folder (under TMPDIR; deleted on exit): SHAPE is one of its
+# --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, smollm2-135m), TYPE its
+# --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
+# layers than the shape's (all by default).
 # Usage: bench/compare_batched.sh [MODEL]   (env: ROUNDS=3 THREADS=2 OUT=docs/batched_decode.png)
+#        SHAPE=llama3.2-1b TYPE=q4_k_m [LAYERS=N] bench/compare_batched.sh
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+model=${1:-}
+if [ -n "${SHAPE:-}" ] && [ -n "$model" ]; then
+  echo "give a MODEL path or SHAPE, not both" >&2
+  exit 1
+fi
+if [ -z "${SHAPE:-}" ] && [ -n "${TYPE:-}${LAYERS:-}" ]; then
+  echo "TYPE and LAYERS describe a synthetic model: set SHAPE too" >&2
+  exit 1
+fi
+model=${model:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 rounds=${ROUNDS:-3}
 threads=${THREADS:-2}
 plot=${OUT:-$root/docs/batched_decode.png}
@@ -18,6 +34,12 @@ llama_bb=$root/.cache/llama.cpp-build/bin/llama-batched-bench
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+if [ -n "${SHAPE:-}" ]; then
+  model=$out/synthetic-$SHAPE-${TYPE:-q4_0}${LAYERS:+-${LAYERS}layers}.gguf
+  synth=(--shape "$SHAPE" --type "${TYPE:-q4_0}" --out "$model")
+  [ -z "${LAYERS:-}" ] || synth+=(--layers "$LAYERS")
+  python3 "$root/tests/gpu/synthetic_model.py" "${synth[@]}"
+fi
 for round in $(seq "$rounds"); do
   echo "round $round/$rounds" >&2
   "$duet_bench" -m "$model" --batch "$batches" -p 128 -n 128 -t "$threads" -r 1 --json >"$out/duet-$round.json"

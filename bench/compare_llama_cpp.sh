@@ -13,12 +13,29 @@
 # VMs) the run says so, retries it once with `--repack 0` and labels the
 # column, rather than comparing with nothing.
 #
+# The model is any GGUF path (default: SmolLM2-135M Q4_1), or, with SHAPE
+# set instead, a synthetic model that tests/gpu/synthetic_model.py writes into
+# a temporary folder (under TMPDIR; deleted on exit): SHAPE is one of its
+# --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, smollm2-135m), TYPE its
+# --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
+# layers than the shape's (all by default).
+#
 # Usage: bench/compare_llama_cpp.sh [MODEL]
+#        SHAPE=llama3.2-1b TYPE=q4_k_m [LAYERS=N] bench/compare_llama_cpp.sh
 #   env: ROUNDS=3 REPS=5 THREADS=1,2 PROMPTS=512 GENS=128 (0: no tg test)
 #        PEER_CONFIGS=default
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-model=${1:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+model=${1:-}
+if [ -n "${SHAPE:-}" ] && [ -n "$model" ]; then
+  echo "give a MODEL path or SHAPE, not both" >&2
+  exit 1
+fi
+if [ -z "${SHAPE:-}" ] && [ -n "${TYPE:-}${LAYERS:-}" ]; then
+  echo "TYPE and LAYERS describe a synthetic model: set SHAPE too" >&2
+  exit 1
+fi
+model=${model:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 rounds=${ROUNDS:-3}
 reps=${REPS:-5}
 threads=${THREADS:-1,2}
@@ -31,6 +48,12 @@ llama_bench=$("$root/bench/build_llama_cpp.sh" | tail -n 1)
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+if [ -n "${SHAPE:-}" ]; then
+  model=$out/synthetic-$SHAPE-${TYPE:-q4_0}${LAYERS:+-${LAYERS}layers}.gguf
+  synth=(--shape "$SHAPE" --type "${TYPE:-q4_0}" --out "$model")
+  [ -z "${LAYERS:-}" ] || synth+=(--layers "$LAYERS")
+  python3 "$root/tests/gpu/synthetic_model.py" "${synth[@]}"
+fi
 IFS='|' read -r -a configs <<<"$peer_configs"
 cpu_field() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'; }
 isa=$(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx512f|avx512_vnni|avx512_bf16|avx512_fp16|amx_tile' | tr '\n' ' ' || true)

@@ -5,8 +5,8 @@ The GPU run measures decode and prefill on a model large enough for the
 memory and the GEMM rooflines to show (an 8B one), on a machine that may have
 neither the model files nor numpy or the `gguf` package. The weights are
 random but well scaled (each matrix's values have a standard deviation of
-1 / sqrt(fan_in), norm weights near 1), so the forward pass stays finite; the
-text it writes means nothing.
+1 / sqrt(fan_in), norm weights near 1, Qwen2's Q/K/V biases near 0), so the
+forward pass stays finite; the text it writes means nothing.
 
 Speed comes from repetition: per weight type and fan-in, one pool of
 POOL_BLOCKS random quantized blocks (a prime count, so that the rows of a
@@ -15,15 +15,24 @@ phase of its own. The file is written in WRITE_BYTES writes of a buffer that
 holds the pool over and over, so an 8B model takes the disk's time.
 
     synthetic_model.py --shape llama3-8b --type q4_0 --out llama3-8b-q4_0.gguf
+    synthetic_model.py --shape llama3.2-1b --type q4_k_m --layers 2 --out small.gguf
     synthetic_model.py --shape smollm2-135m --type q8_0 --layers 2 --out small.gguf
 
-The tokenizer is a byte-level BPE vocabulary without merges (three control
-tokens, the 256 byte tokens, then filler tokens up to the shape's vocabulary
-size), enough for `duet generate` to tokenize any prompt and print any token.
-tests/gpu/synthetic_model_test.py reads the file back against this module's
-expected_block().
+Types: q4_0, q4_1, q8_0, q4_k and q6_k put every matrix in that type (as
+`llama-quantize --pure` would); q4_k_m is the mix llama.cpp's quantizer makes
+for Q4_K_M (see matrix_type). K-quants need rows that are multiples of 256:
+where a row is not, the type falls back as llama.cpp's does (Q6_K to Q8_0),
+and a type whose fallback Duet cannot read (Q4_K's is Q5_0) is refused.
+
+The tokenizer is a byte-level BPE vocabulary (three control tokens, the 256
+byte tokens, the one merge MERGE's result, then filler tokens up to the
+shape's vocabulary size) with that single merge, enough for `duet generate`
+and llama.cpp (which refuses a BPE vocabulary without merges) to tokenize any
+prompt and print any token. tests/gpu/synthetic_model_test.py reads the file
+back against this module's expected_block().
 """
 import argparse
+import collections
 import math
 import random
 import struct
@@ -53,6 +62,9 @@ class Shape:
     rope_freq_base: float
     tied: bool  # the output head is token_embd
     pre: str  # tokenizer.ggml.pre
+    architecture: str = "llama"  # general.architecture, and the prefix of its keys
+    rms_eps: float = 1e-5
+    qkv_bias: bool = False  # attn_q/k/v.bias (F32) in every layer, as Qwen2 has
 
 
 SHAPES = {
@@ -60,23 +72,55 @@ SHAPES = {
     "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, 8192, 100000.0, True, "smollm"),
     # Llama-3-8B.
     "llama3-8b": Shape(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0, False, "llama-bpe"),
+    # Llama-3.2-1B: its trained context, but no rope_freqs tensor (the "llama3"
+    # long-context RoPE scaling), which a speed measurement does not need.
+    "llama3.2-1b": Shape(2048, 16, 32, 8, 8192, 128256, 131072, 500000.0, True, "llama-bpe"),
+    # Qwen2.5-7B (context as its config.json's max_position_embeddings).
+    "qwen2.5-7b": Shape(3584, 28, 28, 4, 18944, 152064, 32768, 1000000.0, False, "qwen2",
+                        architecture="qwen2", rms_eps=1e-6, qkv_bias=True),
 }
 
 
 @dataclass(frozen=True)
 class QuantType:
-    ggml_type: int  # the tensor type in the file
-    file_type: int  # general.file_type (llama_ftype)
+    """A tensor type: its ggml type id and block layout."""
+    name: str
+    ggml_type: int
     block_elements: int
     block_bytes: int
 
 
-TYPES = {
-    "q4_0": QuantType(2, 2, 32, 18),
-    "q4_1": QuantType(3, 3, 32, 20),
-    "q8_0": QuantType(8, 7, 32, 34),
-}
-F32_TYPE = QuantType(0, 0, 1, 4)
+F32_TYPE = QuantType("F32", 0, 1, 4)
+Q4_0 = QuantType("Q4_0", 2, 32, 18)
+Q4_1 = QuantType("Q4_1", 3, 32, 20)
+Q5_0 = QuantType("Q5_0", 6, 32, 22)  # only as Q4_K's fallback, which is refused
+Q8_0 = QuantType("Q8_0", 8, 32, 34)
+Q4_K = QuantType("Q4_K", 12, 256, 144)
+Q6_K = QuantType("Q6_K", 14, 256, 210)
+
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp) for a row length
+# that is not a multiple of the type's block.
+FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
+READABLE_BY_DUET = {F32_TYPE, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K}
+
+
+@dataclass(frozen=True)
+class FileType:
+    """A --type: general.file_type (llama_ftype) and the matrices' types."""
+    name: str
+    file_type: int
+    base: QuantType  # every matrix's type, unless q4_k_m_mix says otherwise
+    q4_k_m_mix: bool = False
+
+
+TYPES = {t.name: t for t in (
+    FileType("q4_0", 2, Q4_0),  # LLAMA_FTYPE_MOSTLY_Q4_0
+    FileType("q4_1", 3, Q4_1),  # LLAMA_FTYPE_MOSTLY_Q4_1
+    FileType("q8_0", 7, Q8_0),  # LLAMA_FTYPE_MOSTLY_Q8_0
+    FileType("q4_k", 14, Q4_K),  # LLAMA_FTYPE_MOSTLY_Q4_K_S, every matrix Q4_K
+    FileType("q6_k", 18, Q6_K),  # LLAMA_FTYPE_MOSTLY_Q6_K
+    FileType("q4_k_m", 15, Q4_K, q4_k_m_mix=True),  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+)}
 
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 2
@@ -91,37 +135,91 @@ class TensorPlan:
     phase: int  # the pool block its first block is
 
 
-def tensor_plans(shape, qtype, n_layers):
-    """Every tensor of the model, in file order."""
+def use_more_bits(i_layer, n_layers):
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down Q4_K_M lifts."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+def matrix_type(ftype, name, n_layers, row_length, tied, shape_name="?"):
+    """The type of the matrix `name` (`blk.N.ROLE.weight` or `ROLE.weight`).
+
+    q4_k_m follows llama_tensor_get_type_impl in llama.cpp's src/llama-quant.cpp
+    (the llama.cpp of llama-cpp-python 0.3.36, as bench/build_llama_cpp.sh
+    builds it) for LLAMA_FTYPE_MOSTLY_Q4_K_M on a `llama` or `qwen2` model
+    (no experts, not Falcon, not 70B, no imatrix, no overrides):
+      - `output`, and `token_embd` when the file has no `output` (tied): Q6_K,
+        or Q8_0 when the row length is not a multiple of 256;
+      - `attn_v` and `ffn_down` in the layers where use_more_bits(i, n) holds
+        (i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2, integer division): Q6_K
+        (llama.cpp passes counters of the attn_v and ffn_down tensors seen so
+        far, and visits tensors in layer order, so i is the layer);
+      - everything else, an untied token_embd included: Q4_K.
+    Then tensor_type_fallback: a K-quant whose row length is not a multiple
+    of 256 becomes Q5_0 (from Q4_K) or Q8_0 (from Q6_K). Duet does not read
+    Q5_0, so that case raises ValueError instead.
+    """
+    parts = name.split(".")
+    role = parts[-2]
+    i_layer = int(parts[1]) if parts[0] == "blk" else -1
+    t = ftype.base
+    if ftype.q4_k_m_mix:
+        if role == "output" or (role == "token_embd" and tied):
+            t = Q8_0 if row_length % t.block_elements else Q6_K
+        elif role in ("attn_v", "ffn_down") and use_more_bits(i_layer, n_layers):
+            t = Q6_K
+    if row_length % t.block_elements:
+        fallback = FALLBACK.get(t)
+        if fallback not in READABLE_BY_DUET:
+            raise ValueError(
+                f"--type {ftype.name} needs rows that are multiples of {t.block_elements}; shape "
+                f"{shape_name} has {row_length} ({name}); llama.cpp would fall back to "
+                f"{fallback.name if fallback else 'nothing'}, which Duet does not read")
+        t = fallback
+    return t
+
+
+def tensor_plans(shape, ftype, n_layers, shape_name="?"):
+    """Every tensor of the model, in file order; ValueError when `ftype` cannot hold it."""
     q_dim = shape.n_embd
     kv_dim = shape.n_kv_heads * (shape.n_embd // shape.n_heads)
-    entries = [("token_embd.weight", (shape.n_embd, shape.n_vocab), shape.n_embd)]
+    # (name, ne, fan_in (None: a vector), the pool of a vector)
+    entries = [("token_embd.weight", (shape.n_embd, shape.n_vocab), shape.n_embd, None)]
     for i in range(n_layers):
         p = f"blk.{i}."
-        entries += [
-            (p + "attn_norm.weight", (shape.n_embd,), None),
-            (p + "attn_q.weight", (shape.n_embd, q_dim), shape.n_embd),
-            (p + "attn_k.weight", (shape.n_embd, kv_dim), shape.n_embd),
-            (p + "attn_v.weight", (shape.n_embd, kv_dim), shape.n_embd),
-            (p + "attn_output.weight", (q_dim, shape.n_embd), q_dim),
-            (p + "ffn_norm.weight", (shape.n_embd,), None),
-            (p + "ffn_gate.weight", (shape.n_embd, shape.n_ff), shape.n_embd),
-            (p + "ffn_up.weight", (shape.n_embd, shape.n_ff), shape.n_embd),
-            (p + "ffn_down.weight", (shape.n_ff, shape.n_embd), shape.n_ff),
+        layer = [
+            (p + "attn_norm.weight", (shape.n_embd,), None, "norm"),
+            (p + "attn_q.weight", (shape.n_embd, q_dim), shape.n_embd, None),
+            (p + "attn_k.weight", (shape.n_embd, kv_dim), shape.n_embd, None),
+            (p + "attn_v.weight", (shape.n_embd, kv_dim), shape.n_embd, None),
+            (p + "attn_output.weight", (q_dim, shape.n_embd), q_dim, None),
+            (p + "ffn_norm.weight", (shape.n_embd,), None, "norm"),
+            (p + "ffn_gate.weight", (shape.n_embd, shape.n_ff), shape.n_embd, None),
+            (p + "ffn_up.weight", (shape.n_embd, shape.n_ff), shape.n_embd, None),
+            (p + "ffn_down.weight", (shape.n_ff, shape.n_embd), shape.n_ff, None),
         ]
-    entries.append(("output_norm.weight", (shape.n_embd,), None))
+        if shape.qkv_bias:
+            layer[2:2] = [(p + "attn_q.bias", (q_dim,), None, "bias")]
+            layer[4:4] = [(p + "attn_k.bias", (kv_dim,), None, "bias")]
+            layer[6:6] = [(p + "attn_v.bias", (kv_dim,), None, "bias")]
+        entries += layer
+    entries.append(("output_norm.weight", (shape.n_embd,), None, "norm"))
     if not shape.tied:
-        entries.append(("output.weight", (shape.n_embd, shape.n_vocab), shape.n_embd))
+        entries.append(("output.weight", (shape.n_embd, shape.n_vocab), shape.n_embd, None))
     plans = []
-    for index, (name, ne, fan_in) in enumerate(entries):
-        t = F32_TYPE if fan_in is None else qtype
-        pool = ("norm",) if fan_in is None else (t.ggml_type, fan_in)
+    for index, (name, ne, fan_in, vector) in enumerate(entries):
+        if fan_in is None:
+            t, pool = F32_TYPE, (vector,)
+        else:
+            t = matrix_type(ftype, name, n_layers, ne[0], shape.tied, shape_name)
+            pool = (t.ggml_type, fan_in)
         plans.append(TensorPlan(name, ne, t, pool, index * 7919 % POOL_BLOCKS))
     return plans
 
 
 def tensor_bytes(plan):
     n = math.prod(plan.ne)
+    assert n % plan.qtype.block_elements == 0, plan
     return n // plan.qtype.block_elements * plan.qtype.block_bytes
 
 
@@ -134,24 +232,72 @@ def no_minus_128(raw):
     return raw.translate(bytes(b if b != 0x80 else 0x81 for b in range(256)))
 
 
+# Root mean squares of the K-quant codes drawn below (uniform integers).
+SD_4BIT = math.sqrt((16 ** 2 - 1) / 12)  # q - 7.5 for q in 0..15: 4.61
+SD_6BIT = math.sqrt((64 ** 2 - 1) / 12 + 0.25)  # q - 32 for q in 0..63 (mean -0.5): 18.48
+Q4_K_SCALES = range(32, 64)  # 6-bit sub-block scales; rms 48.4
+Q6_K_SCALES = range(64, 128)  # int8 sub-block scale magnitudes; rms 97.3
+
+
+def rms(values):
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
+def pack_q4_k_scales(sc, m):
+    """The 12 `scales` bytes of a Q4_K block from 8 six-bit scales and mins.
+
+    The inverse of ggml's get_scale_min_k4: for s < 4, sc[s] and m[s] are the
+    low 6 bits of bytes s and s + 4; for s >= 4, their low 4 bits sit in byte
+    s + 4 (sc low nibble, m high) and their top 2 bits in the top bits of
+    bytes s - 4 (sc) and s (m).
+    """
+    assert all(0 <= v < 64 for v in sc + m), (sc, m)
+    out = bytearray(12)
+    for s in range(4):
+        out[s] = sc[s] | (sc[s + 4] >> 4) << 6
+        out[s + 4] = m[s] | (m[s + 4] >> 4) << 6
+        out[s + 8] = (sc[s + 4] & 15) | (m[s + 4] & 15) << 4
+    return bytes(out)
+
+
 def make_pool(key):
     """POOL_BLOCKS random blocks for one pool key (deterministic)."""
     rng = random.Random(f"{SEED}/{key}")
     if key == ("norm",):
         return struct.pack(f"<{POOL_BLOCKS}f",
                            *(1.0 + 0.1 * rng.gauss(0.0, 1.0) for _ in range(POOL_BLOCKS)))
+    if key == ("bias",):
+        return struct.pack(f"<{POOL_BLOCKS}f",
+                           *(0.1 * rng.gauss(0.0, 1.0) for _ in range(POOL_BLOCKS)))
     ggml_type, fan_in = key
     sigma = 1.0 / math.sqrt(fan_in)
+    sc_rms = rms(Q4_K_SCALES)
+    q6_rms = rms(Q6_K_SCALES)
     blocks = []
     for _ in range(POOL_BLOCKS):
         jitter = 0.75 + 0.5 * rng.random()
-        if ggml_type == TYPES["q4_0"].ggml_type:  # d * (q - 8), q uniform in 0..15: sd 4.6 d
+        if ggml_type == Q4_0.ggml_type:  # d * (q - 8), q uniform in 0..15: sd 4.6 d
             blocks.append(half(sigma / 4.6 * jitter) + rng.randbytes(16))
-        elif ggml_type == TYPES["q4_1"].ggml_type:  # d * q + m, centred by m = -7.5 d
+        elif ggml_type == Q4_1.ggml_type:  # d * q + m, centred by m = -7.5 d
             d = sigma / 4.6 * jitter
             blocks.append(half(d) + half(-7.5 * d) + rng.randbytes(16))
-        else:  # q8_0: d * q, q uniform in -127..127: sd 73.6 d
+        elif ggml_type == Q8_0.ggml_type:  # d * q, q uniform in -127..127: sd 73.6 d
             blocks.append(half(sigma / 73.6 * jitter) + no_minus_128(rng.randbytes(32)))
+        elif ggml_type == Q4_K.ggml_type:
+            # d * sc[s] * q - dmin * m[s], q uniform in 0..15: with dmin = 7.5 d
+            # and m[s] = sc[s] every sub-block is centred, sd d * sc[s] * 4.61.
+            d = sigma / (SD_4BIT * sc_rms) * jitter
+            sc = [rng.choice(Q4_K_SCALES) for _ in range(8)]
+            blocks.append(half(d) + half(7.5 * d) + pack_q4_k_scales(sc, sc)
+                          + rng.randbytes(128))
+        elif ggml_type == Q6_K.ggml_type:
+            # d * scales[s] * (q - 32), q uniform in 0..63; scales of either sign.
+            d = sigma / (SD_6BIT * q6_rms) * jitter
+            scales = [rng.choice(Q6_K_SCALES) * rng.choice((-1, 1)) for _ in range(16)]
+            blocks.append(rng.randbytes(128) + rng.randbytes(64)
+                          + struct.pack("<16b", *scales) + half(d))
+        else:
+            raise ValueError(f"no pool for ggml type {ggml_type}")
     return b"".join(blocks)
 
 
@@ -191,12 +337,16 @@ def byte_level_char(b):
     return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
 
 
+# The one merge: " t" (as "Ġ" "t"), whose result is a token of its own.
+MERGE = (byte_level_char(ord(" ")), "t")
+
+
 def vocabulary(n_vocab):
-    """(tokens, token types): control tokens, byte tokens, fillers."""
-    tokens = CONTROL_TOKENS + [byte_level_char(b) for b in range(256)]
+    """(tokens, token types, merges): control tokens, byte tokens, the merge's token, fillers."""
+    tokens = CONTROL_TOKENS + [byte_level_char(b) for b in range(256)] + ["".join(MERGE)]
     tokens += [f"<syn{i}>" for i in range(len(tokens), n_vocab)]
     types = [3] * len(CONTROL_TOKENS) + [1] * (n_vocab - len(CONTROL_TOKENS))  # control, normal
-    return tokens, types
+    return tokens, types, [" ".join(MERGE)]
 
 
 class Writer:
@@ -240,9 +390,9 @@ class Writer:
 def metadata(shape_name, shape, type_name, n_layers):
     """(key, type, value) of every scalar key, in file order."""
     head_dim = shape.n_embd // shape.n_heads
-    a = "llama."
+    a = shape.architecture + "."
     return [
-        ("general.architecture", STRING, "llama"),
+        ("general.architecture", STRING, shape.architecture),
         ("general.name", STRING, f"synthetic {shape_name} {type_name}"),
         ("general.alignment", U32, ALIGNMENT),
         ("general.file_type", U32, TYPES[type_name].file_type),
@@ -254,7 +404,7 @@ def metadata(shape_name, shape, type_name, n_layers):
         (a + "attention.head_count_kv", U32, shape.n_kv_heads),
         (a + "rope.dimension_count", U32, head_dim),
         (a + "rope.freq_base", F32, shape.rope_freq_base),
-        (a + "attention.layer_norm_rms_epsilon", F32, 1e-5),
+        (a + "attention.layer_norm_rms_epsilon", F32, shape.rms_eps),
         (a + "vocab_size", U32, shape.n_vocab),
         ("tokenizer.ggml.model", STRING, "gpt2"),
         ("tokenizer.ggml.pre", STRING, shape.pre),
@@ -269,20 +419,24 @@ def padding(offset):
 
 
 def write_model(path, shape_name, type_name, n_layers=None):
-    """Writes the model; returns (tensor plans, bytes written)."""
+    """Writes the model; returns (tensor plans, bytes written).
+
+    Raises ValueError, before opening `path`, when the type cannot hold the shape.
+    """
     shape = SHAPES[shape_name]
     n_layers = shape.n_layers if n_layers is None else n_layers
-    plans = tensor_plans(shape, TYPES[type_name], n_layers)
+    plans = tensor_plans(shape, TYPES[type_name], n_layers, shape_name)
     keys = metadata(shape_name, shape, type_name, n_layers)
-    tokens, types = vocabulary(shape.n_vocab)
+    tokens, types, merges = vocabulary(shape.n_vocab)
     pools = Pools()
     with open(path, "wb", buffering=WRITE_BYTES) as f:
         w = Writer(f)
-        w.raw(b"GGUF" + struct.pack("<IQQ", GGUF_VERSION, len(plans), len(keys) + 2))
+        w.raw(b"GGUF" + struct.pack("<IQQ", GGUF_VERSION, len(plans), len(keys) + 3))
         for key, gtype, value in keys:
             w.kv(key, gtype, value)
         w.array("tokenizer.ggml.tokens", STRING, tokens)
         w.array("tokenizer.ggml.token_type", I32, types)
+        w.array("tokenizer.ggml.merges", STRING, merges)
         offset = 0
         for plan in plans:
             w.string(plan.name)
@@ -317,9 +471,14 @@ def main():
     if args.layers is not None and not 1 <= args.layers <= SHAPES[args.shape].n_layers:
         ap.error(f"--layers takes 1 to {SHAPES[args.shape].n_layers}")
     start = time.monotonic()
-    plans, size = write_model(args.out, args.shape, args.type, args.layers)
+    try:
+        plans, size = write_model(args.out, args.shape, args.type, args.layers)
+    except ValueError as e:
+        ap.error(str(e))
     seconds = time.monotonic() - start
-    print(f"wrote {args.out}: {args.shape} {args.type}, {len(plans)} tensors, "
+    counts = collections.Counter(p.qtype.name for p in plans)
+    print(f"wrote {args.out}: {args.shape} {args.type}, {len(plans)} tensors "
+          f"({', '.join(f'{n} {t}' for t, n in sorted(counts.items()))}), "
           f"{size / 1e9:.2f} GB in {seconds:.1f} s", file=sys.stderr)
 
 
