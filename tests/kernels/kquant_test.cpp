@@ -300,6 +300,30 @@ TEST_P(KQuantMatmulTest, MatchesReferenceAndScalarOnEveryIsa) {
   EXPECT_GT(n_cases, 0);
 }
 
+// The shapes where the batched K-quant path changes strategy: below and at
+// the activation rows it starts from, passes of rows sized by k (several, with
+// every tail), its longest rows (k = 32768) and the first it leaves to the row
+// tiles. Every path bit-identical to the scalar one.
+TEST_P(KQuantMatmulTest, BatchedShapeEdgesMatchScalar) {
+  const DType type = GetParam();
+  if (type == DType::kBF16) GTEST_SKIP() << "no batched K-quant path for BF16";
+  std::mt19937 rng(static_cast<uint32_t>(type) + 700);
+  ThreadPool pool(1);
+  for (int64_t k : {256, 8192, 32768, 33024}) {
+    const int64_t n_out = 5;
+    const Weights w = make_weights(type, k, n_out, rng);
+    for (int64_t n_x : {7, 8, 15, 64, 65, 130}) {
+      SCOPED_TRACE(shape_name(type, k, n_out, n_x));
+      const std::vector<float> x = random_activations(n_x, k, rng);
+      const std::vector<float> scalar = run_matmul(scalar_kernel_table(), w.matrix(), x, n_x, pool);
+      for (Isa isa : supported_isas()) {
+        const std::vector<float> y = run_matmul(kernel_table(isa), w.matrix(), x, n_x, pool);
+        EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size())) << isa_name(isa);
+      }
+    }
+  }
+}
+
 // Integer extremes: every weight and activation at the largest magnitude its
 // format holds, so any saturating or overflowing integer step would show.
 class KQuantExtremeTest : public ::testing::TestWithParam<DType> {};

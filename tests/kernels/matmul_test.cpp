@@ -188,12 +188,14 @@ TEST(Matmul, ReusedPackMatchesFreshPack) {
 // The shapes where the batched kernels change strategy: weight rows that do
 // not fill a group of 4, activation rows in several chunks with every tail,
 // the longest rows the AVX-512 GEMM takes (k = 4096) and the first it leaves
-// to the row tiles. Every path bit-identical to the scalar one.
+// to the row tiles; the AVX2 GEMM's rows in chunks of 4096 (a last chunk of
+// one block, the 8B shape's ffn_down), its longest rows (k = 32768) and the
+// first it leaves to the row tiles. Every path bit-identical to the scalar one.
 TEST(Matmul, BatchedShapeEdgesMatchScalar) {
   std::mt19937 rng(600);
   ThreadPool pool(1);
   for (DType type : {DType::kQ4_1, DType::kQ8_0, DType::kQ4_0}) {
-    for (int64_t k : {32, 4096, 4128}) {
+    for (int64_t k : {32, 4096, 4128, 14336, 32768, 32800}) {
       const int64_t n_out = 13;
       const Weights w = make_weights(type, k, n_out, rng);
       for (int64_t n_x : {3, 5, 8, 9, 15, 17, 33, 40}) {

@@ -36,10 +36,22 @@ namespace gemm256 {
 
 constexpr int kWeightRows = 2;
 constexpr int kActRows = 4;
-// Rows of up to this many blocks (k <= 4096) take this path.
-constexpr int64_t kMaxBlocks = 128;
-// Activation tiles x blocks whose scales are converted at once (bounds the stack).
-constexpr int64_t kActScaleBlocks = 512;
+// A weight group's panel holds this many blocks (k = 4096); longer rows are
+// taken a chunk of blocks at a time, every tile's accumulators carried from
+// one chunk to the next, so the sums run in the same order whatever k is.
+constexpr int64_t kChunkBlocks = 128;
+// Rows of up to this many blocks (k <= 32768) take this path: the bound of
+// the activation scales prepared at once, on the stack (64 KiB).
+constexpr int64_t kMaxBlocks = 1024;
+constexpr int64_t kActScaleBlocks = kMaxBlocks;
+// The activation rows a weight group is unpacked for are chosen so that
+// their quantized blocks and scales (kActBytesPerTileBlock per tile and
+// block) fit in this many bytes, about half of a core's L2: every weight
+// group streams them again. More rows amortize the unpacking better; rows
+// that spill to L3 cost more than they save.
+constexpr int64_t kActBudgetBytes = 256 << 10;
+constexpr int64_t kActBytesPerTileBlock = sizeof(float) * 16 + kActRows * 36;
+constexpr int64_t kMaxTilesPerChunk = 16;  // 64 rows: a matmul task's at most
 
 struct Q4_1Gemm {
   using WeightBlock = BlockQ4_1;
@@ -162,16 +174,36 @@ inline __m256 reduce_tile(const __m256 (&a)[kWeightRows][kActRows]) {
                        _mm256_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// A register tile's accumulators between chunks of k.
+struct TileState {
+  __m256 acc[kWeightRows][kActRows];
+  __m256 mins;
+};
+
 // One register tile: the group's 2 weight rows (n_j valid) x activation rows
-// [0, NX) of x, NX <= 4. y[i * ldy + j] for i < NX, j < n_j.
+// [0, NX) of x, NX <= 4, over one chunk of blocks [0, nb) (panel, act and x
+// start at the chunk's first block). The first chunk starts from zero, the
+// others from `state`; the last writes y[i * ldy + j] for i < NX, j < n_j,
+// the others leave their sums in `state`.
 template <typename Format, int NX>
 struct Tile {
   static void run(const PanelBlock<Format>* panel, const ActScales* act, const uint8_t* x,
-                  size_t x_stride, int64_t nb, float* y, int64_t ldy, int64_t n_j) {
+                  size_t x_stride, int64_t nb, bool first, bool last, TileState& state,
+                  float* y, int64_t ldy, int64_t n_j) {
     using XB = typename Format::ActBlock;
+    __m256 acc[kWeightRows][kActRows];
+    __m256 mins;
+    if (first) {
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm256_setzero_ps();
+      mins = _mm256_setzero_ps();
+    } else {
+      for (int j = 0; j < kWeightRows; ++j)
+        for (int i = 0; i < kActRows; ++i) acc[j][i] = state.acc[j][i];
+      mins = state.mins;
+    }
     // Per block, the tile's 8 scale products in E order; and the mins.
-    alignas(32) float scales[kMaxBlocks][8];
-    __m256 mins = _mm256_setzero_ps();
+    alignas(32) float scales[kChunkBlocks][8];
     for (int64_t b = 0; b < nb; ++b) {
       _mm256_store_ps(scales[b],
                       _mm256_mul_ps(_mm256_load_ps(panel[b].d), _mm256_load_ps(act[b].d)));
@@ -183,9 +215,6 @@ struct Tile {
     const XB* rows[kActRows];
     for (int i = 0; i < NX; ++i) rows[i] = reinterpret_cast<const XB*>(x + i * x_stride);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[kWeightRows][kActRows];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i u0 = _mm256_load_si256(&panel[b].u[0]);
       const __m256i u1 = _mm256_load_si256(&panel[b].u[1]);
@@ -202,6 +231,12 @@ struct Tile {
       }
     }
 
+    if (!last) {
+      for (int j = 0; j < kWeightRows; ++j)
+        for (int i = 0; i < kActRows; ++i) state.acc[j][i] = acc[j][i];
+      state.mins = mins;
+      return;
+    }
     // hsum + mins, as the row tiles (mins is 0 for the formats without them).
     alignas(32) float out[8];
     _mm256_store_ps(out, _mm256_add_ps(reduce_tile(acc), mins));
@@ -213,23 +248,35 @@ struct Tile {
 
 template <typename Format, int NX = kActRows>
 void run_tile(int64_t n_rows, const PanelBlock<Format>* panel, const ActScales* act,
-              const uint8_t* x, size_t x_stride, int64_t nb, float* y, int64_t ldy, int64_t n_j) {
+              const uint8_t* x, size_t x_stride, int64_t nb, bool first, bool last,
+              TileState& state, float* y, int64_t ldy, int64_t n_j) {
   if constexpr (NX > 0) {
-    if (n_rows == NX) return Tile<Format, NX>::run(panel, act, x, x_stride, nb, y, ldy, n_j);
-    run_tile<Format, NX - 1>(n_rows, panel, act, x, x_stride, nb, y, ldy, n_j);
+    if (n_rows == NX) {
+      return Tile<Format, NX>::run(panel, act, x, x_stride, nb, first, last, state, y, ldy, n_j);
+    }
+    run_tile<Format, NX - 1>(n_rows, panel, act, x, x_stride, nb, first, last, state, y, ldy,
+                             n_j);
   }
+}
+
+// The activation tiles a weight group is unpacked for, for rows of nb blocks.
+inline int64_t tiles_per_chunk(int64_t nb) {
+  return std::clamp<int64_t>(kActBudgetBytes / (nb * kActBytesPerTileBlock), 1,
+                             std::min<int64_t>(kMaxTilesPerChunk, kActScaleBlocks / nb));
 }
 
 // The DotTileFn contract (kernel_table.h) for k / 32 <= kMaxBlocks.
 template <typename Format>
 void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
           int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  using XB = typename Format::ActBlock;
   const int64_t nb = k / kQuantBlock;
-  const int64_t tiles_per_chunk = std::max<int64_t>(1, kActScaleBlocks / nb);
+  const int64_t n_chunk_tiles = tiles_per_chunk(nb);
   alignas(32) ActScales act[kActScaleBlocks];
-  alignas(32) PanelBlock<Format> panel[kMaxBlocks];
-  for (int64_t i0 = 0; i0 < n_x; i0 += tiles_per_chunk * kActRows) {
-    const int64_t n_i = std::min(n_x - i0, tiles_per_chunk * kActRows);
+  alignas(32) PanelBlock<Format> panel[kChunkBlocks];
+  TileState states[kMaxTilesPerChunk];
+  for (int64_t i0 = 0; i0 < n_x; i0 += n_chunk_tiles * kActRows) {
+    const int64_t n_i = std::min(n_x - i0, n_chunk_tiles * kActRows);
     const int64_t n_tiles = (n_i + kActRows - 1) / kActRows;
     for (int64_t t = 0; t < n_tiles; ++t) {
       convert_act_scales<Format>(x + (i0 + t * kActRows) * x_stride, x_stride,
@@ -237,11 +284,16 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
     }
     for (int64_t j0 = 0; j0 < n_w; j0 += kWeightRows) {
       const int64_t n_j = std::min<int64_t>(kWeightRows, n_w - j0);
-      pack_weight_group<Format>(w + j0 * w_stride, w_stride, n_j, nb, panel);
-      for (int64_t t = 0; t < n_tiles; ++t) {
-        const int64_t i = i0 + t * kActRows;
-        run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb,
-                         x + i * x_stride, x_stride, nb, y + i * ldy + j0, ldy, n_j);
+      for (int64_t c0 = 0; c0 < nb; c0 += kChunkBlocks) {
+        const int64_t n_c = std::min(kChunkBlocks, nb - c0);
+        pack_weight_group<Format>(w + j0 * w_stride + c0 * sizeof(typename Format::WeightBlock),
+                                  w_stride, n_j, n_c, panel);
+        for (int64_t t = 0; t < n_tiles; ++t) {
+          const int64_t i = i0 + t * kActRows;
+          run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb + c0,
+                           x + i * x_stride + c0 * sizeof(XB), x_stride, n_c, c0 == 0,
+                           c0 + n_c == nb, states[t], y + i * ldy + j0, ldy, n_j);
+        }
       }
     }
   }

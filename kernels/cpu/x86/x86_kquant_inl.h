@@ -16,6 +16,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -310,14 +311,95 @@ using Q4KTile = KQuantTile<Q4KFormat>::Tile<NX>;
 template <int NX>
 using Q6KTile = KQuantTile<Q6KFormat>::Tile<NX>;
 
+// The batched K-quant path (prefill, batched decode): each weight row's
+// blocks are unpacked once into a panel and used by a pass of up to 64
+// activation rows, where the row tiles unpack them again for every
+// kKQuantRowTile rows (the unpacking costs about one row's accumulation).
+// Each (weight row, activation row) pair runs the row tiles' operations: the
+// same accumulate per block in order from Format::zero(), the same finish;
+// only the reuse changes, so the result is bit-identical to theirs.
+namespace kquant_gemm {
+
+// Rows of up to this many super-blocks (k <= 32768) take this path; the
+// panel of one weight row lives on the stack (at most 72 KiB with AVX-512).
+constexpr int64_t kMaxBlocks = 128;
+// The activation rows of a pass are chosen so that their blocks fit in this
+// many bytes, about half of a core's L2: every weight row streams them again.
+constexpr int64_t kActBudgetBytes = 256 << 10;
+constexpr int64_t kMaxPassRows = 64;  // a matmul task's at most
+// From this many activation rows on; below, the row tiles' unpacking per
+// kKQuantRowTile rows is what a panel would cost anyway.
+constexpr int64_t kMinRows = 2 * kKQuantRowTile;
+
+// Activation rows [0, NX) against one unpacked weight row (nb blocks).
+template <typename Format, int NX>
+void run_rows(const typename Format::Unpacked* panel, int64_t nb, const uint8_t* x,
+              size_t x_stride, float* y, int64_t ldy) {
+  typename Format::Acc acc[NX];
+  for (int r = 0; r < NX; ++r) acc[r] = Format::zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < NX; ++r) {
+      Format::accumulate(panel[b], reinterpret_cast<const BlockQ8_K*>(x + r * x_stride)[b],
+                         &acc[r]);
+    }
+  }
+  for (int r = 0; r < NX; ++r) y[r * ldy] = Format::finish(acc[r]);
+}
+
+template <typename Format, int NX = kKQuantRowTile - 1>
+void run_rest(int64_t rest, const typename Format::Unpacked* panel, int64_t nb, const uint8_t* x,
+              size_t x_stride, float* y, int64_t ldy) {
+  if constexpr (NX > 0) {
+    if (rest == NX) return run_rows<Format, NX>(panel, nb, x, x_stride, y, ldy);
+    run_rest<Format, NX - 1>(rest, panel, nb, x, x_stride, y, ldy);
+  }
+}
+
+// The DotTileFn contract (kernel_table.h) for k / 256 <= kMaxBlocks.
+template <typename Format>
+void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+          int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  using WB = typename Format::WeightBlock;
+  const int64_t nb = k / kSuperBlock;
+  const int64_t budget_rows = kActBudgetBytes / (nb * static_cast<int64_t>(sizeof(BlockQ8_K)));
+  const int64_t pass_rows = std::clamp<int64_t>(budget_rows / kKQuantRowTile * kKQuantRowTile,
+                                                kKQuantRowTile, kMaxPassRows);
+  typename Format::Unpacked panel[kMaxBlocks];
+  for (int64_t i0 = 0; i0 < n_x; i0 += pass_rows) {
+    const int64_t n_i = std::min(pass_rows, n_x - i0);
+    for (int64_t j = 0; j < n_w; ++j) {
+      const auto* wb = reinterpret_cast<const WB*>(w + j * w_stride);
+      for (int64_t b = 0; b < nb; ++b) Format::unpack(wb[b], &panel[b]);
+      int64_t i = i0;
+      for (; i + kKQuantRowTile <= i0 + n_i; i += kKQuantRowTile) {
+        run_rows<Format, kKQuantRowTile>(panel, nb, x + i * x_stride, x_stride, y + i * ldy + j,
+                                         ldy);
+      }
+      run_rest<Format>(i0 + n_i - i, panel, nb, x + i * x_stride, x_stride, y + i * ldy + j, ldy);
+    }
+  }
+}
+
+}  // namespace kquant_gemm
+
+template <typename Format, template <int> class Tile>
+void dot_kquant(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  if (n_x >= kquant_gemm::kMinRows && k / kSuperBlock <= kquant_gemm::kMaxBlocks) {
+    kquant_gemm::gemm<Format>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  } else {
+    run_row_tiles<Tile, kKQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  }
+}
+
 void dot_q4_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                   int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q4KTile, kKQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_kquant<Q4KFormat, Q4KTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q6_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                   int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q6KTile, kKQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_kquant<Q6KFormat, Q6KTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 }  // namespace
