@@ -80,8 +80,8 @@ std::pair<std::chrono::milliseconds, std::string> Liveness::worst_silence(
   for (size_t i = 0; i < watched.ranks.size(); ++i) {
     const auto silent = silence(watched.last_heard[i], now);
     if (silent > lease_ && silent > worst.first) {
-      worst = {silent, fmt::format("rank {} silent for {} ms", watched.ranks[i].value,
-                                   silent.count())};
+      worst = {silent,
+               fmt::format("rank {} silent for {} ms", watched.ranks[i].value, silent.count())};
     }
   }
   if (watched.busy) {
@@ -102,7 +102,8 @@ std::vector<InstanceLoss> Liveness::check(Clock::time_point now) {
     if (reason.empty()) {
       const auto [silent, what] = worst_silence(watched, now);
       if (silent > lease_ + grace_) {
-        reason = fmt::format("{} (lease {} ms + grace {} ms)", what, lease_.count(), grace_.count());
+        reason =
+            fmt::format("{} (lease {} ms + grace {} ms)", what, lease_.count(), grace_.count());
       } else if (!what.empty()) {
         if (!watched.suspect) {
           ++n_suspected_;

@@ -127,8 +127,9 @@ TEST(Liveness, ALeaderBusyInOneStepPastTheLeaseIsStalled) {
   const std::vector<InstanceLoss> losses = live.check(t0 + 3800ms);
   ASSERT_EQ(losses.size(), 1u);
   EXPECT_EQ(losses[0].instance_id, 0);
-  EXPECT_EQ(losses[0].reason,
-            "stalled: no progress inside an engine step for 1600 ms (lease 1000 ms + grace 500 ms)");
+  EXPECT_EQ(
+      losses[0].reason,
+      "stalled: no progress inside an engine step for 1600 ms (lease 1000 ms + grace 500 ms)");
 }
 
 TEST(Liveness, ABusyLeaderWhoseStepsMoveIsAlive) {
@@ -173,9 +174,9 @@ TEST(Liveness, OneLateHeartbeatMakesASuspectNotALoss) {
   EXPECT_TRUE(live.check(t0 + 1350ms).empty());
   EXPECT_TRUE(live.view()[1].suspect);
   EXPECT_EQ(live.n_suspected(), 1);
-  EXPECT_EQ(live.take_notices(), (std::vector<std::string>{
-                                     "instance 1 is suspect: rank 2 silent for 1250 ms (lease "
-                                     "1000 ms)"}));
+  EXPECT_EQ(live.take_notices(),
+            (std::vector<std::string>{"instance 1 is suspect: rank 2 silent for 1250 ms (lease "
+                                      "1000 ms)"}));
   EXPECT_TRUE(live.check(t0 + 1450ms).empty());  // still suspect: raised once
   EXPECT_TRUE(live.take_notices().empty());
   live.on_heartbeat(beat(1, 2, 10, false), t0 + 1460ms);  // it speaks: cleared

@@ -188,8 +188,8 @@ struct TileState {
 template <typename Format, int NX>
 struct Tile {
   static void run(const PanelBlock<Format>* panel, const ActScales* act, const uint8_t* x,
-                  size_t x_stride, int64_t nb, bool first, bool last, TileState& state,
-                  float* y, int64_t ldy, int64_t n_j) {
+                  size_t x_stride, int64_t nb, bool first, bool last, TileState& state, float* y,
+                  int64_t ldy, int64_t n_j) {
     using XB = typename Format::ActBlock;
     __m256 acc[kWeightRows][kActRows];
     __m256 mins;
@@ -254,8 +254,7 @@ void run_tile(int64_t n_rows, const PanelBlock<Format>* panel, const ActScales* 
     if (n_rows == NX) {
       return Tile<Format, NX>::run(panel, act, x, x_stride, nb, first, last, state, y, ldy, n_j);
     }
-    run_tile<Format, NX - 1>(n_rows, panel, act, x, x_stride, nb, first, last, state, y, ldy,
-                             n_j);
+    run_tile<Format, NX - 1>(n_rows, panel, act, x, x_stride, nb, first, last, state, y, ldy, n_j);
   }
 }
 

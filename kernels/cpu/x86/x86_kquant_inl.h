@@ -333,8 +333,8 @@ constexpr int64_t kMinRows = 2 * kKQuantRowTile;
 
 // Activation rows [0, NX) against one unpacked weight row (nb blocks).
 template <typename Format, int NX>
-void run_rows(const typename Format::Unpacked* panel, int64_t nb, const uint8_t* x,
-              size_t x_stride, float* y, int64_t ldy) {
+void run_rows(const typename Format::Unpacked* panel, int64_t nb, const uint8_t* x, size_t x_stride,
+              float* y, int64_t ldy) {
   typename Format::Acc acc[NX];
   for (int r = 0; r < NX; ++r) acc[r] = Format::zero();
   for (int64_t b = 0; b < nb; ++b) {
