@@ -137,9 +137,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const auto model = duet::LlamaModel::load(model_path);
     const duet::cpu::Isa isa = duet::cpu::isa_from_environment();
     const auto& kernels = duet::cpu::kernel_table(isa);
+    const auto model = duet::LlamaModel::load(model_path, {}, &kernels);
     nlohmann::json results = nlohmann::json::array();
     if (!batches.empty()) {
       const int64_t n_prompt = prompt_sizes.at(0), n_gen = gen_sizes.at(0);

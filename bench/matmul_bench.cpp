@@ -1,7 +1,11 @@
-// Throughput of the CPU matrix products at the default model's shapes
-// (SmolLM2-135M: hidden 576, FFN 1536, vocabulary 49152), for each ISA path
-// this CPU runs, 1 and 2 threads, decode (n_x = 1), batched decode (n_x = 8,
-// 32: one row per sequence) and prefill (n_x = 512).
+// Throughput of the CPU matrix products, for each ISA path this CPU runs, 1
+// and 2 threads, decode (n_x = 1), batched decode (n_x = 8, 32: one row per
+// sequence) and prefill (n_x = 512), at two sets of shapes:
+// - the default model's (SmolLM2-135M: hidden 576, FFN 1536, vocabulary
+//   49152), whose weights stay in cache;
+// - Llama-3-8B's feed-forward (hidden 4096, FFN 14336), 33 MB a matrix at
+//   Q4_0, which streams from memory as served models do (names start
+//   `matmul8b/`).
 //
 // Reports tokens/s as items/s (n_x activation rows per iteration) and bytes/s
 // as weight bytes read per second. The timed loop is the matrix product
@@ -87,15 +91,20 @@ void register_benchmarks() {
       // computes them for every sequence.
       {576, 49152, {DType::kQ8_0}, {1, 32}},
   };
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (!cpu_supports(isa)) continue;
-    for (const Shape& shape : shapes) {
+  const std::vector<DType> all_types = {DType::kQ4_0, DType::kQ4_1, DType::kQ8_0, DType::kQ4_K,
+                                        DType::kQ6_K};
+  const std::vector<Shape> shapes_8b = {
+      {4096, 14336, all_types, {1, 32, 512}},  // FFN gate and up
+      {14336, 4096, all_types, {1, 32, 512}},  // FFN down
+  };
+  auto register_shapes = [](const std::string& prefix, const std::vector<Shape>& set, Isa isa) {
+    for (const Shape& shape : set) {
       for (DType type : shape.types) {
         for (int64_t n_x : shape.n_xs) {
           for (int n_threads : {1, 2}) {
             const MatmulCase c{isa, type, shape.k, shape.n_out, n_x, n_threads};
             const std::string name =
-                "matmul/" + std::string(isa_name(isa)) + "/" + std::string(dtype_name(type)) +
+                prefix + "/" + std::string(isa_name(isa)) + "/" + std::string(dtype_name(type)) +
                 "/k:" + std::to_string(shape.k) + "/n_out:" + std::to_string(shape.n_out) +
                 "/n_x:" + std::to_string(n_x) + "/threads:" + std::to_string(n_threads);
             register_kernel_bench(name, bench_matmul, c);
@@ -103,6 +112,12 @@ void register_benchmarks() {
         }
       }
     }
+  };
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!cpu_supports(isa)) continue;
+    register_shapes("matmul", shapes, isa);
+    // The scalar reference takes minutes at these sizes.
+    if (isa != Isa::kScalar) register_shapes("matmul8b", shapes_8b, isa);
   }
 }
 

@@ -50,7 +50,9 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   const int n_threads = args.threads > 0
                             ? args.threads
                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
+  const int device = parse_device(args.device);
+  std::unique_ptr<LlamaModel> model =
+      LlamaModel::load(args.model, {}, device < 0 ? &cpu::kernel_table(isa) : nullptr);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   std::optional<ChatTemplateKind> chat;
   if (args.chat) {
@@ -84,7 +86,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
   config.scheduler.max_step_tokens = std::max(args.step_tokens, args.max_running);
   config.scheduler.recompute = !options.use_kv_cache;
   config.end_of_generation = tokenizer.end_of_generation_ids();
-  config.device = parse_device(args.device);
+  config.device = device;
   Engine engine(*model, cpu::kernel_table(isa), pool, config);
 
   struct Output {

@@ -117,7 +117,9 @@ int run_generate(const GenerateArgs& args) {
                             ? args.threads
                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
-  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
+  const int device = parse_device(args.device);
+  std::unique_ptr<LlamaModel> model =
+      LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   const ModelConfig& c = model->config();
   spdlog::info(
@@ -144,7 +146,7 @@ int run_generate(const GenerateArgs& args) {
   }
 
   cpu::ThreadPool pool(n_threads);
-  Generator generator(*model, kernels, pool, parse_device(args.device));
+  Generator generator(*model, kernels, pool, device);
   // Special tokens are no text, as the server streams it: one prompt, one answer.
   IncrementalDecoder decoder(tokenizer, /*skip_special=*/true);
 

@@ -121,7 +121,8 @@ int run_measured(const ProfileArgs& args) {
   serve_args.max_running = args.max_running;
   serve_args.step_tokens = args.step_tokens;
   const int n_threads = serve::compute_threads(serve_args);
-  const auto model = LlamaModel::load(args.model);
+  const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
+  const auto model = LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
 
   // Under mpirun, both ranks time transfers and collectives first; then rank
   // 0 measures steps while rank 1 waits without a core.
@@ -171,8 +172,7 @@ int run_measured(const ProfileArgs& args) {
   }
   sim::Profile profile;
   try {
-    profile =
-        sim::measure_profile(*model, cpu::kernel_table(cpu::isa_from_environment()), pool, options);
+    profile = sim::measure_profile(*model, kernels, pool, options);
   } catch (...) {
     if (mpi) kv_bench::barrier_quietly(MPI_COMM_WORLD);  // rank 1 may end
     throw;

@@ -379,17 +379,19 @@ int run_serve(const ServeArgs& given) {
   if (launched_by_mpirun() || args.cluster.any()) return run_cluster_serve(args, signals);
 
   const int n_threads = serve::compute_threads(args);
-  require_device(parse_device(args.device));  // before the slow model load
-  std::unique_ptr<LlamaModel> model = LlamaModel::load(args.model);
+  const int device = parse_device(args.device);
+  require_device(device);  // before the slow model load
+  const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
+  std::unique_ptr<LlamaModel> model =
+      LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   const std::optional<ChatTemplateKind> chat = serve::chat_template(model->file());
   const std::string model_name = serve::model_name(args);
 
   cpu::ThreadPool pool(n_threads);
-  LocalInstance instance(*model, cpu::kernel_table(cpu::isa_from_environment()), pool,
-                         serve::engine_config(args, *model, tokenizer.end_of_generation_ids(),
-                                              parse_device(args.device)),
-                         model_name);
+  LocalInstance instance(
+      *model, kernels, pool,
+      serve::engine_config(args, *model, tokenizer.end_of_generation_ids(), device), model_name);
   Service service(instance, tokenizer, chat, model_name, serve::service_limits(args));
   spdlog::info("{} compute threads", n_threads);
   serve::run_fronts_until_signal(service, args, signals);

@@ -76,7 +76,9 @@ LoadedShard load_shard(ControlChannel& channel, Collective& collective, const In
       require_device(device);  // "no GPU" before "two ranks on one GPU"
       require_gpu_per_rank(self, placements);
     }
-    shard.model = LlamaModel::load(options.model_path, TpPlacement{collective.rank(), self.tp});
+    shard.model =
+        LlamaModel::load(options.model_path, TpPlacement{collective.rank(), self.tp},
+                         device < 0 ? &cpu::kernel_table(cpu::isa_from_environment()) : nullptr);
     config = options.engine_config(
         *shard.model, tokenizer_from_gguf(shard.model->file()).end_of_generation_ids());
   } catch (const std::exception& e) {

@@ -169,6 +169,17 @@ GgufFile GgufFile::open(const std::filesystem::path& path) {
   return file;
 }
 
+void GgufFile::drop_pages(const void* data, size_t bytes) const {
+  if (mapping_ == nullptr) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = (begin + bytes) / page * page;
+  if (first >= last) return;
+  // Advice only: a failure leaves the pages where they are, which is harmless.
+  ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 GgufFile GgufFile::from_bytes(std::string name, std::vector<uint8_t> bytes) {
   GgufFile file;
   file.path_ = name;

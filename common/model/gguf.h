@@ -206,6 +206,11 @@ class GgufFile {
   std::optional<std::vector<int32_t>> get_i32_array(std::string_view key) const;  // any ints
   std::optional<std::vector<float>> get_f32_array(std::string_view key) const;    // f32, f64
 
+  // Gives back the memory of the whole pages of a mapped file within
+  // [data, data + bytes) once nothing reads them any more (a copy replaced
+  // them); reading them again maps them again. No effect on in-memory files.
+  void drop_pages(const void* data, size_t bytes) const;
+
   // Tensor infos in file order.
   const std::vector<GgufTensorInfo>& tensors() const { return tensors_; }
   const GgufTensorInfo* find_tensor(std::string_view name) const;

@@ -106,6 +106,11 @@ struct KernelTable {
   DotTileFn dot_bf16;  // BF16 weights, BF16 activations
   DotTileFn dot_q4_k;  // Q4_K weights, Q8_K activations
   DotTileFn dot_q6_k;  // Q6_K weights, Q8_K activations
+  // Q4_0 weights interleaved by 8 rows (interleave.h), Q8_0 activations.
+  DotTileFn dot_q4_0x8;
+  // Whether Q4_0 weights run faster interleaved on this path (the model
+  // loader lays them out so); every path computes both layouts alike.
+  bool interleave_q4_0;
   KqScoresFn kq_scores;
   KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;

@@ -5,6 +5,7 @@
 
 #include "common/model/fp16.h"
 #include "common/model/quant_blocks.h"
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/lane_math.h"
 #include "kernels/cpu/quantize.h"
@@ -182,6 +183,11 @@ void dot_tile(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   }
 }
 
+void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(dot_tile<dot_row_q4_0>, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
 // One query head against one key row, in kq_scores's order.
 float kq_score(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
   float acc[4][16] = {};
@@ -256,6 +262,8 @@ constexpr KernelTable kScalarTable = {
     .dot_bf16 = dot_tile<dot_row_bf16>,
     .dot_q4_k = dot_tile<dot_row_q4_k>,
     .dot_q6_k = dot_tile<dot_row_q6_k>,
+    .dot_q4_0x8 = dot_q4_0x8,
+    .interleave_q4_0 = false,
     .kq_scores = kq_scores,
     .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,

@@ -5,12 +5,15 @@
 
 #include "common/error.h"
 #include "common/format.h"
+#include "kernels/cpu/interleave.h"
+#include "kernels/cpu/quantize.h"
 
 namespace duet::cpu {
 namespace {
 
 constexpr int64_t kMinWeightRowsPerTask = 32;
-constexpr int64_t kTasksPerThread = 4;  // enough to balance a noisy machine
+constexpr int64_t kWeightRowsMultiple = kInterleavedRows;  // tasks start on a group
+constexpr int64_t kTasksPerThread = 4;                     // enough to balance a noisy machine
 constexpr int64_t kActivationRowsPerTask = 64;
 
 // Weight rows per task: few large tasks when there are few activation rows
@@ -20,7 +23,8 @@ int64_t weight_rows_per_task(int64_t n_out, int64_t n_x_tasks, int n_threads) {
   const int64_t wanted_tasks = kTasksPerThread * n_threads;
   const int64_t n_w_tasks = std::max<int64_t>(1, (wanted_tasks + n_x_tasks - 1) / n_x_tasks);
   const int64_t rows = (n_out + n_w_tasks - 1) / n_w_tasks;
-  return std::max(kMinWeightRowsPerTask, (rows + 3) / 4 * 4);
+  return std::max(kMinWeightRowsPerTask,
+                  (rows + kWeightRowsMultiple - 1) / kWeightRowsMultiple * kWeightRowsMultiple);
 }
 
 ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
@@ -75,6 +79,32 @@ WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t
   w.n_out = n_out;
   w.row_bytes = dtype_row_bytes(type, k);
   return w;
+}
+
+bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
+  return kernels.interleave_q4_0 && w.type == DType::kQ4_0 && w.layout == WeightLayout::kRows &&
+         can_interleave_q4_0(w.n_out);
+}
+
+WeightMatrix interleave(const WeightMatrix& w, uint8_t* out) {
+  DUET_ASSERT(w.type == DType::kQ4_0 && w.layout == WeightLayout::kRows,
+              "only Q4_0 rows interleave, not {}", dtype_name(w.type));
+  interleave_q4_0(w.data, w.n_out, w.k, out);
+  WeightMatrix result = w;
+  result.data = out;
+  result.layout = WeightLayout::kInterleaved;
+  return result;
+}
+
+void dequantize_weight_row(const WeightMatrix& w, int64_t row, float* out) {
+  if (w.layout == WeightLayout::kRows) {
+    dequantize_row(w.type, w.data + static_cast<size_t>(row) * w.row_bytes, out, w.k);
+    return;
+  }
+  thread_local std::vector<uint8_t> bytes;
+  bytes.resize(w.row_bytes);
+  deinterleave_q4_0(w.data, w.k, row, 1, bytes.data());
+  dequantize_row(w.type, bytes.data(), out, w.k);
 }
 
 DType activation_type(DType weight_type) {
@@ -155,7 +185,8 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
             int64_t ldy, ThreadPool& pool) {
   DUET_ASSERT(w.k == x.k(), "matmul: weight rows have {} elements, activations {}", w.k, x.k());
   DUET_ASSERT(ldy >= w.n_out);
-  const DotTileFn dot = dot_tile_fn(kernels, w.type);
+  const DotTileFn dot =
+      w.layout == WeightLayout::kInterleaved ? kernels.dot_q4_0x8 : dot_tile_fn(kernels, w.type);
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
   const int64_t n_x = x.n_rows();

@@ -22,16 +22,31 @@
 
 namespace duet::cpu {
 
+// How a matrix's rows are stored.
+enum class WeightLayout : uint8_t {
+  kRows,         // row after row, as in GGUF files
+  kInterleaved,  // Q4_0 in groups of 8 rows, block by block (interleave.h)
+};
+
 // A non-owning view of a weight matrix: n_out rows of k elements.
 struct WeightMatrix {
   DType type = DType::kF32;
   const uint8_t* data = nullptr;
   int64_t k = 0;
   int64_t n_out = 0;
-  size_t row_bytes = 0;
+  size_t row_bytes = 0;  // a row's bytes in the file (the layout's total is the same)
+  WeightLayout layout = WeightLayout::kRows;
 };
 
 WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t n_out);
+
+// Whether `kernels` run `w` faster in another layout, and which.
+bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w);
+// `w` (in rows) laid out interleaved into `out` (w's bytes); the result views `out`.
+WeightMatrix interleave(const WeightMatrix& w, uint8_t* out);
+
+// Row `row` of `w` (any layout) as n = w.k floats.
+void dequantize_weight_row(const WeightMatrix& w, int64_t row, float* out);
 
 // The kernel path's dot-product tile for a weight type; throws kUnsupported.
 DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type);

@@ -30,6 +30,8 @@ size_t aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 DeviceWeight upload_weight(const cpu::WeightMatrix& weight, CudaBackend& backend) {
   const int64_t k = weight.k, n_out = weight.n_out;
+  DUET_ASSERT(weight.layout == cpu::WeightLayout::kRows,
+              "the GPU reads weights in the file's rows (load the model without CPU kernels)");
   if (k % kQuantBlock != 0) {
     throw Error(
         ErrorKind::kUnsupported,

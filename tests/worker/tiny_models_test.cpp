@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 
 #include "kernels/cpu/isa.h"
 #include "tests/worker/tiny_model_golden.h"
@@ -30,6 +31,34 @@ TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
       EXPECT_LE(worst, kLogitTolerance) << file << " on " << cpu::isa_name(isa);
     }
   }
+}
+
+// Q4_0 matrices laid out for the kernels at load (interleaved by 8 rows, the
+// tied embedding table included) give every logit bit for bit as the file's
+// rows do on the same path, on every path: forced on where a path would not
+// ask for it.
+TEST(TinyModels, InterleavedWeightsChangeNoBit) {
+  const testing::TinyModelGolden golden = testing::read_tiny_model_golden("tiny_models.json");
+  cpu::ThreadPool pool(2);
+  int n_interleaved = 0;
+  for (const auto& m : golden.json["models"]) {
+    const std::string file = m["file"];
+    const auto ids = m["ids"].get<std::vector<int32_t>>();
+    auto rows = LlamaModel::load(golden.model_dir / file);
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      const std::vector<float> expected =
+          Generator(*rows, cpu::kernel_table(isa), pool).logits_all(ids);
+      cpu::KernelTable kernels = cpu::kernel_table(isa);
+      kernels.interleave_q4_0 = true;
+      auto model = LlamaModel::load(golden.model_dir / file, {}, &kernels);
+      if (model->interleaved_weight_bytes() > 0) ++n_interleaved;
+      const std::vector<float> logits = Generator(*model, kernels, pool).logits_all(ids);
+      ASSERT_EQ(logits.size(), expected.size());
+      EXPECT_EQ(0, std::memcmp(logits.data(), expected.data(), logits.size() * sizeof(float)))
+          << file << " on " << cpu::isa_name(isa);
+    }
+  }
+  EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_0 matrices to interleave";
 }
 
 TEST(TinyModels, GreedyContinuationMatchesReference) {

@@ -43,7 +43,7 @@ class CpuForward::Ops {
         continue;
       }
       const auto index = static_cast<size_t>(id - shard.vocab_begin);
-      cpu::dequantize_row(table.type, table.data + index * table.row_bytes, row, n_embd);
+      cpu::dequantize_weight_row(table, static_cast<int64_t>(index), row);
     }
   }
 

@@ -12,17 +12,20 @@
 namespace duet {
 
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::filesystem::path& path,
-                                             TpPlacement placement) {
-  return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path), placement));
+                                             TpPlacement placement,
+                                             const cpu::KernelTable* kernels) {
+  return std::unique_ptr<LlamaModel>(new LlamaModel(GgufFile::open(path), placement, kernels));
 }
 
-LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
-    : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)) {
+LlamaModel::LlamaModel(GgufFile file, TpPlacement placement, const cpu::KernelTable* kernels)
+    : file_(std::move(file)), config_(ModelConfig::from_gguf(file_)), kernels_(kernels) {
   const ModelConfig& c = config_;
   shard_ = make_tp_shard(c, placement.rank, placement.size);
   const TpShard& s = shard_;
   const int64_t hd = c.head_dim;
-  token_embd_ = rows("token_embd.weight", c.n_embd, c.n_vocab, s.vocab_begin, s.vocab_end);
+  // Looked up a row at a time, unless it is also the output head.
+  token_embd_ =
+      rows("token_embd.weight", c.n_embd, c.n_vocab, s.vocab_begin, s.vocab_end, c.tied_embeddings);
   layers_.resize(static_cast<size_t>(c.n_layers));
   const int64_t q_dim = c.n_heads * hd;
   const int64_t kv_dim = c.n_kv_heads * hd;
@@ -64,6 +67,7 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement)
   refuse_unused_tensors();
   used_tensors_.clear();
   copied_tensors_.clear();
+  kernels_ = nullptr;
 }
 
 void LlamaModel::refuse_unused_tensors() const {
@@ -90,7 +94,9 @@ std::vector<float> LlamaModel::slice(std::vector<float> whole, int64_t begin, in
 }
 
 cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t n_out,
-                                     int64_t row0, int64_t row1, int64_t col0, int64_t col1) {
+                                     int64_t row0, int64_t row1, int64_t col0, int64_t col1,
+                                     bool for_kernels) {
+  const cpu::KernelTable* kernels = for_kernels ? kernels_ : nullptr;
   const GgufTensorInfo& t = file_.tensor(name);
   if (t.ne.size() != 2 || t.ne[0] != k || t.ne[1] != n_out) {
     throw Error(ErrorKind::kCorruptFile,
@@ -106,7 +112,11 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
   used_tensors_.insert(name);
   if (row0 == 0 && row1 == n_out && col0 == 0 && col1 == k) {
     weight_bytes_ += t.n_bytes;
-    return cpu::make_weight_matrix(t.type, t.data, k, n_out);
+    const cpu::WeightMatrix view = cpu::make_weight_matrix(t.type, t.data, k, n_out);
+    if (kernels == nullptr || !cpu::prefers_interleaved(*kernels, view)) return view;
+    const cpu::WeightMatrix w = interleaved(view);
+    file_.drop_pages(t.data, t.n_bytes);
+    return w;
   }
   const int64_t block = dtype_traits(t.type).block_size;
   DUET_ASSERT(col0 % block == 0 && col1 % block == 0 && row0 < row1 && col0 < col1,
@@ -127,8 +137,20 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
   if (copied_tensors_.insert(name).second) split_tensor_bytes_ += t.n_bytes;
   const cpu::WeightMatrix w =
       cpu::make_weight_matrix(t.type, owned.get(), col1 - col0, row1 - row0);
+  if (kernels == nullptr || !cpu::prefers_interleaved(*kernels, w)) {
+    owned_.push_back(std::move(owned));
+    return w;
+  }
+  return interleaved(w);  // the shard's copy goes when `owned` does
+}
+
+cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w) {
+  const size_t bytes = w.row_bytes * static_cast<size_t>(w.n_out);
+  auto owned = std::make_unique<uint8_t[]>(bytes);
+  const cpu::WeightMatrix result = cpu::interleave(w, owned.get());
   owned_.push_back(std::move(owned));
-  return w;
+  interleaved_weight_bytes_ += bytes;
+  return result;
 }
 
 std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {

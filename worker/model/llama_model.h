@@ -57,8 +57,13 @@ class LlamaModel final {
   // never silently skipped).
   // With `placement.size` > 1, loads only the rank's shard (see above);
   // throws kUnsupported when the model cannot be split that way.
+  // `kernels`: the CPU path that will run the model; matrices it runs faster
+  // in another layout (cpu::prefers_interleaved) are laid out so at load, in
+  // place of the file's pages (which are dropped from memory). Null keeps
+  // the file's layout (the CUDA upload reads it).
   static std::unique_ptr<LlamaModel> load(const std::filesystem::path& path,
-                                          TpPlacement placement = {});
+                                          TpPlacement placement = {},
+                                          const cpu::KernelTable* kernels = nullptr);
 
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
@@ -90,21 +95,27 @@ class LlamaModel final {
   // File bytes of the tensors this model copies parts of (whole): what
   // owned_weight_bytes is about 1/tp of.
   size_t split_tensor_bytes() const { return split_tensor_bytes_; }
+  // Bytes of matrices laid out anew for the kernels (see load).
+  size_t interleaved_weight_bytes() const { return interleaved_weight_bytes_; }
 
  private:
-  LlamaModel(GgufFile file, TpPlacement placement);
+  LlamaModel(GgufFile file, TpPlacement placement, const cpu::KernelTable* kernels);
   // Rows [row0, row1) and columns [col0, col1) of a [k, n_out] tensor (k
   // columns per row): a view of the mapping when that is all of it, else a
   // copy of just those bytes (columns on block boundaries).
+  // `for_kernels`: products read it (else rows are only looked up, and it
+  // keeps the file's layout).
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
-                           int64_t row1, int64_t col0, int64_t col1);
+                           int64_t row1, int64_t col0, int64_t col1, bool for_kernels = true);
+  // `w` interleaved into memory of this model's own.
+  cpu::WeightMatrix interleaved(const cpu::WeightMatrix& w);
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out) {
     return matrix(name, k, n_out, 0, n_out, 0, k);
   }
   // Rows [row0, row1) only (column-parallel).
   cpu::WeightMatrix rows(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
-                         int64_t row1) {
-    return matrix(name, k, n_out, row0, row1, 0, k);
+                         int64_t row1, bool for_kernels = true) {
+    return matrix(name, k, n_out, row0, row1, 0, k, for_kernels);
   }
   // Elements [begin, end) of vector(name, n).
   std::vector<float> slice(std::vector<float> whole, int64_t begin, int64_t end);
@@ -125,6 +136,8 @@ class LlamaModel final {
   size_t weight_bytes_ = 0;
   size_t owned_weight_bytes_ = 0;
   size_t split_tensor_bytes_ = 0;
+  size_t interleaved_weight_bytes_ = 0;
+  const cpu::KernelTable* kernels_ = nullptr;       // during load only
   std::unordered_set<std::string> used_tensors_;    // tensors read, during load only (then cleared)
   std::unordered_set<std::string> copied_tensors_;  // parts copied, during load only
 };

@@ -3,6 +3,7 @@
 // tiles below for few activation rows, the register-blocked GEMM of
 // quant_gemm_avx2_inl.h from a few on (the same operations per pair). BF16 and
 // the K-quants are in x86_kquant_inl.h.
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86/quant_gemm_avx2_inl.h"
@@ -89,6 +90,62 @@ void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
   dot_quant<gemm256::Q4_1Gemm, Q4_1Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+// Decode on interleaved Q4_0 (interleave.h): the 8 rows of a group at once,
+// one sequential stream. Each row's int32 lanes are the row tile's, computed
+// as nibbles . x - 8 * (the 4 x bytes' sum) instead of |w| . (x with the sign
+// of w): the same integers (no operand saturates maddubs either way), with
+// two rows' nibbles per load and the correction shared by the 8 rows. The
+// float steps are the row tile's: acc = fma(d_w * d_x, float(lanes), acc)
+// block by block, then hsum_ps.
+void gemv_q4_0x8(const uint8_t* w, int64_t n_w, const uint8_t* x, int64_t k, float* y) {
+  const int64_t nb = k / kQuantBlock;
+  const auto* xb = reinterpret_cast<const BlockQ8_0*>(x);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+  const __m256i eights = _mm256_set1_epi8(8);
+  for (int64_t g = 0; g < n_w / kInterleavedRows; ++g) {
+    const auto* wb = reinterpret_cast<const BlockQ4_0x8*>(w) + g * nb;
+    __m256 acc[kInterleavedRows];
+    for (__m256& a : acc) a = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i xq = load_i8x32(xb[b].qs);
+      // Elements 0..15 and 16..31 of x, each in both 128-bit halves: the
+      // low nibbles of a pair's two rows meet the first, the high the second.
+      const __m256i x_low = _mm256_permute2x128_si256(xq, xq, 0x00);
+      const __m256i x_high = _mm256_permute2x128_si256(xq, xq, 0x11);
+      const __m256i correction = lane_dot(eights, xq);
+      alignas(32) float scales[kInterleavedRows];
+      _mm256_store_ps(
+          scales,
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb[b].d))),
+                        _mm256_set1_ps(half_to_float(xb[b].d))));
+      for (int p = 0; p < kInterleavedRows / 2; ++p) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b].qs[p]));
+        const __m256i low = lane_dot(_mm256_and_si256(q, low_nibbles), x_low);
+        const __m256i high =
+            lane_dot(_mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles), x_high);
+        const __m256i even =
+            _mm256_sub_epi32(_mm256_permute2x128_si256(low, high, 0x20), correction);
+        const __m256i odd =
+            _mm256_sub_epi32(_mm256_permute2x128_si256(low, high, 0x31), correction);
+        acc[2 * p] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + 2 * p), _mm256_cvtepi32_ps(even),
+                                     acc[2 * p]);
+        acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + 2 * p + 1),
+                                         _mm256_cvtepi32_ps(odd), acc[2 * p + 1]);
+      }
+    }
+    for (int r = 0; r < kInterleavedRows; ++r) y[g * kInterleavedRows + r] = hsum_ps(acc[r]);
+  }
+}
+
+void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  if (n_x == 1) {
+    gemv_q4_0x8(w, n_w, x, k, y);
+  } else {
+    dot_interleaved_by_rows(dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  }
 }
 
 // The elementwise 16-lane tree over g[s] (lane_tree_sum16's order).
@@ -197,6 +254,8 @@ constexpr KernelTable kAvx2Table = {
     .dot_bf16 = dot_bf16_x86,
     .dot_q4_k = dot_q4_k_x86,
     .dot_q6_k = dot_q6_k_x86,
+    .dot_q4_0x8 = dot_q4_0x8,
+    .interleave_q4_0 = true,
     .kq_scores = kq_scores_avx,
     .kqv_sum = kqv_sum_avx2,
     .softmax_exp = softmax_exp_avx2,

@@ -16,6 +16,7 @@
 // turns off the "maybe" form for this file). Not about our code.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86/attention_avx512_inl.h"
@@ -261,6 +262,12 @@ void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   dot_quant<gemm512::Q4_1Gemm, Q4_1Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
+// Interleaved Q4_0 runs the GGUF-row kernels (this path does not ask for it).
+void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
 // ggml's 16-lane exponential, lane for lane the same as ggml_expf().
 inline __m512 expf16(__m512 x) {
   const __m512 r = _mm512_set1_ps(0x1.8p23f);
@@ -323,6 +330,8 @@ constexpr KernelTable kAvx512Table = {
     .dot_bf16 = dot_bf16_x86,
     .dot_q4_k = dot_q4_k_x86,
     .dot_q6_k = dot_q6_k_x86,
+    .dot_q4_0x8 = dot_q4_0x8,
+    .interleave_q4_0 = false,
     .kq_scores = attention512::kq_scores,
     .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,
