@@ -86,10 +86,17 @@ bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
          can_interleave_q4_0(w.n_out);
 }
 
-WeightMatrix interleave(const WeightMatrix& w, uint8_t* out) {
+WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
+                        const std::function<void(const uint8_t*, size_t)>& read) {
   DUET_ASSERT(w.type == DType::kQ4_0 && w.layout == WeightLayout::kRows,
               "only Q4_0 rows interleave, not {}", dtype_name(w.type));
-  interleave_q4_0(w.data, w.n_out, w.k, out);
+  constexpr int64_t kRowsPerPiece = 1024;
+  for (int64_t row0 = 0; row0 < w.n_out; row0 += kRowsPerPiece) {
+    const int64_t n_rows = std::min(kRowsPerPiece, w.n_out - row0);
+    const size_t offset = static_cast<size_t>(row0) * w.row_bytes;
+    interleave_q4_0(w.data + offset, n_rows, w.k, out + offset);
+    if (read) read(w.data + offset, static_cast<size_t>(n_rows) * w.row_bytes);
+  }
   WeightMatrix result = w;
   result.data = out;
   result.layout = WeightLayout::kInterleaved;

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -42,8 +43,11 @@ WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t
 
 // Whether `kernels` run `w` faster in another layout, and which.
 bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w);
-// `w` (in rows) laid out interleaved into `out` (w's bytes); the result views `out`.
-WeightMatrix interleave(const WeightMatrix& w, uint8_t* out);
+// `w` (in rows) laid out interleaved into `out` (w's bytes), a piece of rows
+// at a time, `read(bytes, n)` told of each piece of w.data once it is read
+// for the last time. The result views `out`.
+WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
+                        const std::function<void(const uint8_t*, size_t)>& read = {});
 
 // Row `row` of `w` (any layout) as n = w.k floats.
 void dequantize_weight_row(const WeightMatrix& w, int64_t row, float* out);

@@ -114,9 +114,7 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
     weight_bytes_ += t.n_bytes;
     const cpu::WeightMatrix view = cpu::make_weight_matrix(t.type, t.data, k, n_out);
     if (kernels == nullptr || !cpu::prefers_interleaved(*kernels, view)) return view;
-    const cpu::WeightMatrix w = interleaved(view);
-    file_.drop_pages(t.data, t.n_bytes);
-    return w;
+    return interleaved(view, &file_);
   }
   const int64_t block = dtype_traits(t.type).block_size;
   DUET_ASSERT(col0 % block == 0 && col1 % block == 0 && row0 < row1 && col0 < col1,
@@ -141,16 +139,22 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
     owned_.push_back(std::move(owned));
     return w;
   }
-  return interleaved(w);  // the shard's copy goes when `owned` does
+  return interleaved(w, nullptr);  // the shard's copy goes when `owned` does
 }
 
-cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w) {
+cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w, const GgufFile* source) {
+  // On huge pages: decode streams every matrix once per token, and a 4 KiB
+  // page per 28 blocks of a row group would be a TLB miss each (and making
+  // them at load costs a fault each).
   const size_t bytes = w.row_bytes * static_cast<size_t>(w.n_out);
-  auto owned = std::make_unique<uint8_t[]>(bytes);
-  const cpu::WeightMatrix result = cpu::interleave(w, owned.get());
-  owned_.push_back(std::move(owned));
+  HugePageMemory& memory = interleaved_.emplace_back(bytes);
   interleaved_weight_bytes_ += bytes;
-  return result;
+  // Each piece's file pages are dropped once copied, so that the file's
+  // pages and the copy are never both in memory for long.
+  return cpu::interleave(w, reinterpret_cast<uint8_t*>(memory.data()),
+                         [&](const uint8_t* read, size_t n) {
+                           if (source != nullptr) source->drop_pages(read, n);
+                         });
 }
 
 std::vector<float> LlamaModel::vector(const std::string& name, int64_t n) {

@@ -15,6 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/huge_pages.h"
 #include "common/model/gguf.h"
 #include "common/model/kv_layout.h"
 #include "common/model/model_config.h"
@@ -107,8 +108,9 @@ class LlamaModel final {
   // keeps the file's layout).
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
                            int64_t row1, int64_t col0, int64_t col1, bool for_kernels = true);
-  // `w` interleaved into memory of this model's own.
-  cpu::WeightMatrix interleaved(const cpu::WeightMatrix& w);
+  // `w` interleaved into memory of this model's own; `source`: the file whose
+  // mapping `w` views (its pages are dropped), or null for a copy.
+  cpu::WeightMatrix interleaved(const cpu::WeightMatrix& w, const GgufFile* source);
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out) {
     return matrix(name, k, n_out, 0, n_out, 0, k);
   }
@@ -128,6 +130,7 @@ class LlamaModel final {
   ModelConfig config_;
   TpShard shard_;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // the shard's copied tensors
+  std::vector<HugePageMemory> interleaved_;        // matrices laid out for the kernels
   cpu::WeightMatrix token_embd_;
   std::vector<LlamaLayerWeights> layers_;
   std::vector<float> output_norm_;
