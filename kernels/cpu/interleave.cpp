@@ -1,7 +1,6 @@
 #include "kernels/cpu/interleave.h"
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "common/error.h"
@@ -25,10 +24,16 @@ void interleave_q4_0(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
   for (int64_t g = 0; g < n_out / kInterleavedRows; ++g) {
     for (int64_t b = 0; b < nb; ++b) {
       BlockQ4_0x8& block = dst[g * nb + b];
-      for (int r = 0; r < kInterleavedRows; ++r) {
-        const BlockQ4_0& from = src[(g * kInterleavedRows + r) * nb + b];
-        block.d[r] = from.d;
-        std::memcpy(block.qs[r / 2] + (r % 2) * sizeof(from.qs), from.qs, sizeof(from.qs));
+      for (int p = 0; p < kInterleavedRows / 2; ++p) {
+        const BlockQ4_0& even = src[(g * kInterleavedRows + 2 * p) * nb + b];
+        const BlockQ4_0& odd = src[(g * kInterleavedRows + 2 * p + 1) * nb + b];
+        block.d[2 * p] = even.d;
+        block.d[2 * p + 1] = odd.d;
+        uint8_t* pair = block.qs[p];
+        for (int e = 0; e < kQuantBlock / 2; ++e) {  // elements e and e + 16 of both rows
+          pair[e] = static_cast<uint8_t>((even.qs[e] & 0x0f) | (odd.qs[e] & 0x0f) << 4);
+          pair[e + kQuantBlock / 2] = static_cast<uint8_t>(even.qs[e] >> 4 | (odd.qs[e] & 0xf0));
+        }
       }
     }
   }
@@ -45,7 +50,12 @@ void deinterleave_q4_0(const uint8_t* interleaved, int64_t k, int64_t row0, int6
     for (int64_t b = 0; b < nb; ++b) {
       BlockQ4_0& to = dst[(row - row0) * nb + b];
       to.d = src[b].d[r];
-      std::memcpy(to.qs, src[b].qs[r / 2] + (r % 2) * sizeof(to.qs), sizeof(to.qs));
+      const uint8_t* pair = src[b].qs[r / 2];
+      for (int e = 0; e < kQuantBlock / 2; ++e) {
+        const uint8_t low = pair[e], high = pair[e + kQuantBlock / 2];
+        to.qs[e] =
+            static_cast<uint8_t>(r % 2 == 0 ? (low & 0x0f) | high << 4 : low >> 4 | (high & 0xf0));
+      }
     }
   }
 }

@@ -4,7 +4,9 @@
 // (GGUF's order) leaves the kernel one dependent FMA chain and scattered
 // scale conversions per 32 weights. Groups of 8 rows stored block by block
 // (BlockQ4_0x8) are one sequential stream with 8 independent chains, the 8
-// scales converted by one instruction and two rows' nibbles in one load.
+// scales converted by one instruction, and two rows' 32 weights in one
+// 32-byte load, each row's in element order in its own nibble (a mask gives
+// one row, a shift the other, with no shuffle).
 //
 // The layout changes no arithmetic: every kernel computes each (row,
 // activation) pair exactly as it does on GGUF rows. Matrices whose row count
@@ -24,7 +26,9 @@ namespace duet::cpu {
 constexpr int kInterleavedRows = 8;
 
 // Block b of rows 8g .. 8g + 7: their scales, then 4 pairs of rows, each pair
-// 32 bytes: row 2p's 16 bytes of nibbles, then row 2p + 1's.
+// 32 bytes: byte e holds element e of row 2p in its low nibble and element e
+// of row 2p + 1 in its high one (GGUF holds element e < 16 of a row in the
+// low nibble of byte e, element e + 16 in its high nibble).
 struct BlockQ4_0x8 {
   uint16_t d[kInterleavedRows];
   uint8_t qs[kInterleavedRows / 2][2 * kQuantBlock / 2];

@@ -96,7 +96,7 @@ void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 // one sequential stream. Each row's int32 lanes are the row tile's, computed
 // as nibbles . x - 8 * (the 4 x bytes' sum) instead of |w| . (x with the sign
 // of w): the same integers (no operand saturates maddubs either way), with
-// two rows' nibbles per load and the correction shared by the 8 rows. The
+// two rows' weights per load and the correction shared by the 8 rows. The
 // float steps are the row tile's: acc = fma(d_w * d_x, float(lanes), acc)
 // block by block, then hsum_ps.
 void gemv_q4_0x8(const uint8_t* w, int64_t n_w, const uint8_t* x, int64_t k, float* y) {
@@ -110,10 +110,6 @@ void gemv_q4_0x8(const uint8_t* w, int64_t n_w, const uint8_t* x, int64_t k, flo
     for (__m256& a : acc) a = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i xq = load_i8x32(xb[b].qs);
-      // Elements 0..15 and 16..31 of x, each in both 128-bit halves: the
-      // low nibbles of a pair's two rows meet the first, the high the second.
-      const __m256i x_low = _mm256_permute2x128_si256(xq, xq, 0x00);
-      const __m256i x_high = _mm256_permute2x128_si256(xq, xq, 0x11);
       const __m256i correction = lane_dot(eights, xq);
       alignas(32) float scales[kInterleavedRows];
       _mm256_store_ps(
@@ -122,13 +118,10 @@ void gemv_q4_0x8(const uint8_t* w, int64_t n_w, const uint8_t* x, int64_t k, flo
                         _mm256_set1_ps(half_to_float(xb[b].d))));
       for (int p = 0; p < kInterleavedRows / 2; ++p) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b].qs[p]));
-        const __m256i low = lane_dot(_mm256_and_si256(q, low_nibbles), x_low);
-        const __m256i high =
-            lane_dot(_mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles), x_high);
         const __m256i even =
-            _mm256_sub_epi32(_mm256_permute2x128_si256(low, high, 0x20), correction);
-        const __m256i odd =
-            _mm256_sub_epi32(_mm256_permute2x128_si256(low, high, 0x31), correction);
+            _mm256_sub_epi32(lane_dot(_mm256_and_si256(q, low_nibbles), xq), correction);
+        const __m256i odd = _mm256_sub_epi32(
+            lane_dot(_mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles), xq), correction);
         acc[2 * p] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + 2 * p), _mm256_cvtepi32_ps(even),
                                      acc[2 * p]);
         acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + 2 * p + 1),
