@@ -17,6 +17,10 @@ inline __m256i lane_dot(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// How far ahead of the blocks it reads a weight row asks for lines (the
+// hardware prefetchers stop at page boundaries; see gemv_q4_0x8).
+constexpr int64_t kRowPrefetchBytes = 4096;
+
 template <typename Format>
 struct QuantTile {
   template <int NX>
@@ -35,6 +39,8 @@ struct QuantTile {
           mins[r] = 0.0f;
         }
         for (int64_t b = 0; b < nb; ++b) {
+          // A block is at most 34 bytes: one request a block covers every line.
+          _mm_prefetch(reinterpret_cast<const char*>(wb + b) + kRowPrefetchBytes, _MM_HINT_T0);
           const __m256i wq = Format::weights(wb[b]);
           const float dw = half_to_float(wb[b].d);
           for (int r = 0; r < NX; ++r) {
