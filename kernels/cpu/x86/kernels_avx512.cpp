@@ -48,13 +48,6 @@ inline __m256 lane_dot1(__m256i u, __m256i s) {
 inline float hsum_lo(__m512 v) { return hsum_ps(_mm512_castps512_ps256(v)); }
 inline float hsum_hi(__m512 v) { return hsum_ps(_mm512_extractf32x8_ps(v, 1)); }
 
-// Asks for the line 4 KiB ahead of a weight block (at most 34 bytes, so one
-// request a block covers every line): the hardware prefetchers stop at page
-// boundaries, and decode reads each weight once, from memory.
-inline void prefetch_ahead(const void* block) {
-  _mm_prefetch(static_cast<const char*>(block) + 4096, _MM_HINT_T0);
-}
-
 template <typename Format>
 struct QuantTile {
   using WB = typename Format::WeightBlock;

@@ -30,6 +30,18 @@ inline float hsum_ps(__m256 v) {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+// Asks for every cache line of a weight block 4 KiB ahead of it. Decode reads
+// each weight once, from memory, and the hardware prefetchers stop at page
+// boundaries: without this a Zen 3 core streams a third less than it can.
+template <typename Block>
+inline void prefetch_ahead(const Block* block) {
+  constexpr size_t kAheadBytes = 4096, kLineBytes = 64;
+  const char* ahead = reinterpret_cast<const char*>(block) + kAheadBytes;
+  for (size_t line = 0; line < sizeof(Block); line += kLineBytes) {
+    _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
+}
+
 // 16 bytes of packed nibbles -> 32 bytes 0..15: element j low nibble, j+16 high.
 inline __m256i unpack_nibbles(const uint8_t* qs) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));

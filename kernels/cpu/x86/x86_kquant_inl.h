@@ -295,12 +295,7 @@ struct KQuantTile {
         for (int r = 0; r < NX; ++r) acc[r] = Format::zero();
         typename Format::Unpacked u;
         for (int64_t b = 0; b < nb; ++b) {
-          // Every line of the block 4 KiB ahead: the hardware prefetchers
-          // stop at page boundaries (as in the Q4_0 decode kernel).
-          const auto* ahead = reinterpret_cast<const char*>(wb + b) + 4096;
-          for (size_t line = 0; line < sizeof(WB); line += 64) {
-            _mm_prefetch(ahead + line, _MM_HINT_T0);
-          }
+          prefetch_ahead(wb + b);
           Format::unpack(wb[b], &u);
           for (int r = 0; r < NX; ++r) {
             Format::accumulate(u, reinterpret_cast<const BlockQ8_K*>(x + r * x_stride)[b], &acc[r]);
