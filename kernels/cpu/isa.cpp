@@ -1,5 +1,7 @@
 #include "kernels/cpu/isa.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include "common/error.h"
@@ -54,6 +56,14 @@ std::vector<Isa> supported_isas() {
     if (cpu_supports(isa)) isas.push_back(isa);
   }
   return isas;
+}
+
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return reported > 0 ? static_cast<int64_t>(reported) : int64_t{512} << 10;
+  }();
+  return bytes;
 }
 
 Isa best_isa() {

@@ -1,6 +1,7 @@
 // Instruction-set paths of the CPU kernels, chosen once at start-up.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -17,6 +18,10 @@ bool cpu_supports(Isa isa);
 
 // Every path this CPU can run, narrowest first.
 std::vector<Isa> supported_isas();
+
+// The size of one core's L2 cache as the CPU reports it (512 KiB when it
+// reports none). The batched kernels size their blocking from it.
+int64_t l2_cache_bytes();
 
 // The best path this CPU supports.
 Isa best_isa();

@@ -191,16 +191,17 @@ TEST(Matmul, ReusedPackMatchesFreshPack) {
 // not fill a group of 4, activation rows in several chunks with every tail,
 // the longest rows the AVX-512 GEMM takes (k = 4096) and the first it leaves
 // to the row tiles; the AVX2 GEMM's rows in chunks of 4096 (a last chunk of
-// one block, the 8B shape's ffn_down), its longest rows (k = 32768) and the
-// first it leaves to the row tiles. Every path bit-identical to the scalar one.
+// one block, the 8B shape's ffn_down) over more than one block of 16 weight
+// groups, and activation rows in one pass or two. Every path bit-identical to
+// the scalar one.
 TEST(Matmul, BatchedShapeEdgesMatchScalar) {
   std::mt19937 rng(600);
   ThreadPool pool(1);
   for (DType type : {DType::kQ4_1, DType::kQ8_0, DType::kQ4_0}) {
     for (int64_t k : {32, 4096, 4128, 14336, 32768, 32800}) {
-      const int64_t n_out = 13;
+      const int64_t n_out = 37;
       const Weights w = make_weights(type, k, n_out, rng);
-      for (int64_t n_x : {3, 5, 8, 9, 15, 17, 33, 40}) {
+      for (int64_t n_x : {3, 5, 8, 9, 15, 17, 33, 40, 64}) {
         SCOPED_TRACE(shape_name(type, k, n_out, n_x));
         const std::vector<float> x = random_activations(n_x, k, rng);
         const std::vector<float> scalar =
@@ -236,7 +237,7 @@ TEST(Matmul, InterleavedQ4_0MatchesRowsOnEveryIsa) {
         dequantize_weight_row(interleaved, j, row_b.data());
         EXPECT_TRUE(bitwise_equal(row_a.data(), row_b.data(), row_a.size())) << "row " << j;
       }
-      for (int64_t n_x : {1, 2, 7, 33}) {
+      for (int64_t n_x : {1, 2, 7, 33, 64}) {
         SCOPED_TRACE(shape_name(DType::kQ4_0, k, n_out, n_x));
         const std::vector<float> x = random_activations(n_x, k, rng);
         const std::vector<float> scalar = run_matmul(scalar_kernel_table(), rows, x, n_x, one);

@@ -71,7 +71,7 @@ template <typename GemmFormat, template <int> class Tile>
 void dot_quant(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                int64_t n_x, int64_t k, float* y, int64_t ldy) {
   const int64_t min_rows = GemmFormat::kSigned ? kGemmMinRowsSymmetric : kGemmMinRowsQ4_1;
-  if (n_x >= min_rows && k / kQuantBlock <= gemm256::kMaxBlocks) {
+  if (n_x >= min_rows) {
     gemm256::gemm<GemmFormat>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
     run_row_tiles<Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
@@ -141,6 +141,8 @@ void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
   if (n_x == 1) {
     gemv_q4_0x8(w, n_w, x, k, y);
+  } else if (n_x >= kGemmMinRowsSymmetric) {
+    gemm256::gemm<gemm256::Q4_0x8Gemm>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
     dot_interleaved_by_rows(dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   }

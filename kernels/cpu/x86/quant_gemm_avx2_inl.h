@@ -26,8 +26,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/model/quant_blocks.h"
+#include "kernels/cpu/interleave.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/x86/x86_kernels_inl.h"
 
 namespace duet::cpu {
@@ -36,26 +39,20 @@ namespace gemm256 {
 
 constexpr int kWeightRows = 2;
 constexpr int kActRows = 4;
-// A weight group's panel holds this many blocks (k = 4096); longer rows are
-// taken a chunk of blocks at a time, every tile's accumulators carried from
-// one chunk to the next, so the sums run in the same order whatever k is.
+// Blocking. A weight group's panel holds a chunk of kChunkBlocks blocks
+// (k = 4096), unpacked once for a pass of activation tiles whose chunk (an
+// ActBlock4 per tile and block) fills about half of a core's L2. Rows longer
+// than a chunk are taken a chunk at a time for a block of weight groups,
+// every tile's accumulators carried from one chunk to the next: the sums run
+// in the same order whatever the blocking.
 constexpr int64_t kChunkBlocks = 128;
-// Rows of up to this many blocks (k <= 32768) take this path: the bound of
-// the activation scales prepared at once, on the stack (64 KiB).
-constexpr int64_t kMaxBlocks = 1024;
-constexpr int64_t kActScaleBlocks = kMaxBlocks;
-// The activation rows a weight group is unpacked for are chosen so that
-// their quantized blocks and scales (kActBytesPerTileBlock per tile and
-// block) fit in this many bytes, about half of a core's L2: every weight
-// group streams them again. More rows amortize the unpacking better; rows
-// that spill to L3 cost more than they save.
-constexpr int64_t kActBudgetBytes = 256 << 10;
-constexpr int64_t kActBytesPerTileBlock = sizeof(float) * 16 + kActRows * 36;
-constexpr int64_t kMaxTilesPerChunk = 16;  // 64 rows: a matmul task's at most
+constexpr int64_t kMaxTilesPerPass = 16;  // 64 rows: a matmul task's at most
+constexpr int64_t kGroupsPerBlock = 16;   // their tiles' states: 72 KiB at most
 
 struct Q4_1Gemm {
   using WeightBlock = BlockQ4_1;
   using ActBlock = BlockQ8_1;
+  static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = true;
   static constexpr bool kSigned = false;
   static __m256i weights(const WeightBlock& b) { return unpack_nibbles(b.qs); }
@@ -67,6 +64,7 @@ template <typename Block>
 struct SymmetricGemm {
   using WeightBlock = Block;
   using ActBlock = BlockQ8_0;
+  static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kSigned = true;
   static __m256i weights(const WeightBlock& b) { return SymmetricFormat<Block>::weights(b); }
@@ -76,6 +74,13 @@ struct SymmetricGemm {
 
 using Q8_0Gemm = SymmetricGemm<BlockQ8_0>;
 using Q4_0Gemm = SymmetricGemm<BlockQ4_0>;
+
+// Q4_0 interleaved by 8 rows (interleave.h): a weight group is one pair of a
+// BlockQ4_0x8, each row's nibbles in a half of each byte, in element order.
+// The panel holds the same signed weights as Q4_0Gemm's.
+struct Q4_0x8Gemm : SymmetricGemm<BlockQ4_0> {
+  static constexpr bool kInterleaved = true;
+};
 
 // Signed formats: the weights themselves, whose signs go onto the activations.
 template <bool kSigned>
@@ -94,54 +99,78 @@ struct alignas(32) PanelBlock : PanelSigns<Format::kSigned> {
   float m[8];              // the same for the Q4_1 mins
 };
 
-// One block of an activation tile's scales in E order:
-// {x0, x2, x0, x2, x1, x3, x1, x3} (rows past the tile's end are 0).
-struct alignas(32) ActScales {
+// One block of an activation tile, copied out of the rows' blocks so that the
+// tile loop reads one aligned stream (a row's 34- or 36-byte blocks put half
+// of their 32-byte loads across two cache lines): the rows' quants, then
+// their scales in E order {x0, x2, x0, x2, x1, x3, x1, x3}. Rows past the
+// tile's end are 0.
+struct alignas(32) ActBlock4 {
+  int8_t q[kActRows][kQuantBlock];
   float d[8];
   float s[8];  // Q8_1 sums (Q4_1 only)
 };
 
+// The panel of weight rows [j0, j0 + n_j) (n_j <= 2), blocks [c0, c0 + n_c)
+// of rows of nb blocks.
 template <typename Format>
-void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t n_j, int64_t nb,
-                       PanelBlock<Format>* panel) {
+void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t nb, int64_t j0, int64_t n_j,
+                       int64_t c0, int64_t n_c, PanelBlock<Format>* panel) {
   using WB = typename Format::WeightBlock;
+  auto store = [panel](int j, int64_t b, __m256i q, float d, float m) {
+    PanelBlock<Format>& out = panel[b];
+    if constexpr (Format::kSigned) {
+      out.w[j] = q;
+      out.u[j] = _mm256_sign_epi8(q, q);
+    } else {
+      out.u[j] = q;
+    }
+    for (int half = 0; half < 2; ++half) {
+      out.d[4 * half + 2 * j] = out.d[4 * half + 2 * j + 1] = d;
+      out.m[4 * half + 2 * j] = out.m[4 * half + 2 * j + 1] = m;
+    }
+  };
+  if constexpr (Format::kInterleaved) {  // j0 is even and n_j 2: groups are whole
+    const auto* blocks = reinterpret_cast<const BlockQ4_0x8*>(w) + j0 / kInterleavedRows * nb + c0;
+    const int pair = static_cast<int>(j0 % kInterleavedRows) / 2;
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f), eights = _mm256_set1_epi8(8);
+    for (int64_t b = 0; b < n_c; ++b) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b].qs[pair]));
+      store(0, b, _mm256_sub_epi8(_mm256_and_si256(q, low_nibbles), eights),
+            half_to_float(blocks[b].d[2 * pair]), 0.0f);
+      store(1, b, _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles), eights),
+            half_to_float(blocks[b].d[2 * pair + 1]), 0.0f);
+    }
+    return;
+  }
   for (int j = 0; j < kWeightRows; ++j) {
-    const auto* wb = reinterpret_cast<const WB*>(w + std::min<int64_t>(j, n_j - 1) * w_stride);
-    for (int64_t b = 0; b < nb; ++b) {
-      PanelBlock<Format>& out = panel[b];
-      __m256i q = _mm256_setzero_si256();
-      float d = 0.0f, m = 0.0f;
+    const auto* wb = reinterpret_cast<const WB*>(w + (j0 + std::min<int64_t>(j, n_j - 1)) * w_stride) + c0;
+    for (int64_t b = 0; b < n_c; ++b) {
       if (j < n_j) {
-        q = Format::weights(wb[b]);
-        d = half_to_float(wb[b].d);
-        m = Format::min(wb[b]);
-      }
-      if constexpr (Format::kSigned) {
-        out.w[j] = q;
-        out.u[j] = _mm256_sign_epi8(q, q);
+        store(j, b, Format::weights(wb[b]), half_to_float(wb[b].d), Format::min(wb[b]));
       } else {
-        out.u[j] = q;
-      }
-      for (int half = 0; half < 2; ++half) {
-        out.d[4 * half + 2 * j] = out.d[4 * half + 2 * j + 1] = d;
-        out.m[4 * half + 2 * j] = out.m[4 * half + 2 * j + 1] = m;
+        store(j, b, _mm256_setzero_si256(), 0.0f, 0.0f);
       }
     }
   }
 }
 
-// Scales of activation rows [0, n_rows) (n_rows <= 4), blocks [0, nb).
+// Blocks [0, nb) of activation rows [0, n_rows) (n_rows <= 4) as a tile.
 template <typename Format>
-void convert_act_scales(const uint8_t* x, size_t x_stride, int64_t n_rows, int64_t nb,
-                        ActScales* out) {
+void copy_act_tile(const uint8_t* x, size_t x_stride, int64_t n_rows, int64_t nb,
+                   ActBlock4* out) {
   using XB = typename Format::ActBlock;
   constexpr int kRowOfLane[8] = {0, 2, 0, 2, 1, 3, 1, 3};
   for (int64_t b = 0; b < nb; ++b) {
     float d[kActRows] = {}, s[kActRows] = {};
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const XB& xb = reinterpret_cast<const XB*>(x + r * x_stride)[b];
-      d[r] = half_to_float(xb.d);
-      s[r] = Format::act_sum(xb);
+    for (int64_t r = 0; r < kActRows; ++r) {
+      __m256i q = _mm256_setzero_si256();
+      if (r < n_rows) {
+        const XB& xb = reinterpret_cast<const XB*>(x + r * x_stride)[b];
+        q = load_i8x32(xb.qs);
+        d[r] = half_to_float(xb.d);
+        s[r] = Format::act_sum(xb);
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].q[r]), q);
     }
     for (int l = 0; l < 8; ++l) {
       out[b].d[l] = d[kRowOfLane[l]];
@@ -180,17 +209,15 @@ struct TileState {
   __m256 mins;
 };
 
-// One register tile: the group's 2 weight rows (n_j valid) x activation rows
-// [0, NX) of x, NX <= 4, over one chunk of blocks [0, nb) (panel, act and x
-// start at the chunk's first block). The first chunk starts from zero, the
+// One register tile: the group's 2 weight rows (n_j valid) x the tile's
+// activation rows [0, NX), NX <= 4, over one chunk of blocks [0, nb) (panel
+// and act start at the chunk's first block). The first chunk starts from zero, the
 // others from `state`; the last writes y[i * ldy + j] for i < NX, j < n_j,
 // the others leave their sums in `state`.
 template <typename Format, int NX>
 struct Tile {
-  static void run(const PanelBlock<Format>* panel, const ActScales* act, const uint8_t* x,
-                  size_t x_stride, int64_t nb, bool first, bool last, TileState& state, float* y,
-                  int64_t ldy, int64_t n_j) {
-    using XB = typename Format::ActBlock;
+  static void run(const PanelBlock<Format>* panel, const ActBlock4* act, int64_t nb, bool first,
+                  bool last, TileState& state, float* y, int64_t ldy, int64_t n_j) {
     __m256 acc[kWeightRows][kActRows];
     __m256 mins;
     if (first) {
@@ -212,14 +239,12 @@ struct Tile {
       }
     }
 
-    const XB* rows[kActRows];
-    for (int i = 0; i < NX; ++i) rows[i] = reinterpret_cast<const XB*>(x + i * x_stride);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; ++b) {
       const __m256i u0 = _mm256_load_si256(&panel[b].u[0]);
       const __m256i u1 = _mm256_load_si256(&panel[b].u[1]);
       for (int i = 0; i < NX; ++i) {
-        const __m256i xv = load_i8x32(rows[i][b].qs);
+        const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(act[b].q[i]));
         for (int j = 0; j < kWeightRows; ++j) {
           __m256i s = xv;
           if constexpr (Format::kSigned)
@@ -247,51 +272,58 @@ struct Tile {
 };
 
 template <typename Format, int NX = kActRows>
-void run_tile(int64_t n_rows, const PanelBlock<Format>* panel, const ActScales* act,
-              const uint8_t* x, size_t x_stride, int64_t nb, bool first, bool last,
-              TileState& state, float* y, int64_t ldy, int64_t n_j) {
+void run_tile(int64_t n_rows, const PanelBlock<Format>* panel, const ActBlock4* act, int64_t nb,
+              bool first, bool last, TileState& state, float* y, int64_t ldy, int64_t n_j) {
   if constexpr (NX > 0) {
     if (n_rows == NX) {
-      return Tile<Format, NX>::run(panel, act, x, x_stride, nb, first, last, state, y, ldy, n_j);
+      return Tile<Format, NX>::run(panel, act, nb, first, last, state, y, ldy, n_j);
     }
-    run_tile<Format, NX - 1>(n_rows, panel, act, x, x_stride, nb, first, last, state, y, ldy, n_j);
+    run_tile<Format, NX - 1>(n_rows, panel, act, nb, first, last, state, y, ldy, n_j);
   }
 }
 
-// The activation tiles a weight group is unpacked for, for rows of nb blocks.
-inline int64_t tiles_per_chunk(int64_t nb) {
-  return std::clamp<int64_t>(kActBudgetBytes / (nb * kActBytesPerTileBlock), 1,
-                             std::min<int64_t>(kMaxTilesPerChunk, kActScaleBlocks / nb));
+// The activation tiles of one pass: as many as half of L2 holds a chunk of,
+// the n_tiles of a task split into passes of equal size.
+inline int64_t tiles_per_pass(int64_t n_tiles) {
+  const int64_t fit = std::clamp<int64_t>(
+      l2_cache_bytes() / 2 / (kChunkBlocks * static_cast<int64_t>(sizeof(ActBlock4))), 1,
+      kMaxTilesPerPass);
+  const int64_t passes = (n_tiles + fit - 1) / fit;
+  return (n_tiles + passes - 1) / passes;
 }
 
-// The DotTileFn contract (kernel_table.h) for k / 32 <= kMaxBlocks.
+// The DotTileFn contract (kernel_table.h); for interleaved weights, n_w is a
+// multiple of 8 and w their first group.
 template <typename Format>
 void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
           int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  using XB = typename Format::ActBlock;
   const int64_t nb = k / kQuantBlock;
-  const int64_t n_chunk_tiles = tiles_per_chunk(nb);
-  alignas(32) ActScales act[kActScaleBlocks];
+  const int64_t pass_tiles = tiles_per_pass((n_x + kActRows - 1) / kActRows);
+  thread_local std::vector<ActBlock4> act;
+  act.resize(static_cast<size_t>(pass_tiles * nb));
   alignas(32) PanelBlock<Format> panel[kChunkBlocks];
-  TileState states[kMaxTilesPerChunk];
-  for (int64_t i0 = 0; i0 < n_x; i0 += n_chunk_tiles * kActRows) {
-    const int64_t n_i = std::min(n_x - i0, n_chunk_tiles * kActRows);
+  TileState states[kGroupsPerBlock][kMaxTilesPerPass];
+  for (int64_t i0 = 0; i0 < n_x; i0 += pass_tiles * kActRows) {
+    const int64_t n_i = std::min(n_x - i0, pass_tiles * kActRows);
     const int64_t n_tiles = (n_i + kActRows - 1) / kActRows;
     for (int64_t t = 0; t < n_tiles; ++t) {
-      convert_act_scales<Format>(x + (i0 + t * kActRows) * x_stride, x_stride,
-                                 std::min<int64_t>(kActRows, n_i - t * kActRows), nb, act + t * nb);
+      copy_act_tile<Format>(x + (i0 + t * kActRows) * x_stride, x_stride,
+                            std::min<int64_t>(kActRows, n_i - t * kActRows), nb,
+                            act.data() + t * nb);
     }
-    for (int64_t j0 = 0; j0 < n_w; j0 += kWeightRows) {
-      const int64_t n_j = std::min<int64_t>(kWeightRows, n_w - j0);
+    for (int64_t g0 = 0; g0 < n_w; g0 += kGroupsPerBlock * kWeightRows) {
+      const int64_t g_end = std::min(n_w, g0 + kGroupsPerBlock * kWeightRows);
       for (int64_t c0 = 0; c0 < nb; c0 += kChunkBlocks) {
         const int64_t n_c = std::min(kChunkBlocks, nb - c0);
-        pack_weight_group<Format>(w + j0 * w_stride + c0 * sizeof(typename Format::WeightBlock),
-                                  w_stride, n_j, n_c, panel);
-        for (int64_t t = 0; t < n_tiles; ++t) {
-          const int64_t i = i0 + t * kActRows;
-          run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb + c0,
-                           x + i * x_stride + c0 * sizeof(XB), x_stride, n_c, c0 == 0,
-                           c0 + n_c == nb, states[t], y + i * ldy + j0, ldy, n_j);
+        for (int64_t j0 = g0; j0 < g_end; j0 += kWeightRows) {
+          const int64_t n_j = std::min<int64_t>(kWeightRows, n_w - j0);
+          pack_weight_group<Format>(w, w_stride, nb, j0, n_j, c0, n_c, panel);
+          for (int64_t t = 0; t < n_tiles; ++t) {
+            const int64_t i = i0 + t * kActRows;
+            run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel,
+                             act.data() + t * nb + c0, n_c, c0 == 0, c0 + n_c == nb,
+                             states[(j0 - g0) / kWeightRows][t], y + i * ldy + j0, ldy, n_j);
+          }
         }
       }
     }
