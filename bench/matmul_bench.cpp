@@ -13,6 +13,8 @@
 // alone: activations are packed once outside it, as the forward pass packs an
 // input once for every weight that shares it (Q, K and V; gate and up).
 //
+// `ceiling/` cases bound what the AVX2 GEMM can reach (gemm_ceiling.cpp).
+//
 //   duet-matmul-bench --benchmark_filter='avx512/Q4_1/.*n_x:1/'
 #include <benchmark/benchmark.h>
 
@@ -21,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gemm_ceiling.h"
 #include "bench/kernel_bench.h"
 #include "common/model/dtype.h"
 #include "kernels/cpu/isa.h"
@@ -133,6 +136,7 @@ void register_benchmarks() {
     // The scalar reference takes minutes at these sizes.
     if (isa != Isa::kScalar) register_shapes("matmul8b", shapes_8b, isa);
   }
+  register_gemm_ceiling_benchmarks();
 }
 
 }  // namespace

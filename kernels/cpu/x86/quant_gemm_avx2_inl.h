@@ -40,12 +40,13 @@ namespace gemm256 {
 constexpr int kWeightRows = 2;
 constexpr int kActRows = 4;
 // Blocking. A weight group's panel holds a chunk of kChunkBlocks blocks
-// (k = 4096), unpacked once for a pass of activation tiles whose chunk (an
-// ActBlock4 per tile and block) fills about half of a core's L2. Rows longer
-// than a chunk are taken a chunk at a time for a block of weight groups,
-// every tile's accumulators carried from one chunk to the next: the sums run
-// in the same order whatever the blocking.
-constexpr int64_t kChunkBlocks = 128;
+// (k = 2048: 10 KiB, beside a tile's 12 KiB of activations in a 32 KiB L1;
+// 128 blocks ran 10% slower), unpacked once for a pass of activation tiles
+// whose chunks (an ActBlock4 per tile and block) fill at most half of a
+// core's L2. The rows are taken a chunk at a time for a block of weight
+// groups, every tile's accumulators carried from one chunk to the next: the
+// sums run in the same order whatever the blocking.
+constexpr int64_t kChunkBlocks = 64;
 constexpr int64_t kMaxTilesPerPass = 16;  // 64 rows: a matmul task's at most
 constexpr int64_t kGroupsPerBlock = 16;   // their tiles' states: 72 KiB at most
 
@@ -90,13 +91,22 @@ struct PanelSigns<true> {
   __m256i w[kWeightRows];
 };
 
+// Q4_1: the mins, in the scales' order.
+template <bool kHasMin>
+struct PanelMins {};
+template <>
+struct PanelMins<true> {
+  float m[8];
+};
+
 // One block of a weight group (2 rows), prepared once per group and chunk of
-// activation rows. Rows past the matrix's end are zero (and never stored).
+// activation rows: 160 bytes (Q4_0, Q8_0) or 128 (Q4_1), so that a chunk's
+// panel and a tile's activations share L1. Rows past the matrix's end are
+// zero (and never stored).
 template <typename Format>
-struct alignas(32) PanelBlock : PanelSigns<Format::kSigned> {
+struct alignas(32) PanelBlock : PanelSigns<Format::kSigned>, PanelMins<Format::kHasMin> {
   __m256i u[kWeightRows];  // the unsigned operands: nibbles, or |w|
   float d[8];              // d_w in E order: {d0, d0, d1, d1, d0, d0, d1, d1}
-  float m[8];              // the same for the Q4_1 mins
 };
 
 // One block of an activation tile, copied out of the rows' blocks so that the
@@ -126,7 +136,7 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t nb, int64_t j0
     }
     for (int half = 0; half < 2; ++half) {
       out.d[4 * half + 2 * j] = out.d[4 * half + 2 * j + 1] = d;
-      out.m[4 * half + 2 * j] = out.m[4 * half + 2 * j + 1] = m;
+      if constexpr (Format::kHasMin) out.m[4 * half + 2 * j] = out.m[4 * half + 2 * j + 1] = m;
     }
   };
   if constexpr (Format::kInterleaved) {  // j0 is even and n_j 2: groups are whole

@@ -1,0 +1,110 @@
+// The most an AVX2 GEMM can do while keeping Duet's arithmetic for
+// block-quantized weights: every output's 8 int32 lanes of each 32-element
+// block product converted and FMA'd into 8 float lanes with the block's scale
+// (kernels/cpu/kernels_scalar.cpp defines it; every path matches it bit for
+// bit). On AVX2, without VNNI, that is per output and block:
+//
+//   signed (Q4_0, Q8_0):  sign, maddubs, madd, cvt, fma
+//   unsigned (Q4_1):            maddubs, madd, cvt, fma
+//
+// This runs exactly that sequence in the GEMM's 2 x 4 register tile on
+// operands that stay in L1 (16 blocks, aligned), with nothing else: no
+// packing, no activation stream, no reduction. Its FLOP rate bounds what the
+// real kernel (quant_gemm_avx2_inl.h) can reach on this CPU, which is how
+// docs/BENCHMARKS.md tells a missed prefill target from a slow kernel.
+//
+//   duet-matmul-bench --benchmark_filter=ceiling
+#include "bench/gemm_ceiling.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <random>
+
+#include "kernels/cpu/isa.h"
+
+namespace duet::cpu {
+namespace {
+
+constexpr int kBlocks = 16;
+constexpr int kWeightRows = 2, kActRows = 4;
+
+struct alignas(32) Operands {
+  int8_t w[kBlocks][kWeightRows][32];
+  int8_t x[kBlocks][kActRows][32];
+  float scales[kBlocks][8];
+};
+
+template <bool kSigned>
+__attribute__((target("avx2,fma"))) void run_tiles(const Operands& op, int64_t passes,
+                                                    float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kWeightRows][kActRows];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    for (int b = 0; b < kBlocks; ++b) {
+      __m256i w[kWeightRows], u[kWeightRows];
+      for (int j = 0; j < kWeightRows; ++j) {
+        w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(op.w[b][j]));
+        u[j] = kSigned ? _mm256_sign_epi8(w[j], w[j]) : w[j];
+      }
+      for (int i = 0; i < kActRows; ++i) {
+        const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(op.x[b][i]));
+        for (int j = 0; j < kWeightRows; ++j) {
+          const __m256i s = kSigned ? _mm256_sign_epi8(x, w[j]) : x;
+          const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], s), ones);
+          acc[j][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(&op.scales[b][4 * j + i]),
+                                      _mm256_cvtepi32_ps(lanes), acc[j][i]);
+        }
+      }
+    }
+  }
+  __m256 sum = _mm256_setzero_ps();
+  for (auto& row : acc)
+    for (auto& a : row) sum = _mm256_add_ps(sum, a);
+  _mm256_storeu_ps(out, sum);
+}
+
+void bench_ceiling(benchmark::State& state, bool is_signed) {
+  Operands op{};
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> weight(is_signed ? -8 : 0, is_signed ? 7 : 15);
+  std::uniform_int_distribution<int> act(-127, 127);
+  for (auto& block : op.w)
+    for (auto& row : block)
+      for (int8_t& v : row) v = static_cast<int8_t>(weight(rng));
+  for (auto& block : op.x)
+    for (auto& row : block)
+      for (int8_t& v : row) v = static_cast<int8_t>(act(rng));
+  for (auto& block : op.scales)
+    for (float& v : block) v = 1e-3f;
+  constexpr int64_t kPasses = 4096;
+  alignas(32) float out[8];
+  for (auto _ : state) {
+    if (is_signed) {
+      run_tiles<true>(op, kPasses, out);
+    } else {
+      run_tiles<false>(op, kPasses, out);
+    }
+    benchmark::DoNotOptimize(out);
+  }
+  const double flops_per_pass = 2.0 * 32 * kWeightRows * kActRows * kBlocks;
+  state.counters["FLOP"] = benchmark::Counter(
+      flops_per_pass * kPasses * static_cast<double>(state.iterations()),
+      benchmark::Counter::kIsRate);
+}
+
+}  // namespace
+
+void register_gemm_ceiling_benchmarks() {
+  if (!cpu_supports(Isa::kAvx2)) return;
+  for (bool is_signed : {true, false}) {
+    benchmark::RegisterBenchmark(is_signed ? "ceiling/avx2/signed_tile_2x4"
+                                           : "ceiling/avx2/unsigned_tile_2x4",
+                                 bench_ceiling, is_signed)
+        ->Unit(benchmark::kMicrosecond);
+  }
+}
+
+}  // namespace duet::cpu
