@@ -16,7 +16,7 @@
 #   1. pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 into .cache/
 #   2. extract it to .cache/llama_cpp_python-0.3.36/
 #   3. configure vendor/llama.cpp with CMake (Release, GGML_NATIVE=ON, static
-#      libraries, no tests/examples, the server without its web UI, no OpenSSL,
+#      libraries, no tests or examples, the server without its web UI, no OpenSSL,
 #      nothing that downloads) into .cache/llama.cpp-build/ and build the
 #      targets with -j$JOBS.
 # Prints the absolute path of the first target's binary on the last line of

@@ -9,7 +9,8 @@
 # --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, smollm2-135m), TYPE its
 # --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
 # layers than the shape's (all by default).
-# Usage: bench/compare_batched.sh [MODEL]   (env: ROUNDS=3 THREADS=2 OUT=docs/batched_decode.png)
+# Usage: bench/compare_batched.sh [MODEL]
+#   env: ROUNDS=3 THREADS=2 BATCHES=1,2,4,8,16,32,64 OUT=docs/batched_decode.png
 #        SHAPE=llama3.2-1b TYPE=q4_k_m [LAYERS=N] bench/compare_batched.sh
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,7 +27,7 @@ model=${model:-$root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 rounds=${ROUNDS:-3}
 threads=${THREADS:-2}
 plot=${OUT:-$root/docs/batched_decode.png}
-batches=1,2,4,8,16,32,64
+batches=${BATCHES:-1,2,4,8,16,32,64}
 duet_bench=${DUET_BUILD_DIR:-$root/build}/bench/duet-engine-bench
 TARGETS="llama-batched-bench" "$root/bench/build_llama_cpp.sh" >/dev/null
 llama_bb=$root/.cache/llama.cpp-build/bin/llama-batched-bench

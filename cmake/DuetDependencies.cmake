@@ -1,4 +1,4 @@
-# Every third-party dependency of DESIGN.md, found once here so that later
+# Every third-party dependency of the project, found once here so that later
 # layers only link targets. All come from Debian packages (launch/setup.sh).
 find_package(Threads REQUIRED)
 # The CUDA-only build (DUET_CUDA_ONLY) needs no other library.

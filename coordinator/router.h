@@ -1,4 +1,4 @@
-// Placement of requests across instances (DESIGN.md: Router).
+// Placement of requests across instances (docs/ARCHITECTURE.md, step 3).
 //
 // A RoutingPolicy is a small value-free type chosen at start-up: given each
 // instance's current load it names the instance for one request.

@@ -1,6 +1,6 @@
 // The cluster spec: which MPI ranks form which instances, and what each does.
 //
-// One MPI job runs a whole deployment (DESIGN.md, Processes). Rank 0 is the
+// One MPI job runs a whole deployment (docs/ARCHITECTURE.md). Rank 0 is the
 // coordinator; every other rank belongs to exactly one instance, a group of
 // `tp` ranks that together hold one copy of the model (tensor parallel). An
 // instance's first rank is its leader, the only one that talks to the

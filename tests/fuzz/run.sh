@@ -6,7 +6,7 @@
 #   tests/fuzz/run.sh build                                  only build them all
 #
 # SECONDS defaults to 60. The fuzzer runs as one process on a working corpus in
-# build-fuzz/fuzz/FUZZER/corpus/, seeded from tests/fuzz/corpus/FUZZER/ (the tree's corpus is
+# build-fuzz/fuzz/FUZZER/corpus/, seeded from tests/fuzz/corpus/<FUZZER>/ (the tree's corpus is
 # only read); crashes, leaks and timeouts land in build-fuzz/fuzz/FUZZER/artifacts/ and the full
 # log in build-fuzz/fuzz/FUZZER/last.log. Prints libFuzzer's final stats and exits with its
 # status. Extra arguments go to libFuzzer (they override the defaults below).
