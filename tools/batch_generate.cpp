@@ -18,6 +18,7 @@
 #include "tools/generate_command.h"
 #include "tools/memory_size.h"
 #include "worker/engine.h"
+#include "worker/generator.h"
 
 namespace duet::tools {
 namespace {
@@ -28,7 +29,7 @@ std::string finish_name(FinishReason reason) {
       return "end of generation";
     case FinishReason::kLength:
       return "length";
-    case FinishReason::kStopped:
+    case FinishReason::kCancelled:
       return "stopped";
   }
   return "unknown";

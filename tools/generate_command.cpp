@@ -27,10 +27,10 @@ double peak_rss_mib() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
-// kStopped comes only from a stop string here; the decoder's final flush may
+// kCancelled comes only from a stop string here; the decoder's final flush may
 // also complete one after the generator finished for another reason.
 const char* finish_name(FinishReason finish, bool stop_string_matched) {
-  if (finish == FinishReason::kStopped || stop_string_matched) return "stop string";
+  if (finish == FinishReason::kCancelled || stop_string_matched) return "stop string";
   return finish == FinishReason::kEndOfGeneration ? "end of generation" : "length";
 }
 

@@ -103,6 +103,7 @@ SequenceId Engine::submit_import(std::vector<int32_t> prompt, const RequestOptio
   const int64_t order_from = token_order_from(prompt, options);
   imports_.emplace(id, Import{std::move(prompt), order_from, std::move(hooks)});
   import_queue_.push_back(id);
+  scheduler_.add_awaiting(id);
   reserve_imports();
   return id;
 }
@@ -149,6 +150,7 @@ void Engine::complete_import(SequenceId id, int32_t first_token) {
   if (live.max_tokens >= 2) {
     scheduler_.add_running(id, std::move(prompt), first_token, live.max_tokens, order_from);
   } else {
+    scheduler_.drop_awaiting(id);
     kv_.free_sequence(id);  // emit() ends it at once: max_tokens 1
   }
   emit(id, first_token, position);
@@ -160,6 +162,7 @@ void Engine::release_import(SequenceId id) {
   const bool reserved = it->second.reserved;
   imports_.erase(it);
   std::erase(import_queue_, id);
+  scheduler_.drop_awaiting(id);
   if (reserved && kv_.has_sequence(id)) kv_.free_sequence(id);
   live_.erase(id);
   reserve_imports();  // the freed blocks may be what the next import waits for
@@ -171,6 +174,7 @@ void Engine::cancel(SequenceId id) {
   TokenSink sink = std::move(it->second.sink);
   live_.erase(it);
   if (auto import = imports_.find(id); import != imports_.end()) {
+    scheduler_.drop_awaiting(id);
     if (import->second.reserved) {
       // Rows may still arrive: the blocks wait for release_import.
       import->second.aborted = true;
@@ -182,7 +186,7 @@ void Engine::cancel(SequenceId id) {
   } else {
     scheduler_.finish(id);
   }
-  if (sink) sink({id, -1, 0, true, FinishReason::kStopped});
+  if (sink) sink({id, -1, 0, true, FinishReason::kCancelled});
 }
 
 uint64_t Engine::kv_checksum(SequenceId id, int64_t n) {

@@ -7,8 +7,8 @@
 // with its own sampler, and sinks receive the tokens. Because attention is
 // batch-invariant and draws are keyed by (seed, position), a request's tokens
 // do not depend on what else runs, on preemption and recompute, or on prefix
-// cache hits. Thread affinity: one thread calls every method (the worker's
-// compute thread); sinks run on it.
+// cache hits. Thread affinity: one thread calls every method (the engine
+// thread); sinks run on it.
 //
 // Disaggregated serving splits a request over two engines. The prefill
 // engine runs submit_export: it computes the prompt, hands each layer's new
@@ -34,7 +34,7 @@
 #include "common/sampling.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
-#include "worker/generator.h"
+#include "worker/sequence.h"
 #include "worker/kv/block_pool.h"
 #include "worker/kv/kv_cache.h"
 #include "worker/kv/kv_cache_manager.h"
@@ -74,7 +74,7 @@ using TokenSink = std::function<void(const TokenEvent&)>;
 // with how many of its prompt tokens the prefix cache held.
 using AdmitSink = std::function<void(SequenceId id, int64_t cached_tokens)>;
 
-// The prefill side of a transfer. Both run on the engine's thread, inside step().
+// The prefill side of a transfer. Both run on the engine thread, inside step().
 struct ExportSink {
   // After `layer` is stored: the sequence's rows [pos0, pos0 + n) of that
   // layer are in `cache` under `block_table`, valid until the callback returns.
@@ -90,7 +90,7 @@ struct ExportSink {
   bool device_rows = false;
 };
 
-// The decode side of a transfer. Both run on the engine's thread.
+// The decode side of a transfer. Both run on the engine thread.
 struct ImportHooks {
   // The prompt's blocks are reserved: positions [0, prompt) live in
   // `block_table` (copied by the callee); the first `cached_tokens` came from
@@ -162,7 +162,7 @@ class Engine final {
          EngineConfig config, Collective* collective = nullptr,
          DeviceCollective* device_collective = nullptr);
 
-  // Called with every batch right before the forward pass, on the engine's thread.
+  // Called with every batch right before the forward pass, on the engine thread.
   using BeforeForward = std::function<void(const ForwardBatch&)>;
   void set_before_forward(BeforeForward hook) { before_forward_ = std::move(hook); }
   Engine(const Engine&) = delete;
@@ -206,7 +206,7 @@ class Engine final {
   }
 
   // Ends a request at once and frees its KV blocks; its sink gets a final
-  // event (reason kStopped). An import whose rows are in flight keeps its
+  // event (reason kCancelled). An import whose rows are in flight keeps its
   // blocks until release_import (hooks.abort is called). Unknown or finished
   // ids are ignored.
   void cancel(SequenceId id);
@@ -224,6 +224,9 @@ class Engine final {
   void run_until_idle();
 
   bool idle() const { return scheduler_.idle(); }
+  // Where a sequence is (the scheduler's word; kFinished once it is over,
+  // even while an aborted import's blocks wait for release_import).
+  SequenceState state(SequenceId id) const { return scheduler_.state(id); }
   int64_t n_running() const { return scheduler_.n_running(); }
   // Waiting for compute, or (imports) for blocks or rows.
   int64_t n_waiting() const {

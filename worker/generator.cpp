@@ -80,7 +80,7 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
         last = now;
         result.tokens.push_back(event.token);
         if (!on_token(event.token)) {
-          result.finish = FinishReason::kStopped;
+          result.finish = FinishReason::kCancelled;
         } else if (is_end(event.token)) {
           result.finish = FinishReason::kEndOfGeneration;
         } else if (event.finished) {

@@ -16,6 +16,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "worker/model/llama_model.h"
 #include "worker/model/model_forward.h"
+#include "worker/sequence.h"
 
 namespace duet {
 
@@ -30,8 +31,6 @@ struct GenerateOptions {
   bool use_kv_cache = true;
   int64_t step_tokens = 512;  // the engine's token budget per step (prompt chunks)
 };
-
-enum class FinishReason { kEndOfGeneration, kLength, kStopped };
 
 struct GenerateResult {
   std::vector<int32_t> tokens;  // generated tokens, including an end-of-generation one
@@ -50,7 +49,7 @@ class Generator final {
   ~Generator();
 
   // Generates up to options.max_tokens tokens after `prompt`. on_token is
-  // called with each new token; returning false stops generation (kStopped).
+  // called with each new token; returning false ends generation (kCancelled).
   // is_end tells the end-of-generation tokens (they are emitted, then stop).
   // Sampling follows options.sampling, whose penalty window covers the prompt
   // and the generated tokens; the draw for position p is keyed by (seed, p),

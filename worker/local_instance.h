@@ -1,27 +1,15 @@
-// An instance in this process: the batching engine on its own thread.
+// An instance in this process: an InstanceCore (worker/instance_core.h) on
+// its own engine thread.
 //
-// The coordinator's fronts reach the engine only through this class's one
-// command queue (submit, cancel); the engine thread drains it between steps,
-// runs a step, and hands the step's events to the event handler in one batch.
-// Events that the commands themselves produce (a refusal, an imported
-// prompt's first token) go out in a batch of their own before the step, so
-// they do not wait for it. With nothing queued and nothing running, the thread sleeps on a
-// condition variable (no CPU while idle).
+// The coordinator's fronts and the KV transfer's handlers reach it only
+// through one command queue; the engine thread drains it between steps, runs
+// a step, and hands the step's events to the event handler in one batch.
+// Events the commands produce (a refusal, an imported prompt's first token)
+// go out in a batch of their own before the step, so they do not wait for
+// it. With nothing queued and nothing running, the thread sleeps.
 //
-// In a disaggregated cluster the instance also speaks to its peers through a
-// KvTransfer (worker/transfer/kv_transfer.h). A decode instance imports the prompt
-// of every request that names a prefill peer (it reserves the blocks, the
-// transfer fetches the rows) and reports all of the request's events,
-// admission included, so the coordinator follows one instance per request.
-// A prefill instance takes PrefillOrders from its decode peers and exports
-// the prompts' KV; it reports no events of its own. The transfer's handlers
-// only queue commands: every engine call stays on the engine thread.
-//
-// With tensor parallelism this is the leader's side: a TpLeader mirrors
-// every step and import on the followers (worker/tensor_parallel.h).
-//
-// Thread affinity: submit, cancel, stats and info from any thread; the engine,
-// the id maps and the per-step event buffer belong to the engine thread.
+// Thread affinity: submit, cancel, stats and info from any thread; the core
+// belongs to the engine thread.
 #pragma once
 
 #include <atomic>
@@ -35,7 +23,7 @@
 #include <vector>
 
 #include "common/serving.h"
-#include "worker/engine.h"
+#include "worker/instance_core.h"
 #include "worker/tensor_parallel.h"
 #include "worker/transfer/kv_transfer.h"
 
@@ -48,11 +36,6 @@ struct EngineProgress {
   int64_t steps = 0;
   bool busy = false;
 };
-
-// A request's engine options (its prompt aside), as every instance submits it.
-RequestOptions request_options(const InstanceRequest& request);
-// How an engine's finish reads to the coordinator.
-InstanceFinish instance_finish(FinishReason reason);
 
 // How an instance takes part in disaggregated serving.
 struct PeerLinks {
@@ -95,78 +78,26 @@ class LocalInstance final : public InstanceClient {
   void cancel(RequestId id) override;
   InstanceStats stats() const override;
   // Any thread.
-  EngineProgress progress() const { return {engine_.progress(), in_step_.load()}; }
+  EngineProgress progress() const { return {core_.engine().progress(), in_step_.load()}; }
 
  private:
-  // From the transfer (the peers' side of a transfer).
-  struct Order {
-    int peer = 0;
-    PrefillOrder order;
-  };
-  struct Withdrawn {
-    RequestId id;
-  };
-  struct Imported {
-    RequestId id;
-    KvHandoff handoff;
-  };
-  struct ImportFailed {
-    RequestId id;
-    ServeError error;
-  };
-  struct Released {
-    RequestId id;
-  };
-  struct Quarantined {
-    RequestId id;
-  };
-  // submit, cancel, then the transfer's.
-  using Command = std::variant<InstanceRequest, RequestId, Order, Withdrawn, Imported, ImportFailed,
-                               Released, Quarantined>;
-  // A prompt this (prefill) instance computes for a decode peer.
-  struct Export {
-    SequenceId sequence;
-    int peer = 0;
-    std::vector<int32_t> decode_ranks;  // the decode instance's, leader (peer) first
-    std::chrono::steady_clock::time_point admitted_at{};
-    int64_t rows_sent = 0;
-  };
+  // The core's peers through a KvTransfer.
+  class TransferPeers;
 
-  void post(Command command);  // any thread
-  void run();                  // the engine thread
-  void apply(Command& command);
-  void apply_submit(InstanceRequest& request);
-  void apply_order(Order& order);
-  void apply_imported(const Imported& imported);
-  void fail(RequestId id, ServeError error);  // a finished kFailed event
-  // An import that ends without its KV (failed, or released after a cancel):
-  // the followers let go of it too, then the engine frees its blocks.
-  void release_import(RequestId id, SequenceId sequence);
-  void mirror_step(const ForwardBatch& batch);  // tensor parallelism
+  void post(InstanceCommand command);  // any thread
+  void run();                          // the engine thread
   InstanceStats publish_stats();
   // Stats to the observer, then the pending events to the handler.
   void publish();
 
   InstanceInfo info_;
-  const LlamaModel& model_;
-  TpLeader* const tp_;
-  Engine engine_;  // engine thread only (after construction)
-
-  // Engine thread only.
-  std::map<RequestId, SequenceId> sequences_;
-  std::map<SequenceId, RequestId> requests_;
-  std::map<RequestId, SequenceId> releasing_;  // cancelled imports waiting for on_released
-  // Imports whose blocks a lost rank's rows may still land in: kept forever.
-  int64_t n_quarantined_ = 0;
-  int64_t quarantined_blocks_ = 0;
-  std::map<RequestId, Export> exports_;
-  std::vector<InstanceEvent> events_;  // of the current step
-  std::vector<TpExport> tp_exports_;   // of the current step
-  const PeerLinks peers_;
+  KvTransfer* const transfer_;
+  std::unique_ptr<TransferPeers> transfer_peers_;
+  InstanceCore core_;  // engine thread only (after construction)
 
   mutable std::mutex mutex_;  // guards the members below
   std::condition_variable wake_;
-  std::deque<Command> commands_;
+  std::deque<InstanceCommand> commands_;
   bool stopping_ = false;
   InstanceStats stats_;
   std::atomic<bool> in_step_{false};  // written by the engine thread

@@ -34,7 +34,8 @@ void Scheduler::add_running(SequenceId id, std::vector<int32_t> prompt, int32_t 
                             int64_t max_tokens, int64_t order_from) {
   DUET_REQUIRE(!prompt.empty() && max_tokens >= 2,
                "sequence {}: an imported sequence needs a prompt and max_tokens >= 2", id.value);
-  DUET_REQUIRE(!sequences_.contains(id), "sequence {} already exists", id.value);
+  DUET_REQUIRE(state(id) == SequenceState::kFinished || state(id) == SequenceState::kAwaitingKv,
+               "sequence {} already exists", id.value);
   DUET_REQUIRE(kv_.has_sequence(id) && kv_.n_tokens(id) == static_cast<int64_t>(prompt.size()),
                "sequence {}: its prompt's KV is not committed", id.value);
   Sequence seq;
@@ -45,8 +46,30 @@ void Scheduler::add_running(SequenceId id, std::vector<int32_t> prompt, int32_t 
   seq.tokens = std::move(prompt);
   seq.tokens.push_back(first_token);
   seq.max_tokens = max_tokens;
-  sequences_.emplace(id, std::move(seq));
+  seq.state = SequenceState::kRunning;
+  sequences_.insert_or_assign(id, std::move(seq));
   running_.push_back(id);  // the newest arrival: running_ stays ordered
+}
+
+void Scheduler::add_awaiting(SequenceId id) {
+  DUET_REQUIRE(!sequences_.contains(id), "sequence {} already exists", id.value);
+  Sequence seq;
+  seq.state = SequenceState::kAwaitingKv;
+  sequences_.emplace(id, std::move(seq));
+}
+
+void Scheduler::drop_awaiting(SequenceId id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return;
+  DUET_ASSERT(it->second.state == SequenceState::kAwaitingKv,
+              "sequence {} is {}, not awaiting its KV", id.value,
+              sequence_state_name(it->second.state));
+  sequences_.erase(it);
+}
+
+SequenceState Scheduler::state(SequenceId id) const {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? SequenceState::kFinished : it->second.state;
 }
 
 void Scheduler::release(SequenceId id) {
@@ -58,7 +81,11 @@ void Scheduler::release(SequenceId id) {
 }
 
 void Scheduler::finish(SequenceId id) {
-  if (sequences_.contains(id)) release(id);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return;
+  DUET_ASSERT(it->second.state != SequenceState::kAwaitingKv,
+              "sequence {} awaits its KV: drop_awaiting, not finish", id.value);
+  release(id);
 }
 
 void Scheduler::preempt(SequenceId id, bool report) {
@@ -66,6 +93,9 @@ void Scheduler::preempt(SequenceId id, bool report) {
   std::erase(running_, id);
   Sequence& seq = sequences_.at(id);
   seq.n_computed = 0;
+  // Recompute mode hands every sequence back after each token: that is its
+  // ordinary life there, not a preemption.
+  seq.state = report ? SequenceState::kPreempted : SequenceState::kQueued;
   // Back in the queue at its arrival rank: older than anything that arrived after it.
   auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](SequenceId other) {
     return sequences_.at(other).arrival > seq.arrival;
@@ -124,6 +154,7 @@ StepPlan Scheduler::schedule() {
     seq.n_computed = *cached;
     const int64_t want = std::min(static_cast<int64_t>(seq.tokens.size()) - seq.n_computed, budget);
     waiting_.pop_front();
+    seq.state = SequenceState::kRunning;
     running_.push_back(id);
     std::sort(running_.begin(), running_.end(), [&](SequenceId a, SequenceId b) {
       return sequences_.at(a).arrival < sequences_.at(b).arrival;

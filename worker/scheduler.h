@@ -15,7 +15,7 @@
 //
 // Step plans are diffs: a plan names the sequences admitted in it and the
 // ones preempted or finished since the last plan, and lists the chunks to
-// compute. Thread affinity: one thread (the worker's control thread).
+// compute. Thread affinity: one thread (the engine thread).
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "worker/kv/kv_cache_manager.h"
+#include "worker/sequence.h"
 
 namespace duet {
 
@@ -74,8 +75,15 @@ class Scheduler final {
   // cache manager holds it under `id`, all of `prompt` committed), with its
   // first generated token: it runs from the next step on, decoding that token.
   // Counts as running; its arrival is now. max_tokens counts the first token.
+  // `id` is new, or awaiting its KV (add_awaiting).
   void add_running(SequenceId id, std::vector<int32_t> prompt, int32_t first_token,
                    int64_t max_tokens, int64_t order_from = -1);
+
+  // A sequence whose prompt's KV another engine computes (an import): known
+  // here only by its state until add_running takes it, or drop_awaiting
+  // forgets it (its blocks are its owner's business).
+  void add_awaiting(SequenceId id);
+  void drop_awaiting(SequenceId id);
 
   // Ends a sequence at once (cancelled, or stopped by its caller), freeing its KV.
   void finish(SequenceId id);
@@ -91,11 +99,14 @@ class Scheduler final {
   int64_t n_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t n_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   bool idle() const { return running_.empty() && waiting_.empty(); }
+  // kFinished for a sequence this scheduler does not hold (any more).
+  SequenceState state(SequenceId id) const;
   // Tokens generated so far by a live sequence.
   std::span<const int32_t> generated(SequenceId id) const;
 
  private:
   struct Sequence {
+    SequenceState state = SequenceState::kQueued;
     int64_t arrival = 0;          // FCFS order
     std::vector<int32_t> tokens;  // prompt, then generated tokens
     int64_t n_prompt = 0;

@@ -2,17 +2,12 @@
 // model in place of a forward pass and no KV memory, behind the same
 // InstanceClient interface the router drives, on the simulator's clock.
 //
-// It does what worker/local_instance.h does, with simulated time in place of
-// a thread: commands (submit, cancel, and a transfer's orders and handoffs)
-// wait while a step runs and apply between steps; events that a command
-// produces (a refusal, an imported prompt's first token) leave at once; a
-// step's events leave when the step ends, its cost model's seconds after it
-// began; the router sees stats as of the last step. Disaggregated, a decode
-// instance reserves an import's blocks, sends the prefill instance its order
-// (after the link's latency), and completes the import when the handoff
-// arrives; the prefill instance exports the prompt with the engine's own
-// export path and hands the first token over when the rows have crossed the
-// link.
+// Like worker/local_instance.h, it is a shell around an InstanceCore
+// (worker/instance_core.h), fed from simulated time in place of a thread:
+// commands wait while a step runs and apply between steps; events that a
+// command produces leave at once; a step's events leave when the step ends,
+// its cost model's seconds after it began; the router sees stats as of the
+// last step. Orders, withdrawals and handoffs cross a modelled link.
 //
 // The KV transfer is modelled, not run: the rows of a prompt's earlier steps
 // are taken to cross while later steps compute (the real transfer sends each
@@ -29,8 +24,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
-#include <variant>
+#include <memory>
 #include <vector>
 
 #include "bench/sim/event_queue.h"
@@ -38,6 +32,7 @@
 #include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
 #include "worker/engine.h"
+#include "worker/instance_core.h"
 
 namespace duet::sim {
 
@@ -69,15 +64,17 @@ struct SharedCores {
 
 class SimInstance final : public InstanceClient {
  public:
-  // The prefill instance with transfer address `peer` (InstanceRequest::prefill_peer).
+  // The instance with transfer address `peer` (InstanceRequest::prefill_peer,
+  // and a decode instance's address in its orders).
   using PeerLookup = std::function<SimInstance*(int32_t peer)>;
 
   // `clock`, `cores` and what `peers` returns outlive the instance. `tp`
   // divides the bytes each transfer moves (every rank ships its KV heads in
-  // parallel).
+  // parallel). `address`: this instance's, as `peers` finds it.
   SimInstance(EventQueue& clock, InstanceRole role, int tp, const StepCost& cost,
               EngineConfig config, InstanceInfo info, const ModelShape& model, SimTransfer transfer,
-              PeerLookup peers, SharedCores& cores);
+              int32_t address, PeerLookup peers, SharedCores& cores);
+  ~SimInstance() override;
   SimInstance(const SimInstance&) = delete;
   SimInstance& operator=(const SimInstance&) = delete;
 
@@ -91,72 +88,33 @@ class SimInstance final : public InstanceClient {
   int tp() const { return tp_; }
   // Simulated seconds spent in steps.
   double busy_seconds() const { return busy_seconds_; }
-  int64_t steps() const { return engine_.stats().steps; }
+  int64_t steps() const { return core_.engine().stats().steps; }
 
  private:
-  // From a decode instance: compute this prompt for it.
-  struct Order {
-    SimInstance* decode = nullptr;
-    InstanceRequest request;
-    int64_t send_from = 0;
-  };
-  // From a decode instance: the order's request was cancelled.
-  struct Withdrawn {
-    RequestId id;
-  };
-  // From a prefill instance: the rows are here.
-  struct Imported {
-    RequestId id;
-    int32_t first_token = -1;
-    int64_t cached_tokens = 0;
-  };
-  using Command = std::variant<InstanceRequest, RequestId, Order, Withdrawn, Imported>;
+  // The core's peers across the modelled link.
+  class LinkPeers;
 
-  // A prompt this (prefill) instance computes for a decode instance.
-  struct Export {
-    SequenceId sequence;
-    SimInstance* decode = nullptr;
-    int64_t rows_this_step = 0;  // positions exported by the running step
-  };
-  struct Handoff {
-    SimInstance* decode = nullptr;
-    Imported imported;
-    int64_t rows = 0;  // exported by the last step
-  };
-
-  void post(Command command);
+  void post(InstanceCommand command);
   // Applies the waiting commands, publishes their events, starts a step.
   void cycle();
   void step_done(double seconds);
-  void apply(Command& command);
-  void apply_submit(InstanceRequest& request);
-  void apply_order(Order& order);
-  void apply_imported(const Imported& imported);
-  void fail(RequestId id, ServeError error);
   void publish();
 
   EventQueue& clock_;
   const InstanceRole role_;
   const int tp_;
   InstanceInfo info_;
-  StepTimeForward* forward_ = nullptr;  // owned by engine_
-  Engine engine_;
-  const SimTransfer transfer_;
-  const PeerLookup peers_;
+  StepTimeForward* forward_ = nullptr;  // owned by the core's engine
+  std::unique_ptr<LinkPeers> link_peers_;
+  InstanceCore core_;
   SharedCores& cores_;
   EventHandler handler_;
 
-  std::deque<Command> commands_;
+  std::deque<InstanceCommand> commands_;
   bool busy_ = false;          // a step is running
   bool wake_pending_ = false;  // a cycle is scheduled
   double busy_seconds_ = 0;
   InstanceStats stats_;  // as of the last publish
-  std::map<RequestId, SequenceId> sequences_;
-  std::map<SequenceId, RequestId> requests_;
-  std::map<RequestId, SimInstance*> prefill_of_;  // imports: where the prompt is computed
-  std::map<RequestId, Export> exports_;
-  std::vector<Handoff> handoffs_;      // exports the running step finished
-  std::vector<InstanceEvent> events_;  // to publish
 };
 
 }  // namespace duet::sim

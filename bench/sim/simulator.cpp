@@ -126,7 +126,7 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
   SharedCores cores{options.host_cores,
                     options.neighbour_slowdown.value_or(profile.host.neighbour_slowdown)};
   std::vector<std::unique_ptr<SimInstance>> instances;
-  std::map<int32_t, SimInstance*> prefill_by_peer;
+  std::map<int32_t, SimInstance*> by_address;
   std::vector<RoutedInstance> routed;
   for (const InstanceSpec& spec : cluster.instances) {
     const InstanceProfile& costs = profile.instance(spec.tp);
@@ -137,15 +137,16 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
     }
     InstanceInfo info{model.name, model.n_ctx, model.n_vocab,
                       config.n_kv_blocks * KvLayout::kDefaultBlockSize, config.end_of_generation};
-    const int32_t peer = spec.id;  // a prefill instance's transfer address: its index
+    const int32_t peer = spec.id;  // an instance's transfer address: its index
     instances.push_back(std::make_unique<SimInstance>(
         clock, spec.role, spec.tp, costs.step, std::move(config), std::move(info), model, transfer,
-        [&prefill_by_peer](int32_t p) -> SimInstance* {
-          auto it = prefill_by_peer.find(p);
-          return it == prefill_by_peer.end() ? nullptr : it->second;
+        peer,
+        [&by_address](int32_t p) -> SimInstance* {
+          auto it = by_address.find(p);
+          return it == by_address.end() ? nullptr : it->second;
         },
         cores));
-    if (spec.role == InstanceRole::kPrefill) prefill_by_peer.emplace(peer, instances.back().get());
+    by_address.emplace(peer, instances.back().get());
     routed.push_back({instances.back().get(), spec.role, peer});
   }
   RoutedInstances router(std::move(routed), make_routing_policy(cluster.mode), options.max_retries);

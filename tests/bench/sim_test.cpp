@@ -258,12 +258,14 @@ TEST(SimInstance, ACancelledImportEndsAndItsOrderIsWithdrawn) {
   EngineConfig config;
   config.n_kv_blocks = 128;
   const InstanceInfo info{"test", profile.model.n_ctx, profile.model.n_vocab, 128 * 16, {}};
+  SimInstance* decode_address = nullptr;
   SimInstance prefill(
-      clock, InstanceRole::kPrefill, 1, simple_cost(), config, info, profile.model, transfer,
-      [](int32_t) -> SimInstance* { return nullptr; }, cores);
+      clock, InstanceRole::kPrefill, 1, simple_cost(), config, info, profile.model, transfer, 0,
+      [&](int32_t p) { return p == 1 ? decode_address : nullptr; }, cores);
   SimInstance decode(
-      clock, InstanceRole::kDecode, 1, simple_cost(), config, info, profile.model, transfer,
+      clock, InstanceRole::kDecode, 1, simple_cost(), config, info, profile.model, transfer, 1,
       [&](int32_t p) { return p == 0 ? &prefill : nullptr; }, cores);
+  decode_address = &decode;
   std::vector<InstanceEvent> events;
   decode.set_event_handler([&](std::span<const InstanceEvent> batch) {
     events.insert(events.end(), batch.begin(), batch.end());

@@ -1,5 +1,8 @@
 # The cluster simulator and its planner (no model, no MPI: milliseconds to seconds).
 duet_add_test(sim_test SOURCES bench/sim_test.cpp LIBS duet_sim)
+# The simulator's instance and LocalInstance: one core, the same events.
+duet_add_test(instance_twins_test SOURCES bench/instance_twins_test.cpp
+  LIBS duet_sim duet_transfer_tcp)
 
 # duet-sim as a user runs it, on a roofline profile `duet profile` writes.
 add_test(NAME duet_sim_cli_test

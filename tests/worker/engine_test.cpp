@@ -125,7 +125,7 @@ TEST_P(EngineTest, CancelFreesBlocksAtOnce) {
   EXPECT_LT(engine.n_free_kv_blocks(), engine.n_kv_blocks());
   engine.cancel(id);
   EXPECT_TRUE(finished);
-  EXPECT_EQ(reason, FinishReason::kStopped);
+  EXPECT_EQ(reason, FinishReason::kCancelled);
   EXPECT_EQ(engine.n_free_kv_blocks(), engine.n_kv_blocks());
   EXPECT_FALSE(engine.step());
 }

@@ -123,7 +123,7 @@ TEST_F(GeneratorTest, OnTokenReturningFalseStops) {
   int n_seen = 0;
   const GenerateResult stopped = run(options, 1, [&](int32_t) { return ++n_seen < 3; });
   ASSERT_EQ(stopped.tokens.size(), 3u);
-  EXPECT_EQ(stopped.finish, FinishReason::kStopped);
+  EXPECT_EQ(stopped.finish, FinishReason::kCancelled);
   EXPECT_TRUE(std::equal(stopped.tokens.begin(), stopped.tokens.end(), full.tokens.begin()));
 }
 

@@ -122,6 +122,50 @@ TEST(Scheduler, PreemptsTheNewestAndRecomputesItsTokensLater) {
   EXPECT_EQ(pool.n_available(), pool.n_blocks());
 }
 
+TEST(Scheduler, EachSequenceHasOneStateThatOnlyItsLifeChanges) {
+  BlockPool pool(4);  // 64 tokens in all
+  KvCacheManager kv(pool, kBlock);
+  Scheduler scheduler(kv, {.max_step_tokens = 64, .max_running = 4});
+  scheduler.add({1}, prompt_of(16, 100), 40);
+  scheduler.add({2}, prompt_of(16, 200), 40);
+  EXPECT_EQ(scheduler.state({1}), SequenceState::kQueued);
+  EXPECT_EQ(scheduler.state({9}), SequenceState::kFinished) << "never known";
+  StepPlan plan = scheduler.schedule();
+  EXPECT_EQ(scheduler.state({1}), SequenceState::kRunning);
+  EXPECT_EQ(scheduler.state({2}), SequenceState::kRunning);
+  bool saw_preempted = false;
+  for (int step = 0; step < 200 && !scheduler.idle(); ++step) {
+    scheduler.complete(plan, constant_samples(plan));
+    plan = scheduler.schedule();
+    for (SequenceId id : plan.preempted) {
+      // Still preempted if this very plan did not readmit it.
+      if (std::find(plan.admitted.begin(), plan.admitted.end(), id) == plan.admitted.end()) {
+        EXPECT_EQ(scheduler.state(id), SequenceState::kPreempted);
+        saw_preempted = true;
+      }
+    }
+    for (SequenceId id : plan.admitted) EXPECT_EQ(scheduler.state(id), SequenceState::kRunning);
+  }
+  EXPECT_TRUE(saw_preempted);
+  EXPECT_EQ(scheduler.state({1}), SequenceState::kFinished);
+  EXPECT_EQ(scheduler.state({2}), SequenceState::kFinished);
+
+  // An import: awaiting its KV until it runs, or until it is dropped.
+  scheduler.add_awaiting({3});
+  EXPECT_EQ(scheduler.state({3}), SequenceState::kAwaitingKv);
+  EXPECT_TRUE(scheduler.idle()) << "an import awaiting its KV is neither waiting nor running";
+  ASSERT_EQ(kv.begin_sequence({3}, prompt_of(16, 300), one_token_from(16)), 0);
+  kv.commit_tokens({3}, prompt_of(16, 300));
+  scheduler.add_running({3}, prompt_of(16, 300), 7, 4);
+  EXPECT_EQ(scheduler.state({3}), SequenceState::kRunning);
+  scheduler.finish({3});
+  EXPECT_EQ(scheduler.state({3}), SequenceState::kFinished);
+  scheduler.add_awaiting({4});
+  scheduler.drop_awaiting({4});
+  EXPECT_EQ(scheduler.state({4}), SequenceState::kFinished);
+  EXPECT_EQ(pool.n_available(), pool.n_blocks());
+}
+
 TEST(Scheduler, ReusesCachedPrefixBlocks) {
   BlockPool pool(64);
   KvCacheManager kv(pool, kBlock);

@@ -11,7 +11,7 @@
 //                                        until allocate() evicts it
 //   in use  ref count > 0 (a hash or not)
 //
-// Thread affinity: none of its own; the owner (the worker's control thread)
+// Thread affinity: none of its own; the owner (the engine thread)
 // calls it from one thread.
 #pragma once
 

@@ -21,7 +21,7 @@
 // are not full are never shared, so KV is only written into blocks that one
 // sequence holds alone.
 //
-// Thread affinity: none of its own; the owner (the worker's control thread)
+// Thread affinity: none of its own; the owner (the engine thread)
 // calls it from one thread.
 #pragma once
 
@@ -36,22 +36,7 @@
 #include "common/hash.h"  // hash_block_tokens, kRootBlockHash: the block keys
 #include "common/model/kv_layout.h"
 #include "worker/kv/block_pool.h"
-
-namespace duet {
-
-struct SequenceId {
-  int64_t value = -1;
-
-  friend bool operator==(SequenceId, SequenceId) = default;
-  friend auto operator<=>(SequenceId, SequenceId) = default;
-};
-
-}  // namespace duet
-
-template <>
-struct std::hash<duet::SequenceId> {
-  size_t operator()(duet::SequenceId id) const noexcept { return std::hash<int64_t>{}(id.value); }
-};
+#include "worker/sequence.h"
 
 namespace duet {
 
