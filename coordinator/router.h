@@ -1,38 +1,20 @@
-// Placement of requests across instances (docs/ARCHITECTURE.md, step 3).
+// Placement of requests across instances (docs/ARCHITECTURE.md, step 3). A
+// RoutingPolicy (value-free, chosen at start-up) names the instance for one
+// request from each instance's load: the router's own current view
+// (InstanceLoad), not the instances' stats, which are a step old and would
+// send a whole burst to one instance. RoutedInstances is an InstanceClient
+// over several InstanceClients: the Service sees one instance. Disaggregated,
+// a request is submitted to its decode instance (which reports all its events)
+// and names the prefill instance that computes its prompt (prefill_peer).
 //
-// A RoutingPolicy is a small value-free type chosen at start-up: given each
-// instance's current load it names the instance for one request.
-// RoutedInstances is an InstanceClient over several InstanceClients (remote
-// instances on other ranks, or local ones in tests): the Service sees one
-// instance, while each submit goes where the policy says.
-//
-// The load a policy sees is the router's own, always current view, not only
-// the instances' stats (which are a step old and would send a whole burst of
-// requests to one instance): `sequences` counts the requests the router sent
-// to an instance that have not finished, and `kv_blocks_free` is the
-// instance's last reported free blocks less the blocks the prompts sent to it
-// will take once admitted.
-//
-// Disaggregated, a request has two instances: the decode instance it is
-// submitted to (which reports all its events) and the prefill instance that
-// computes its prompt (named in the request, InstanceRequest::prefill_peer).
-// A prefill instance's load is the prompt tokens sent its way whose first
-// token has not come back yet.
-//
-// Lost instances (instance_lost, from coordinator/cluster/liveness.h) get no
-// new work, and every request on one is re-run elsewhere, in order of
-// arrival: the request goes again, as a new attempt with an id of its own,
-// with its prompt followed by the tokens already delivered as the prompt and
-// max_tokens less those tokens. Because sampling is keyed by (seed,
-// position) and the CPU kernels are batch-invariant, the attempt continues
-// with exactly the tokens the first would have produced. A request lost in
-// prefill (its prefill instance lost before its first token) has its old
-// attempt cancelled on its decode instance, then goes again the same way.
-// A request whose instance fails it kUnavailable (its KV transfer timed out,
-// a peer was lost) goes again the same way, on another instance when one
-// can take it. After max_retries re-runs, or with no live instance that can
-// take it, it ends with a kUnavailable error. Events of an old attempt are
-// dropped.
+// A lost instance (instance_lost) gets no new work. Each request on it, and
+// each that its instance fails kUnavailable, goes again in order of arrival
+// (on another instance when one can take it) as a new attempt with an id of
+// its own: its prompt followed by the tokens delivered, max_tokens less those
+// (the same tokens follow: docs/FAILURES.md, "What Duet does"). One lost in
+// prefill has its old attempt cancelled on its decode instance first. After
+// max_retries re-runs, or with no live instance that can take it, it ends
+// kUnavailable. An old attempt's events are dropped.
 #pragma once
 
 #include <cstddef>

@@ -1,28 +1,20 @@
-// One instance on several ranks (tensor parallelism): the leader runs the
-// engine, its followers mirror it.
-//
-// The leader's engine decides everything (which sequences run, their blocks,
-// what is sampled); the followers hold their shard of the weights and a KV
-// cache of the same blocks for their own KV heads, and do what the leader
-// tells them through Collective::post, in order:
-//   step     run this forward batch (every rank runs it; the collectives
-//            inside keep them in lockstep), and ship
-//            the exported rows of their heads to the decode ranks that hold
-//            them (a prefill instance);
-//   expect   an import of a decode instance: register where the rows of
-//            their heads go and where they come from; the leader waits until
-//            every follower has, before its order leaves (so no row can
-//            arrive before its import is known);
-//   confirm  the leader has its own rows and the handoff: each follower
-//            waits for all of its rows (or its import's failure) and answers;
-//   release  the import is over without them (cancelled, failed): each
-//            follower stops writing its blocks and answers;
+// One instance on several ranks (tensor parallelism): the leader runs the engine and
+// decides everything (which sequences run, their blocks, what is sampled); each
+// follower holds its shard of the weights and a KV cache of the same blocks for its
+// own KV heads, and does what the leader posts (Collective::post), in order:
+//   step     run this forward batch (its collectives keep every rank in lockstep)
+//            and, in a prefill instance, ship its heads' exported rows to the
+//            decode ranks that hold them;
+//   expect   register an import of its heads (the leader's order leaves after all have);
+//   confirm  the leader has its rows and the handoff: wait for all of its own
+//            rows (or the import's failure) and answer;
+//   release  the import is over without them: stop writing its blocks and answer;
 //   stop     the leader's engine has stopped.
-// Only the leader samples, talks to the coordinator and to other instances'
+// Only the leader samples and talks to the coordinator and other instances'
 // leaders; the KV itself moves rank to rank (worker/transfer/kv_transfer.h).
 //
-// Thread affinity: TpLeader on the leader's engine thread; run_tp_follower on
-// the follower's main thread, until stop.
+// Thread affinity: TpLeader on the leader's engine thread; run_tp_follower on the
+// follower's main thread, until stop.
 #pragma once
 
 #include <chrono>

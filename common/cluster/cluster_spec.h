@@ -1,32 +1,18 @@
 // The cluster spec: which MPI ranks form which instances, and what each does.
 //
 // One MPI job runs a whole deployment (docs/ARCHITECTURE.md). Rank 0 is the
-// coordinator; every other rank belongs to exactly one instance, a group of
-// `tp` ranks that together hold one copy of the model (tensor parallel). An
-// instance's first rank is its leader, the only one that talks to the
-// coordinator.
+// coordinator; every other rank belongs to exactly one instance, a group of `tp`
+// ranks that together hold one copy of the model (tensor parallel), whose first
+// rank is its leader, the only one that talks to the coordinator. A spec comes
+// from flags (`--prefill P --decode D --tp T --mode M`; `--prefill-tp` and
+// `--decode-tp` give the two kinds of instances their own sizes, overriding `--tp`,
+// and the KV cache is re-sharded on its way) or from a JSON file (`--cluster FILE`,
+// parse_cluster_json).
 //
-// A spec comes from flags (`--prefill P --decode D --tp T --mode M`) or from a
-// JSON file (`--cluster FILE`):
-//
-// `--prefill-tp` and `--decode-tp` give the two kinds of instances their own
-// sizes (they override `--tp`; the KV cache is re-sharded on its way).
-//
-//   {
-//     "mode": "disaggregated",            // or "colocated"; default disaggregated
-//     "instances": [                       // instance id = index in this list
-//       {"role": "prefill", "tp": 1, "ranks": [1]},
-//       {"role": "decode",  "tp": 2, "ranks": [2, 3]}
-//     ]
-//   }
-//
-// "tp" may be left out (it is then the number of ranks). Unknown keys are an
-// error, so a typo is never silently ignored.
-//
-// Every rank parses and validates the same spec itself: an impossible layout or
-// a spec that does not match the MPI world is the same clear error on every
-// rank, before any control message is exchanged, so nothing can hang on it.
-// Values, no MPI: this file is usable (and tested) in a single process.
+// Every rank parses and validates the same spec itself: an impossible layout or a
+// spec that does not match the MPI world is the same clear error on every rank,
+// before any control message is exchanged, so nothing can hang on it. Values, no
+// MPI: this file is usable (and tested) in a single process.
 #pragma once
 
 #include <cstdint>
@@ -118,7 +104,18 @@ ClusterSpec parse_cluster_flags(int prefill, int decode, int tp, ClusterMode mod
 ClusterSpec parse_cluster_flags(int prefill, int decode, int prefill_tp, int decode_tp,
                                 ClusterMode mode);
 
-// The JSON form above; `origin` (a file name) prefixes every error message.
+// The JSON form (`origin`, a file name, prefixes every error message):
+//
+//   {
+//     "mode": "disaggregated",            // or "colocated"; default disaggregated
+//     "instances": [                       // instance id = index in this list
+//       {"role": "prefill", "tp": 1, "ranks": [1]},
+//       {"role": "decode",  "tp": 2, "ranks": [2, 3]}
+//     ]
+//   }
+//
+// "tp" may be left out (it is then the number of ranks). Unknown keys are an
+// error, so a typo is never silently ignored.
 ClusterSpec parse_cluster_json(std::string_view text, std::string_view origin = "cluster spec");
 // Reads and parses a JSON file; a missing file is kNotFound.
 ClusterSpec parse_cluster_file(const std::string& path);

@@ -1,34 +1,18 @@
-// The coordinator's leases on the instances of an mpirun cluster: which are
-// alive, which are suspect, which are lost, and since when. No MPI and no
-// clock of its own: the caller feeds it what the ranks send (stamped with
-// when it arrived) and the time, and asks it which instances it has lost
-// (tests drive it in milliseconds).
+// The coordinator's leases on the instances of an mpirun cluster: which are alive,
+// suspect or lost, and since when. No MPI and no clock of its own: the caller feeds
+// it what the ranks send (stamped with its arrival) and the time, and asks which
+// instances are lost (tests drive it in milliseconds).
 //
-// Every instance rank heartbeats to the coordinator every lease / 6, also
-// when idle (worker/rank_liveness.h); any message from a rank counts as a
-// heartbeat. A loss needs evidence, not one late heartbeat:
-// - A rank silent for longer than the lease makes its instance *suspect*
-//   (logged; nothing else changes). Any word from it clears the suspicion.
-// - The instance is *lost*, once and for good, when the silence lasts the
-//   lease plus a grace (grace_for(lease): half the lease, at most 1 s), so
-//   a real silence (a dead process, a SIGSTOP, a host gone) is found within
-//   lease + grace + one check, and a healthy rank that a loaded machine
-//   left unscheduled for a second is not.
-// - Likewise when its leader has been inside an engine step, with no
-//   progress, for longer than the lease plus the grace (its progress
-//   counter, which moves with every step and every layer of a long one,
-//   stood still while busy: a hung collective, a wedged GPU, a follower that
-//   died under it).
-// - At once, at the next check, when the control channel's TCP connection to
-//   any of its ranks ended before that rank closed it (its process died, or
-//   its host is cut off: common/mpi/control_channel.h).
-// Silence is measured from each message's arrival, less the time the
-// coordinator itself was not running (coordinator_paused: its dispatcher
-// found it had slept far past its tick, e.g. descheduled on a busy machine):
-// a rank cannot be heard while nobody listens.
-// Each loss raises the cluster's epoch by one. Ranks told of a loss apply it
-// and report the epoch they have applied in their heartbeats; a lost rank
-// that wakes up (SIGCONT) is told again, and leaves.
+// Every instance rank heartbeats every lease / 6, also when idle
+// (worker/rank_liveness.h); any message from a rank counts as one. A rank silent
+// past the lease makes its instance suspect (logged only; any word clears it). The
+// instance is lost, once and for good, when the silence lasts the lease plus
+// grace_for(lease); when its leader has been that long inside one engine step with
+// its progress counter (every step, every layer) standing still; or at the next
+// check after a rank's control connection ended (connection_lost). Each loss raises
+// the epoch by one; ranks report the epoch they applied in their heartbeats, and a
+// lost rank that wakes up is told again, and leaves. Why suspect before lost:
+// docs/FAILURES.md, "Suspect before lost: no false losses on a loaded machine".
 //
 // Thread affinity: none; the owner serializes calls (RemoteCluster's lock).
 #pragma once
@@ -59,7 +43,8 @@ class Liveness final {
   // Every instance of `spec` starts alive, as if each rank had just spoken.
   Liveness(const ClusterSpec& spec, std::chrono::milliseconds lease, Clock::time_point now);
 
-  // How long past the lease a silence must last to be a loss.
+  // How long past the lease a silence must last to be a loss: half the
+  // lease, at most 1 s.
   static std::chrono::milliseconds grace_for(std::chrono::milliseconds lease);
 
   // Any message from `rank`, which arrived at `arrived`: it lives. Ranks in

@@ -1,37 +1,21 @@
 // Instances on other ranks of an mpirun job, as the coordinator (rank 0) sees
-// them.
-//
-// A RemoteInstance is the InstanceClient of one instance leader: submit and
+// them. A RemoteInstance is the InstanceClient of one instance leader: submit and
 // cancel become SubmitRequest and Cancel messages on the control channel, the
-// leader's StepEvents come back as one EventHandler call per engine step, and
-// its StatsReports are kept as the latest stats (at most one step old).
+// leader's StepEvents come back as one EventHandler call per engine step, and its
+// latest StatsReport is its stats (at most one step old). RemoteCluster owns one
+// per instance and the one dispatcher thread that routes everything the leaders
+// send by source rank. On rank 0: handshake, await_instances_ready, RemoteCluster,
+// serve, shut_down.
 //
-// RemoteCluster owns one RemoteInstance per instance of the spec and the one
-// dispatcher thread that receives everything the leaders send and routes it
-// to the right RemoteInstance by source rank. Its life on rank 0:
+// The dispatcher holds the lease on every instance (coordinator/cluster/liveness.h):
+// judged at least four times per lease, after applying every message that had arrived
+// (docs/FAILURES.md, "Suspect before lost"), and at once when a rank's TCP control
+// connection ends. A lost instance's ranks are told (RanksLost) and forgotten by the
+// channel, its RemoteInstance refuses new requests, the loss handler runs; its late
+// messages are dropped, and a lost rank that speaks again is told again.
 //
-//   handshake -> await_instances_ready -> RemoteCluster (dispatcher runs)
-//   -> ... serve ... -> shut_down (Shutdown to every leader, channel closed
-//   collectively, dispatcher joined)
-//
-// Liveness: the dispatcher also holds the coordinator's lease on every
-// instance (coordinator/cluster/liveness.h), fed by the ranks' heartbeats
-// and every other message, each stamped with its arrival, and checked at
-// least four times per lease, after every message that had arrived by then
-// was applied (a message queued behind a slow loss is not silence); a
-// dispatcher that overslept its tick counts the gap as its own pause. And at
-// once when the control channel's TCP connection to one of its ranks ends
-// (ControlChannel::set_link_lost_handler; over MPI only silence tells). When
-// an instance is lost, every rank is told (RanksLost: the lost ones leave,
-// the others stop waiting on them), the channel forgets its ranks, its
-// RemoteInstance refuses new requests, and the loss handler runs (the
-// router re-runs its requests). A lost instance's late messages are dropped;
-// a lost rank that speaks again (it was stopped, not dead) is told again.
-//
-// Thread affinity: submit, cancel, stats and info from any thread (the
-// fronts', the dispatcher's). Event handlers and the loss handler run on
-// the dispatcher thread. Construct, shut_down and destroy RemoteCluster on
-// the main thread.
+// Threads: submit, cancel, stats and info from any thread; every handler on the
+// dispatcher thread; RemoteCluster built, shut down and destroyed on the main thread.
 #pragma once
 
 #include <chrono>

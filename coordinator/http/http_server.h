@@ -1,35 +1,21 @@
-// The OpenAI-compatible HTTP front of the coordinator.
+// The OpenAI-compatible HTTP front of the coordinator (HTTP/1.1, keep-alive, one
+// request at a time per connection):
+//   POST /v1/completions, /v1/chat/completions  (JSON, or server-sent events with
+//        "stream": true; the fields: openai_api.h)
+//   GET  /v1/models, /v1/models/{id}; /health, /health/live, /health/ready
+//        (health_routes.h); /metrics (Service::metrics_text(), Prometheus text format 0.0.4)
+// Errors are OpenAI's {"error": {...}} objects with their kind's status; a wrong method
+// is 405, a body over max_body_bytes 413 (and the connection closed). From the header
+// fields, before the body is read: with an API key every route but the health ones
+// needs `Authorization: Bearer KEY` (else 401), and a completion while the service's
+// waiting queue is full gets 429. Past max_connections a new connection gets 503
+// `overloaded` and is closed unread (duet_connections_refused_total); one idle for
+// idle_timeout is closed. A client that goes away mid-generation has its request
+// cancelled, so its KV is freed at once.
 //
-// Routes (HTTP/1.1, keep-alive, one request at a time per connection):
-//   POST /v1/completions, POST /v1/chat/completions  (JSON, or server-sent
-//        events with "stream": true; see openai_api.h for the fields)
-//   GET  /v1/models, GET /v1/models/{id}
-//   GET  /health, /health/live, /health/ready  (health_routes.h)
-//   GET  /metrics  Service::metrics_text(), Prometheus text format 0.0.4
-// Errors are OpenAI's {"error": {...}} objects with the status of their kind
-// (openai_api.h); a wrong method is 405, a body over max_body_bytes 413 (and
-// the connection is closed). With an API key, every route but the health ones needs
-// `Authorization: Bearer KEY` (else 401, decided from the header fields before
-// the body is read). A completion that arrives while the service's waiting
-// queue is full gets its 429 from the header fields too. Past max_connections
-// open connections, a new one gets 503 {"error": {"type": "overloaded", ...}}
-// and is closed without its request being read (counted in
-// duet_connections_refused_total); a connection idle for idle_timeout between
-// requests is closed.
-//
-// A client that goes away while its request generates (its socket reaches
-// end-of-file or a write fails) gets the request cancelled, so its KV is
-// freed at once.
-//
-// Threading: the server runs Boost.Beast on one Asio thread of its own (the
-// I/O thread), which owns every connection: it reads and frames requests,
-// checks the API key, admits requests (Service::admit), cancels them and
-// writes responses. What costs in proportion to a request's size, the JSON
-// parsing, validation and tokenization (Service::prepare, /tokenize,
-// /detokenize), runs on a pool of worker_threads, so a flood of large
-// requests never holds up the token streams the I/O thread writes. Service
-// updates arrive on the instance's event thread and are posted to the I/O
-// thread.
+// Threads (docs/ARCHITECTURE.md, "The fronts' threads and limits"): one Asio I/O thread
+// owns every connection; JSON parsing, validation and tokenization run on
+// worker_threads; Service updates are posted to the I/O thread.
 #pragma once
 
 #include <chrono>

@@ -1,30 +1,19 @@
-// GPU twins of worker/kv/kv_rows.h's pack_kv_rows / unpack_kv_rows: a
-// sequence's KV rows out of (and into) the paged cache on the device, in the
-// packed layout KV travels in between instances. Plain C++ (no CUDA headers),
-// so the KV transfer can call them without knowing CUDA.
+// GPU twins of worker/kv/kv_rows.h's pack_kv_rows / unpack_kv_rows: a sequence's KV
+// rows out of (and into) the paged cache on the device, in that file's packed layout
+// (KV heads [head_first, head_first + head_count), F16, packed_kv_elems(layout, n,
+// {head_first, head_count}) elements), bit for bit the CPU's. Plain C++ (no CUDA
+// headers), so the KV transfer can call them without knowing CUDA.
 //
-// The rows of positions [pos0, pos0 + n) of one layer, packed, are
-//   chunk -> K then V -> KV head (head_first + [0, head_count)) -> position
-//   -> head_dim
-// (chunks of kKvPackChunk positions, split at its multiples), F16 elements,
-// packed_kv_elems(layout, n, {head_first, head_count}) of them; the result
-// is the CPU's bit for bit.
-//
-// Every pointer is a device pointer: the cache (layout.total_elems()
-// elements), the packed rows, and block_table, which covers positions
-// [0, pos0 + n) as the CPU's does (the caller uploads it). `stream` is a
-// cudaStream_t. Each call validates its arguments on the host (they throw
-// duet::Error) and then queues one kernel on `stream` and returns: no
-// allocation, no synchronization, so the calls are legal inside a CUDA graph
-// capture. n == 0 (or head_count == 0) queues nothing. The block table's
-// entries are not checked on the device: each must name a block of the cache
-// (the CPU asserts it), and for unpack_kv_rows no block may appear twice.
-// The packed rows and the cache must not overlap; the source must not be
-// written until the kernel has run.
-//
-// Copies go in 16-byte vectors when head_dim and both pointers allow (head_dim
-// a multiple of 8, pointers 16-byte aligned), else in the widest smaller
-// vector that fits (down to single elements).
+// Every pointer is a device pointer: the cache (layout.total_elems() elements), the
+// packed rows, and block_table, which covers positions [0, pos0 + n) as the CPU's
+// does (the caller uploads it). `stream` is a cudaStream_t. Each call validates its
+// arguments on the host (they throw duet::Error), then queues one kernel on `stream`
+// and returns: no allocation, no synchronization, so the calls are legal inside a
+// CUDA graph capture. n == 0 (or head_count == 0) queues nothing. Not checked on the
+// device: each block table entry must name a block of the cache (the CPU asserts it),
+// and for unpack_kv_rows no block may appear twice. The packed rows and the cache
+// must not overlap; the source must not be written until the kernel has run. Copies
+// use the widest vector, up to 16 bytes, that head_dim and the pointers allow.
 #pragma once
 
 #include <cstdint>

@@ -9,7 +9,7 @@
 // With tensor parallelism no element is a sum over ranks (the plan's
 // gathers), so x and the logits are the same bits on every rank of an
 // instance and for every TP size (worker/model/tp_shard.h).
-// Not thread-safe: one forward at a time per object (the compute thread's).
+// Not thread-safe: one forward at a time per object (the engine thread's).
 #pragma once
 
 #include <cstdint>

@@ -1,29 +1,20 @@
 // The Llama forward pass on an NVIDIA GPU: the forward plan
 // (worker/model/forward_plan.h) run with kernels/cuda/'s ops, the twins of
-// CpuForward's, with the weights, the KV cache and every activation in
-// device memory. Built only with the CUDA backend (DUET_HAVE_CUDA); plain
-// C++ over kernels/cuda/'s plain headers.
+// CpuForward's, with the weights, the KV cache and every activation in device
+// memory. Built only with the CUDA backend (DUET_HAVE_CUDA); plain C++ over
+// kernels/cuda/'s plain headers.
 //
-// Decode steps (one row per sequence, every row sampled, nothing exported)
-// are captured as a CUDA graph per batch size on their second occurrence and
-// replayed from then on; the step's inputs (tokens, positions, block tables)
-// are uploaded to fixed device buffers before the launch.
-//
-// Numerics: activations in F32, products with F32 accumulation (F16 inputs on
-// the cuBLAS path), the KV cache in F16. Not batch-invariant: a row's result
-// may change in the last bits with the batch it runs in (the GEMV and the
-// cuBLAS paths round differently).
-//
-// Tensor parallelism: given a shard of the model (worker/model/tp_shard.h) and the
-// instance's DeviceCollective (NCCL, one GPU per rank), the plan's
-// collectives run on the compute stream (inside the decode graphs too). No
-// element is a sum over ranks, as on the CPU; the GPU's own kernels are not
-// batch-invariant (their order depends on the batch's shape), so GPU tokens
-// may differ from the CPU's, and from one batch shape to another, where two
-// logits are within rounding. NCCL requires every rank to capture its
-// collectives in graphs at the same steps: whether a step is captured or
-// replayed depends only on the batch (the same on every rank), never on a
-// rank's own shapes.
+// Decode steps (one row per sequence, every row sampled, nothing exported) are
+// captured as a CUDA graph per batch size on their second occurrence and replayed
+// from then on; their inputs (tokens, positions, block tables) are uploaded to
+// fixed device buffers before the launch. Numerics: activations in F32, products
+// with F32 accumulation (F16 inputs on the cuBLAS path), the KV cache in F16. Not
+// batch-invariant (the GEMV and cuBLAS paths round differently), so tokens may
+// differ from the CPU's, and between batch shapes, where two logits are within
+// rounding. Tensor parallelism: a shard (worker/model/tp_shard.h; no element is a
+// sum over ranks) and the instance's DeviceCollective (NCCL, one GPU per rank) on
+// the compute stream, in the decode graphs too. NCCL needs every rank to capture at
+// the same steps: capture or replay depends only on the batch, never on a rank's shapes.
 #pragma once
 
 #include <map>

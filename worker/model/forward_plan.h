@@ -1,58 +1,18 @@
 // The Llama forward pass written once, for every device: the batch's
 // staging, the layer loop, the tensor-parallel gathers and the output head,
-// over a small set of twin ops that each device implements with its kernels
-// (CpuForward with kernels/cpu/, CudaForward with kernels/cuda/). Every
-// architecture LlamaModel loads runs through it: `llama` (adjacent-pair RoPE,
-// optional rope_freqs divisors) and `qwen2` (Q/K/V biases, NeoX RoPE).
+// over a small set of twin ops (listed at ForwardPlan::run) that each device
+// implements with its kernels (CpuForward with kernels/cpu/, CudaForward with
+// kernels/cuda/). Every architecture LlamaModel loads runs through it: `llama`
+// (adjacent-pair RoPE, optional rope_freqs divisors) and `qwen2` (Q/K/V
+// biases, NeoX RoPE).
 //
 // All rows of the batch go through each weight matrix together (one product
-// per weight); attention runs per sequence over its blocks of the paged
-// cache. Intermediate tensors are named (ForwardTensor), per layer
-// overwritten:
-//   x (n, n_embd) residual stream, norm (n, n_embd) attn_norm's then ffn_norm's,
-//   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
-//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff), head_in (n_out, n_embd).
+// per weight); attention runs per sequence over its blocks of the paged cache.
+// Tensor parallelism: shapes are the shard's (LlamaModel::shard), every rank
+// runs the same batch through its own heads and hidden units, and no element
+// is ever a sum over ranks (the split: worker/model/tp_shard.h).
 //
-// Tensor parallelism: shapes are the shard's (LlamaModel::shard), and every
-// rank of the instance runs the same batch through its own heads and hidden
-// units. The vocabulary-parallel embeddings are summed over the ranks with an
-// all-reduce (one rank holds each row, the others add zeros: exact); O and
-// down gather their whole input, multiply it by the rank's output rows and
-// gather the outputs; the logit slices are gathered too, and every gather is
-// reassembled row by row on every rank (worker/model/tp_shard.h). No element
-// is ever a sum over ranks.
-//
-// The ops (an `Ops` object, one per device; its pointers are into that
-// device's memory):
-//   layer(il)             the layer's weights: attn_norm, ffn_norm (norm
-//                         vectors), bq, bk, bv (bias vectors, empty when the
-//                         model has none), wq, wk, wv, wo, w_gate, w_up, w_down
-//   output_norm(), output()   the final norm and the head's weight
-//   tensor(t)             the named tensor t, sized by ForwardPlan::floats
-//   tokens(), positions() the staged step's (n_rows) each
-//   rope_freqs()          the RoPE divisors, or null
-//   logits()              (n_out, n_vocab), where run() leaves the logits
-//   embed(tokens, n, x)   x (n, n_embd): the rows of this rank's vocabulary
-//                         slice, zeros for the others
-//   rms_norm(x, weight, out, n_rows, dim, eps)
-//   matmul(x, n_rows, WeightProduct...)  every product of the one input x
-//   add_bias(x, bias, n_rows, dim)       nothing for an empty bias
-//   rope(x, n_rows, n_heads, head_dim, positions, params)
-//   store_kv(layer, k, v), attention(layer, shape, q, out)
-//                         over the staged step's sequences
-//   synchronize()         the host sees every op queued so far
-//   add_in_place(x, y, n), silu_mul(gate, up, out, n_rows, width)
-//   all_reduce(data, n), all_gather(mine, n_per_rank, all)
-//                         over the instance's ranks (tensor parallelism
-//                         only); a gather sends n_per_rank floats of `mine`,
-//                         past a narrower rank's own part (floats() sizes
-//                         the tensors so)
-//   assemble_columns(gathered, slot, parts, n_rows, all)   duet::assemble_slices
-//   assemble_logits(slices, n_slices, n_rows, stride, n_cols, out)
-//                         vocabulary slices (n_rows, stride) each, padded,
-//                         into out (n_rows, n_cols)
-//
-// Not thread-safe: one step at a time (the compute thread's).
+// Not thread-safe: one step at a time (the engine thread's).
 #pragma once
 
 #include <array>
@@ -72,11 +32,15 @@ namespace duet {
 RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
 AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
 
-// The intermediate tensors a device keeps for the plan, by name (shapes in
-// the header comment). The last five are tensor parallelism's: this rank's
-// logit slice (n_out, vocab_stride) and every rank's, in rank order; the
-// gathered whole input of O or down (n, k); this rank's rows of its output;
-// an all-gather's result (every rank's slot).
+// The intermediate tensors a device keeps for the plan, by name, overwritten
+// layer by layer:
+//   x (n, n_embd) residual stream, norm (n, n_embd) attn_norm's then ffn_norm's,
+//   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
+//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff), head_in (n_out, n_embd).
+// The last five are tensor parallelism's: this rank's logit slice (n_out,
+// vocab_stride) and every rank's, in rank order; the gathered whole input of O
+// or down (n, k); this rank's rows of its output; an all-gather's result
+// (every rank's slot).
 enum class ForwardTensor {
   kX,
   kNorm,
@@ -148,6 +112,36 @@ class ForwardPlan {
   // The staged step (n_rows > 0) on `ops`: stores K/V of every row and leaves
   // the logits of the logit rows in ops.logits(). layer_stored, when set, is
   // called with each layer once its K/V are stored and the host sees them.
+  //
+  // The ops (an `Ops` object, one per device; its pointers are into that
+  // device's memory):
+  //   layer(il)             the layer's weights: attn_norm, ffn_norm (norm
+  //                         vectors), bq, bk, bv (bias vectors, empty when the
+  //                         model has none), wq, wk, wv, wo, w_gate, w_up, w_down
+  //   output_norm(), output()   the final norm and the head's weight
+  //   tensor(t)             the named tensor t, sized by floats()
+  //   tokens(), positions() the staged step's (n_rows) each
+  //   rope_freqs()          the RoPE divisors, or null
+  //   logits()              (n_out, n_vocab), where run() leaves the logits
+  //   embed(tokens, n, x)   x (n, n_embd): the rows of this rank's vocabulary
+  //                         slice, zeros for the others
+  //   rms_norm(x, weight, out, n_rows, dim, eps)
+  //   matmul(x, n_rows, WeightProduct...)  every product of the one input x
+  //   add_bias(x, bias, n_rows, dim)       nothing for an empty bias
+  //   rope(x, n_rows, n_heads, head_dim, positions, params)
+  //   store_kv(layer, k, v), attention(layer, shape, q, out)
+  //                         over the staged step's sequences
+  //   synchronize()         the host sees every op queued so far
+  //   add_in_place(x, y, n), silu_mul(gate, up, out, n_rows, width)
+  //   all_reduce(data, n), all_gather(mine, n_per_rank, all)
+  //                         over the instance's ranks (tensor parallelism
+  //                         only); a gather sends n_per_rank floats of `mine`,
+  //                         past a narrower rank's own part (floats() sizes
+  //                         the tensors so)
+  //   assemble_columns(gathered, slot, parts, n_rows, all)   duet::assemble_slices
+  //   assemble_logits(slices, n_slices, n_rows, stride, n_cols, out)
+  //                         vocabulary slices (n_rows, stride) each, padded,
+  //                         into out (n_rows, n_cols)
   template <typename Ops>
   void run(Ops& ops, const ModelForward::LayerStored& layer_stored) const;
 

@@ -1,37 +1,20 @@
-// Which part of the model one rank of a tensor-parallel instance holds
-// (Megatron-style sharding), decided once at load from the configuration
-// and the weight types.
-//
-// - Attention is split by KV-head groups: a rank owns whole GQA groups, its
-//   KV heads and the query heads that share them, so its attention needs no
-//   other rank. KV heads that do not divide evenly go one extra to the first
-//   ranks (3 KV heads on 2 ranks: 2 + 1). Q/K/V are column-parallel (a rank
-//   computes its heads' rows).
-// - The feed-forward is split by hidden units: gate/up column-parallel, in
-//   runs of 16 (the SIMD width of SwiGLU, so a rank's slice goes through the
-//   same vector code as the whole row does).
-// - O and down are split by output rows: every rank gathers the whole input
-//   (every rank's heads, every rank's hidden units), multiplies it by its
-//   rows [embd_begin, embd_end) of the weight, and the ranks gather the
-//   outputs. Every output element is then one whole dot product, exactly as
-//   on one rank, so tensor parallelism changes no bit (see TP-invariance below).
-// - Embeddings and the output head are vocabulary-parallel: a rank holds the
-//   rows of its vocabulary slice, looks up the tokens that fall in it (the
-//   others are zero) and an all-reduce completes the embeddings; it computes
-//   its slice of the logits and an all-gather assembles them on every rank.
-//   Replicating them instead would keep a fifth of this model's weights and
-//   of its per-token FLOPs (the 49k x 576 tied table) on every rank.
-// Norm weights are replicated (a few KB).
-//
-// TP-invariance: no element is a sum of partials from several ranks (a plain
-// all-reduce of row-parallel partials rounds differently from one rank's
-// product, and 8-bit activation quantization carries that through every
-// layer). Each is computed whole on one rank, with the same activations,
-// quantized from the same whole rows, as TP=1 computes it, so the logits are
-// the same bits for any TP size, TP=1 included, and TP=1 is llama.cpp's one
-// product per weight (worker/model/cpu_forward.h).
-//
-// Values, no MPI.
+// Which part of the model one rank of a tensor-parallel instance holds (Megatron-style),
+// decided once at load from the configuration and the weight types. Values, no MPI.
+// - Attention by KV-head groups: a rank owns whole GQA groups (its KV heads and the
+//   query heads that share them), so its attention needs no other rank; uneven KV
+//   heads go one extra to the first ranks (3 on 2 ranks: 2 + 1). Q/K/V are
+//   column-parallel (a rank computes its heads' rows).
+// - The feed-forward by hidden units: gate/up column-parallel, in runs of 16
+//   (SwiGLU's SIMD width, so a slice takes the same vector code as a whole row).
+// - O and down by output rows: every rank gathers the whole input, multiplies it by
+//   its rows [embd_begin, embd_end), and the outputs are gathered.
+// - Embeddings and the output head by vocabulary: an all-reduce completes the
+//   embeddings (the other ranks add zeros: exact), an all-gather the logits.
+//   Norm weights are replicated.
+// TP-invariance: no element is a sum of partials from several ranks; each is computed
+// whole on one rank from the same whole-row activations as TP=1, so the logits are the
+// same bits for any TP size, TP=1 included (why, and what it costs:
+// docs/BENCHMARKS.md, "Tensor parallelism on the CPU").
 #pragma once
 
 #include <cstdint>

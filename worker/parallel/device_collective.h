@@ -1,31 +1,20 @@
-// Collective operations among the ranks of one tensor-parallel instance, on
-// GPU memory: the device twin of worker/parallel/collective.h, for a forward pass whose
-// activations live on the GPU (the sum after a row-parallel matrix, the
-// concatenation of vocabulary-parallel logits, the leader's tokens on every
-// rank). The NCCL implementation is worker/parallel/nccl_collective.h. Plain C++: a
-// stream is a cudaStream_t passed as void*.
-//
-// Contract:
-// - Every rank of the instance calls the same operations in the same order
-//   with the same sizes (and the same root); an operation another rank never
-//   matches waits on the GPU forever (only aborting ends it).
-// - Pointers are device pointers on this rank's GPU, and `stream` is a stream
-//   of that GPU. An operation is queued on `stream` and returns: it never
-//   waits for the GPU or for the other ranks, it runs after the work queued
-//   before it on `stream`, and the host learns its result only by waiting for
-//   the stream. Buffers must stay valid until the stream has passed it.
-// - Every operation is legal inside a CUDA graph stream capture: the graph
-//   then replays it with the same pointers and sizes, and a graph of
-//   collectives is itself collective (every rank launches its matching graph).
-// - n == 0 (bytes == 0) is a no-op on every rank alike.
-// - Numerics: unlike MpiCollective, the order in which all_reduce_sum adds
-//   the ranks' values is NCCL's (its algorithm, chosen by size and machine).
-//   The results are identical on every rank, but an element's bits may
-//   depend on the length of the call it is summed in, and may differ in the
-//   last bits from a TP=1 run.
-//
-// Thread affinity: one thread at a time per object (the instance's engine
-// thread); only where an implementation says so may another thread abort it.
+// Collectives among the ranks of one tensor-parallel instance on GPU memory: the
+// device twin of worker/parallel/collective.h (NCCL: worker/parallel/nccl_collective.h).
+// Plain C++: a stream is a cudaStream_t passed as void*.
+// - Every rank calls the same operations in the same order with the same sizes (and
+//   root); one that another rank never matches waits on the GPU forever (only
+//   aborting ends it). n == 0 (bytes == 0) is a no-op on every rank alike.
+// - Pointers are device pointers on this rank's GPU, `stream` one of its streams.
+//   An operation is queued on `stream` and returns without waiting for the GPU or
+//   the other ranks; it runs after the work queued before it, the host learns its
+//   result only by waiting for the stream, and buffers stay valid until then.
+// - Legal inside a CUDA graph capture (replayed with the same pointers and sizes);
+//   a graph of collectives is itself collective: every rank launches its match.
+// - all_reduce_sum adds in NCCL's order (by size and machine), unlike MpiCollective:
+//   the same bits on every rank, but they may depend on the call's length and
+//   differ in the last bits from TP=1.
+// Thread affinity: one thread at a time per object (the instance's engine thread);
+// only where an implementation says so may another thread abort it.
 #pragma once
 
 #include <cstddef>

@@ -1,35 +1,20 @@
-// KV rows between two processes of one host by cross-memory attach (CMA:
-// Linux process_vm_readv), for MpiKvTransfer (worker/transfer/mpi_kv_transfer.h).
+// KV rows between two processes of one host by cross-memory attach (CMA: Linux
+// process_vm_readv), for MpiKvTransfer (worker/transfer/mpi_kv_transfer.h). The
+// sender packs a rows payload into its staging and sends only the rows header,
+// which names the payload's place there (a ticket); the receiver copies it out of
+// the sender's memory straight into the import's blocks, one system call over the
+// block runs, and answers "rows done"; the sender then reuses the region (why one
+// copy beats MPI's: docs/BENCHMARKS.md, "Disaggregated serving: the KV transfer").
 //
-// The sender packs a rows payload into its CMA staging, as it would into any
-// send buffer, and sends only the rows header, which names the payload's
-// place there (a ticket). The receiver copies the payload out of the
-// sender's memory straight into the import's blocks, one system call
-// scattering it over the block runs, and answers "rows done"; the sender
-// then reuses the region. One copy between the processes, where Open MPI
-// moves a payload received into blocks through its shared-memory fragments
-// (two copies): its own single copy serves contiguous buffers only.
+// The staging is one fixed ring per sending rank, shared by its receivers. A
+// payload that finds no room goes over MPI: a sender never waits for "rows done",
+// a receiver that never answers pins at most the ring, and its regions come back
+// when it is declared lost (release_all). The receiver pulls, so an import that
+// ends mid-transfer has no writer left to fear. A rank reads a peer's staging only
+// if the peer has its host name and reading its nonce worked (decided at start-up).
 //
-// Bounds, as a peer may be gone: the staging is one fixed ring per sending
-// rank (shared by all its receivers, reserved address space that is touched
-// only as it is used). A payload that finds no room goes over MPI instead,
-// so a sender never waits for a receiver's "rows done"; a receiver that
-// never answers pins at most the ring, and its regions come back when it is
-// declared lost (release_all). The receiver pulls: the sender never writes
-// the receiver's memory, so an import that ends mid-transfer has no writer
-// left to fear.
-//
-// Which pairs use it is decided once, at start-up: each rank publishes its
-// Endpoint (pid, ring address, a random nonce written at the ring's start,
-// its host name's hash), and a rank reads from a peer of its own host name
-// only if reading that peer's nonce worked (same kernel, same PID namespace,
-// and the kernel allows it: ptrace rules, seccomp). Elsewhere rows go over
-// MPI as before; ranks that stand for two hosts on one machine (network and
-// UTS namespaces) keep their network path.
-//
-// Threads: acquire() on the engine thread; release(), release_all() and
-// read() on the transfer's communication thread; the setup (add_*) before
-// either. The ring is under a mutex.
+// Threads: acquire() on the engine thread; release(), release_all() and read() on the
+// transfer's communication thread; the setup (add_*) before either. A mutex guards the ring.
 #pragma once
 
 #include <sys/uio.h>

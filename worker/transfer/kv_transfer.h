@@ -1,37 +1,20 @@
-// How KV moves between a prefill instance and a decode instance
-// (disaggregated serving). The MPI implementation is
-// worker/transfer/mpi_kv_transfer.h; a GPU one (NCCL) fits the same interface.
-//
-// The protocol, for one request (ids are the coordinator's RequestIds):
-//   decode:  reserves the prompt's blocks, then start_import(prefill peer,
-//            order, blocks): the transfer records where the rows go and
-//            sends the PrefillOrder.
-//   prefill: on_order -> computes the prompt; after each layer of each chunk
-//            send_rows (the rows are copied out at once, so the prefill side
-//            may reuse its blocks right away); at the end send_handoff (the
-//            first token), or send_handoff with an error.
-//   decode:  the transfer writes each layer's rows into the reserved blocks
-//            as they come; after the handoff, on_complete. Or on_failed (the
-//            prefill side failed, the deadline passed, a checksum did not
-//            match): nothing more is written.
-//   cancel:  abort_import; the transfer tells the prefill side (on_cancel),
-//            stops writing, then on_released: only now may the blocks be
-//            reused. Rows that still arrive for it are dropped.
-//
-// Rows travel in the packed layout of worker/kv/kv_rows.h, one message per layer
-// per chunk. Messages between two peers arrive in the order they were sent,
-// so a handoff is behind every row its sender sent.
-//
-// Tensor parallelism: each instance's KV heads are split over its ranks
-// (worker/model/tp_shard.h). Every prefill rank sends the heads it shares with
-// each decode rank straight to that rank (kv_peers), nothing goes through
-// one rank. The leaders speak the protocol above; a decode follower is told
-// by its leader to expect_import, and completes when every row of its heads
-// is in (no handoff comes to it).
+// How KV moves from a prefill instance to a decode instance: MpiKvTransfer
+// (worker/transfer/mpi_kv_transfer.h), TcpKvTransfer (worker/transfer/tcp_kv_transfer.h).
+// For one request (ids are the coordinator's RequestIds), the decode side reserves
+// the prompt's blocks and calls start_import, which sends the PrefillOrder; the
+// prefill side, on_order, computes the prompt, calls send_rows after each layer of
+// each chunk and send_handoff at the end (the first token, or an error); the decode
+// side's transfer writes the rows into the reserved blocks as they come, then calls
+// on_complete after the handoff, or on_failed (an error, the deadline, a bad
+// checksum). Rows travel packed (worker/kv/kv_rows.h), one message per layer per
+// chunk; messages between two peers arrive in the order sent, so a handoff is
+// behind every row its sender sent. Tensor parallelism: each prefill rank sends the
+// heads it shares with each decode rank straight to it (worker/model/tp_shard.h);
+// only the leaders exchange orders and handoffs.
 //
 // Threads: start_import, abort_import, send_rows and send_handoff from the
-// instance's engine thread; handlers run on the transfer's thread and must
-// be quick (they queue work for the engine thread).
+// instance's engine thread; handlers run on the transfer's thread and must be
+// quick (they queue work for the engine thread).
 #pragma once
 
 #include <chrono>
@@ -98,6 +81,9 @@ class KvTransfer {
   // Decode follower: the same without an order or a handoff; on_complete
   // (with a handoff that carries only the id) once every row is in.
   virtual void expect_import(ImportPlan plan) = 0;
+  // Decode side: the prefill side is told (on_cancel), the transfer stops
+  // writing, then on_released: only now may the blocks be reused. Rows that
+  // still arrive for `id` are dropped.
   virtual void abort_import(RequestId id) = 0;
   // Ends every import that writes into `cache` at once, without handlers
   // (the cache's owner is going away); when it returns nothing writes into

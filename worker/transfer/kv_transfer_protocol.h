@@ -1,38 +1,17 @@
-// The decode side's and the prefill side's rules of the KV transfer
-// (worker/transfer/kv_transfer.h) without MPI: a state machine that the MPI
-// adapter (worker/transfer/mpi_kv_transfer.h) feeds with events and that
-// answers with actions. Tests drive it in milliseconds, with their own clock.
-//
-// Events in:
-// - the instance's commands: start or expect an import, abort one, forget
-//   every import of a cache;
-// - a message from rank r (worker/transfer/kv_transfer_wire.h): a rows or
-//   device rows header, a control message, a rows-done note;
-// - a rows payload from r landed (payload_place says where it goes first);
-// - a device receipt started, could not start, or finished;
-// - time advanced (expire). Every event that may look at the clock takes
-//   `now`: deadlines are the caller's time.
-// Actions out (KvTransferActions): headers and control messages to send,
-// device receipts to start, device staging to release, handlers to call.
-// The adapter carries out an event's actions before it feeds the next event.
-//
-// What it owns:
-// - the imports: where each one's rows go, which rows of which source came
-//   (a rows header twice, or one outside the plan, fails the import), the
-//   prefill leader's handoff, and each import's end (complete, failed,
-//   released), reported once;
-// - the rows payloads expected from each rank, in their headers' order: an
-//   import that ended before its payload landed has it drained, never
-//   written; a payload's size and checksum decide whether its import goes on;
-// - the device receipts in flight (DeviceReceipts): an import that ends with
-//   receipts in flight reports its end once the last one is done, so nothing
-//   writes its blocks after on_failed or on_released;
-// - the requests gone (aborted, failed, forgotten), remembered for a while
-//   so that their late rows are dropped without a warning.
+// The KV transfer's rules (worker/transfer/kv_transfer.h), decode side and
+// prefill side, without I/O: a state machine that an adapter (MpiKvTransfer,
+// TcpKvTransfer) feeds with events (commands, messages and payloads from
+// ranks, device receipts, CMA reads, lost peers, time) and that answers with
+// actions (KvTransferActions), carried out before the next event. Events that
+// may look at the clock take `now`, the caller's time (tests use milliseconds).
 //
 // Every rule that decides an import's fate from what arrives, or fails to
-// arrive by when, lives here, so that rules about peers (leases, heartbeats,
-// a dead peer's imports failing) join them without touching MPI.
+// arrive by when, lives here: where its rows go, which rows of which source
+// came (a rows header twice, or one outside the plan, fails it), each payload's
+// size and checksum, the handoff, and its end (complete, failed, released),
+// reported once. An import that ends with device receipts in flight reports its
+// end once the last one is done, so nothing writes its blocks after on_failed
+// or on_released. Requests gone are remembered a while; their late rows drop quietly.
 //
 // Not thread-safe: the adapter's communication thread owns it, and the
 // adapter's lock guards it when another thread forgets imports.

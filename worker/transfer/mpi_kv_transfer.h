@@ -1,55 +1,17 @@
-// KvTransfer over MPI point-to-point (worker/transfer/kv_transfer.h), for CPU
-// instances on one host (shared memory; across hosts `duet serve` uses
-// TcpKvTransfer unless told --kv-transport mpi), and for GPU
-// instances with a DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) for the
-// pairs whose KV moves device to device (worker/transfer/transfer_kind.h): their rows
-// headers and every control message still go over MPI, their payloads
-// through the device transfer (NCCL or CUDA IPC). Any other pair with a GPU side
-// moves its rows over MPI through the GPU engine's host staging copy.
+// KvTransfer (worker/transfer/kv_transfer.h) over MPI point-to-point: for CPU
+// instances on one host (between hosts `duet serve` uses TcpKvTransfer unless
+// told --kv-transport mpi), and for GPU instances, whose device pairs
+// (worker/transfer/transfer_kind.h) send headers over MPI and payloads through
+// a DeviceKvTransfer, and whose other pairs send rows over MPI from the GPU
+// engine's host staging copy. A thin adapter: every rule is KvTransferProtocol's.
 //
-// A thin adapter: the protocol's rules (the imports, the rows expected,
-// checksums, deadlines, device receipts) are KvTransferProtocol's
-// (worker/transfer/kv_transfer_protocol.h); this class turns MPI receives and
-// device completions into its events and carries out its actions.
-//
-// It has its own communicator, duplicated from MPI_COMM_WORLD, and no thread
-// of its own: it attaches to the control channel's communication thread,
-// which calls progress() on every pass, so one thread per process drives
-// every non-blocking MPI operation, and every send leaves through the
-// channel's one send queue (common/mpi/send_queue.h).
-//
-// On the wire (worker/transfer/kv_transfer_wire.h), every message on tag 1
-// starts with an 80-byte header: rows headers, control messages (orders,
-// cancels, handoffs), device rows headers and rows-done notes. A rows
-// header's payload follows on tag 2. Headers travel in the send queue's
-// control lane and payloads in its bulk lane: a handoff follows every rows
-// header its sender sent (one lane keeps their order) but never waits for
-// their payloads, and a cancel or an order never waits behind KV.
-// Between two ranks of one host whose kernel allows it, the payload does not
-// travel as a message at all: the sender packs it into its CMA staging and
-// the header (kind "CMA rows") names its place there; the receiver copies it
-// straight into the reserved blocks out of the sender's memory and answers
-// "rows done" (worker/transfer/cma_staging.h). A payload that finds the
-// staging full goes as below.
-// Otherwise the rows are packed on the sending engine thread into a staging buffer
-// (one memcpy per block run per head: the sender's blocks are free to be
-// reused as soon as send_rows returns) and sent as one contiguous message.
-// The receiver, knowing from the header where they go, receives them
-// straight into the reserved blocks with one MPI derived datatype
-// (hindexed over the block runs, in the packed order): no receive buffer, no
-// second copy. Payloads from one rank arrive in their headers' order, so the
-// next tag-2 message from a rank is the payload its oldest unmatched header
-// announced; the receiver takes it when it is there (MPI_Improbe), never
-// waiting for it, and counts its rows once it is in place.
-//
-// Device rows: a header of kind "device rows" names the payload's place in
-// the sender's staging (a ticket) instead of preceding an MPI payload. The
-// receiver starts the device transfer's receipt at once and counts the rows only
-// when it completes; an import that ends (fails, is cancelled, expires)
-// with receipts in flight reports its end once the last one is done, so
-// nothing writes its blocks after on_failed or on_released. When the
-// device transfer needs the sender to free its staging (IPC), a "rows done" header
-// goes back with the ticket.
+// It has its own communicator and no thread: the control channel's
+// communication thread calls progress() on every pass, and every send leaves
+// through the channel's one send queue. Headers (tag 1) go in its control lane,
+// payloads (tag 2) in its bulk lane: a handoff follows every rows header its
+// sender sent but never waits for their payloads, and no order or cancel waits
+// behind KV. How a payload moves (packed, by CMA, or device to device):
+// docs/ARCHITECTURE.md, "One request, disaggregated".
 //
 // Threads: see KvTransfer. counters() from any thread.
 #pragma once

@@ -1,45 +1,18 @@
-// KvTransfer over TCP sockets of its own (worker/transfer/kv_transfer.h), for
-// CPU instances, chosen between hosts (`duet serve --kv-transport`): Open MPI
-// 4.1's TCP transport can wedge a survivor that was moving large messages to
-// or from a rank that died (docs/FAILURES.md), while a socket Duet owns only
-// ever reports the death (EOF, a reset) and is closed.
+// KvTransfer (worker/transfer/kv_transfer.h) over TCP sockets of its own, for
+// CPU instances between hosts (`duet serve --kv-transport`; why not MPI there:
+// docs/FAILURES.md, "What Open MPI 4.1 does when a rank dies"). A thin adapter,
+// as MpiKvTransfer is: every rule is KvTransferProtocol's.
 //
-// A thin adapter, as MpiKvTransfer is: the protocol's rules are
-// KvTransferProtocol's (worker/transfer/kv_transfer_protocol.h); this class
-// turns bytes from the sockets into its events and carries out its actions.
-//
-// One connected socket per peer (a prefill rank with each decode rank), made
-// at start-up (common/net/tcp_connect.h, kKvPurpose), and one thread of its own
-// that poll()s them and a wake-up eventfd; every socket is non-blocking, and
-// no call ever waits on a peer. Within burst_window of the last bytes
-// received the thread does not wait in poll() but tests the sockets every
-// transfer_poll: a thread asleep on a socket must be woken for each burst
-// that arrives, and over loopback the sender's own sendmsg pays for the
-// wake-up (rows sent back to back took 7-11% longer that way). Rows a
-// prefill sends as it computes come a layer's compute apart, so between
-// layers the thread sleeps in poll() again: an import costs the decode side
-// about as much CPU as when the thread always waited there.
-//
-// On the wire every message is a frame (worker/transfer/kv_transfer_wire.h):
-// the 80-byte header, then its body: a control message (order, cancel,
-// handoff) or a rows payload, its size in the header. Each peer has two send
-// lanes, the control lane (orders, cancels) ahead of the bulk lane (rows
-// frames, and handoffs, which must follow their rows); a frame begun is
-// finished before the next, so a control frame waits for one rows frame at
-// most. A rows frame whose peer's socket is idle leaves straight from the
-// sender's blocks: send_rows writes it itself (one sendmsg over the header
-// and the block runs, which the kernel copies before it returns), and only
-// what the socket does not take at once is packed and left to the thread,
-// first in line; otherwise the rows are packed and queued. A rows payload is
-// received straight into the import's reserved blocks (readv over the block
-// runs in the packed order, as the protocol's PayloadPlace says), or drained
-// when nobody wants it.
-//
-// A lost peer (EOF, a reset, a broken pipe, or peers_lost from the
-// coordinator's word): its socket is closed, its queued frames dropped, and
-// the protocol told. Since a closed socket writes nothing any more, an import
-// half-received from it fails and its blocks come back (no quarantine:
-// KvTransferProtocol::LostReceives::kStop).
+// One non-blocking socket per peer, made at start-up (common/net/tcp_connect.h),
+// and one thread that poll()s them and a wake-up eventfd: no call waits on a
+// peer. Each peer's control lane (orders, cancels) goes ahead of its bulk lane
+// (rows, and handoffs, which follow their rows); a frame begun is finished
+// first, so a control frame waits for one rows frame at most. send_rows writes
+// from the blocks when the socket is idle, else packs and queues; rows land
+// straight in the reserved blocks (readv), or are drained. A lost peer (EOF, a
+// reset, a broken pipe, peers_lost): its socket closed, its frames dropped, the
+// protocol told; an import half-received from it fails and frees its blocks
+// (no quarantine: KvTransferProtocol::LostReceives::kStop).
 //
 // Threads: see KvTransfer. counters() and peers_lost from any thread.
 #pragma once
@@ -77,7 +50,9 @@ struct TcpKvTransferOptions {
   // spans the gaps between the frames of rows sent back to back; it is far
   // shorter than a layer's compute, and than the 5 ms MpiKvTransfer polls
   // fast for after rows (KvTransferProtocol::fast_poll), because poll() sees
-  // what MPI's progress engine does not.
+  // what MPI's progress engine does not. Between a prefill's layers the
+  // thread sleeps in poll() again (what it costs and saves: docs/BENCHMARKS.md,
+  // "Disaggregated serving: the KV transfer").
   std::chrono::microseconds transfer_poll{20};
   std::chrono::microseconds burst_window{500};
 };

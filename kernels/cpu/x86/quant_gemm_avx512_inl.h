@@ -10,37 +10,9 @@
 // result is ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
 // plus mins = sum_b m_w * s_x added in block order from 0 (Q4_1; 0 for the
 // others). d_w * d_x and m_w * s_x multiply two halves, so they are exact in
-// float and an FMA on them equals the multiply-then-add of QuantTile. What
-// changes is only the reuse: a weight block is unpacked once per weight
-// group and used by every activation row, and one instruction serves two
-// pairs.
-//
-// Register layout. An accumulator holds one weight row j and two activation
-// rows r0 = 2p, r1 = 2p + 1 of the tile: lane 2m + h is int lane m of the
-// pair (j, r_h). So the weight operand repeats each 4-byte group twice
-// ({w0 w0 w1 w1 .. w7 w7} in dwords, built once per weight group into the
-// weight panel) and the activation operand interleaves the groups of the two
-// rows ({x0 y0 x1 y1 .. x7 y7}, built once per call into the activation
-// panel). The tile is 4 weight rows x 4 activation pairs = 16 accumulators,
-// plus 4 activation operands and temporaries; per block and pair of pairs the
-// loop issues vpdpbusd, vcvtdq2ps, a broadcast load of the scales and one
-// FMA, which on Zen 5 is bound by the two FMA/VNNI pipes.
-//
-// Scales. For a weight pair (rows 2jp, 2jp + 1 of the group) and block, the
-// products d_w * d_x of the tile's 16 pairs are computed by one multiply into
-// "E order": lane 4p + 2q + h is (weight row 2jp + q, activation row
-// 2p + h). The two lanes (q, p, h = 0..1) are 8 adjacent bytes, so a
-// vbroadcastsd gives the accumulator's scale pattern; the final lane sums of
-// the tile land in the same E order, where the mins (accumulated in that
-// order, 16 pairs per FMA) are added. The scales and mins of a tile are
-// computed before its block loop: one multiply and one FMA per 16 pairs and
-// block, an eighth of the loop's work, which the numerics leave no way around.
-//
-// Integer operands. vpdpbusd multiplies unsigned by signed bytes. Q4_1: the
-// nibbles (0..15) are the unsigned operand, the Q8_1 activations the signed
-// one. Q8_0 and Q4_0: the activations + 128 are the unsigned operand, the
-// weights the signed one, and each lane starts from -128 * (the sum of the
-// weight group), precomputed in the panel: the lane is exactly sum(w x).
+// float and an FMA on them equals QuantTile's multiply-then-add. Only the
+// reuse differs: a weight block is unpacked once per weight group for every
+// activation row, and one instruction serves two pairs (layout: Tile).
 #pragma once
 
 #include <immintrin.h>
@@ -92,7 +64,11 @@ struct SymmetricGemm {
 using Q8_0Gemm = SymmetricGemm<BlockQ8_0>;
 using Q4_0Gemm = SymmetricGemm<BlockQ4_0>;
 
-// Offset formats: -128 * (the sum of each 4-byte weight group), in the lanes of q.
+// vpdpbusd multiplies unsigned by signed bytes. Q4_1: the nibbles (0..15) are
+// the unsigned operand, the Q8_1 activations the signed one. Q8_0 and Q4_0
+// (offset formats): the activations + 128 are the unsigned operand, the
+// weights the signed one, and each lane starts from -128 * (the sum of its
+// 4-byte weight group), kept here in the lanes of q: the lane is exactly sum(w x).
 template <bool kOffset>
 struct PanelInit {};
 template <>
@@ -242,6 +218,18 @@ alignas(64) constexpr std::array<int32_t, 32> kRowMajorIndex = [] {
 // One register tile: the group's 4 weight rows (n_j valid, from the weight
 // panel) x the activation tile's rows [0, NX) (from its panel), NX <= 8.
 // Writes y[i * ldy + j] for i < NX, j < n_j.
+//
+// An accumulator holds one weight row j and two activation rows r0 = 2p,
+// r1 = 2p + 1: lane 2m + h is int lane m of the pair (j, r_h). So the weight
+// operand repeats each 4-byte group twice and the activation operand
+// interleaves the groups of the two rows (both built once, into the panels).
+// 4 weight rows x 4 activation pairs = 16 accumulators, plus 4 activation
+// operands and temporaries; per block and pair of pairs the loop issues
+// vpdpbusd, vcvtdq2ps, a broadcast load of the scales and one FMA. The scales
+// d_w * d_x and the mins come in E order (lane 4p + 2q + h: weight row 2jp + q,
+// activation row 2p + h), where the tile's final lane sums land too; they are
+// computed before the block loop, one multiply and one FMA per 16 pairs and
+// block: an eighth of the loop's work, which the numerics leave no way around.
 template <typename Format, int NX>
 struct Tile {
   static constexpr int kPairs = (NX + 1) / 2;
