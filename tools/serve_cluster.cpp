@@ -40,8 +40,7 @@
 #include "worker/cluster_instance.h"
 #include "worker/parallel/mpi_collective.h"
 #include "worker/transfer/kv_transfer_adapter.h"
-#include "worker/transfer/mpi_kv_transfer.h"
-#include "worker/transfer/tcp_kv_transfer.h"
+#include "worker/transfer/kv_transfer_config.h"
 #include "worker/transfer/transfer_kind.h"
 #include "worker/transfer/transfer_setup.h"
 
@@ -132,33 +131,11 @@ int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* 
   return serve_cluster_instance(mpi, channel, transfer, collective, spec, placements, options);
 }
 
-// How KV moves between this cluster's instances: --kv-transport, auto
-// deciding by the hosts the ranks run on. The same on every rank (the same
-// flags, the same placements).
-enum class KvTransport { kMpi, kTcp };
-
-KvTransport kv_transport(const ServeArgs& args, size_t n_hosts) {
-  const bool cpu = args.device == "cpu";
-  if (args.kv_transport == "tcp") {
-    if (!cpu) {
-      throw Error(ErrorKind::kUnsupported,
-                  fmt::format("--kv-transport tcp moves KV between CPU instances only, not with "
-                              "--device {} (use mpi, or auto)",
-                              args.device));
-    }
-    return KvTransport::kTcp;
-  }
-  if (args.kv_transport == "mpi") return KvTransport::kMpi;
-  return n_hosts > 1 && cpu ? KvTransport::kTcp : KvTransport::kMpi;
-}
-
 // How the control channel carries the coordinator's messages:
 // --control-transport, auto choosing TCP when the ranks span hosts (control
 // is host-side: any device). The same on every rank.
-ControlLink control_link(const ServeArgs& args, size_t n_hosts) {
-  if (args.control_transport == "tcp") return ControlLink::kTcp;
-  if (args.control_transport == "mpi") return ControlLink::kMpi;
-  return n_hosts > 1 ? ControlLink::kTcp : ControlLink::kMpi;
+Transport control_transport(const ServeArgs& args, size_t n_hosts) {
+  return parse_transport(args.control_transport, n_hosts > 1 ? Transport::kTcp : Transport::kMpi);
 }
 
 }  // namespace
@@ -178,35 +155,27 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     std::set<std::string> hosts;
     for (const RankPlacement& p : placements) hosts.insert(p.host);
     ControlChannelOptions channel_options;
-    channel_options.link = control_link(args, hosts.size());
+    channel_options.transport = control_transport(args, hosts.size());
     ControlChannel channel(mpi, channel_options);
-    const KvTransport transport = kv_transport(args, hosts.size());
-    uint64_t drop_rows_of = 0;
+    KvTransferConfig kv = kv_transfer_config(
+        {args.kv_transport, args.kv_cma, args.kv_same_host, args.kv_checksums},
+        args.device == "cpu", hosts.size());
     if (const char* drop = std::getenv("DUET_TEST_DROP_KV_ROWS_OF"))  // tests only
-      drop_rows_of = std::strtoull(drop, nullptr, 10);
+      kv.drop_rows_of = std::strtoull(drop, nullptr, 10);
     // Every rank makes one (its start-up is collective); over TCP, a rank
     // that moves no KV has none.
-    std::unique_ptr<KvTransferAdapter> transfer;
-    if (transport == KvTransport::kTcp) {
-      transfer = make_tcp_kv_transfer(mpi, spec, placements,
-                                      TcpKvTransferOptions{args.kv_checksums, drop_rows_of});
-    } else {
-      MpiKvTransferOptions options{args.kv_checksums, drop_rows_of};
-      if (args.kv_cma == "off") options.cma_staging_bytes = 0;
-      transfer = std::make_unique<MpiKvTransfer>(
-          channel, options,
-          make_device_kv_transfer(mpi, spec, placements, parse_same_host_gpus(args.kv_same_host)));
-    }
+    std::unique_ptr<KvTransferAdapter> transfer =
+        make_kv_transfer(kv, mpi, channel, spec, placements);
     if (mpi.rank() == kCoordinatorRank) {
       spdlog::info(
           "control channel: coordinator to ranks over {} (--control-transport {}; ranks "
           "on {} host(s))",
-          control_link_name(channel.link()), args.control_transport, hosts.size());
+          transport_name(channel.transport()), args.control_transport, hosts.size());
     }
     if (mpi.rank() == kCoordinatorRank && spec.mode == ClusterMode::kDisaggregated) {
       spdlog::info(
           "kv transfer: between instances over {} (--kv-transport {}; ranks on {} host(s))",
-          transport == KvTransport::kTcp ? "tcp" : "mpi", args.kv_transport, hosts.size());
+          transport_name(kv.transport), args.kv_transport, hosts.size());
     }
     // Every rank too (MPI_Comm_split); the coordinator's is empty.
     const InstanceSpec* own = spec.instance_of(mpi.rank());
@@ -232,10 +201,10 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       // Between hosts MPI runs over TCP, where Open MPI 4.1 can wedge a
       // survivor that was talking to a lost rank: say what still uses it.
       std::string on_mpi;
-      if (transport == KvTransport::kMpi && spec.mode == ClusterMode::kDisaggregated) {
+      if (kv.transport == Transport::kMpi && spec.mode == ClusterMode::kDisaggregated) {
         on_mpi = fmt::format("KV (--kv-transport {}, --device {})", args.kv_transport, args.device);
       }
-      if (channel.link() == ControlLink::kMpi) {
+      if (channel.transport() == Transport::kMpi) {
         on_mpi += fmt::format("{}control (--control-transport {})", on_mpi.empty() ? "" : " and ",
                               args.control_transport);
       }

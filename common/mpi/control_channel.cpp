@@ -23,10 +23,6 @@ constexpr size_t kMinSpareBytes = 4096;
 
 }  // namespace
 
-std::string_view control_link_name(ControlLink link) {
-  return link == ControlLink::kTcp ? "tcp" : "mpi";
-}
-
 ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options)
     : options_(options),
       rank_(mpi.rank()),
@@ -41,7 +37,7 @@ ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions opti
   forgotten_.assign(static_cast<size_t>(world_size_), false);
   forgotten_seen_.assign(static_cast<size_t>(world_size_), false);
   ended_.assign(static_cast<size_t>(world_size_), false);
-  if (options_.link == ControlLink::kTcp) {
+  if (options_.transport == Transport::kTcp) {
     connect_tcp(mpi);
   } else {
     DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));

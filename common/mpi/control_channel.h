@@ -1,78 +1,18 @@
 // The control plane's transport: typed messages (common/cluster/control_messages.h)
-// between the ranks of the MPI job, driven by one communication thread, and
-// the process's one send path.
+// between the ranks of the MPI job, driven by one communication thread, and the
+// process's one send queue (common/mpi/send_queue.h), which attached endpoints (the KV
+// transfer) post through too: control messages leave ahead of KV payloads, whose
+// bytes in flight are bounded per destination.
 //
-// Contract
-// - Every rank of MPI_COMM_WORLD constructs one ControlChannel, with the same
-//   link (a collective call), so control traffic never mixes with a KV
-//   transfer's or a collective's:
-//   - ControlLink::kMpi: the channel's messages go over MPI on a duplicate of
-//     the world communicator;
-//   - ControlLink::kTcp: over TCP sockets of Duet's own, for ranks on several
-//     hosts (Open MPI 4.1's TCP transport can wedge a survivor that talked to
-//     a dead peer, docs/FAILURES.md). Rank 0 (the coordinator) listens on an
-//     ephemeral port; its address reaches every rank in one MPI all-gather;
-//     every other rank connects to it and says hello with its rank
-//     (common/net/tcp_connect.h). Only rank 0 talks to the other ranks
-//     (control traffic is a star): a send between two other ranks is refused.
-//     Each message is one length-prefixed frame (common/net/tcp_frame_link.h).
-//     Every rank throws alike when the connections are not all made in
-//     connect_timeout.
-// - send(rank, message) from any thread: the message is encoded on the
-//   caller's thread, queued, and the communication thread is woken at once.
-//   Messages from one rank to another arrive in the order they were sent.
-// - Received messages wait in an inbox; receive(timeout) from any thread
-//   blocks on a condition variable (no CPU) until one is there. A dispatcher
-//   thread of the coordinator or of a worker loops on it.
-// - close(timeout) is collective: every rank calls it. It stops new sends,
-//   delivers everything already queued, and returns once every other rank has
-//   closed too, with every message sent before anyone's close() received (it
-//   stays readable in the inbox). The destructor of a channel that was not
-//   closed stops without that agreement (after an error), giving what was
-//   already queued a moment (200 ms) to leave.
-//
-// - forget(ranks): those ranks are lost (dead or stalled, coordinator/
-//   cluster/liveness.h). Nothing waits on them from then on: close() agrees
-//   with the other ranks alone, messages to them still leave if they can but
-//   hold nothing up, and a receive from them that had begun is given up.
-//   Over TCP the communication thread closes their sockets on its next
-//   pass, once the messages queued for them until then had their chance to
-//   leave (what the socket takes at once); later ones are dropped
-//   (Counters::unsent).
-// - Over TCP a connection that ends (EOF, a reset) before the peer's close
-//   marker is a lost peer: nothing waits on it (close() agrees without it),
-//   messages to it are dropped, and the link-lost handler hears of it at
-//   once (the coordinator counts its instance lost without waiting out the
-//   lease, coordinator/cluster/remote_instance.h). An end after the marker
-//   is the peer's orderly close.
-//
-// The communication thread is the only one that calls MPI on the channel's
-// communicator (and the only one that touches the TCP link), and it never
-// blocks in MPI: MPI_Isend with buffers the channel owns until MPI_Test
-// says they are done, MPI_Improbe then MPI_Imrecv of the probed size (a
-// large message from a rank that dies half-way never completes, and must not
-// hold the thread), MPI_Test on the sends and receives in flight
-// (non-blocking operations progress only inside MPI calls). Messages from
-// one rank reach the inbox in the order they were sent, whichever of their
-// receives finishes first.
-// It never spins while idle: with nothing to do it sleeps on a condition
-// variable for a pause that doubles from min_idle_sleep to max_idle_sleep,
-// back to the minimum on any activity, and a local send() wakes it at once.
-// The cost: a message arriving from another rank after an idle spell waits up
-// to max_idle_sleep before it is received. Over TCP the thread waits in
-// poll() on its sockets and an eventfd that send() writes instead: a message
-// is received as it arrives, and an idle rank with no endpoint attached
-// wakes for nothing at all; with an endpoint attached (whose MPI operations
-// poll() cannot see) it still backs off as above between polls.
-//
-// The send path: the endpoints attached to the channel (the KV transfer, on
-// its own communicator) post their messages through it too, so that one
-// queue (common/mpi/send_queue.h) orders every send of the process: the
-// channel's messages and the endpoints' control-lane messages leave ahead of
-// queued KV payloads, whose bytes in flight are bounded per destination.
-// close() agrees on the channel's own messages only: an endpoint's sends
-// still in flight when the ranks have closed get the same brief moment as
-// after a stop, then are abandoned.
+// Every rank of MPI_COMM_WORLD constructs one with the same Transport (a collective
+// call): kMpi, on a duplicate of the world communicator, or kTcp, Duet's own sockets
+// for ranks on several hosts (docs/FAILURES.md, "What Open MPI 4.1 does when a rank
+// dies"), a star: only rank 0 talks to the other ranks. Messages from one rank to
+// another arrive in the order they were sent. Only the communication thread calls MPI
+// on the channel's communicator or touches the TCP link, and it never blocks on a
+// peer; idle, it sleeps up to max_idle_sleep between passes, so a message after an
+// idle spell may wait that long (how the thread works: docs/ARCHITECTURE.md, "One
+// request, disaggregated").
 #pragma once
 
 #include <chrono>
@@ -92,6 +32,7 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/cluster/control_messages.h"
+#include "common/cluster/transport.h"
 #include "common/mpi/mpi_runtime.h"
 #include "common/mpi/send_queue.h"
 #include "common/net/tcp_frame_link.h"
@@ -115,11 +56,9 @@ class CommEndpoint {
 
 // Which link carries the channel's own messages (the endpoints' always go
 // over MPI).
-enum class ControlLink { kMpi, kTcp };
-std::string_view control_link_name(ControlLink link);  // "mpi", "tcp"
 
 struct ControlChannelOptions {
-  ControlLink link = ControlLink::kMpi;
+  Transport transport = Transport::kMpi;
   // TCP: how long the ranks have to connect to rank 0 at construction.
   std::chrono::milliseconds connect_timeout{60'000};
   std::chrono::microseconds min_idle_sleep{50};
@@ -145,11 +84,13 @@ struct ReceivedMessage {
 
 class ControlChannel final {
  public:
-  // Collective over MPI_COMM_WORLD, with the same options.link on every rank.
+  // Collective over MPI_COMM_WORLD, with the same options.transport on every rank.
   // Starts the communication thread. `mpi` outlives the channel (the
   // destructor frees its communicator). Over TCP, throws Error(kInternal) on
   // every rank when rank 0 cannot listen or a rank did not connect in time.
   explicit ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options = {});
+  // Without close() (after an error): stops without the closing agreement,
+  // giving what was already queued a moment (200 ms) to leave.
   ~ControlChannel();
   ControlChannel(const ControlChannel&) = delete;
   ControlChannel& operator=(const ControlChannel&) = delete;
@@ -178,13 +119,16 @@ class ControlChannel final {
 
   Rank rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  ControlLink link() const { return options_.link; }
+  Transport transport() const { return options_.transport; }
 
-  // Any thread. Queues `message` for `destination` (another rank of the
-  // world). Throws duet::Error once close() has begun.
+  // Any thread. Encodes `message` on the caller's thread, queues it for
+  // `destination` (another rank of the world) and wakes the communication
+  // thread at once. Over TCP a send between two ranks other than 0 is
+  // refused. Throws duet::Error once close() has begun.
   void send(Rank destination, const ControlMessage& message);
 
-  // Any thread. The oldest received message, waiting up to `timeout`; nullopt
+  // Any thread. The oldest received message, waiting up to `timeout` on a
+  // condition variable (no CPU; a dispatcher thread loops on it); nullopt
   // when none came in time, or at once when the inbox is empty and the
   // channel has finished closing.
   std::optional<ReceivedMessage> receive(std::chrono::milliseconds timeout);
@@ -198,10 +142,14 @@ class ControlChannel final {
   // when receive() returns nullopt and this is false.
   bool receiving() const;
 
-  // Collective (see above) over the ranks not forgotten. Returns true when
-  // every such rank closed within `timeout`; false otherwise, and then the
-  // channel is stopped regardless (sends still in flight are abandoned).
-  // Call once, from one thread.
+  // Collective: every rank calls it, once, from one thread. Stops new sends,
+  // delivers everything already queued, and returns once every rank not
+  // forgotten has closed too, with every message sent before anyone's close()
+  // received (it stays readable in the inbox). Returns true when every such
+  // rank closed within `timeout`; false otherwise, and then the channel is
+  // stopped regardless (sends still in flight are abandoned). It agrees on
+  // the channel's own messages only: an endpoint's sends still in flight when
+  // the ranks have closed get the destructor's moment, then are abandoned.
   bool close(std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
   // Any thread. `intercept` sees every message received from then on, on
@@ -212,17 +160,27 @@ class ControlChannel final {
   using Intercept = std::function<bool(const ReceivedMessage&)>;
   void set_intercept(Intercept intercept);
 
-  // Any thread. Over TCP, `handler` is called on the communication thread,
-  // once per rank, when that rank's connection ends before its close marker
-  // and it was not forgotten (see above), with why ("closed the connection",
-  // a reset). It must be quick and may call forget() and send(). After it
+  // Any thread. Over TCP a connection that ends (EOF, a reset) before the
+  // peer's close marker is a lost peer: nothing waits on it (close() agrees
+  // without it) and messages to it are dropped; an end after the marker is
+  // the peer's orderly close. `handler` is called on the communication
+  // thread, once per lost rank that was not forgotten, with why ("closed the
+  // connection", a reset), so the coordinator counts its instance lost
+  // without waiting out the lease (coordinator/cluster/remote_instance.h).
+  // It must be quick and may call forget() and send(). After it
   // returns, a receive() waiting (or the next one) returns at once, so that
   // a dispatcher acts on it without waiting out its timeout. Never called
   // over MPI, where a lost peer shows only as its silence.
   using LinkLost = std::function<void(Rank rank, const std::string& why)>;
   void set_link_lost_handler(LinkLost handler);
 
-  // Any thread: stop waiting on `ranks` (see above); this rank is ignored.
+  // Any thread: `ranks` are lost (dead or stalled, coordinator/cluster/liveness.h);
+  // this rank is ignored. Nothing waits on them from then on: close() agrees
+  // with the other ranks alone, messages to them still leave if they can but
+  // hold nothing up, and a receive from them that had begun is given up. Over
+  // TCP the thread closes their sockets on its next pass, once what was queued
+  // for them had its chance to leave (what the socket takes at once); later
+  // messages to them are dropped (Counters::unsent).
   void forget(std::span<const Rank> ranks);
   // Whether any rank was forgotten, or its TCP connection lost: MPI_Finalize
   // may then wait on it forever (tests/mpi/failure_probe_main.cpp), so the

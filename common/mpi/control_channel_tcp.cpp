@@ -1,5 +1,5 @@
 // The control channel's TCP link (common/mpi/control_channel.h,
-// ControlLink::kTcp): its start-up in the constructor, the communication
+// Transport::kTcp): its start-up in the constructor, the communication
 // thread's wake-up eventfd, and the receive side of each pass. The rest of
 // the channel is control_channel.cpp's.
 #include <spdlog/spdlog.h>

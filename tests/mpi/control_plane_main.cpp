@@ -389,7 +389,7 @@ void run_idle(ControlChannel& channel, const ClusterSpec& spec, const Options& o
 void run_forget(ControlChannel& channel, const Options& options) {
   const Rank self = channel.rank();
   const Rank victim{2};
-  const bool tcp = channel.link() == ControlLink::kTcp;
+  const bool tcp = channel.transport() == Transport::kTcp;
   constexpr int kBefore = 50;  // messages to the victim before forget()
   if (self == kCoordinatorRank) {
     for (int i = 0; i < kBefore; ++i) channel.send(victim, Cancel{RequestId{uint64_t(i)}});
@@ -448,7 +448,7 @@ void run_forget(ControlChannel& channel, const Options& options) {
 // the lost connection, a receive() waiting returns at once, and close()
 // agrees with rank 1 alone; rank 0 prints "lost: PASS" only when all held.
 void run_lost(MpiRuntime& mpi, ControlChannel& channel) {
-  check(channel.link() == ControlLink::kTcp, "the lost scenario needs --link tcp");
+  check(channel.transport() == Transport::kTcp, "the lost scenario needs --link tcp");
   const Rank self = channel.rank();
   const Rank victim{2};
   // Survivors may not finalize: MPI_Finalize could wait on the dead rank.
@@ -509,7 +509,7 @@ int run(const ClusterFlags& flags, const Options& options) {
     spec.validate(mpi.world_size());
     ControlChannelOptions channel_options;
     if (options.link == "tcp") {
-      channel_options.link = ControlLink::kTcp;
+      channel_options.transport = Transport::kTcp;
     } else if (options.link != "mpi") {
       throw Error(ErrorKind::kInvalidArgument, "--link is mpi or tcp, not " + options.link);
     }
