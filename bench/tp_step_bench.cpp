@@ -35,8 +35,8 @@
 #include <string>
 #include <vector>
 
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
-#include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
 #include "common/stats.h"
 #include "common/text/tokenizer_gguf.h"

@@ -30,10 +30,10 @@
 #include <optional>
 #include <set>
 
+#include "common/control_plane/control_channel.h"
+#include "common/control_plane/control_handshake.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
-#include "common/mpi/control_channel.h"
-#include "common/mpi/control_handshake.h"
-#include "common/mpi/mpi_runtime.h"
 #include "common/text/tokenizer_gguf.h"
 #include "coordinator/cluster/cluster_coordinator.h"
 #include "tools/serve_command.h"
@@ -157,9 +157,9 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     ControlChannelOptions channel_options;
     channel_options.transport = control_transport(args, hosts.size());
     ControlChannel channel(mpi, channel_options);
-    KvTransferConfig kv = kv_transfer_config(
-        {args.kv_transport, args.kv_cma, args.kv_same_host, args.kv_checksums},
-        args.device == "cpu", hosts.size());
+    KvTransferConfig kv =
+        kv_transfer_config({args.kv_transport, args.kv_cma, args.kv_same_host, args.kv_checksums},
+                           args.device == "cpu", hosts.size());
     if (const char* drop = std::getenv("DUET_TEST_DROP_KV_ROWS_OF"))  // tests only
       kv.drop_rows_of = std::strtoull(drop, nullptr, 10);
     // Every rank makes one (its start-up is collective); over TCP, a rank

@@ -15,9 +15,9 @@
 #include <optional>
 #include <thread>
 
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
 #include "common/model/kv_layout.h"
-#include "common/mpi/mpi_runtime.h"
 #include "common/text/chat_template.h"
 #include "common/text/tokenizer_gguf.h"
 #include "coordinator/http/http_server.h"

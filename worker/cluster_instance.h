@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "common/cluster/cluster_spec.h"
-#include "common/mpi/control_channel.h"
+#include "common/control_plane/control_channel.h"
 #include "worker/engine.h"
 #include "worker/model/llama_model.h"
 #include "worker/parallel/collective.h"

@@ -20,7 +20,7 @@
 #include <string>
 
 #include "common/cluster/cluster_spec.h"
-#include "common/mpi/control_channel.h"
+#include "common/control_plane/control_channel.h"
 #include "worker/local_instance.h"
 
 namespace duet {

@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "common/cluster/cluster_spec.h"
-#include "common/mpi/control_channel.h"
-#include "common/mpi/mpi_runtime.h"
+#include "common/control_plane/control_channel.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "worker/local_instance.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 

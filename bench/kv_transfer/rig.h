@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "common/control_plane/control_channel.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
-#include "common/mpi/control_channel.h"
-#include "common/mpi/mpi_runtime.h"
 #include "worker/kv/kv_cache.h"
 #include "worker/kv/kv_rows.h"
 #include "worker/model/llama_model.h"

@@ -7,8 +7,8 @@
 
 #include "bench/kv_transfer/rig.h"
 #include "bench/kv_transfer/transfer_phases.h"
+#include "common/control_plane/control_channel.h"
 #include "common/error.h"
-#include "common/mpi/control_channel.h"
 #include "worker/parallel/mpi_collective.h"
 #include "worker/transfer/mpi_kv_transfer.h"
 #include "worker/transfer/tcp_kv_transfer.h"

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "bench/sim/profile.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "common/model/model_config.h"
-#include "common/mpi/mpi_runtime.h"
 
 namespace duet::sim {
 

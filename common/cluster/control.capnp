@@ -1,6 +1,6 @@
 @0xf2491b554425a01e;
 # Duet's control plane: the messages between the coordinator (rank 0) and the
-# instance leaders, carried over MPI (common/mpi/control_channel.h). Separate
+# instance leaders, carried over MPI (common/control_plane/control_channel.h). Separate
 # from the client protocol (duet.capnp): this one never leaves the MPI job.
 #
 # Every MPI message is one `Message`. The plain C++ form of each struct, and

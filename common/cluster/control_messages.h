@@ -1,7 +1,7 @@
 // The control plane's messages in plain C++, and their wire form.
 //
 // The coordinator and the instance leaders exchange these over MPI
-// (common/mpi/control_channel.h). On the wire each is one Cap'n Proto
+// (common/control_plane/control_channel.h). On the wire each is one Cap'n Proto
 // `Message` (common/cluster/control.capnp); this header keeps Cap'n Proto out of
 // everything else. The conversions round-trip common/serving.h's types
 // exactly (every field, floats bit for bit).

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "common/error.h"
 #include "common/format.h"
@@ -181,41 +182,95 @@ TcpAddress TcpListener::address() const {
   return address;
 }
 
-std::map<int, int> connect_tcp_peers(int self, const TcpListener* listener,
-                                     std::span<const TcpPeer> peers, TcpPurpose purpose,
-                                     Clock::time_point deadline) {
-  std::map<int, int> connected;
-  std::map<int, const TcpPeer*> accepted;  // the peers that dial this rank
-  std::vector<Attempt> attempts;           // connects out and accepts in, being set up
-  std::map<int, std::vector<uint32_t>> addresses;
-  std::map<int, size_t> next_address;
-  std::map<int, Clock::time_point> retry_at;
-  for (const TcpPeer& peer : peers) {
-    DUET_ASSERT(peer.rank != self, "rank {} does not connect to itself", self);
-    if (!peer.dial) accepted[peer.rank] = &peer;
-    if (peer.dial) addresses[peer.rank] = targets(peer);
-  }
-  DUET_ASSERT(accepted.empty() || listener != nullptr, "rank {} accepts without a listener", self);
-  const auto port_of = [&](int rank) {
+namespace {
+
+// One call of connect_tcp_peers, in its stages: dial the peers this rank
+// dials (each address in turn), accept the ones that dial it, and move every
+// attempt on (connected, hello sent, answer read and checked) until each peer
+// has one connection or the deadline passes.
+class PeerConnector {
+ public:
+  PeerConnector(int self, const TcpListener* listener, std::span<const TcpPeer> peers,
+                TcpPurpose purpose)
+      : self_(self), listener_(listener), peers_(peers), purpose_(purpose) {
     for (const TcpPeer& peer : peers) {
-      if (peer.rank == rank) return peer.address.port;
+      DUET_ASSERT(peer.rank != self, "rank {} does not connect to itself", self);
+      if (peer.dial) {
+        addresses_[peer.rank] = targets(peer);
+      } else {
+        accepted_[peer.rank] = &peer;
+      }
     }
-    return uint16_t{0};
-  };
-  const auto drop = [&](Attempt& a) {
+    DUET_ASSERT(accepted_.empty() || listener != nullptr, "rank {} accepts without a listener",
+                self);
+  }
+  ~PeerConnector() {
+    for (Attempt& a : attempts_) drop(a);
+    for (auto& [rank, fd] : connected_) close(fd);
+  }
+  PeerConnector(const PeerConnector&) = delete;
+  PeerConnector& operator=(const PeerConnector&) = delete;
+
+  std::map<int, int> run(Clock::time_point deadline) {
+    while (connected_.size() < addresses_.size() + accepted_.size()) {
+      const Clock::time_point now = Clock::now();
+      if (now >= deadline) throw_missing();
+      dial(now);
+      wait(std::min<Clock::duration>(deadline - now, kRetryPause));
+      accept_new();
+      for (Attempt& a : attempts_) {
+        if (a.fd >= 0) advance(a);
+      }
+      std::erase_if(attempts_, [](const Attempt& a) { return a.fd < 0; });
+    }
+    return std::exchange(connected_, {});
+  }
+
+ private:
+  static void drop(Attempt& a) {
     close(a.fd);
     a.fd = -1;
-  };
-  const auto start = [&](int rank, Clock::time_point now) {
-    const std::vector<uint32_t>& to = addresses[rank];
-    size_t& index = next_address[rank];
+  }
+
+  uint16_t port_of(int rank) const {
+    for (const TcpPeer& peer : peers_) {
+      if (peer.rank == rank) return peer.address.port;
+    }
+    return 0;
+  }
+
+  [[noreturn]] void throw_missing() const {
+    std::string missing;
+    for (const TcpPeer& peer : peers_) {
+      if (!connected_.contains(peer.rank))
+        missing += format("{}{}", missing.empty() ? "" : ", ", peer.rank);
+    }
+    throw Error(ErrorKind::kInternal, format("{}: rank {} could not connect to rank(s) {} in time",
+                                             purpose_.name, self_, missing));
+  }
+
+  // A connection under way to every peer this rank dials and has not yet.
+  void dial(Clock::time_point now) {
+    for (const auto& [rank, to] : addresses_) {
+      if (connected_.contains(rank) || now < retry_at_[rank]) continue;
+      const bool under_way = std::any_of(attempts_.begin(), attempts_.end(), [&](const Attempt& a) {
+        return a.fd >= 0 && a.outgoing && a.peer == rank;
+      });
+      if (!under_way) start(rank, now);
+    }
+  }
+
+  // A connect to the peer's next address.
+  void start(int rank, Clock::time_point now) {
+    const std::vector<uint32_t>& to = addresses_[rank];
+    size_t& index = next_address_[rank];
     Attempt a;
     a.outgoing = true;
     a.peer = rank;
     a.address = index % to.size();
     ++index;
     a.give_up = now + kAttemptPatience;
-    a.out = hello_bytes(purpose.magic, self, rank);
+    a.out = hello_bytes(purpose_.magic, self_, rank);
     a.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (a.fd < 0) return;
     non_blocking(a.fd);
@@ -227,48 +282,31 @@ std::map<int, int> connect_tcp_peers(int self, const TcpListener* listener,
     if (connect(a.fd, reinterpret_cast<sockaddr*>(&target), sizeof target) == 0) {
       a.connected = true;
     } else if (errno != EINPROGRESS) {
-      spdlog::debug("{}: connect to rank {} at {}: {}", purpose.name, rank, dotted(to[a.address]),
+      spdlog::debug("{}: connect to rank {} at {}: {}", purpose_.name, rank, dotted(to[a.address]),
                     strerror(errno));
       drop(a);
-      retry_at[rank] = now + kRetryPause;
+      retry_at_[rank] = now + kRetryPause;
       return;
     }
-    attempts.push_back(a);
-  };
-  while (connected.size() < addresses.size() + accepted.size()) {
-    const Clock::time_point now = Clock::now();
-    if (now >= deadline) {
-      std::string missing;
-      for (const TcpPeer& peer : peers) {
-        if (!connected.contains(peer.rank))
-          missing += format("{}{}", missing.empty() ? "" : ", ", peer.rank);
-      }
-      for (Attempt& a : attempts) drop(a);
-      for (auto& [rank, fd] : connected) close(fd);
-      throw Error(ErrorKind::kInternal,
-                  format("{}: rank {} could not connect to rank(s) {} in time", purpose.name, self,
-                         missing));
-    }
-    // A connection under way to every higher peer not yet connected.
-    for (const auto& [rank, to] : addresses) {
-      if (connected.contains(rank) || now < retry_at[rank]) continue;
-      const bool under_way = std::any_of(attempts.begin(), attempts.end(), [&](const Attempt& a) {
-        return a.fd >= 0 && a.outgoing && a.peer == rank;
-      });
-      if (!under_way) start(rank, now);
-    }
+    attempts_.push_back(a);
+  }
+
+  // Until a socket can move on, or `most` has passed.
+  void wait(Clock::duration most) const {
     std::vector<pollfd> fds;
-    if (listener != nullptr) fds.push_back({listener->fd(), POLLIN, 0});
-    for (const Attempt& a : attempts) {
+    if (listener_ != nullptr) fds.push_back({listener_->fd(), POLLIN, 0});
+    for (const Attempt& a : attempts_) {
       const bool writing = !a.connected || a.sent < a.out.size();
       fds.push_back({a.fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0});
     }
-    const auto wait = std::min<Clock::duration>(deadline - now, kRetryPause);
     poll(fds.data(), fds.size(),
-         static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(wait).count()) + 1);
-    // New connections from the peers that dial: their hello says who they are.
-    while (listener != nullptr) {
-      const int fd = accept4(listener->fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+         static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(most).count()) + 1);
+  }
+
+  // New connections from the peers that dial: their hello says who they are.
+  void accept_new() {
+    while (listener_ != nullptr) {
+      const int fd = accept4(listener_->fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) break;
       no_delay(fd);
       Attempt a;
@@ -276,72 +314,96 @@ std::map<int, int> connect_tcp_peers(int self, const TcpListener* listener,
       a.connected = true;
       a.sent = a.out.size();  // answers only once the hello is in
       a.give_up = Clock::now() + kAttemptPatience;
-      attempts.push_back(a);
+      attempts_.push_back(a);
     }
-    for (Attempt& a : attempts) {
-      if (a.fd < 0) continue;
-      const bool outgoing = a.outgoing;
-      if (!a.connected) {
-        int error = 0;
-        socklen_t length = sizeof error;
-        getsockopt(a.fd, SOL_SOCKET, SO_ERROR, &error, &length);
-        if (error != 0) {
-          spdlog::debug("{}: connect to rank {}: {}", purpose.name, a.peer, strerror(error));
-          drop(a);
-          retry_at[a.peer] = Clock::now() + kRetryPause;
-          continue;
-        }
-        sockaddr_in peer_address{};
-        socklen_t peer_length = sizeof peer_address;
-        if (getpeername(a.fd, reinterpret_cast<sockaddr*>(&peer_address), &peer_length) != 0) {
-          if (Clock::now() > a.give_up) drop(a);
-          continue;  // still connecting
-        }
-        a.connected = true;
-      }
-      if (!pump(a)) {
-        if (outgoing) retry_at[a.peer] = Clock::now() + kRetryPause;
-        drop(a);
-        continue;
-      }
-      if (!outgoing && a.peer < 0 && a.received == a.in.size()) {
-        // An accepted connection's hello: answer it if it is one we wait for.
-        const Hello hello = read_hello(a.in);
-        if (hello.magic != purpose.magic || hello.to != self || !accepted.contains(hello.from) ||
-            connected.contains(hello.from)) {
-          drop(a);
-          continue;
-        }
-        a.peer = hello.from;
-        a.out = hello_bytes(purpose.magic, self, hello.from);
-        a.sent = 0;
-        if (!pump(a)) {
-          drop(a);
-          continue;
-        }
-      }
-      const bool done = a.sent == a.out.size() && a.received == a.in.size() && a.peer >= 0;
-      if (done && outgoing) {
-        const Hello answer = read_hello(a.in);
-        if (answer.magic != purpose.magic || answer.from != a.peer || answer.to != self) {
-          drop(a);  // another listener at that address: try the next one
-          continue;
-        }
-      }
-      if (done) {
-        connected[a.peer] = a.fd;
-        a.fd = -1;
-        continue;
-      }
-      if (Clock::now() > a.give_up) {
-        if (outgoing) retry_at[a.peer] = Clock::now();
-        drop(a);
-      }
-    }
-    std::erase_if(attempts, [](const Attempt& a) { return a.fd < 0; });
   }
-  for (Attempt& a : attempts) drop(a);
-  return connected;
+
+  // False while a connect is still under way (or it failed: dropped).
+  bool finish_connect(Attempt& a) {
+    int error = 0;
+    socklen_t length = sizeof error;
+    getsockopt(a.fd, SOL_SOCKET, SO_ERROR, &error, &length);
+    if (error != 0) {
+      spdlog::debug("{}: connect to rank {}: {}", purpose_.name, a.peer, strerror(error));
+      drop(a);
+      retry_at_[a.peer] = Clock::now() + kRetryPause;
+      return false;
+    }
+    sockaddr_in peer_address{};
+    socklen_t peer_length = sizeof peer_address;
+    if (getpeername(a.fd, reinterpret_cast<sockaddr*>(&peer_address), &peer_length) != 0) {
+      if (Clock::now() > a.give_up) drop(a);
+      return false;  // still connecting
+    }
+    a.connected = true;
+    return true;
+  }
+
+  // An accepted connection's hello is in: answer it if it is one this rank
+  // waits for. False: dropped.
+  bool answer_hello(Attempt& a) {
+    const Hello hello = read_hello(a.in);
+    if (hello.magic != purpose_.magic || hello.to != self_ || !accepted_.contains(hello.from) ||
+        connected_.contains(hello.from)) {
+      drop(a);
+      return false;
+    }
+    a.peer = hello.from;
+    a.out = hello_bytes(purpose_.magic, self_, hello.from);
+    a.sent = 0;
+    if (!pump(a)) {
+      drop(a);
+      return false;
+    }
+    return true;
+  }
+
+  void advance(Attempt& a) {
+    const bool outgoing = a.outgoing;
+    if (!a.connected && !finish_connect(a)) return;
+    if (!pump(a)) {
+      if (outgoing) retry_at_[a.peer] = Clock::now() + kRetryPause;
+      drop(a);
+      return;
+    }
+    if (!outgoing && a.peer < 0 && a.received == a.in.size() && !answer_hello(a)) return;
+    const bool done = a.sent == a.out.size() && a.received == a.in.size() && a.peer >= 0;
+    if (done && outgoing) {
+      const Hello answer = read_hello(a.in);
+      if (answer.magic != purpose_.magic || answer.from != a.peer || answer.to != self_) {
+        drop(a);  // another listener at that address: try the next one
+        return;
+      }
+    }
+    if (done) {
+      connected_[a.peer] = a.fd;
+      a.fd = -1;
+      return;
+    }
+    if (Clock::now() > a.give_up) {
+      if (outgoing) retry_at_[a.peer] = Clock::now();
+      drop(a);
+    }
+  }
+
+  const int self_;
+  const TcpListener* const listener_;
+  const std::span<const TcpPeer> peers_;
+  const TcpPurpose purpose_;
+  std::map<int, int> connected_;
+  std::map<int, const TcpPeer*> accepted_;          // the peers that dial this rank
+  std::vector<Attempt> attempts_;                   // connects out and accepts in, being set up
+  std::map<int, std::vector<uint32_t>> addresses_;  // of the peers this rank dials
+  std::map<int, size_t> next_address_;
+  std::map<int, Clock::time_point> retry_at_;
+};
+
+}  // namespace
+
+std::map<int, int> connect_tcp_peers(int self, const TcpListener* listener,
+                                     std::span<const TcpPeer> peers, TcpPurpose purpose,
+                                     Clock::time_point deadline) {
+  return PeerConnector(self, listener, peers, purpose).run(deadline);
 }
 
 }  // namespace duet

@@ -1,6 +1,6 @@
 // Connections between the ranks of a job over TCP sockets of Duet's own,
 // without MPI: the start-up that TcpKvTransfer (worker/transfer/
-// tcp_kv_transfer.h) and the control channel's TCP link (common/mpi/
+// tcp_kv_transfer.h) and the control channel's TCP link (common/control_plane/
 // control_channel.h) share. A rank that is to accept connections listens on
 // an ephemeral port on every address (TcpListener); its port and its host's
 // IPv4 addresses reach the ranks that dial it (the caller's all-gather,

@@ -1,6 +1,6 @@
 // Frames over one connected, non-blocking stream socket per peer rank (made
 // by connect_tcp_peers, common/net/tcp_connect.h): the control channel's link
-// between hosts (common/mpi/control_channel.h). No MPI.
+// between hosts (common/control_plane/control_channel.h). No MPI.
 //
 // A frame is an 8-byte header, the body's length and a tag (each a uint32,
 // little-endian), then the body. Frames to one peer leave in the order they

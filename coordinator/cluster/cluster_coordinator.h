@@ -18,7 +18,7 @@
 #include <string>
 
 #include "common/cluster/cluster_spec.h"
-#include "common/mpi/control_channel.h"
+#include "common/control_plane/control_channel.h"
 #include "coordinator/cluster/remote_instance.h"
 #include "coordinator/router.h"
 

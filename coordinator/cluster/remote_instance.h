@@ -29,7 +29,7 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/cluster/control_messages.h"
-#include "common/mpi/control_channel.h"
+#include "common/control_plane/control_channel.h"
 #include "common/serving.h"
 #include "coordinator/cluster/liveness.h"
 

@@ -1,8 +1,8 @@
-// SendQueue (common/mpi/send_queue.h), the order in which the control
+// SendQueue (common/control_plane/send_queue.h), the order in which the control
 // channel's communication thread posts every send of a process: control
 // messages ahead of queued KV payloads, payloads per destination in order
 // and within their window.
-#include "common/mpi/send_queue.h"
+#include "common/control_plane/send_queue.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // A prefill process and a decode process on one GPU, moving a prompt's KV
-// through the real CudaIpcKvTransfer (worker/transfer/device/cuda_ipc_kv_transfer.h), as two
+// through the real CudaIpcKvLink (worker/transfer/device/cuda_ipc_kv_link.h), as two
 // ranks of one host do under mpirun. The check forks both itself (no
 // mpirun); the IPC handles, the rows headers and the acks travel over a
 // socketpair, as they would over MPI.
@@ -40,7 +40,7 @@
 #include "worker/kv/kv_cache.h"
 #include "worker/model/cuda_forward.h"
 #include "worker/model/llama_model.h"
-#include "worker/transfer/device/cuda_ipc_kv_transfer.h"
+#include "worker/transfer/device/cuda_ipc_kv_link.h"
 
 namespace duet {
 namespace {
@@ -114,9 +114,9 @@ KvLayout burst_layout() {
 // ---------------------------------------------------------------- the prefill process
 
 int run_prefill(int fd) {
-  CudaIpcKvTransfer::Options options;
+  CudaIpcKvLink::Options options;
   options.send_staging_bytes = size_t{64} << 20;  // the burst waits for acks
-  CudaIpcKvTransfer transfer(0, true, false, options);
+  CudaIpcKvLink transfer(0, true, false, options);
   transfer.add_receiver(kDecodeRank);
   const std::vector<std::byte> exported = transfer.exported();
   write_all(fd, exported.data(), exported.size());
@@ -191,7 +191,7 @@ int run_prefill(int fd) {
 // ---------------------------------------------------------------- the decode process
 
 // Takes the payload of `m` and returns when it is in place; acks it.
-void take(CudaIpcKvTransfer& transfer, int fd, const Message& m, const KvLayout& layout,
+void take(CudaIpcKvLink& transfer, int fd, const Message& m, const KvLayout& layout,
           const DeviceKv& kv, std::span<const int32_t> table) {
   const uint64_t receipt = transfer.receive(kPrefillRank, m.ticket, layout, &kv, table, m.layer,
                                             m.pos0, m.n, all_kv_heads(layout));
@@ -208,11 +208,11 @@ void take(CudaIpcKvTransfer& transfer, int fd, const Message& m, const KvLayout&
 }
 
 int run_decode(int fd, int result_fd) {
-  std::vector<std::byte> exported(CudaIpcKvTransfer::kExportBytes);
+  std::vector<std::byte> exported(CudaIpcKvLink::kExportBytes);
   read_all(fd, exported.data(), exported.size());
-  CudaIpcKvTransfer::Options options;
+  CudaIpcKvLink::Options options;
   options.receive_staging_bytes = size_t{64} << 20;
-  CudaIpcKvTransfer transfer(0, false, true, options);
+  CudaIpcKvLink transfer(0, false, true, options);
   transfer.add_sender(kPrefillRank, exported);
 
   auto model = LlamaModel::load(model_path());

@@ -1,4 +1,4 @@
-// NcclKvTransfer (worker/transfer/device/nccl_kv_transfer.h) on one GPU: a one-rank NCCL
+// NcclKvLink (worker/transfer/device/nccl_kv_link.h) on one GPU: a one-rank NCCL
 // communicator whose only peer is the rank itself, so the real transfer
 // packs, posts ncclSend and ncclRecv in one group, unpacks and signals, as
 // between two hosts. (Two ranks on one GPU are refused by NCCL; the multi-GPU
@@ -26,7 +26,7 @@
 #include "tests/gpu/device_vector.h"
 #include "tests/gpu/gpu_check.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/device/nccl_kv_transfer.h"
+#include "worker/transfer/device/nccl_kv_link.h"
 
 namespace duet {
 namespace {
@@ -62,8 +62,8 @@ std::vector<int32_t> shuffled_blocks(const KvLayout& layout, int64_t n, uint32_t
 }
 
 // Polls until every receipt in `receipts` is done; returns how they ended.
-std::vector<DeviceKvTransfer::Done> wait_for(NcclKvTransfer& transfer, size_t count) {
-  std::vector<DeviceKvTransfer::Done> done;
+std::vector<DeviceKvLink::Done> wait_for(NcclKvLink& transfer, size_t count) {
+  std::vector<DeviceKvLink::Done> done;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (done.size() < count && std::chrono::steady_clock::now() < deadline) {
     for (const auto& d : transfer.poll()) done.push_back(d);
@@ -87,7 +87,7 @@ struct Rig {
   }
 };
 
-void check_rows_land(NcclKvTransfer& transfer, Rig& rig) {
+void check_rows_land(NcclKvLink& transfer, Rig& rig) {
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> from_table = shuffled_blocks(l, 5, 3);
   const std::vector<int32_t> to_table = shuffled_blocks(l, 5, 4);
@@ -129,7 +129,7 @@ void check_rows_land(NcclKvTransfer& transfer, Rig& rig) {
   rig.target_host = got;
 }
 
-void check_drained(NcclKvTransfer& transfer, Rig& rig) {
+void check_drained(NcclKvLink& transfer, Rig& rig) {
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> table = shuffled_blocks(l, 3, 5);
   const auto ticket = transfer.send(kSelf, l, rig.from, 1, table, 0, 40, all_kv_heads(l));
@@ -144,11 +144,11 @@ void check_drained(NcclKvTransfer& transfer, Rig& rig) {
 // (the engine's) while another takes them (the transfer's communication
 // thread: receive and poll), as in serving: the staging comes back.
 void check_staging_recycles(Rig& rig) {
-  NcclKvTransfer::Options options;
+  NcclKvLink::Options options;
   options.send_staging_bytes = options.receive_staging_bytes = size_t{4} << 20;
   options.patience = std::chrono::seconds(10);
-  NcclKvTransfer transfer(0, true, true, options);
-  transfer.add_peer(kSelf, NcclKvTransfer::join(NcclKvTransfer::unique_id(), 1, 0, 0), 0);
+  NcclKvLink transfer(0, true, true, options);
+  transfer.add_peer(kSelf, NcclKvLink::join(NcclKvLink::unique_id(), 1, 0, 0), 0);
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> table = shuffled_blocks(l, 48, 6);
   constexpr int kPayloads = 200;
@@ -194,8 +194,8 @@ void check_staging_recycles(Rig& rig) {
 }
 
 void check_abandon(Rig& rig) {
-  NcclKvTransfer transfer(0, true, true, {});
-  transfer.add_peer(kSelf, NcclKvTransfer::join(NcclKvTransfer::unique_id(), 1, 0, 0), 0);
+  NcclKvLink transfer(0, true, true, {});
+  transfer.add_peer(kSelf, NcclKvLink::join(NcclKvLink::unique_id(), 1, 0, 0), 0);
   const KvLayout& l = rig.layout;
   const std::vector<int32_t> table = shuffled_blocks(l, 2, 7);
   // A receive whose send never comes (a rank's receive from itself is only
@@ -227,8 +227,8 @@ int main() {
   Rig rig;
   std::printf("device: %s\n", rig.backend.name().c_str());
   {
-    NcclKvTransfer transfer(0, true, true, {});
-    transfer.add_peer(kSelf, NcclKvTransfer::join(NcclKvTransfer::unique_id(), 1, 0, 0), 0);
+    NcclKvLink transfer(0, true, true, {});
+    transfer.add_peer(kSelf, NcclKvLink::join(NcclKvLink::unique_id(), 1, 0, 0), 0);
     gpu_check::run_case("rows of every layer land as the CPU unpacks them",
                         [&] { check_rows_land(transfer, rig); });
     gpu_check::run_case("a drained payload writes nothing", [&] { check_drained(transfer, rig); });

@@ -11,8 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
-#include "common/mpi/mpi_runtime.h"
 #include "worker/parallel/mpi_collective.h"
 
 namespace duet {

@@ -38,10 +38,10 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/cluster/control_messages.h"
+#include "common/control_plane/control_channel.h"
+#include "common/control_plane/control_handshake.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
-#include "common/mpi/control_channel.h"
-#include "common/mpi/control_handshake.h"
-#include "common/mpi/mpi_runtime.h"
 
 namespace duet {
 namespace {

@@ -1,6 +1,6 @@
 // Outside mpirun, MPI is never initialized: MpiRuntime refuses with a clear
 // message before touching MPI (a singleton init would fork a daemon).
-#include "common/mpi/mpi_runtime.h"
+#include "common/control_plane/mpi_runtime.h"
 
 #include <gtest/gtest.h>
 

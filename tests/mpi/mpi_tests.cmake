@@ -9,10 +9,10 @@
 duet_add_test(cluster_spec_test SOURCES common/cluster_spec_test.cpp LIBS duet_control)
 duet_add_test(transfer_kind_test SOURCES worker/transfer/transfer_kind_test.cpp LIBS duet_transfer_kind)
 duet_add_test(control_messages_test SOURCES common/control_messages_test.cpp LIBS duet_control)
-duet_add_test(mpi_runtime_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/mpi_runtime_test.cpp LIBS duet_mpi)
+duet_add_test(mpi_runtime_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/mpi_runtime_test.cpp LIBS duet_control_plane)
 
 add_executable(control_plane_test ${CMAKE_CURRENT_LIST_DIR}/control_plane_main.cpp)
-target_link_libraries(control_plane_test PRIVATE duet_mpi CLI11::CLI11 duet_warnings)
+target_link_libraries(control_plane_test PRIVATE duet_control_plane CLI11::CLI11 duet_warnings)
 
 set(DUET_MPIRUN ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe)
 set(DUET_EXPECT_SAME_ERROR ${CMAKE_CURRENT_LIST_DIR}/expect_same_error.sh)

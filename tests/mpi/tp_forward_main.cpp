@@ -45,9 +45,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
 #include "common/hash.h"
-#include "common/mpi/mpi_runtime.h"
 #include "common/sampling.h"
 #include "common/stats.h"
 #include "common/text/chat_template.h"

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "common/cluster/cluster_spec.h"
-#include "common/mpi/mpi_runtime.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "worker/parallel/collective.h"
 
 namespace duet {

@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_link.h"
 #include "worker/transfer/device/staging_ring.h"
 
 namespace duet {

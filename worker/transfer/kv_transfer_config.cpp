@@ -25,8 +25,7 @@ KvTransferConfig kv_transfer_config(const KvTransferFlags& flags, bool on_cpu, s
 }
 
 std::unique_ptr<KvTransferAdapter> make_kv_transfer(const KvTransferConfig& config,
-                                                    const MpiRuntime& mpi,
-                                                    ControlChannel& channel,
+                                                    const MpiRuntime& mpi, ControlChannel& channel,
                                                     const ClusterSpec& spec,
                                                     std::span<const RankPlacement> placements) {
   if (config.transport == Transport::kTcp) {
@@ -36,7 +35,7 @@ std::unique_ptr<KvTransferAdapter> make_kv_transfer(const KvTransferConfig& conf
   MpiKvTransferOptions options{config.checksums, config.drop_rows_of};
   if (!config.cma) options.cma_staging_bytes = 0;
   return std::make_unique<MpiKvTransfer>(
-      channel, options, make_device_kv_transfer(mpi, spec, placements, config.same_host));
+      channel, options, make_device_kv_link(mpi, spec, placements, config.same_host));
 }
 
 }  // namespace duet

@@ -13,8 +13,8 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/cluster/transport.h"
-#include "common/mpi/control_channel.h"
-#include "common/mpi/mpi_runtime.h"
+#include "common/control_plane/control_channel.h"
+#include "common/control_plane/mpi_runtime.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/transfer_kind.h"
 
@@ -52,8 +52,7 @@ KvTransferConfig kv_transfer_config(const KvTransferFlags& flags, bool on_cpu, s
 // `channel`, with the device transfer of its GPU pairs. Collective over
 // MPI_COMM_WORLD: every rank calls it, in the same place, once.
 std::unique_ptr<KvTransferAdapter> make_kv_transfer(const KvTransferConfig& config,
-                                                    const MpiRuntime& mpi,
-                                                    ControlChannel& channel,
+                                                    const MpiRuntime& mpi, ControlChannel& channel,
                                                     const ClusterSpec& spec,
                                                     std::span<const RankPlacement> placements);
 

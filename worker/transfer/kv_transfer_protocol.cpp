@@ -440,8 +440,8 @@ void KvTransferProtocol::device_receipt_failed(const Actions::DeviceReceive& rec
   fail(receive.id, {ServeErrorKind::kInternal, "KV transfer: " + why}, now, out);
 }
 
-void KvTransferProtocol::device_receipt_done(const DeviceKvTransfer::Done& done,
-                                             Clock::time_point now, Actions& out) {
+void KvTransferProtocol::device_receipt_done(const DeviceKvLink::Done& done, Clock::time_point now,
+                                             Actions& out) {
   if (done.ack) {  // the sender's staging is free again
     kv_wire::Header ack;
     ack.kind = kv_wire::kRowsDone;

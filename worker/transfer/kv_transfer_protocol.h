@@ -32,7 +32,7 @@
 
 #include "common/serving.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_link.h"
 #include "worker/transfer/device/device_receipts.h"
 #include "worker/transfer/kv_transfer.h"
 #include "worker/transfer/kv_transfer_wire.h"
@@ -169,7 +169,7 @@ class KvTransferProtocol {
   // The device transfer refused the payload (their error `why`); it was drained.
   void device_receipt_failed(const Actions::DeviceReceive& receive, const std::string& why,
                              Clock::time_point now, Actions& out);
-  void device_receipt_done(const DeviceKvTransfer::Done& done, Clock::time_point now, Actions& out);
+  void device_receipt_done(const DeviceKvLink::Done& done, Clock::time_point now, Actions& out);
 
   // ---------------------------------------------------------------- CMA reads
   // The adapter has carried out `read` (in the same event: its import is

@@ -27,7 +27,7 @@ constexpr int kMaxReceivesPerPass = 64;
 constexpr int kPayloadTestsPerPass = 64;
 
 // Which world ranks `device` carries rows to and from.
-std::vector<bool> device_peers(int world_size, const DeviceKvTransfer* device) {
+std::vector<bool> device_peers(int world_size, const DeviceKvLink* device) {
   std::vector<bool> peers(static_cast<size_t>(world_size), false);
   for (int peer = 0; device != nullptr && peer < world_size; ++peer)
     peers[static_cast<size_t>(peer)] = device->carries(peer);
@@ -37,7 +37,7 @@ std::vector<bool> device_peers(int world_size, const DeviceKvTransfer* device) {
 }  // namespace
 
 MpiKvTransfer::MpiKvTransfer(ControlChannel& channel, MpiKvTransferOptions options,
-                             std::unique_ptr<DeviceKvTransfer> device)
+                             std::unique_ptr<DeviceKvLink> device)
     : channel_(channel),
       options_(options),
       device_(std::move(device)),
@@ -389,7 +389,7 @@ std::optional<std::string> MpiKvTransfer::read_cma(const KvTransferActions::CmaR
 }
 
 bool MpiKvTransfer::poll_device(std::vector<KvTransferCall>& calls) {
-  std::vector<DeviceKvTransfer::Done> done;
+  std::vector<DeviceKvLink::Done> done;
   try {
     done = device_->poll();
   } catch (const std::exception& e) {
@@ -399,7 +399,7 @@ bool MpiKvTransfer::poll_device(std::vector<KvTransferCall>& calls) {
   }
   for (const std::string& note : device_->take_notes())
     spdlog::error("kv transfer: device transfer: {}", note);
-  for (const DeviceKvTransfer::Done& d : done) {
+  for (const DeviceKvLink::Done& d : done) {
     KvTransferActions actions;
     protocol_.device_receipt_done(d, Clock::now(), actions);
     act(actions, calls);

@@ -2,7 +2,7 @@
 // instances on one host (between hosts `duet serve` uses TcpKvTransfer unless
 // told --kv-transport mpi), and for GPU instances, whose device pairs
 // (worker/transfer/transfer_kind.h) send headers over MPI and payloads through
-// a DeviceKvTransfer, and whose other pairs send rows over MPI from the GPU
+// a DeviceKvLink, and whose other pairs send rows over MPI from the GPU
 // engine's host staging copy. A thin adapter: every rule is KvTransferProtocol's.
 //
 // It has its own communicator and no thread: the control channel's
@@ -26,9 +26,9 @@
 #include <span>
 #include <vector>
 
-#include "common/mpi/control_channel.h"
+#include "common/control_plane/control_channel.h"
 #include "worker/transfer/cma_staging.h"
-#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_link.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/kv_transfer_protocol.h"
 
@@ -54,7 +54,7 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   // `channel` outlives the transfer. `device`: the device transfer for this rank's
   // GPU pairs (null: every pair over MPI).
   MpiKvTransfer(ControlChannel& channel, MpiKvTransferOptions options = {},
-                std::unique_ptr<DeviceKvTransfer> device = nullptr);
+                std::unique_ptr<DeviceKvLink> device = nullptr);
   // Gives the payloads in its CMA staging a moment to be read, detaches from
   // the thread, gives its queued sends a moment to be posted (the channel
   // sees the posted ones through), and frees the communicator.
@@ -104,7 +104,7 @@ class MpiKvTransfer final : public KvTransferAdapter, private CommEndpoint {
   ControlChannel& channel_;
   const MpiKvTransferOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
-  const std::unique_ptr<DeviceKvTransfer> device_;
+  const std::unique_ptr<DeviceKvLink> device_;
   const std::unique_ptr<CmaStaging> cma_;  // its setup is the constructor's
 
   // The communication thread's state: that thread holds the mutex while it

@@ -15,9 +15,9 @@
 #include "worker/model/model_forward.h"
 #ifdef DUET_HAVE_CUDA
 #include "kernels/cuda/device.h"
-#include "worker/transfer/device/cuda_ipc_kv_transfer.h"
-#include "worker/transfer/device/mixed_device_kv_transfer.h"
-#include "worker/transfer/device/nccl_kv_transfer.h"
+#include "worker/transfer/device/cuda_ipc_kv_link.h"
+#include "worker/transfer/device/mixed_device_kv_link.h"
+#include "worker/transfer/device/nccl_kv_link.h"
 #endif
 
 namespace duet {
@@ -73,7 +73,7 @@ void agree_transfer_ready(const MpiRuntime& mpi, const std::string& failure, con
 #ifdef DUET_HAVE_CUDA
 // The CUDA IPC transfer of this rank, its handles exchanged with every rank
 // (all call this when the cluster has any IPC pair).
-std::unique_ptr<DeviceKvTransfer> make_cuda_ipc_transfer(
+std::unique_ptr<DeviceKvLink> make_cuda_ipc_transfer(
     const MpiRuntime& mpi, std::span<const RankPlacement> placements,
     const std::vector<std::pair<Rank, Rank>>& ipc) {
   const Rank self = mpi.rank();
@@ -82,14 +82,13 @@ std::unique_ptr<DeviceKvTransfer> make_cuda_ipc_transfer(
     sends = sends || p == self;
     receives = receives || d == self;
   }
-  std::unique_ptr<CudaIpcKvTransfer> transfer;
-  std::vector<std::byte> mine(CudaIpcKvTransfer::kExportBytes);
+  std::unique_ptr<CudaIpcKvLink> transfer;
+  std::vector<std::byte> mine(CudaIpcKvLink::kExportBytes);
   std::string failure;
   if (sends || receives) {
     try {
-      transfer =
-          std::make_unique<CudaIpcKvTransfer>(placements[static_cast<size_t>(self.value)].device,
-                                              sends, receives, CudaIpcKvTransfer::Options{});
+      transfer = std::make_unique<CudaIpcKvLink>(placements[static_cast<size_t>(self.value)].device,
+                                                 sends, receives, CudaIpcKvLink::Options{});
       if (sends) mine = transfer->exported();
     } catch (const std::exception& e) {
       failure = e.what();
@@ -100,8 +99,8 @@ std::unique_ptr<DeviceKvTransfer> make_cuda_ipc_transfer(
   for (const auto& [p, d] : ipc) {
     if (p == self) transfer->add_receiver(d.value);
     if (d == self) {
-      const auto at = static_cast<size_t>(p.value) * CudaIpcKvTransfer::kExportBytes;
-      transfer->add_sender(p.value, std::span(all).subspan(at, CudaIpcKvTransfer::kExportBytes));
+      const auto at = static_cast<size_t>(p.value) * CudaIpcKvLink::kExportBytes;
+      transfer->add_sender(p.value, std::span(all).subspan(at, CudaIpcKvLink::kExportBytes));
     }
   }
   return transfer;
@@ -110,9 +109,9 @@ std::unique_ptr<DeviceKvTransfer> make_cuda_ipc_transfer(
 // The NCCL transfer of this rank: a two-rank communicator per pair it is in,
 // joined in `pairs`' order (the same on every rank, so no rank waits in a
 // cycle); the lower rank makes the id and sends it to the higher.
-std::unique_ptr<DeviceKvTransfer> make_nccl_transfer(
-    const MpiRuntime& mpi, const ClusterSpec& spec, std::span<const RankPlacement> placements,
-    const std::vector<std::pair<Rank, Rank>>& pairs) {
+std::unique_ptr<DeviceKvLink> make_nccl_transfer(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                 std::span<const RankPlacement> placements,
+                                                 const std::vector<std::pair<Rank, Rank>>& pairs) {
   const Rank self = mpi.rank();
   bool sends = false, receives = false;  // a prefill rank sends, a decode rank receives
   for (const InstanceSpec& instance : spec.instances) {
@@ -124,7 +123,7 @@ std::unique_ptr<DeviceKvTransfer> make_nccl_transfer(
   }
   // The device transfer (its staging) first, on every rank in a pair, and all agree
   // that every one has it before any rank waits on a peer in the pairing.
-  std::unique_ptr<NcclKvTransfer> transfer;
+  std::unique_ptr<NcclKvLink> transfer;
   const int device = placements[static_cast<size_t>(self.value)].device;
   const bool paired = std::any_of(pairs.begin(), pairs.end(), [&](const auto& pair) {
     return pair.first == self || pair.second == self;
@@ -132,8 +131,7 @@ std::unique_ptr<DeviceKvTransfer> make_nccl_transfer(
   std::string failure;
   if (paired) {
     try {
-      transfer =
-          std::make_unique<NcclKvTransfer>(device, sends, receives, NcclKvTransfer::Options{});
+      transfer = std::make_unique<NcclKvLink>(device, sends, receives, NcclKvLink::Options{});
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -146,16 +144,16 @@ std::unique_ptr<DeviceKvTransfer> make_nccl_transfer(
       if (self != lo && self != hi) continue;
       std::vector<std::byte> id;
       if (self == lo) {
-        id = NcclKvTransfer::unique_id();
+        id = NcclKvLink::unique_id();
         DUET_MPI_CHECK(
             MPI_Send(id.data(), static_cast<int>(id.size()), MPI_BYTE, hi.value, 0, comm));
       } else {
-        id.resize(NcclKvTransfer::kUniqueIdBytes);
+        id.resize(NcclKvLink::kUniqueIdBytes);
         DUET_MPI_CHECK(MPI_Recv(id.data(), static_cast<int>(id.size()), MPI_BYTE, lo.value, 0, comm,
                                 MPI_STATUS_IGNORE));
       }
       const int in_pair = self == lo ? 0 : 1;
-      void* nccl = NcclKvTransfer::join(id, 2, in_pair, device);
+      void* nccl = NcclKvLink::join(id, 2, in_pair, device);
       const int peer = self == lo ? hi.value : lo.value;
       transfer->add_peer(peer, nccl, 1 - in_pair);
       transfer->connect(peer);  // both ranks, now: the pair's connection is set up here
@@ -198,10 +196,9 @@ std::vector<RankPlacement> gather_placements(const MpiRuntime& mpi, const RankPl
   return placements;
 }
 
-std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
-                                                          const ClusterSpec& spec,
-                                                          std::span<const RankPlacement> placements,
-                                                          SameHostGpus same_host) {
+std::unique_ptr<DeviceKvLink> make_device_kv_link(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                  std::span<const RankPlacement> placements,
+                                                  SameHostGpus same_host) {
   DUET_ASSERT(static_cast<int>(placements.size()) == mpi.world_size());
   const Rank self = mpi.rank();
   std::vector<std::pair<Rank, Rank>> ipc;
@@ -228,7 +225,7 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
     if (u == std::byte{0}) return nullptr;  // that rank's instance reports why it cannot start
   }
 #ifdef DUET_HAVE_CUDA
-  std::vector<std::unique_ptr<DeviceKvTransfer>> kinds;
+  std::vector<std::unique_ptr<DeviceKvLink>> kinds;
   if (!ipc.empty()) {
     if (auto transfer = make_cuda_ipc_transfer(mpi, placements, ipc))
       kinds.push_back(std::move(transfer));
@@ -240,7 +237,7 @@ std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
   }
   if (kinds.empty()) return nullptr;
   if (kinds.size() == 1) return std::move(kinds.front());
-  return std::make_unique<MixedDeviceKvTransfer>(std::move(kinds));
+  return std::make_unique<MixedDeviceKvLink>(std::move(kinds));
 #else
   return nullptr;
 #endif

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "common/cluster/cluster_spec.h"
-#include "common/mpi/mpi_runtime.h"
-#include "worker/transfer/device/device_kv_transfer.h"
+#include "common/control_plane/mpi_runtime.h"
+#include "worker/transfer/device/device_kv_link.h"
 #include "worker/transfer/tcp_kv_transfer.h"
 #include "worker/transfer/transfer_kind.h"
 
@@ -32,10 +32,9 @@ std::vector<RankPlacement> gather_placements(const MpiRuntime& mpi, const RankPl
 // The device transfer for this rank's GPU pairs, or null when it has none (or
 // when any rank's GPU is unusable: its instance then refuses to start, and
 // no rank waits on it here). Logs every pair's transfer kind on the coordinator.
-std::unique_ptr<DeviceKvTransfer> make_device_kv_transfer(const MpiRuntime& mpi,
-                                                          const ClusterSpec& spec,
-                                                          std::span<const RankPlacement> placements,
-                                                          SameHostGpus same_host);
+std::unique_ptr<DeviceKvLink> make_device_kv_link(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                  std::span<const RankPlacement> placements,
+                                                  SameHostGpus same_host);
 
 // The KV transfer over TCP of every rank that may exchange KV (a prefill
 // rank or a decode rank of a disaggregated cluster), null for the others:

@@ -1,4 +1,4 @@
-// The receiving side's book of payloads in flight on a DeviceKvTransfer:
+// The receiving side's book of payloads in flight on a DeviceKvLink:
 // which import each receipt writes into and how many rows it carries, and
 // the outcomes (complete, failed, released) that must wait until an import
 // has no receipt pending, because after them nothing may write its blocks.

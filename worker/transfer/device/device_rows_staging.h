@@ -1,4 +1,4 @@
-// The device memory the GPU device transfers (worker/transfer/device/device_kv_transfer.h) stage
+// The device memory the GPU device transfers (worker/transfer/device/device_kv_link.h) stage
 // rows payloads in, and the device copies of the block tables their pack and
 // unpack kernels read: each a StagingRing over one allocation made once.
 // Plain C++ (the CUDA calls are in the .cpp); built with the CUDA backend.

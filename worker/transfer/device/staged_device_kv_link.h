@@ -1,5 +1,5 @@
-// What the two GPU device transfers (worker/transfer/device/device_kv_transfer.h),
-// CudaIpcKvTransfer and NcclKvTransfer, share: each side's staging on one
+// What the two GPU device transfers (worker/transfer/device/device_kv_link.h),
+// CudaIpcKvLink and NcclKvLink, share: each side's staging on one
 // CUDA device, the sending half (send() waits up to the patience for room in
 // the send staging and packs the rows there on the compute stream), the front
 // of the receiving half (receive() checks a payload and numbers its receipt),
@@ -8,7 +8,7 @@
 // it answers the hooks below.
 //
 // Plain C++ (the CUDA calls are in the .cpp); built with the CUDA backend.
-// Threads: as DeviceKvTransfer. send_mutex_ guards the send staging's ring
+// Threads: as DeviceKvLink. send_mutex_ guards the send staging's ring
 // (the engine thread acquires, the communication thread releases) and what
 // a subclass reads in sends_to() and queue_send().
 #pragma once
@@ -27,12 +27,12 @@
 #include "common/model/kv_layout.h"
 #include "worker/kv/kv_cache.h"
 #include "worker/kv/kv_rows.h"
-#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_link.h"
 #include "worker/transfer/device/device_rows_staging.h"
 
 namespace duet {
 
-class StagedDeviceKvTransfer : public DeviceKvTransfer {
+class StagedDeviceKvLink : public DeviceKvLink {
  public:
   struct Options {
     size_t send_staging_bytes = size_t{256} << 20;
@@ -44,8 +44,8 @@ class StagedDeviceKvTransfer : public DeviceKvTransfer {
     std::chrono::milliseconds patience{std::chrono::seconds(30)};
   };
 
-  StagedDeviceKvTransfer(const StagedDeviceKvTransfer&) = delete;
-  StagedDeviceKvTransfer& operator=(const StagedDeviceKvTransfer&) = delete;
+  StagedDeviceKvLink(const StagedDeviceKvLink&) = delete;
+  StagedDeviceKvLink& operator=(const StagedDeviceKvLink&) = delete;
 
   std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
                                        int64_t layer, std::span<const int32_t> block_table,
@@ -63,7 +63,7 @@ class StagedDeviceKvTransfer : public DeviceKvTransfer {
   // On CUDA device `device`, with send staging when the rank `sends` and
   // receive staging when it `receives`; `kind` names the transfer in
   // messages ("NCCL"). Throws kUnsupported without the GPU.
-  StagedDeviceKvTransfer(const char* kind, int device, bool sends, bool receives, Options options);
+  StagedDeviceKvLink(const char* kind, int device, bool sends, bool receives, Options options);
 
   // A payload as receive() is told of it, for check() and queue_receipt().
   struct Payload {

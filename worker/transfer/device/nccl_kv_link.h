@@ -1,4 +1,4 @@
-// DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) between GPUs of different
+// DeviceKvLink (worker/transfer/device/device_kv_link.h) between GPUs of different
 // hosts (or of one host, by choice), over NCCL point-to-point.
 //
 // Each peer has its own two-rank communicator (made at start, in the one
@@ -31,11 +31,11 @@
 #include <vector>
 
 #include "worker/transfer/device/device_rows_staging.h"
-#include "worker/transfer/device/staged_device_kv_transfer.h"
+#include "worker/transfer/device/staged_device_kv_link.h"
 
 namespace duet {
 
-class NcclKvTransfer final : public StagedDeviceKvTransfer {
+class NcclKvLink final : public StagedDeviceKvLink {
  public:
   // A new NCCL unique id as bytes (one per communicator, made by one rank).
   static constexpr size_t kUniqueIdBytes = 128;
@@ -47,11 +47,11 @@ class NcclKvTransfer final : public StagedDeviceKvTransfer {
 
   // On CUDA device `device`, with send staging when the rank `sends` and
   // receive staging when it `receives`. Throws kUnsupported without the GPU.
-  NcclKvTransfer(int device, bool sends, bool receives, Options options);
+  NcclKvLink(int device, bool sends, bool receives, Options options);
   // Destroys every communicator, aborting those with work still posted.
-  ~NcclKvTransfer() override;
-  NcclKvTransfer(const NcclKvTransfer&) = delete;
-  NcclKvTransfer& operator=(const NcclKvTransfer&) = delete;
+  ~NcclKvLink() override;
+  NcclKvLink(const NcclKvLink&) = delete;
+  NcclKvLink& operator=(const NcclKvLink&) = delete;
 
   // World rank `peer` is rank `peer_rank` of `comm` (an ncclComm_t from
   // join(); the device transfer owns it from now on). A one-rank communicator whose

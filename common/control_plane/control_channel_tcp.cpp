@@ -1,4 +1,4 @@
-// The control channel's TCP link (common/mpi/control_channel.h,
+// The control channel's TCP link (common/control_plane/control_channel.h,
 // Transport::kTcp): its start-up in the constructor, the communication
 // thread's wake-up eventfd, and the receive side of each pass. The rest of
 // the channel is control_channel.cpp's.
@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "common/control_plane/control_channel.h"
 #include "common/error.h"
 #include "common/format.h"
-#include "common/mpi/control_channel.h"
 #include "common/net/tcp_connect.h"
 
 namespace duet {

@@ -1,18 +1,18 @@
-// How the rows payloads of a KV transfer move between two GPUs, device to
-// device, without touching host memory. The protocol (orders, rows headers,
-// handoffs, cancels, deadlines) stays with the KvTransfer that owns the
-// device transfer (worker/transfer/mpi_kv_transfer.h): it sends each rows header over MPI as
-// always, and the payload goes through the device transfer instead of a second MPI
-// message. Two implementations: NcclKvTransfer (worker/transfer/device/nccl_kv_transfer.h;
-// GPUs of different hosts) and CudaIpcKvTransfer (worker/transfer/device/cuda_ipc_kv_transfer.h;
+// A device KV link: how the rows payloads of a KV transfer move between two
+// GPUs, device to device, without touching host memory. The protocol (orders,
+// rows headers, handoffs, cancels, deadlines) stays with the KvTransfer that
+// owns the link (worker/transfer/mpi_kv_transfer.h): it sends each rows header
+// over MPI as always, and the payload goes through the link instead of a
+// second MPI message. Two implementations: NcclKvLink (worker/transfer/device/nccl_kv_link.h;
+// GPUs of different hosts) and CudaIpcKvLink (worker/transfer/device/cuda_ipc_kv_link.h;
 // GPUs of one host, or one GPU shared by two ranks), both on the staging, the
-// send and the receive front they share (worker/transfer/device/staged_device_kv_transfer.h).
+// send and the receive front they share (worker/transfer/device/staged_device_kv_link.h).
 //
 // A payload is the packed rows of worker/kv/kv_rows.h, made on the sender's GPU
-// in staging memory the device transfer owns: the sender's blocks may be reused as
+// in staging memory the link owns: the sender's blocks may be reused as
 // soon as send() returns (the packing is queued on the compute stream, ahead
 // of whatever overwrites them). The receiver unpacks each payload into the
-// import's reserved blocks on the device transfer's own stream; a receipt completes
+// import's reserved blocks on the link's own stream; a receipt completes
 // when its rows are in place (a CUDA event has fired), and only then does the
 // transfer count them, so attention never reads a layer still in flight.
 // An import ends (completes, fails or is released) only when none of its
@@ -42,9 +42,9 @@ struct DeviceRowsTicket {
   uint64_t bytes = 0;
 };
 
-class DeviceKvTransfer {
+class DeviceKvLink {
  public:
-  virtual ~DeviceKvTransfer() = default;
+  virtual ~DeviceKvLink() = default;
 
   // Whether rows to or from world rank `peer` go through this device transfer.
   virtual bool carries(int peer) const = 0;

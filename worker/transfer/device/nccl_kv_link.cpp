@@ -1,4 +1,4 @@
-#include "worker/transfer/device/nccl_kv_transfer.h"
+#include "worker/transfer/device/nccl_kv_link.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -14,7 +14,7 @@
 namespace duet {
 namespace {
 
-static_assert(sizeof(ncclUniqueId) == NcclKvTransfer::kUniqueIdBytes);
+static_assert(sizeof(ncclUniqueId) == NcclKvLink::kUniqueIdBytes);
 
 // At most this many operations in one ncclGroupStart/ncclGroupEnd.
 constexpr size_t kMaxGroupOps = 256;
@@ -33,7 +33,7 @@ void connect_at_init() { ::setenv("NCCL_RUNTIME_CONNECT", "0", 0); }
 
 }  // namespace
 
-std::vector<std::byte> NcclKvTransfer::unique_id() {
+std::vector<std::byte> NcclKvLink::unique_id() {
   connect_at_init();
   ncclUniqueId id;
   DUET_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -42,8 +42,7 @@ std::vector<std::byte> NcclKvTransfer::unique_id() {
   return bytes;
 }
 
-void* NcclKvTransfer::join(std::span<const std::byte> unique_id, int n_ranks, int rank,
-                           int device) {
+void* NcclKvLink::join(std::span<const std::byte> unique_id, int n_ranks, int rank, int device) {
   ncclUniqueId id;
   DUET_REQUIRE(unique_id.size() == sizeof id, "an NCCL unique id of {} bytes, not {}",
                unique_id.size(), sizeof id);
@@ -56,10 +55,10 @@ void* NcclKvTransfer::join(std::span<const std::byte> unique_id, int n_ranks, in
   return comm;
 }
 
-NcclKvTransfer::NcclKvTransfer(int device, bool sends, bool receives, Options options)
-    : StagedDeviceKvTransfer("NCCL", device, sends, receives, options) {}
+NcclKvLink::NcclKvLink(int device, bool sends, bool receives, Options options)
+    : StagedDeviceKvLink("NCCL", device, sends, receives, options) {}
 
-NcclKvTransfer::~NcclKvTransfer() {
+NcclKvLink::~NcclKvLink() {
   cudaSetDevice(device_);
   const bool in_flight = !receipts_.empty() || !sends_.empty();
   for (auto& [peer, p] : peers_) {
@@ -74,7 +73,7 @@ NcclKvTransfer::~NcclKvTransfer() {
   for (auto& [peer, p] : peers_) p.stream.reset();  // synchronized: nothing runs on the staging
 }
 
-void NcclKvTransfer::add_peer(int peer, void* comm, int peer_rank) {
+void NcclKvLink::add_peer(int peer, void* comm, int peer_rank) {
   DUET_ASSERT(comm != nullptr && !peers_.contains(peer), "rank {}'s NCCL connection added twice",
               peer);
   bind(device_);
@@ -89,7 +88,7 @@ void NcclKvTransfer::add_peer(int peer, void* comm, int peer_rank) {
   peers_.emplace(peer, std::move(p));
 }
 
-void NcclKvTransfer::connect(int peer) {
+void NcclKvLink::connect(int peer) {
   bind(device_);
   const Peer& p = peers_.at(peer);
   cuda::DeviceBuffer bytes(2);
@@ -102,20 +101,20 @@ void NcclKvTransfer::connect(int peer) {
   p.stream->synchronize();
 }
 
-bool NcclKvTransfer::carries(int peer) const {
+bool NcclKvLink::carries(int peer) const {
   std::lock_guard lock(send_mutex_);
   return peers_.contains(peer);
 }
 
 // ---------------------------------------------------------------- the engine thread
 
-bool NcclKvTransfer::sends_to(int peer) const {
+bool NcclKvLink::sends_to(int peer) const {
   const auto it = peers_.find(peer);
   return it != peers_.end() && !it->second.broken;
 }
 
 // Packed (and waited for) before the send is posted.
-bool NcclKvTransfer::queue_send(int peer, size_t offset, size_t bytes) {
+bool NcclKvLink::queue_send(int peer, size_t offset, size_t bytes) {
   auto queued = std::make_unique<Send>();
   queued->peer = peer;
   queued->offset = offset;
@@ -131,7 +130,7 @@ bool NcclKvTransfer::queue_send(int peer, size_t offset, size_t bytes) {
 
 // ---------------------------------------------------------------- the communication thread
 
-void NcclKvTransfer::check(const Payload& payload) const {
+void NcclKvLink::check(const Payload& payload) const {
   DUET_ASSERT(peers_.contains(payload.peer) && receive_staging_ != nullptr,
               "rows from rank {}, which has no NCCL connection here", payload.peer);
   const DeviceRowsTicket& ticket = payload.ticket;
@@ -143,7 +142,7 @@ void NcclKvTransfer::check(const Payload& payload) const {
                payload.peer, ticket.bytes, receive_staging_->capacity());
 }
 
-void NcclKvTransfer::queue_receipt(uint64_t id, const Payload& payload) {
+void NcclKvLink::queue_receipt(uint64_t id, const Payload& payload) {
   if (peers_.at(payload.peer).broken) {  // its send was ended with the communicator
     abandoned_.push_back(Done{id, payload.peer, false, std::nullopt});
     return;
@@ -157,7 +156,7 @@ void NcclKvTransfer::queue_receipt(uint64_t id, const Payload& payload) {
   receipts_.push_back(std::move(receipt));
 }
 
-std::vector<DeviceKvTransfer::Done> NcclKvTransfer::poll() {
+std::vector<DeviceKvLink::Done> NcclKvLink::poll() {
   std::vector<Done> done = std::move(abandoned_);
   abandoned_.clear();
   {
@@ -177,7 +176,7 @@ std::vector<DeviceKvTransfer::Done> NcclKvTransfer::poll() {
   return done;
 }
 
-void NcclKvTransfer::post(std::vector<Done>& done) {
+void NcclKvLink::post(std::vector<Done>& done) {
   std::vector<Send*> sends;
   {
     std::lock_guard lock(send_mutex_);
@@ -283,7 +282,7 @@ void NcclKvTransfer::post(std::vector<Done>& done) {
   }
 }
 
-void NcclKvTransfer::collect(std::vector<Done>& done) {
+void NcclKvLink::collect(std::vector<Done>& done) {
   {
     std::lock_guard lock(send_mutex_);
     bool freed = false;
@@ -313,7 +312,7 @@ void NcclKvTransfer::collect(std::vector<Done>& done) {
 // A connection is given up when NCCL reports an asynchronous error on it, or when
 // a send or receive posted on it has waited longer than the patience (its
 // peer stopped: nothing else can end a posted operation).
-void NcclKvTransfer::check_peers(std::vector<Done>& done) {
+void NcclKvLink::check_peers(std::vector<Done>& done) {
   const auto now = std::chrono::steady_clock::now();
   std::vector<int> broken;
   for (auto& [peer, p] : peers_) {
@@ -338,13 +337,13 @@ void NcclKvTransfer::check_peers(std::vector<Done>& done) {
   }
 }
 
-void NcclKvTransfer::abandon(int peer) {
+void NcclKvLink::abandon(int peer) {
   if (!peers_.contains(peer)) return;
   bind(device_);
   break_link(peer, abandoned_);  // its receipts complete (not ok) in the next poll()
 }
 
-void NcclKvTransfer::break_link(int peer, std::vector<Done>& done) {
+void NcclKvLink::break_link(int peer, std::vector<Done>& done) {
   Peer& p = peers_.at(peer);
   if (p.broken) return;
   ncclCommAbort(as_comm(p.comm));  // ends the operations posted on it, on the GPU too
@@ -378,9 +377,9 @@ void NcclKvTransfer::break_link(int peer, std::vector<Done>& done) {
   });
 }
 
-void NcclKvTransfer::released(int, const DeviceRowsTicket&) {}
+void NcclKvLink::released(int, const DeviceRowsTicket&) {}
 
-bool NcclKvTransfer::busy() const {
+bool NcclKvLink::busy() const {
   if (!receipts_.empty() || !abandoned_.empty()) return true;
   std::lock_guard lock(send_mutex_);
   return !sends_.empty();

@@ -1,7 +1,7 @@
 // The order in which a process hands its messages to MPI. The control
 // channel's communication thread posts every message of the process, its
 // own and those of the endpoints attached to it (the KV transfer), through
-// one SendQueue (common/mpi/control_channel.h).
+// one SendQueue (common/control_plane/control_channel.h).
 //
 // Two lanes:
 // - control: the control plane's messages and the KV transfer's headers,

@@ -1,6 +1,6 @@
 // The control plane's transport: typed messages (common/cluster/control_messages.h)
 // between the ranks of the MPI job, driven by one communication thread, and the
-// process's one send queue (common/mpi/send_queue.h), which attached endpoints (the KV
+// process's one send queue (common/control_plane/send_queue.h), which attached endpoints (the KV
 // transfer) post through too: control messages leave ahead of KV payloads, whose
 // bytes in flight are bounded per destination.
 //
@@ -33,8 +33,8 @@
 #include "common/cluster/cluster_spec.h"
 #include "common/cluster/control_messages.h"
 #include "common/cluster/transport.h"
-#include "common/mpi/mpi_runtime.h"
-#include "common/mpi/send_queue.h"
+#include "common/control_plane/mpi_runtime.h"
+#include "common/control_plane/send_queue.h"
 #include "common/net/tcp_frame_link.h"
 
 namespace duet {

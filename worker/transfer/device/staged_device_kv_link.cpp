@@ -1,4 +1,4 @@
-#include "worker/transfer/device/staged_device_kv_transfer.h"
+#include "worker/transfer/device/staged_device_kv_link.h"
 
 #include <cuda_runtime.h>
 
@@ -15,8 +15,8 @@ void bind(int device) { DUET_CUDA_CHECK(cudaSetDevice(device)); }
 
 }  // namespace
 
-StagedDeviceKvTransfer::StagedDeviceKvTransfer(const char* kind, int device, bool sends,
-                                               bool receives, Options options)
+StagedDeviceKvLink::StagedDeviceKvLink(const char* kind, int device, bool sends, bool receives,
+                                       Options options)
     : device_(device), options_(options), kind_(kind) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
@@ -37,11 +37,10 @@ StagedDeviceKvTransfer::StagedDeviceKvTransfer(const char* kind, int device, boo
 
 // ---------------------------------------------------------------- sending (engine thread)
 
-std::optional<DeviceRowsTicket> StagedDeviceKvTransfer::send(int peer, const KvLayout& layout,
-                                                             const DeviceKv& kv, int64_t layer,
-                                                             std::span<const int32_t> block_table,
-                                                             int64_t pos0, int64_t n,
-                                                             KvHeads heads) {
+std::optional<DeviceRowsTicket> StagedDeviceKvLink::send(int peer, const KvLayout& layout,
+                                                         const DeviceKv& kv, int64_t layer,
+                                                         std::span<const int32_t> block_table,
+                                                         int64_t pos0, int64_t n, KvHeads heads) {
   DUET_ASSERT(send_staging_ != nullptr && kv.valid() && kv.device == device_,
               "{} send from device {} through a transfer of device {}", kind_, kv.device, device_);
   const size_t bytes = payload_bytes(layout, n, heads);
@@ -75,12 +74,12 @@ std::optional<DeviceRowsTicket> StagedDeviceKvTransfer::send(int peer, const KvL
   return DeviceRowsTicket{offset, bytes};
 }
 
-void StagedDeviceKvTransfer::released(int peer, const DeviceRowsTicket& ticket) {
+void StagedDeviceKvLink::released(int peer, const DeviceRowsTicket& ticket) {
   DUET_ASSERT(send_staging_ != nullptr, "rank {} released staging this rank never sent", peer);
   release_send_staging(ticket.offset);
 }
 
-void StagedDeviceKvTransfer::release_send_staging(size_t offset) {
+void StagedDeviceKvLink::release_send_staging(size_t offset) {
   {
     std::lock_guard lock(send_mutex_);
     send_staging_->release(offset);
@@ -90,10 +89,10 @@ void StagedDeviceKvTransfer::release_send_staging(size_t offset) {
 
 // ---------------------------------------------------------------- receiving (communication thread)
 
-uint64_t StagedDeviceKvTransfer::receive(int peer, const DeviceRowsTicket& ticket,
-                                         const KvLayout& layout, const DeviceKv* kv,
-                                         std::span<const int32_t> block_table, int64_t layer,
-                                         int64_t pos0, int64_t n, KvHeads heads) {
+uint64_t StagedDeviceKvLink::receive(int peer, const DeviceRowsTicket& ticket,
+                                     const KvLayout& layout, const DeviceKv* kv,
+                                     std::span<const int32_t> block_table, int64_t layer,
+                                     int64_t pos0, int64_t n, KvHeads heads) {
   DUET_ASSERT(kv == nullptr || kv->device == device_,
               "rows for device {} through a transfer of device {}", kv->device, device_);
   const Payload payload{peer, ticket, layout, kv, block_table, layer, pos0, n, heads};
@@ -103,8 +102,7 @@ uint64_t StagedDeviceKvTransfer::receive(int peer, const DeviceRowsTicket& ticke
   return id;
 }
 
-StagedDeviceKvTransfer::RowsDestination StagedDeviceKvTransfer::destination(
-    const Payload& payload) {
+StagedDeviceKvLink::RowsDestination StagedDeviceKvLink::destination(const Payload& payload) {
   RowsDestination rows;
   rows.layout = payload.layout;
   rows.layer = payload.layer;
@@ -120,13 +118,13 @@ StagedDeviceKvTransfer::RowsDestination StagedDeviceKvTransfer::destination(
   return rows;
 }
 
-void StagedDeviceKvTransfer::unpack(const RowsDestination& rows, const int32_t* table,
-                                    size_t staging_offset, void* stream) const {
+void StagedDeviceKvLink::unpack(const RowsDestination& rows, const int32_t* table,
+                                size_t staging_offset, void* stream) const {
   cuda::unpack_kv_rows(rows.layout, rows.kv.data, rows.layer, table, rows.pos0, rows.n,
                        rows.heads.first, rows.heads.count, receive_staging_->at(staging_offset),
                        stream);
 }
 
-std::vector<std::string> StagedDeviceKvTransfer::take_notes() { return std::exchange(notes_, {}); }
+std::vector<std::string> StagedDeviceKvLink::take_notes() { return std::exchange(notes_, {}); }
 
 }  // namespace duet

@@ -1,4 +1,4 @@
-#include "common/mpi/control_channel.h"
+#include "common/control_plane/control_channel.h"
 
 #include <spdlog/spdlog.h>
 #include <unistd.h>

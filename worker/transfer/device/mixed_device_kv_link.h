@@ -1,7 +1,7 @@
 // Device transfers of several kinds behind one (a rank with CUDA IPC peers on its own
 // host and NCCL peers on others): each call goes to the device transfer that carries
 // its peer, and receipts are renumbered so that two kinds' never clash.
-// Plain C++; threads as DeviceKvTransfer.
+// Plain C++; threads as DeviceKvLink.
 #pragma once
 
 #include <cstdint>
@@ -12,14 +12,14 @@
 #include <vector>
 
 #include "common/error.h"
-#include "worker/transfer/device/device_kv_transfer.h"
+#include "worker/transfer/device/device_kv_link.h"
 
 namespace duet {
 
-class MixedDeviceKvTransfer final : public DeviceKvTransfer {
+class MixedDeviceKvLink final : public DeviceKvLink {
  public:
   // Device transfers that carry disjoint sets of peers.
-  explicit MixedDeviceKvTransfer(std::vector<std::unique_ptr<DeviceKvTransfer>> kinds)
+  explicit MixedDeviceKvLink(std::vector<std::unique_ptr<DeviceKvLink>> kinds)
       : kinds_(std::move(kinds)) {}
 
   bool carries(int peer) const override { return find(peer) != nullptr; }
@@ -27,7 +27,7 @@ class MixedDeviceKvTransfer final : public DeviceKvTransfer {
   std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
                                        int64_t layer, std::span<const int32_t> block_table,
                                        int64_t pos0, int64_t n, KvHeads heads) override {
-    DeviceKvTransfer* transfer = find(peer);
+    DeviceKvLink* transfer = find(peer);
     if (transfer == nullptr) return std::nullopt;
     return transfer->send(peer, layout, kv, layer, block_table, pos0, n, heads);
   }
@@ -58,11 +58,11 @@ class MixedDeviceKvTransfer final : public DeviceKvTransfer {
   }
 
   void released(int peer, const DeviceRowsTicket& ticket) override {
-    if (DeviceKvTransfer* transfer = find(peer)) transfer->released(peer, ticket);
+    if (DeviceKvLink* transfer = find(peer)) transfer->released(peer, ticket);
   }
 
   void abandon(int peer) override {
-    if (DeviceKvTransfer* transfer = find(peer)) transfer->abandon(peer);
+    if (DeviceKvLink* transfer = find(peer)) transfer->abandon(peer);
   }
 
   std::vector<std::string> take_notes() override {
@@ -81,7 +81,7 @@ class MixedDeviceKvTransfer final : public DeviceKvTransfer {
   }
 
  private:
-  DeviceKvTransfer* find(int peer) const {
+  DeviceKvLink* find(int peer) const {
     for (const auto& transfer : kinds_) {
       if (transfer->carries(peer)) return transfer.get();
     }
@@ -95,7 +95,7 @@ class MixedDeviceKvTransfer final : public DeviceKvTransfer {
     return 0;
   }
 
-  std::vector<std::unique_ptr<DeviceKvTransfer>> kinds_;
+  std::vector<std::unique_ptr<DeviceKvLink>> kinds_;
   std::map<std::pair<size_t, uint64_t>, uint64_t> ids_;  // (kind, its receipt) -> ours
   uint64_t next_ = 1;
 };

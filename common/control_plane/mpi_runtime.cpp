@@ -1,4 +1,4 @@
-#include "common/mpi/mpi_runtime.h"
+#include "common/control_plane/mpi_runtime.h"
 
 #include <fmt/format.h>
 

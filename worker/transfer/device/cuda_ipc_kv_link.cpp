@@ -1,4 +1,4 @@
-#include "worker/transfer/device/cuda_ipc_kv_transfer.h"
+#include "worker/transfer/device/cuda_ipc_kv_link.h"
 
 #include <cuda_runtime.h>
 
@@ -22,14 +22,14 @@ struct ExportRecord {
   cudaIpcMemHandle_t memory{};
   cudaIpcEventHandle_t event{};
 };
-static_assert(sizeof(ExportRecord) <= CudaIpcKvTransfer::kExportBytes);
+static_assert(sizeof(ExportRecord) <= CudaIpcKvLink::kExportBytes);
 
 void bind(int device) { DUET_CUDA_CHECK(cudaSetDevice(device)); }
 
 }  // namespace
 
-CudaIpcKvTransfer::CudaIpcKvTransfer(int device, bool sends, bool receives, Options options)
-    : StagedDeviceKvTransfer("CUDA IPC", device, sends, receives, options) {
+CudaIpcKvLink::CudaIpcKvLink(int device, bool sends, bool receives, Options options)
+    : StagedDeviceKvLink("CUDA IPC", device, sends, receives, options) {
   if (receives) stream_ = std::make_unique<DeviceStream>();
   // Last: no destructor runs for a constructor that throws, and the event is
   // not a member that frees itself.
@@ -41,7 +41,7 @@ CudaIpcKvTransfer::CudaIpcKvTransfer(int device, bool sends, bool receives, Opti
   }
 }
 
-CudaIpcKvTransfer::~CudaIpcKvTransfer() {
+CudaIpcKvLink::~CudaIpcKvLink() {
   cudaSetDevice(device_);
   if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_->get()));
   receipts_.clear();
@@ -52,7 +52,7 @@ CudaIpcKvTransfer::~CudaIpcKvTransfer() {
   if (send_event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(send_event_));
 }
 
-std::vector<std::byte> CudaIpcKvTransfer::exported() const {
+std::vector<std::byte> CudaIpcKvLink::exported() const {
   DUET_ASSERT(send_staging_ != nullptr, "a CUDA IPC transfer that does not send exports nothing");
   bind(device_);
   ExportRecord record;
@@ -65,14 +65,14 @@ std::vector<std::byte> CudaIpcKvTransfer::exported() const {
   return bytes;
 }
 
-void CudaIpcKvTransfer::add_receiver(int peer) {
+void CudaIpcKvLink::add_receiver(int peer) {
   DUET_ASSERT(send_staging_ != nullptr, "rank {} receives from a transfer that does not send",
               peer);
   std::lock_guard lock(send_mutex_);
   receivers_.insert(peer);
 }
 
-void CudaIpcKvTransfer::add_sender(int peer, std::span<const std::byte> exported) {
+void CudaIpcKvLink::add_sender(int peer, std::span<const std::byte> exported) {
   DUET_ASSERT(receive_staging_ != nullptr, "rank {} sends to a transfer that does not receive",
               peer);
   ExportRecord record;
@@ -95,7 +95,7 @@ void CudaIpcKvTransfer::add_sender(int peer, std::span<const std::byte> exported
   senders_.emplace(peer, sender);
 }
 
-bool CudaIpcKvTransfer::carries(int peer) const {
+bool CudaIpcKvLink::carries(int peer) const {
   if (senders_.contains(peer)) return true;
   std::lock_guard lock(send_mutex_);
   return receivers_.contains(peer);
@@ -103,17 +103,17 @@ bool CudaIpcKvTransfer::carries(int peer) const {
 
 // ---------------------------------------------------------------- sending (engine thread)
 
-bool CudaIpcKvTransfer::sends_to(int peer) const { return receivers_.contains(peer); }
+bool CudaIpcKvLink::sends_to(int peer) const { return receivers_.contains(peer); }
 
 // The event (what the receiver waits for) follows the packing on kv.stream.
-void CudaIpcKvTransfer::after_pack(void* stream) {
+void CudaIpcKvLink::after_pack(void* stream) {
   DUET_CUDA_CHECK(
       cudaEventRecord(static_cast<cudaEvent_t>(send_event_), static_cast<cudaStream_t>(stream)));
 }
 
 // ---------------------------------------------------------------- receiving (communication thread)
 
-void CudaIpcKvTransfer::check(const Payload& p) const {
+void CudaIpcKvLink::check(const Payload& p) const {
   const auto sender = senders_.find(p.peer);
   DUET_ASSERT(sender != senders_.end(), "rows from rank {}, whose CUDA IPC handles are not open",
               p.peer);
@@ -138,7 +138,7 @@ void CudaIpcKvTransfer::check(const Payload& p) const {
                receive_staging_->capacity());
 }
 
-void CudaIpcKvTransfer::queue_receipt(uint64_t id, const Payload& payload) {
+void CudaIpcKvLink::queue_receipt(uint64_t id, const Payload& payload) {
   bind(device_);  // the receipt's event belongs to this transfer's device
   auto receipt = std::make_unique<Receipt>();
   receipt->id = id;
@@ -148,7 +148,7 @@ void CudaIpcKvTransfer::queue_receipt(uint64_t id, const Payload& payload) {
   receipts_.push_back(std::move(receipt));
 }
 
-bool CudaIpcKvTransfer::start(Receipt& r) {
+bool CudaIpcKvLink::start(Receipt& r) {
   if (!r.rows.kv.valid()) {  // drained: nothing to copy
     r.started = true;
     return true;
@@ -187,7 +187,7 @@ bool CudaIpcKvTransfer::start(Receipt& r) {
   return true;
 }
 
-std::vector<DeviceKvTransfer::Done> CudaIpcKvTransfer::poll() {
+std::vector<DeviceKvLink::Done> CudaIpcKvLink::poll() {
   std::vector<Done> done;
   if (receipts_.empty()) return done;
   bind(device_);
@@ -208,8 +208,8 @@ std::vector<DeviceKvTransfer::Done> CudaIpcKvTransfer::poll() {
   return done;
 }
 
-void CudaIpcKvTransfer::abandon(int) {}
+void CudaIpcKvLink::abandon(int) {}
 
-bool CudaIpcKvTransfer::busy() const { return !receipts_.empty(); }
+bool CudaIpcKvLink::busy() const { return !receipts_.empty(); }
 
 }  // namespace duet

@@ -1,4 +1,4 @@
-// DeviceKvTransfer (worker/transfer/device/device_kv_transfer.h) between ranks whose GPUs are
+// DeviceKvLink (worker/transfer/device/device_kv_link.h) between ranks whose GPUs are
 // in one host (NCCL refuses two ranks on one GPU; between two GPUs of a host
 // a peer copy needs no communicator), over CUDA IPC.
 //
@@ -29,20 +29,20 @@
 #include <vector>
 
 #include "worker/transfer/device/device_rows_staging.h"
-#include "worker/transfer/device/staged_device_kv_transfer.h"
+#include "worker/transfer/device/staged_device_kv_link.h"
 
 namespace duet {
 
-class CudaIpcKvTransfer final : public StagedDeviceKvTransfer {
+class CudaIpcKvLink final : public StagedDeviceKvLink {
  public:
   static constexpr size_t kExportBytes = 160;
 
   // On CUDA device `device`: the send side's staging and event when `sends`,
   // the receive side's when `receives`. Throws kUnsupported without the GPU.
-  CudaIpcKvTransfer(int device, bool sends, bool receives, Options options);
-  ~CudaIpcKvTransfer() override;
-  CudaIpcKvTransfer(const CudaIpcKvTransfer&) = delete;
-  CudaIpcKvTransfer& operator=(const CudaIpcKvTransfer&) = delete;
+  CudaIpcKvLink(int device, bool sends, bool receives, Options options);
+  ~CudaIpcKvLink() override;
+  CudaIpcKvLink(const CudaIpcKvLink&) = delete;
+  CudaIpcKvLink& operator=(const CudaIpcKvLink&) = delete;
 
   // This rank's send staging and event handles (kExportBytes; sends only).
   std::vector<std::byte> exported() const;

@@ -1,4 +1,4 @@
-#include "common/mpi/control_handshake.h"
+#include "common/control_plane/control_handshake.h"
 
 #include <fmt/format.h>
 
