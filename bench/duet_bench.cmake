@@ -1,4 +1,4 @@
-# duet-bench, the serving load generator (bench/loadgen/), and its plot
+# duet-bench, the serving load generator (loadgen/), and its plot
 # script; included from bench/CMakeLists.txt.
 add_executable(duet-bench ${CMAKE_CURRENT_LIST_DIR}/duet_bench.cpp)
 target_link_libraries(duet-bench PRIVATE duet_loadgen CLI11::CLI11 duet_warnings)

@@ -2,7 +2,7 @@
 // OpenAI-compatible server (--http URL) with open-loop (--rate, a sweep of
 // rates) or closed-loop (--concurrency) traffic and reports TTFT, TPOT, ITL,
 // E2E, throughput and goodput; `duet-bench make-trace` writes a synthetic
-// trace. Wiring only: the work is in bench/loadgen/.
+// trace. Wiring only: the work is in loadgen/.
 //
 //   duet-bench --rate 2,4,8 -n 200 --input-len uniform:64:512 --output-len 128
 //              --slo ttft=500,tpot=50 --json out.json --plot out.png
@@ -24,14 +24,14 @@
 #include <string>
 #include <vector>
 
-#include "bench/loadgen/command_line.h"
-#include "bench/loadgen/http_client.h"
-#include "bench/loadgen/prompts.h"
-#include "bench/loadgen/report.h"
-#include "bench/loadgen/rpc_client.h"
-#include "bench/loadgen/runner.h"
-#include "bench/loadgen/stats.h"
-#include "bench/loadgen/workload.h"
+#include "loadgen/command_line.h"
+#include "loadgen/http_client.h"
+#include "loadgen/prompts.h"
+#include "loadgen/report.h"
+#include "loadgen/rpc_client.h"
+#include "loadgen/runner.h"
+#include "loadgen/stats.h"
+#include "loadgen/workload.h"
 #include "common/error.h"
 
 namespace {

@@ -3,14 +3,8 @@
 # bench/CMakeLists.txt. Its smoke run (label `mpi`, no model) passes only when
 # every transferred KV equals what was sent.
 #
-# Its rig and transfer phases are a library of their own: `duet profile`
-# (bench/sim/link_measure.h) times transfers with them too.
-add_library(duet_kv_transfer_phases STATIC ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/rig.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/transfer_phases.cpp)
-target_link_libraries(duet_kv_transfer_phases PUBLIC duet_transfer_mpi duet_worker
-  PRIVATE spdlog::spdlog duet_warnings)
-target_include_directories(duet_kv_transfer_phases PUBLIC ${PROJECT_SOURCE_DIR})
-
+# Its rig and transfer phases are sim/link/'s (duet_kv_transfer_phases): `duet
+# profile` times transfers with them too.
 add_executable(duet-kv-transfer-bench ${CMAKE_CURRENT_LIST_DIR}/kv_transfer_bench.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/ttft_phase.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_transfer/report.cpp)

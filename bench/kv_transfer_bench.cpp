@@ -39,8 +39,8 @@
 #include <optional>
 
 #include "bench/kv_transfer/report.h"
-#include "bench/kv_transfer/rig.h"
-#include "bench/kv_transfer/transfer_phases.h"
+#include "sim/link/rig.h"
+#include "sim/link/transfer_phases.h"
 #include "bench/kv_transfer/ttft_phase.h"
 #include "common/control_plane/control_channel.h"
 #include "common/control_plane/mpi_runtime.h"

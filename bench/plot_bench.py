@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots a duet-bench JSON report (bench/loadgen/report.h) to a PNG.
+"""Plots a duet-bench JSON report (loadgen/report.h) to a PNG.
 
     python3 bench/plot_bench.py REPORT.json OUT.png
 

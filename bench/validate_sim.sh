@@ -36,7 +36,7 @@ out=${OUT:-$root/.cache/validate_sim}
 build=${DUET_BUILD_DIR:-$root/build}
 duet=$build/tools/duet
 bench=$build/bench/duet-bench
-sim=$build/bench/sim/duet-sim
+sim=$build/sim/duet-sim
 sim_only=${SIM_ONLY:-0}
 mpirun=(mpirun --allow-run-as-root --oversubscribe)
 

@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "bench/kv_transfer/rig.h"
-#include "bench/sim/link_measure.h"
-#include "bench/sim/profile_measure.h"
-#include "bench/sim/roofline.h"
+#include "sim/link/rig.h"
+#include "sim/link_measure.h"
+#include "sim/profile_measure.h"
+#include "sim/roofline.h"
 #include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
 #include "kernels/cpu/isa.h"
@@ -183,7 +183,7 @@ int run_measured(const ProfileArgs& args) {
   profile.collectives = std::move(links.collectives);
   profile.note =
       "steps: the real engine with duet serve's configuration; each decoding sequence has KV "
-      "blocks of its own, imported (bench/sim/profile_measure.h). ";
+      "blocks of its own, imported (sim/profile_measure.h). ";
   profile.note += mpi ? "transfers and all_reduce: two ranks of one mpirun job on this machine. "
                       : "transfers and collectives not measured (run under mpirun -np 2 to "
                         "measure them). ";
@@ -193,7 +193,7 @@ int run_measured(const ProfileArgs& args) {
     profile.note += profile.host.samples.empty()
                         ? "host sharing not measured."
                         : "host: steps timed alone and beside a second instance of the same "
-                          "threads (bench/sim/profile_measure.h measure_neighbour).";
+                          "threads (sim/profile_measure.h measure_neighbour).";
   }
   sim::write_profile(args.out, profile);
   print_summary(profile);

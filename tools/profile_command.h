@@ -1,12 +1,12 @@
 // `duet profile`: the profile of the cluster simulator's cost model
-// (bench/sim/profile.h), written as JSON, in one of two ways:
+// (sim/profile.h), written as JSON, in one of two ways:
 // - measured on this machine: the real engine, configured as `duet serve`
 //   configures it, runs a plan of steps that are timed and fitted
-//   (bench/sim/profile_measure.h); under `mpirun -np 2` the two ranks also
+//   (sim/profile_measure.h); under `mpirun -np 2` the two ranks also
 //   time KV transfers (MPI, TCP) and the tensor-parallel all-reduce
-//   (bench/sim/link_measure.h), else the profile's note says they are not;
+//   (sim/link_measure.h), else the profile's note says they are not;
 // - --roofline: derived from a stated hardware description and a model shape
-//   (bench/sim/roofline.h), for hardware not at hand.
+//   (sim/roofline.h), for hardware not at hand.
 #pragma once
 
 #include <CLI/CLI.hpp>

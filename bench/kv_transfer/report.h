@@ -5,8 +5,8 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "bench/kv_transfer/rig.h"
-#include "bench/kv_transfer/transfer_phases.h"
+#include "sim/link/rig.h"
+#include "sim/link/transfer_phases.h"
 #include "bench/kv_transfer/ttft_phase.h"
 
 namespace duet::kv_bench {

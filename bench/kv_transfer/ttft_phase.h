@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "bench/kv_transfer/rig.h"
+#include "sim/link/rig.h"
 #include "worker/transfer/kv_transfer.h"
 
 namespace duet::kv_bench {

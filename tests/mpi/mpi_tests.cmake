@@ -6,9 +6,9 @@
 # ranks (a coordinator and two leaders) with --oversubscribe, over each of
 # the channel's links (MPI, TCP). The idle-CPU
 # measurement idles 10 s and also carries the label `slow`; it still runs in CI.
-duet_add_test(cluster_spec_test SOURCES common/cluster_spec_test.cpp LIBS duet_control)
+duet_add_test(cluster_spec_test SOURCES common/cluster/cluster_spec_test.cpp LIBS duet_control)
 duet_add_test(transfer_kind_test SOURCES worker/transfer/transfer_kind_test.cpp LIBS duet_transfer_kind)
-duet_add_test(control_messages_test SOURCES common/control_messages_test.cpp LIBS duet_control)
+duet_add_test(control_messages_test SOURCES common/cluster/control_messages_test.cpp LIBS duet_control)
 duet_add_test(mpi_runtime_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/mpi_runtime_test.cpp LIBS duet_control_plane)
 
 add_executable(control_plane_test ${CMAKE_CURRENT_LIST_DIR}/control_plane_main.cpp)
