@@ -6,21 +6,13 @@
 // typed overload, and hands it to the instance through the instance's one
 // queue. The instance's events come back once per step; the service
 // detokenizes them incrementally, matches stop strings, keeps per-request
-// timings and metrics, and passes each front the updates of its own requests
-// in one call (UpdateSink::deliver), so a front crosses into its network loop
-// once per step.
+// timings and metrics, and passes each front its requests' updates in one call
+// (UpdateSink::deliver), so a front crosses into its network loop once per step.
 //
-// Thread affinity: start, prepare, admit, cancel and the queries may be
-// called from any thread (the HTTP front prepares on its worker threads and
-// admits on its I/O thread; the RPC front does both on its loop thread).
-// deliver() runs on the instance's event thread, never under mutex_, and must
-// not block: a front queues or posts the updates to its own thread, so a slow
-// or busy front never stalls the engine's steps. Mutable request state is
-// guarded by mutex_; tokenization runs outside it.
-//
-// Stopping is a drain: begin_drain() refuses new requests while the running
-// ones finish normally; wait_idle() waits for them, and cut() ends those
-// still running at a deadline with a typed error (kUnavailable).
+// Thread affinity: start, prepare, admit, cancel and the queries from any thread
+// (which front calls what where: docs/ARCHITECTURE.md, "The fronts' threads and
+// limits"); deliver() as UpdateSink says. Mutable request state is guarded by
+// mutex_; tokenization runs outside it. Stopping: begin_drain, wait_idle, cut.
 #pragma once
 
 #include <chrono>
@@ -105,8 +97,9 @@ class UpdateSink {
  public:
   virtual ~UpdateSink() = default;
   // The updates of one instance step for this front's requests, in order.
-  // Runs on the instance's event thread; must hand them to the front's own
-  // thread and return (never wait for the network).
+  // Runs on the instance's event thread, never under the service's lock; must
+  // queue or post them to the front's own thread and return (never wait for
+  // the network), so a slow or busy front never stalls the engine's steps.
   virtual void deliver(std::vector<RequestUpdate> updates) = 0;
 };
 

@@ -1,24 +1,18 @@
 // duet-bench over HTTP: any OpenAI-compatible server (Duet's HTTP front,
 // llama-server, vLLM).
 //
-// Each request is POST /v1/completions with the prompt as a token-id list,
-// `max_tokens`, `ignore_eos: true`, `temperature: 0` and, streaming,
-// `stream_options: {include_usage: true}`. Every server-sent event carrying
-// text is a token chunk, timestamped as it is read; the generated-token count
-// is `usage.completion_tokens` (else llama-server's `timings.predicted_n`,
-// else the number of text chunks); Duet's `duet` object gives the server's own
-// TTFT/TPOT/E2E. An error status becomes error_kind "http_<status>" with the
-// body's error message; a refused or broken connection "connection"; a request
-// over its deadline "timeout"; an error event inside a stream "stream_error".
+// Each request is POST /v1/completions with the prompt as a token-id list, `max_tokens`,
+// `ignore_eos: true`, `temperature: 0` and, streaming, `stream_options: {include_usage: true}`.
+// Every server-sent event carrying text is a token chunk, timestamped as it is read; the
+// generated-token count is `usage.completion_tokens` (else llama-server's `timings.predicted_n`,
+// else the number of text chunks); Duet's `duet` object gives the server's own TTFT/TPOT/E2E.
+// Errors: "http_<status>" with the body's message, "connection" (refused or broken),
+// "timeout" (over its deadline), "stream_error" (an error event inside a stream).
+// Tokenizing uses llama-server's POST /tokenize {"content", "add_special"} (Duet answers it too).
 //
-// Tokenizing uses llama-server's POST /tokenize {"content", "add_special"}
-// (which Duet answers too). The model field is `model` when given, else the
-// first id of GET /v1/models (empty when the server has no such route).
-//
-// Thread affinity: the client runs Boost.Asio on one thread of its own, over
-// a pool of keep-alive connections (one per request in flight, reused once
-// idle); every connection and request belongs to that thread. send() and
-// tokenize() may be called from any other thread.
+// Thread affinity: the client runs Boost.Asio on one thread of its own, over a pool of
+// keep-alive connections (one per request in flight, reused once idle); every connection and
+// request belongs to that thread. send() and tokenize() may be called from any other thread.
 #pragma once
 
 #include <memory>
@@ -31,7 +25,7 @@ namespace duet::loadgen {
 struct HttpClientOptions {
   std::string url;  // "http://HOST:PORT", optionally with a path prefix; a final "/v1" is dropped
   std::string api_key;             // sent as "Authorization: Bearer KEY" when not empty
-  std::string model;               // empty: the first id of GET /v1/models
+  std::string model;               // empty: GET /v1/models' first id, if any
   double request_timeout_s = 600;  // from sending to the last byte of the response
 };
 

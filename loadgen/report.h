@@ -1,24 +1,7 @@
 // duet-bench's results: the JSON file (configuration, then per run its
-// summary and every request) and the human tables on stdout.
-//
-// JSON layout (times of requests in seconds since the run's start,
-// latencies of summaries in milliseconds):
-//   {"tool": "duet-bench", "version": 1, "config": {...as given...},
-//    "slo": {"ttft_ms": x|null, "tpot_ms": y|null},
-//    "runs": [{"label", "rate" (req/s; null: closed loop; "inf": all at once),
-//              "concurrency" (null: open loop),
-//              "summary": {"n_requests", "n_ok", "errors": {kind: n}, "duration_s",
-//                          "request_rate", "output_token_rate", "total_token_rate",
-//                          "goodput", "goodput_fraction",
-//                          "ttft_ms"|"tpot_ms"|"itl_ms"|"e2e_ms": {"n", "mean", "p50", "p90",
-//                          "p99", "max"}, "short_requests": ok requests that got fewer tokens than
-//                          asked},
-//              "requests": [{"index", "scheduled_s", "sent_s", "first_token_s"|null,
-//                            "finished_s", "token_times_s": [...], "prompt_tokens",
-//                            "output_tokens", "received_tokens", "ok", "error_kind",
-//                            "error_message", "server_ttft_s"|null, "server_tpot_s"|null,
-//                            "server_e2e_s"|null, "meets_slo"}]}]}
-// One run without a sweep is simply a list of one.
+// summary and every request; layout at report_json) and the human tables on
+// stdout. In the JSON, times of requests are seconds since the run's start,
+// latencies of summaries milliseconds.
 #pragma once
 
 #include <filesystem>
@@ -42,8 +25,22 @@ struct RunResult {
   Summary summary;
 };
 
+// {"n_requests", "n_ok", "errors": {kind: n}, "duration_s", "request_rate",
+//  "output_token_rate", "total_token_rate", "goodput", "goodput_fraction",
+//  "ttft_ms"|"tpot_ms"|"itl_ms"|"e2e_ms": {"n", "mean", "p50", "p90", "p99", "max"},
+//  "short_requests": ok requests that got fewer tokens than asked}
 nlohmann::json summary_json(const Summary& summary, std::span<const RequestRecord> records);
+// {"index", "scheduled_s", "sent_s", "first_token_s"|null, "finished_s",
+//  "token_times_s": [...], "prompt_tokens", "output_tokens", "received_tokens", "ok",
+//  "error_kind", "error_message", "server_ttft_s"|null, "server_tpot_s"|null,
+//  "server_e2e_s"|null, "meets_slo"}
 nlohmann::json record_json(const RequestRecord& record, const Slo& slo);
+// {"tool": "duet-bench", "version": 1, "config": {...as given...},
+//  "slo": {"ttft_ms": x|null, "tpot_ms": y|null},
+//  "runs": [{"label", "rate" (req/s; null: closed loop; "inf": all at once),
+//            "concurrency" (null: open loop), "summary": summary_json,
+//            "requests": [record_json...]}]}
+// One run without a sweep is simply a list of one.
 nlohmann::json report_json(const nlohmann::json& config, const Slo& slo,
                            const std::vector<RunResult>& runs);
 // Writes `report` to `path`; throws duet::Error when it cannot.

@@ -6,22 +6,11 @@
 // by simulating the traffic shape at growing, then bisected, rates on the
 // real engine and router (sim/simulator.h); per GPU, divided by the
 // cluster's GPUs (idle ones included). The candidates at N GPUs:
-//   colocated   N / tp instances of each tp the profile has;
-//   disaggregated  every (prefill tp, decode tp) pair the profile has, with
-//                  the prefill instances taking each share of the GPUs in
+//   colocated      N / tp instances of each tp the profile has;
+//   disaggregated  every (prefill tp, decode tp) pair the profile has, the
+//                  prefill instances taking each share of the GPUs in
 //                  `prefill_shares` (rounded to whole instances, at least one
 //                  of each kind), the decode instances the rest.
-// The search is in two passes: every candidate coarsely (fewer simulated
-// requests, a shorter span, a wide bracket), then those within 80% of the
-// best coarse figure (at most `refine`), the best colocated and the best
-// disaggregated one finely (all the requests, a narrow bracket around the
-// coarse figure); the report ranks the fine figures first.
-// From the second size on, `prune` keeps the disaggregated shapes (tp pair
-// and share) that came within 90% of the best disaggregated figure at the
-// size before, and the best one's neighbouring shares; each kept shape's search
-// starts from its figure there. Goodput per GPU changes slowly with the
-// cluster's size, so this finds the same layouts with a fraction of the
-// probes. Candidates are searched `jobs` at a time.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +45,12 @@ struct PlanOptions {
   std::vector<int> tps;  // empty: every tp the profile has
   std::vector<double> prefill_shares = {0.125, 0.2, 0.25, 1.0 / 3, 0.4, 0.5, 0.6, 2.0 / 3, 0.75};
   int refine = 6;  // candidates searched finely per cluster size, at most
+  // From the second size on, keep the disaggregated shapes (tp pair and
+  // share) that came within 90% of the best disaggregated figure at the size
+  // before, and the best one's neighbouring shares; each kept shape's search
+  // starts from its figure there. Goodput per GPU changes slowly with the
+  // cluster's size, so this finds the same layouts with a fraction of the
+  // probes.
   bool prune = true;
   int jobs = 1;                      // candidates searched at once (threads)
   std::ostream* progress = nullptr;  // a line per cluster size, when set
@@ -83,6 +78,11 @@ struct PlanResult {
   std::optional<LayoutGoodput> best_disaggregated;
 };
 
+// The search, `jobs` candidates at a time, is in two passes: every candidate
+// coarsely (fewer simulated requests, a shorter span, a wide bracket), then
+// finely (all the requests, a narrow bracket around the coarse figure) those
+// within 80% of the best coarse figure (at most `refine`), the best colocated
+// and the best disaggregated one; `ranked` puts the fine figures first.
 // Throws duet::Error (kInvalidArgument) without an SLO, or for a profile
 // with no tp that fits.
 std::vector<PlanResult> plan_layouts(const Profile& profile, const PlanOptions& options);

@@ -6,22 +6,6 @@
 // (`duet profile --roofline`, sim/roofline.h) for hardware not at hand;
 // `source` says which, and a measured profile keeps every sample with what
 // the fitted cost says of it, so its error is in the file.
-//
-// A step's cost is a function of the shape the engine hands its forward pass
-// (worker/model/step_time_forward.h StepShape):
-//
-//   weights(n_tokens) + per_sequence * n_sequences
-//     + per_decode_attention * n_decode_attention
-//     + per_prefill_attention * (n_attention - n_decode_attention)
-//     + per_logit_row * n_logit_rows
-//
-// weights() is piecewise linear through the knots (token_knots[i],
-// knot_seconds[i]): below the first knot it is the first knot's value, past
-// the last it goes on with the last segment's slope. Piecewise linear in the
-// row count is what a roofline looks like at small batches (a flat,
-// memory-bound stretch while the weights are read once for every row, then a
-// compute-bound slope), and the whole cost stays linear in its parameters, so
-// a measured profile is one least-squares fit.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +21,21 @@
 
 namespace duet::sim {
 
+// A step's cost, a function of the shape the engine hands its forward pass
+// (worker/model/step_time_forward.h StepShape):
+//
+//   weights(n_tokens) + per_sequence * n_sequences
+//     + per_decode_attention * n_decode_attention
+//     + per_prefill_attention * (n_attention - n_decode_attention)
+//     + per_logit_row * n_logit_rows
+//
+// weights() is piecewise linear through the knots (token_knots[i],
+// knot_seconds[i]): below the first knot it is the first knot's value, past
+// the last it goes on with the last segment's slope. Piecewise linear in the
+// row count is what a roofline looks like at small batches (a flat,
+// memory-bound stretch while the weights are read once for every row, then a
+// compute-bound slope), and the whole cost stays linear in its parameters, so
+// a measured profile is one least-squares fit.
 struct StepCost {
   std::vector<int64_t> token_knots;  // increasing, >= 1
   std::vector<double> knot_seconds;  // same length

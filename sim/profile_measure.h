@@ -1,20 +1,7 @@
-// Measuring a profile (sim/profile.h) on the machine at hand: the real
-// engine (worker/engine.h) runs a plan of workloads, every step is timed, and
-// the step cost of the cluster simulator is fitted to the samples.
-//
-// The plan covers the shapes a server's steps take (`duet serve`'s engine
-// configuration, taken as given):
-//   - prefill chunks of T tokens at context C: a random prefix of C tokens is
-//     computed first (its own steps are samples too: chunks of the step
-//     budget from context 0), then the prefix plus T new tokens, of which the
-//     prefix cache holds the C, so the measured step computes T rows at C;
-//   - decode steps of B sequences at context L: B prompts of L tokens, each
-//     with KV blocks of its own as in serving, decode a few tokens. They
-//     come in through the engine's import path (their blocks reserved,
-//     nothing computing their rows, whose values do not change a step's
-//     time), so 64 sequences at 2048 tokens need no 64 prefills;
-//   - mixed steps: a prompt's chunk arriving while B sequences decode, which
-//     the scheduler batches with the decodes (chunked prefill).
+// Measuring a profile (sim/profile.h) on the machine at hand: the real engine
+// (worker/engine.h), configured as `duet serve` configures it, runs a plan of
+// workloads in the shapes a server's steps take (measure_steps), every step is
+// timed, and the cluster simulator's step cost is fitted to the samples.
 // Requests ignore end-of-generation, so their lengths are the plan's.
 //
 // Every step that ran a forward pass is one sample (its shape as the forward
@@ -53,7 +40,19 @@ struct MeasureOptions {
   int neighbour_rounds = 9;
 };
 
-// The steps of the plan, in the order they ran. Throws duet::Error
+// The steps of the plan, in the order they ran. The plan covers:
+//   - prefill chunks of T tokens at context C: a random prefix of C tokens is
+//     computed first (its own steps are samples too: chunks of the step
+//     budget from context 0), then the prefix plus T new tokens, of which the
+//     prefix cache holds the C, so the measured step computes T rows at C;
+//   - decode steps of B sequences at context L: B prompts of L tokens, each
+//     with KV blocks of its own as in serving, decode a few tokens. They
+//     come in through the engine's import path (their blocks reserved,
+//     nothing computing their rows, whose values do not change a step's
+//     time), so 64 sequences at 2048 tokens need no 64 prefills;
+//   - mixed steps: a prompt's chunk arriving while B sequences decode, which
+//     the scheduler batches with the decodes (chunked prefill).
+// Throws duet::Error
 // (kInvalidArgument) for options the plan cannot run with (budget <= 0,
 // reps < 1, a KV cache too small for one step budget of tokens).
 std::vector<StepSample> measure_steps(const LlamaModel& model, const cpu::KernelTable& kernels,

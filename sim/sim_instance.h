@@ -7,15 +7,8 @@
 // commands wait while a step runs and apply between steps; events that a
 // command produces leave at once; a step's events leave when the step ends,
 // its cost model's seconds after it began; the router sees stats as of the
-// last step. Orders, withdrawals and handoffs cross a modelled link.
-//
-// The KV transfer is modelled, not run: the rows of a prompt's earlier steps
-// are taken to cross while later steps compute (the real transfer sends each
-// layer as it is stored), and what the last step exported crosses after it,
-// overlapped with that step except for its last layer:
-//   tail = max(link(bytes / n_layers), link(bytes) - step seconds)
-// where link(b) = latency + b / bandwidth. Transfers do not share the link's
-// bandwidth with one another.
+// last step. Orders, withdrawals and handoffs cross a modelled link, and the
+// KV transfer is modelled, not run (SimTransfer).
 //
 // Thread affinity: the simulator's one thread.
 #pragma once
@@ -36,7 +29,14 @@
 
 namespace duet::sim {
 
-// How KV moves between a prefill and a decode instance.
+// How KV moves between a prefill and a decode instance: modelled, not run.
+// The rows of a prompt's earlier steps are taken to cross while later steps
+// compute (the real transfer sends each layer as it is stored), and what the
+// last step exported crosses after it, overlapped with that step except for
+// its last layer:
+//   tail = max(link(bytes / n_layers), link(bytes) - step seconds)
+// where link(b) = latency + b / bandwidth. Transfers do not share the link's
+// bandwidth with one another.
 struct SimTransfer {
   LinkCost link;
   double kv_bytes_per_token = 0;  // all layers

@@ -10,14 +10,6 @@
 // between instances (the profile's link for the chosen path), and nothing
 // else: the coordinator, the client and the network to it take no time.
 //
-// Requests are recorded as duet-bench records them (loadgen/record.h:
-// sent at their arrival, every token at the end of the step that made it),
-// so the same summaries, JSON report and plots apply. Prompts are the
-// trace's token ids when it has them (prefix caching then behaves as it
-// would), else distinct random ids per request (no prefix is shared, as
-// duet-bench's corpus windows share none). Every request ignores
-// end-of-generation: it gets exactly its output tokens.
-//
 // Deterministic: the same profile, options and trace give the same records.
 #pragma once
 
@@ -78,6 +70,13 @@ ClusterSpec parse_cluster_layout(std::string_view text);
 // instance count by role and tp ("2P@tp1+1P@tp2+3D@tp1").
 std::string describe_layout(const ClusterSpec& spec);
 
+// Requests are recorded as duet-bench records them (loadgen/record.h:
+// sent at their arrival, every token at the end of the step that made it),
+// so the same summaries, JSON report and plots apply. Prompts are the
+// trace's token ids when it has them (prefix caching then behaves as it
+// would), else distinct random ids per request (no prefix is shared, as
+// duet-bench's corpus windows share none). Every request ignores
+// end-of-generation: it gets exactly its output tokens.
 // Throws duet::Error (kInvalidArgument) for a spec the profile cannot cost
 // (a tp it lacks, a transfer path it lacks) or an invalid spec.
 SimResult simulate(const Profile& profile, const SimOptions& options,

@@ -10,17 +10,9 @@
 // cache hits. Thread affinity: one thread calls every method (the engine
 // thread); sinks run on it.
 //
-// Disaggregated serving splits a request over two engines. The prefill
-// engine runs submit_export: it computes the prompt, hands each layer's new
-// KV rows to an ExportSink as soon as the layer is stored (the transfer
-// copies them out while the layers above run), samples the first token and
-// ends the sequence. The decode engine runs submit_import: it reserves the
-// prompt's blocks (first come first served, when they are free), says so
-// through ImportHooks::reserved (the transfer then asks the prefill side and
-// writes the rows into those blocks), and on complete_import(first token)
-// the sequence joins the running batch exactly where a single engine would
-// be after its prefill step. Blocks that a transfer may still write are only
-// freed by release_import, after the transfer said it stopped writing.
+// Disaggregated serving splits a request over two engines: the prefill engine
+// exports (submit_export, ExportSink), the decode engine imports (submit_import,
+// ImportHooks, complete_import, release_import).
 #pragma once
 
 #include <atomic>
@@ -77,7 +69,8 @@ using AdmitSink = std::function<void(SequenceId id, int64_t cached_tokens)>;
 // The prefill side of a transfer. Both run on the engine thread, inside step().
 struct ExportSink {
   // After `layer` is stored: the sequence's rows [pos0, pos0 + n) of that
-  // layer are in `cache` under `block_table`, valid until the callback returns.
+  // layer are in `cache` under `block_table`, valid until the callback returns
+  // (the transfer copies them out while the layers above run).
   std::function<void(SequenceId id, int64_t layer, int64_t pos0, int64_t n,
                      std::span<const int32_t> block_table, const KvCache& cache)>
       layer;
@@ -181,16 +174,21 @@ class Engine final {
                            int64_t send_from, ExportSink sink, AdmitSink on_admitted = {});
 
   // A prompt whose KV another engine computes: reserves its blocks when they
-  // are free (hooks.reserved), then waits for complete_import. `sink` gets the
-  // tokens from the first one on, as for submit(). Same validation.
+  // are free, first come first served (hooks.reserved: the transfer then asks
+  // the prefill side and writes the rows into them), then waits for
+  // complete_import. `sink` gets the tokens from the first one on, as for
+  // submit(). Same validation.
   SequenceId submit_import(std::vector<int32_t> prompt, const RequestOptions& options,
                            TokenSink sink, ImportHooks hooks);
   // The rows of the imported prompt are written; `first_token` was sampled
-  // after it by the exporter. Emits it and decodes on from there.
+  // after it by the exporter. Emits it and decodes on from there: the sequence
+  // joins the running batch exactly where a single engine would be after its
+  // prefill step.
   void complete_import(SequenceId id, int32_t first_token);
   // Frees an imported sequence's blocks once nothing writes them (after
-  // hooks.abort, or a transfer that failed). A sequence still live ends
-  // without a sink event (its owner reports why). Unknown ids are ignored.
+  // hooks.abort, or a transfer that failed); nothing else frees blocks that a
+  // transfer may still write. A sequence still live ends without a sink event
+  // (its owner reports why). Unknown ids are ignored.
   void release_import(SequenceId id);
   // The KV memory (on a GPU engine, the host staging copy, synchronized for
   // exported and imported rows; none for KvMemory::kNone). A transfer writes imported rows into it

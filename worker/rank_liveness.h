@@ -3,22 +3,16 @@
 //
 // - Heartbeats: a thread of its own sends one every `interval` (lease / 6),
 //   also while the rank loads its model or idles, carrying the engine's step
-//   counter and whether it is inside a step (the leader's; a follower sends
-//   -1), and the newest loss epoch this rank applied.
-// - RanksLost is taken on the control channel's communication thread (an
-//   intercept), so it is applied even while this rank's main thread waits
-//   in a collective: the lost ranks are forgotten by the channel and the KV
-//   transfer, MPI will not be finalized (it could wait on them forever), and
-//   when the list names this rank or another rank of its instance, the rank
-//   leaves at once (exit code 0): its instance is lost, and whatever it
-//   holds goes with the process.
-// - Over the control channel's TCP link, the connection to the coordinator
-//   ending (the coordinator closed it when it counted this rank lost, or it
-//   is gone) is taken the same way: the rank leaves at once (exit code 0),
-//   since nothing it sends can be heard any more.
-//
-// Thread affinity: construct and destroy on the rank's main thread; watch()
-// from any thread.
+//   counter, whether it is inside a step (the leader's; a follower sends -1)
+//   and the newest loss epoch this rank applied.
+// - RanksLost is applied on the control channel's communication thread (an
+//   intercept), even while the main thread waits in a collective: the channel
+//   and the KV transfer forget the lost ranks, MPI will not be finalized (it
+//   could wait on them forever), and when the list names any rank of this
+//   instance, this one included, the rank leaves at once (exit code 0).
+// - The control channel's TCP link to the coordinator ending (it counted this
+//   rank lost, or is gone) makes the rank leave the same way.
+// Thread affinity: construct and destroy on the rank's main thread; watch() from any thread.
 #pragma once
 
 #include <atomic>

@@ -1,27 +1,18 @@
-// Reader for GGUF model files, versions 2 and 3 (little-endian).
+// Reader for GGUF model files, versions 2 and 3 (little-endian): "GGUF", u32 version, u64 tensor
+// count, u64 metadata count, the metadata pairs, the tensor infos, zero padding up to
+// `general.alignment` (default 32), then the data section, where tensor offsets start.
 //
-// Layout: "GGUF", u32 version, u64 tensor count, u64 metadata count, the metadata key-value
-// pairs, the tensor infos, zero padding up to `general.alignment` (default 32), then the tensor
-// data section. Each tensor's offset is relative to the start of the data section.
-//
-// Contract:
-// - GgufFile::open maps the file read-only (mmap, MAP_PRIVATE) and parses the header, every
-//   metadata value and every tensor info eagerly. Afterwards a GgufFile is immutable: every
-//   accessor is a const lookup, safe to call from any thread.
+// - GgufFile::open maps the file read-only (mmap, MAP_PRIVATE) and parses the header, metadata
+//   and tensor infos eagerly. Afterwards a GgufFile is immutable: every accessor is a const
+//   lookup, safe to call from any thread.
 // - Every read is bounds-checked. A truncated, corrupt or hostile file throws
-//   duet::Error(kCorruptFile) whose message names the file, the byte offset and what is wrong
-//   ("x.gguf: offset 1234: metadata key 'general.name': string length 9223372036854775807
-//   exceeds the 100 bytes left"). A well-formed file Duet cannot read (version 1 or > 3,
-//   big-endian) throws kUnsupported; a missing file throws kNotFound. Parsing never reads out
-//   of bounds, never allocates more than a small multiple of the file's size, and nests arrays
-//   at most kGgufMaxArrayDepth deep.
-// - Keys and tensor names are unique (any bytes; UTF-8 is not checked); bools are 0 or 1.
+//   duet::Error(kCorruptFile) naming the file, the byte offset and what is wrong; a well-formed
+//   file Duet cannot read (version 1 or > 3, big-endian) kUnsupported; a missing file kNotFound.
+//   Parsing allocates at most a small multiple of the file's size; arrays nest at most
+//   kGgufMaxArrayDepth deep. Keys and tensor names are unique (any bytes); bools are 0 or 1.
 // - Every tensor has 1..4 dimensions, each 0..INT64_MAX with a product that fits int64, a known
 //   ggml type, ne[0] a multiple of the type's block size, an offset aligned to alignment(), and
-//   all its bytes inside the file. Tensor bytes themselves are not inspected, and tensors are
-//   not checked for overlap.
-// - GgufTensorInfo::data points into the mapping (or into from_bytes's buffer) and stays valid
-//   for the GgufFile's lifetime, across moves.
+//   all its bytes inside the file. Tensor bytes are not inspected, nor checked for overlap.
 #pragma once
 
 #include <bit>
@@ -161,7 +152,9 @@ struct GgufTensorInfo {
   std::vector<int64_t> ne;  // 1..4 dims; ne[0] is the row (input) length, contiguous in memory
   uint64_t offset = 0;      // from the start of the data section; a multiple of the alignment
   uint64_t n_bytes = 0;
-  const uint8_t* data = nullptr;  // n_bytes bytes, owned by the GgufFile
+  // n_bytes bytes in the mapping (or from_bytes's buffer), owned by the GgufFile and valid
+  // for its lifetime, across moves.
+  const uint8_t* data = nullptr;
 
   int64_t n_elements() const {
     int64_t n = 1;

@@ -1,25 +1,8 @@
-// Byte layouts of the block-quantized types, as GGUF stores them.
-//
-// In Q4_0 and Q4_1, byte j of `qs` holds element j in its low nibble and
-// element j + 16 in its high nibble. Scales are IEEE half (bits in uint16_t).
-// Q8_1 is the activation format for Q4_1 dot products: `s` = d * sum(qs).
-//
-// K-quants pack 256 elements (a super-block) per block; rows must be multiples
-// of 256. Their layouts (ggml's block_q4_K, block_q6_K, block_q8_K):
-//  - Q4_K: 8 sub-blocks of 32, value = d * sc[s] * q - dmin * m[s], q in 0..15.
-//    Byte l of the 32-byte group g (g < 4) of `qs` holds element 64g + l in its
-//    low nibble and 64g + 32 + l in its high one, so sub-blocks 2g and 2g + 1.
-//    `scales` packs the 6-bit sc[s] and m[s]: for s < 4, sc = scales[s] & 63,
-//    m = scales[s + 4] & 63; for s >= 4, sc = (scales[s + 4] & 15) |
-//    (scales[s - 4] >> 6) << 4, m = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4.
-//  - Q6_K: 16 sub-blocks of 16, value = d * scales[e / 16] * (q - 32), q in
-//    0..63. In each half h (128 elements) byte l < 32 of ql[64h..] holds the
-//    low 4 bits of element 128h + l (low nibble) and 128h + 64 + l (high
-//    nibble), byte 32 + l those of 128h + 32 + l and 128h + 96 + l; byte l of
-//    qh[32h..] holds the top 2 bits of 128h + l, +32, +64, +96 (bits 0-1, 2-3,
-//    4-5, 6-7). The scale `d` comes last.
-//  - Q8_K: the activation format of Q4_K and Q6_K dot products: float d,
-//    value = d * qs[e], and bsums[b] = the sum of qs[16b .. 16b + 15].
+// Byte layouts of the block-quantized types, as GGUF stores them (ggml's
+// block_q4_0 ... block_q8_K). Scales are IEEE half (bits in uint16_t) unless
+// a field says otherwise. Q4_0, Q4_1, Q8_0 and Q8_1 blocks hold kQuantBlock
+// elements; K-quants a super-block of kSuperBlock, so their rows must be
+// multiples of 256. Each struct states how its bytes hold the elements.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +11,8 @@ namespace duet {
 
 inline constexpr int kQuantBlock = 32;  // elements per Q4_0/Q4_1/Q8_0/Q8_1 block
 
+// Byte j of `qs` holds element j in its low nibble and element j + 16 in its
+// high nibble (Q4_1 alike).
 struct BlockQ4_0 {
   uint16_t d;
   uint8_t qs[kQuantBlock / 2];
@@ -44,6 +29,7 @@ struct BlockQ8_0 {
   int8_t qs[kQuantBlock];
 };
 
+// The activation format for Q4_1 dot products: `s` = d * sum(qs).
 struct BlockQ8_1 {
   uint16_t d;
   uint16_t s;
@@ -52,6 +38,10 @@ struct BlockQ8_1 {
 
 inline constexpr int kSuperBlock = 256;  // elements per K-quant block
 
+// 8 sub-blocks of 32, value = d * sc[s] * q - dmin * m[s], q in 0..15. Byte
+// l of the 32-byte group g (g < 4) of `qs` holds element 64g + l in its low
+// nibble and 64g + 32 + l in its high one, so sub-blocks 2g and 2g + 1.
+// `scales` packs the 6-bit sc[s] and m[s] (q4_k_scale_min unpacks them).
 struct BlockQ4_K {
   uint16_t d;     // half: scale of the sub-block scales
   uint16_t dmin;  // half: scale of the sub-block mins
@@ -59,6 +49,11 @@ struct BlockQ4_K {
   uint8_t qs[kSuperBlock / 2];
 };
 
+// 16 sub-blocks of 16, value = d * scales[e / 16] * (q - 32), q in 0..63. In
+// each half h (128 elements) byte l < 32 of ql[64h..] holds the low 4 bits of
+// element 128h + l (low nibble) and 128h + 64 + l (high nibble), byte 32 + l
+// those of 128h + 32 + l and 128h + 96 + l; byte l of qh[32h..] holds the top
+// 2 bits of 128h + l, +32, +64, +96 (bits 0-1, 2-3, 4-5, 6-7). `d` comes last.
 struct BlockQ6_K {
   uint8_t ql[kSuperBlock / 2];
   uint8_t qh[kSuperBlock / 4];
@@ -66,6 +61,8 @@ struct BlockQ6_K {
   uint16_t d;  // half
 };
 
+// The activation format of Q4_K and Q6_K dot products: value = d * qs[e]
+// (d a float), and bsums[b] = the sum of qs[16b .. 16b + 15].
 struct BlockQ8_K {
   float d;
   int8_t qs[kSuperBlock];

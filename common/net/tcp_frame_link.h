@@ -10,13 +10,9 @@
 // A peer's connection ends on EOF, a reset, a broken pipe, or a frame longer
 // than max_frame_bytes (bytes that are not this link's): its socket is
 // closed, what was queued for it is dropped, and pump() reports it once,
-// after the frames that had arrived whole before it ended. drop(peer) ends a
-// connection on purpose (a rank given up): what the socket takes at once
-// still leaves, then it is closed; that is not reported.
-//
-// Nothing ever blocks but wait(), a poll() with the caller's timeout on the
-// sockets and a wake-up fd. Not thread-safe: one thread owns the link (the
-// control channel's communication thread).
+// after the frames that had arrived whole before it ended. Nothing ever blocks
+// but wait(). Not thread-safe: one thread owns the link (the control channel's
+// communication thread).
 #pragma once
 
 #include <chrono>
@@ -69,7 +65,9 @@ class TcpFrameLink final {
   // (nullopt: no limit). Reads nothing.
   void wait(int wake_fd, std::optional<std::chrono::microseconds> timeout) const;
 
-  // Ends `peer`'s connection on purpose (see above). No effect once ended.
+  // Ends `peer`'s connection on purpose (a rank given up): what the socket
+  // takes at once still leaves, then it is closed; that is not reported. No
+  // effect once ended.
   void drop(int peer);
 
  private:

@@ -4,21 +4,9 @@
 // Pure functions and values, no sockets and no threads: the HTTP server
 // (http_server.h) reads the bytes and calls these, and they can be tested and
 // fuzzed alone. A request body becomes a ServeRequest or an ApiError that says
-// which field is wrong and why; validation of values that need the model
-// (prompt length, token ids, max_tokens over the limit) stays with
-// Service::start.
-//
-// Requests follow OpenAI's: `model`, `prompt` (a string, one token-id list, or
-// a list holding one of those), `messages` (content a string or a list of
-// text parts), `n` (only 1), `stop` (a string or a list), `max_tokens`
-// (chat also `max_completion_tokens`), `temperature` (default 1, as
-// OpenAI's), `top_p`, `seed` (random when absent), `stream`,
-// `stream_options.include_usage`, and the extras `top_k` (-1 or 0: off),
-// `min_p`, `frequency_penalty`, `presence_penalty`, `repetition_penalty`,
-// `ignore_eos`, and vLLM's `return_token_ids` (each choice, whole or streamed
-// chunk, then carries its generated ids as `token_ids`, an end-of-generation
-// token included). Unknown fields are ignored; known features Duet lacks
-// (`logprobs`, `echo`, `best_of` > 1, `suffix`, tools) are refused.
+// which field is wrong and why (the fields: parse_completion_request);
+// validation of values that need the model (prompt length, token ids,
+// max_tokens over the limit) stays with Service::start.
 #pragma once
 
 #include <cstdint>
@@ -69,6 +57,17 @@ std::string error_body(const ApiError& error);
 // Parses the body of a completions or chat-completions request. `default_seed`
 // is the seed when the request names none. Checks JSON types, UTF-8 and the
 // ranges of the sampling controls; never throws for bad input.
+// Requests follow OpenAI's: `model`, `prompt` (a string, one token-id list, or
+// a list holding one of those), `messages` (content a string or a list of
+// text parts), `n` (only 1), `stop` (a string or a list), `max_tokens`
+// (chat also `max_completion_tokens`), `temperature` (default 1, as
+// OpenAI's), `top_p`, `seed` (random when absent), `stream`,
+// `stream_options.include_usage`, and the extras `top_k` (-1 or 0: off),
+// `min_p`, `frequency_penalty`, `presence_penalty`, `repetition_penalty`,
+// `ignore_eos`, and vLLM's `return_token_ids` (each choice, whole or streamed
+// chunk, then carries its generated ids as `token_ids`, an end-of-generation
+// token included). Unknown fields are ignored; known features Duet lacks
+// (`logprobs`, `echo`, `best_of` > 1, `suffix`, tools) are refused.
 std::variant<CompletionRequest, ApiError> parse_completion_request(Endpoint endpoint,
                                                                    std::string_view body,
                                                                    uint64_t default_seed);

@@ -2,27 +2,17 @@
 // BlockPool (worker/kv/block_pool.h), and prefix caching by chained block hashes.
 // Pure bookkeeping: no KV memory is touched here.
 //
-// A sequence's life, as the scheduler drives it:
-//   n_cached = begin_sequence(id, prompt)    // nullopt: the KV cache is full
-//   forward(prompt[n_cached:], pos0 = n_cached, block_table(id))
-//   commit_tokens(id, prompt[n_cached:])
-//   per decode step: reserve(id, n_tokens(id) + 1) (false: full, preempt),
-//                    forward(token), commit_tokens(id, {token})
-//   free_sequence(id)
+// A sequence's life: n_cached = begin_sequence(id, prompt) (nullopt: full);
+// forward and commit_tokens for prompt[n_cached:]; per decode step
+// reserve(id, n_tokens(id) + 1) (false: full, preempt), forward, commit_tokens;
+// then free_sequence(id).
 //
-// Block i of a sequence is "full" once all block_size of its tokens are
-// committed; its hash is hash(hash of block i-1, its token ids, how many of
-// them are computed in the one-token order), so equal hashes mean an equal
-// whole prefix computed alike, not just equal block content: a block holding
-// generated tokens (one-token order, common/model/token_order.h) never stands in
-// for the same tokens of a longer prompt (multi-token order). Full blocks
-// are registered with the pool, and a later prompt that starts with the same
-// tokens shares them (read-only) instead of recomputing their KV. Blocks that
-// are not full are never shared, so KV is only written into blocks that one
-// sequence holds alone.
-//
-// Thread affinity: none of its own; the owner (the engine thread)
-// calls it from one thread.
+// A block is full once all its tokens are committed. Its hash chains the
+// previous block's, its token ids and how many of them are computed in the
+// one-token order (common/model/token_order.h), so equal hashes mean an equal
+// prefix computed alike. Only full blocks are registered and shared (read-only),
+// so KV is only written into blocks that one sequence holds alone.
+// Thread affinity: none of its own; the owner (the engine thread) calls it from one thread.
 #pragma once
 
 #include <cstddef>
@@ -108,7 +98,9 @@ class KvCacheManager final {
     std::vector<uint64_t> block_hashes;  // chained hashes of the full blocks
     int64_t one_token_from = 0;          // see begin_sequence
   };
-  // The chained hash of block `b` of tokens whose one-token rows start at `from`.
+  // The chained hash of block `b` of tokens whose one-token rows start at `from`:
+  // a block of generated tokens (one-token order) never stands in for the same
+  // tokens of a longer prompt (multi-token order).
   uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens, int64_t b,
                       int64_t from) const;
 

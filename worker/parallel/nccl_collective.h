@@ -3,21 +3,16 @@
 // alone, one GPU per rank. Built only with the CUDA backend (DUET_HAVE_CUDA);
 // this header is plain C++ (no NCCL, CUDA or MPI).
 //
-// Setting up, in production one process per rank: the leader calls
-// unique_id() and hands the bytes to its followers by any means (MPI); then
-// every rank constructs its NcclCollective with them (collective: each
-// constructor returns once all ranks of the instance have called theirs).
-// In a test one process may drive several GPUs: on_devices().
+// Set-up, one process per rank: the leader calls unique_id() and hands the
+// bytes to its followers by any means (MPI); every rank then constructs its
+// NcclCollective with them (collective: each constructor returns once all
+// ranks of the instance have called theirs). A test may drive several GPUs
+// from one process: on_devices().
 //
-// Keep this communicator and its streams for the tensor-parallel
-// collectives alone: the KV transfer gets its own communicator and streams
-// (operations of two communicators can block each other on the GPU unless
-// every rank orders them alike).
-//
-// A posted operation that its peers never match (a dead rank) can only be
-// ended by abort(). Destroying the object, or aborting it, waits until every
-// CUDA graph that captured its operations has been destroyed (NCCL keeps
-// resources for them): destroy those graphs first.
+// Keep this communicator and its streams for the tensor-parallel collectives
+// alone: the KV transfer gets its own (operations of two communicators can
+// block each other on the GPU unless every rank orders them alike). A posted
+// operation that its peers never match (a dead rank) can only end by abort().
 #pragma once
 
 #include <atomic>
@@ -54,7 +49,9 @@ class NcclCollective final : public DeviceCollective {
 
   // Destroys the communicator (ncclCommDestroy, which waits for this rank's
   // queued operations: abort() first when a peer may be gone), or nothing
-  // more after abort().
+  // more after abort(). Destroying or aborting waits until every CUDA graph
+  // that captured its operations has been destroyed (NCCL keeps resources for
+  // them): destroy those graphs first.
   ~NcclCollective() override;
   NcclCollective(const NcclCollective&) = delete;
   NcclCollective& operator=(const NcclCollective&) = delete;

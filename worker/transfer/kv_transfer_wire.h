@@ -1,19 +1,7 @@
 // The KV transfer's messages on the wire (the exchange itself is described in
 // worker/transfer/mpi_kv_transfer.h). On the transfer's communicator, on tag
-// kHeaderTag, every message starts with an 80-byte Header:
-//   rows:        the request, layer, first position and count of one layer
-//                of one chunk, the global KV heads it carries and (when
-//                checksums are on) the payload's checksum; the payload, the
-//                packed rows of worker/kv/kv_rows.h, follows on kPayloadTag;
-//   control:     a Cap'n Proto control message (PrefillOrder, Cancel,
-//                KvHandoff) after the header;
-//   device rows: as rows, but the payload moves through the device transfer and
-//                the header names its place in the sender's staging (a ticket);
-//   CMA rows:    as device rows, but the payload sits in the sender's host
-//                staging, which the receiver reads by cross-memory attach
-//                (worker/transfer/cma_staging.h);
-//   rows done:   receiver -> sender, a device or CMA payload's staging is free
-//                again.
+// kHeaderTag, every message starts with an 80-byte Header whose kind (below)
+// says what it is; a rows payload follows on kPayloadTag.
 // On a byte stream (worker/transfer/tcp_kv_transfer.h) each message is a
 // frame: the header, then body_bytes(header) bytes: a control message, or a
 // rows payload (there, the header and its payload travel together).
@@ -37,6 +25,13 @@ namespace duet::kv_wire {
 inline constexpr int kHeaderTag = 1;   // headers (and control messages)
 inline constexpr int kPayloadTag = 2;  // the rows after a rows header
 
+// The kinds. Rows: one layer of one chunk of a request (layer, first position
+// and count, the global KV heads it carries and, when checksums are on, the
+// payload's checksum); the payload is the packed rows of worker/kv/kv_rows.h.
+// Control: PrefillOrder, Cancel or KvHandoff (Cap'n Proto). Device rows: as
+// rows, but the header names the payload's place in the sender's staging (a
+// ticket). CMA rows: as device rows, the staging in the sender's host memory,
+// read by cross-memory attach (worker/transfer/cma_staging.h).
 inline constexpr uint32_t kMagic = 0x3256'4b44;  // "DKV2": rows packed in chunks
 inline constexpr uint32_t kRows = 1;             // a payload follows on kPayloadTag
 inline constexpr uint32_t kControl = 2;          // a control message follows in this message

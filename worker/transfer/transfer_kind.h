@@ -1,13 +1,9 @@
 // Which way KV goes between a prefill rank and a decode rank, chosen per pair
-// from where each runs its engine (disaggregated serving):
-//
-//   both on the CPU                         -> MPI over host memory
-//   one on a GPU, the other on the CPU      -> MPI, the GPU side staging its
-//                                              rows through host memory
-//   both on one GPU                         -> CUDA IPC (NCCL refuses two
-//                                              ranks on one GPU)
-//   two GPUs of one host                    -> CUDA IPC (default) or NCCL
-//   GPUs of two hosts                       -> NCCL
+// from where each runs its engine (disaggregated serving): both on the CPU,
+// MPI over host memory; one on a GPU, MPI, the GPU side staging its rows
+// through host memory; both on one GPU, CUDA IPC (NCCL refuses two ranks on
+// one GPU); two GPUs of one host, CUDA IPC (default) or NCCL; GPUs of two
+// hosts, NCCL.
 //
 // Every rank learns every rank's placement at start (one all-gather of
 // encode_placement's fixed-size records) and computes the same kinds, so

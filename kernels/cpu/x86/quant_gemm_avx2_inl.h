@@ -1,20 +1,14 @@
 // Register-blocked GEMM for block-quantized weights (AVX2): tiles of 2 weight
 // rows x 4 activation rows, for the batched shapes. Included into the AVX2
-// translation unit only; the AVX-512 path has its own (quant_gemm_avx512_inl.h,
-// which states the contract both keep: every output element bit-identical to
-// the row tiles and the scalar path, only the reuse of unpacked weights and
-// converted scales changes).
-//
-// Register layout: one accumulator per (weight row j, activation row i), its
-// 8 float lanes the 8 int32 lanes of the block dot products (maddubs + madd,
-// as the AVX2 row tiles; no operand saturates). 8 accumulators, the two
-// weight rows' unsigned operands, an activation row and temporaries fill the
-// 16 registers.
+// translation unit only. It keeps the contract that the AVX-512 path
+// (kernels/cpu/x86/quant_gemm_avx512_inl.h) states: every output element
+// bit-identical to the row tiles and the scalar path; only the reuse of
+// unpacked weights and converted scales changes.
 //
 // Scales. Per block, the 8 products d_w * d_x of the tile are one multiply in
 // "E order": lane L holds weight row (L % 4) / 2 and activation row
-// 2 (L % 2) + L / 4, the order in which the 8 lane trees of the tile come out
-// of the transposing sum in reduce_tile (the mins are accumulated in it too).
+// 2 (L % 2) + L / 4, the order in which reduce_tile's transposing sum gives
+// the tile's 8 lane trees (the mins are accumulated in it too).
 //
 // Operands. Q4_1: the nibbles are the unsigned operand, the Q8_1 activations
 // the signed one. Q8_0 and Q4_0: |w| and x with the sign of w, as the row
@@ -219,6 +213,12 @@ struct TileState {
   __m256 mins;
 };
 
+// Register layout: one accumulator per (weight row j, activation row i), its
+// 8 float lanes the 8 int32 lanes of the block dot products (maddubs + madd,
+// as the AVX2 row tiles; no operand saturates). 8 accumulators, the two
+// weight rows' unsigned operands, an activation row and temporaries fill the
+// 16 registers.
+//
 // One register tile: the group's 2 weight rows (n_j valid) x the tile's
 // activation rows [0, NX), NX <= 4, over one chunk of blocks [0, nb) (panel
 // and act start at the chunk's first block). The first chunk starts from zero, the

@@ -1,22 +1,17 @@
 // DeviceKvLink (worker/transfer/device/device_kv_link.h) between ranks whose GPUs are
-// in one host (NCCL refuses two ranks on one GPU; between two GPUs of a host
-// a peer copy needs no communicator), over CUDA IPC.
+// in one host, over CUDA IPC (NCCL refuses two ranks on one GPU; between two GPUs of a
+// host a peer copy needs no communicator).
 //
-// A sending rank makes one send staging allocation (plain cudaMalloc, as IPC
-// requires) and one interprocess event, and exports their handles once; each
-// receiving rank opens a sender's handles once, at start. Sending packs a
-// payload into the send staging on the compute stream and records the event
-// after it; the rows header (over MPI) then names the payload's offset. The
-// receiver makes its own stream wait for the sender's event (the header left
-// after the record, so the wait covers the packing), copies the payload from
-// the sender's staging into its own, unpacks it into the import's blocks,
-// and records a local event: the receipt completes when that fires, and its
-// Done carries the ticket back so that the sender's transfer frees the
-// region (the receiver pulls: the sender never writes the receiver's blocks,
-// so a cancelled import's blocks are safe once its receipts are done).
-//
-// The handles are plain bytes (exported(), add_sender()), carried by
-// whatever the caller has: MPI at start-up, a socketpair in the GPU check.
+// A sending rank makes one send staging allocation (plain cudaMalloc, as IPC requires)
+// and one interprocess event, and exports their handles once; each receiving rank opens
+// a sender's handles once, at start. Sending packs a payload into the send staging on the
+// compute stream and records the event after it; the rows header (over MPI) then names
+// the payload's offset. The receiver's stream waits for that event (the header left after
+// the record, so the wait covers the packing), copies the payload into its own staging,
+// unpacks it into the import's blocks and records a local event: the receipt completes
+// when that fires, its Done carrying the ticket back so the sender's transfer frees the
+// region. The receiver pulls: the sender never writes the receiver's blocks, so a
+// cancelled import's blocks are safe once its receipts are done.
 #pragma once
 
 #include <cstddef>
@@ -44,7 +39,9 @@ class CudaIpcKvLink final : public StagedDeviceKvLink {
   CudaIpcKvLink(const CudaIpcKvLink&) = delete;
   CudaIpcKvLink& operator=(const CudaIpcKvLink&) = delete;
 
-  // This rank's send staging and event handles (kExportBytes; sends only).
+  // This rank's send staging and event handles (kExportBytes; sends only):
+  // plain bytes, carried by whatever the caller has (MPI at start-up, a
+  // socketpair in the GPU check).
   std::vector<std::byte> exported() const;
   // A rank this one sends to.
   void add_receiver(int peer);

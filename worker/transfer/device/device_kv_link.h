@@ -1,24 +1,16 @@
 // A device KV link: how the rows payloads of a KV transfer move between two
-// GPUs, device to device, without touching host memory. The protocol (orders,
+// GPUs, device to device, never through host memory. The protocol (orders,
 // rows headers, handoffs, cancels, deadlines) stays with the KvTransfer that
 // owns the link (worker/transfer/mpi_kv_transfer.h): it sends each rows header
-// over MPI as always, and the payload goes through the link instead of a
-// second MPI message. Two implementations: NcclKvLink (worker/transfer/device/nccl_kv_link.h;
-// GPUs of different hosts) and CudaIpcKvLink (worker/transfer/device/cuda_ipc_kv_link.h;
-// GPUs of one host, or one GPU shared by two ranks), both on the staging, the
-// send and the receive front they share (worker/transfer/device/staged_device_kv_link.h).
+// over MPI as always, and the payload, the packed rows of worker/kv/kv_rows.h,
+// goes through the link. Two implementations, on the staging and the send and
+// receive fronts they share (worker/transfer/device/staged_device_kv_link.h):
+// NcclKvLink (worker/transfer/device/nccl_kv_link.h; GPUs of different hosts)
+// and CudaIpcKvLink (worker/transfer/device/cuda_ipc_kv_link.h; GPUs of one
+// host, or one GPU shared by two ranks).
 //
-// A payload is the packed rows of worker/kv/kv_rows.h, made on the sender's GPU
-// in staging memory the link owns: the sender's blocks may be reused as
-// soon as send() returns (the packing is queued on the compute stream, ahead
-// of whatever overwrites them). The receiver unpacks each payload into the
-// import's reserved blocks on the link's own stream; a receipt completes
-// when its rows are in place (a CUDA event has fired), and only then does the
-// transfer count them, so attention never reads a layer still in flight.
 // An import ends (completes, fails or is released) only when none of its
-// receipts is pending any more: after on_released or on_failed nothing
-// writes its blocks.
-//
+// receipts is pending: after on_released or on_failed nothing writes its blocks.
 // Threads: send() on the engine thread; everything else on the transfer's
 // communication thread.
 #pragma once
@@ -53,7 +45,9 @@ class DeviceKvLink {
   // KV heads `heads`) from `kv` under `block_table` and starts moving them to
   // `peer`. Waits while the staging is full, up to the device transfer's patience;
   // nullopt when it stayed full or the connection to `peer` is broken (the rows
-  // are not sent and the receiver's deadline fails the import).
+  // are not sent and the receiver's deadline fails the import). The packing,
+  // into staging the link owns, is queued on the compute stream ahead of
+  // whatever overwrites the blocks: they may be reused as soon as send() returns.
   virtual std::optional<DeviceRowsTicket> send(int peer, const KvLayout& layout, const DeviceKv& kv,
                                                int64_t layer, std::span<const int32_t> block_table,
                                                int64_t pos0, int64_t n, KvHeads heads) = 0;
@@ -61,8 +55,10 @@ class DeviceKvLink {
   // Receiver. Starts taking the payload `ticket` from `peer` into `kv` under
   // `block_table` (null kv: nobody wants the rows; they are drained, and the
   // layout and table are not read). Throws kInvalidArgument for a ticket
-  // that is not the rows' size. The receipt it returns completes in a later
-  // poll().
+  // that is not the rows' size. The payload is unpacked on the link's own
+  // stream; the receipt it returns completes in a later poll(), once its rows
+  // are in place (a CUDA event has fired), and only then does the transfer
+  // count them, so attention never reads a layer still in flight.
   virtual uint64_t receive(int peer, const DeviceRowsTicket& ticket, const KvLayout& layout,
                            const DeviceKv* kv, std::span<const int32_t> block_table, int64_t layer,
                            int64_t pos0, int64_t n, KvHeads heads) = 0;

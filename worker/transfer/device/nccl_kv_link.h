@@ -1,24 +1,17 @@
-// DeviceKvLink (worker/transfer/device/device_kv_link.h) between GPUs of different
-// hosts (or of one host, by choice), over NCCL point-to-point.
+// DeviceKvLink (worker/transfer/device/device_kv_link.h) between GPUs of
+// different hosts (or of one host, by choice), over NCCL point-to-point.
 //
-// Each peer has its own two-rank communicator (made at start, in the one
-// order worker/transfer/transfer_kind.h's nccl_pairs gives every rank; never one per
-// request) and its own CUDA stream, separate from the compute stream and
-// from any tensor-parallel communicator. Only the transfer's communication
-// thread calls NCCL: send() packs the payload into the send staging on the
-// engine thread and queues it; poll() posts every queued send and every
-// receive whose rows header has arrived as one ncclGroupStart/ncclGroupEnd,
-// then queues each receive's unpack behind it on the peer's stream and an
-// event after that. A rows header always means its ncclSend is posted (the
-// sender only sends the header when send() succeeded), so every receive
-// posted here is matched; rows nobody wants any more are still received
-// (into staging) and dropped. Sends and receives between two ranks go in
-// the order of their headers, which MPI keeps.
-//
-// A posted NCCL operation cannot be cancelled, only ended by aborting its
-// communicator: abandon(peer), an asynchronous NCCL error, or a send still
-// unmatched after the patience breaks the connection to that peer for good. Its
-// receipts then complete not ok, and later sends to it return nullopt.
+// Each peer has its own two-rank communicator (made at start, in the one order
+// that nccl_pairs of worker/transfer/transfer_kind.h gives every rank; never one
+// per request) and its own CUDA stream, apart from the compute stream and from
+// any tensor-parallel communicator. Only the transfer's communication thread
+// calls NCCL: send() packs the payload into the send staging on the engine
+// thread and queues it; poll() posts every queued send and every receive whose
+// rows header has arrived as one ncclGroupStart/ncclGroupEnd, then queues each
+// receive's unpack and an event behind it on the peer's stream. A rows header
+// is only sent after its send() succeeded, so every receive posted is matched;
+// rows nobody wants any more are still received (into staging) and dropped.
+// Sends and receives between two ranks go in their headers' order, which MPI keeps.
 #pragma once
 
 #include <chrono>
@@ -67,6 +60,10 @@ class NcclKvLink final : public StagedDeviceKvLink {
   std::vector<Done> poll() override;
   // NCCL frees the send staging itself when the send completes: nothing to do.
   void released(int peer, const DeviceRowsTicket& ticket) override;
+  // A posted NCCL operation cannot be cancelled, only ended by aborting its
+  // communicator: abandon(peer), an asynchronous NCCL error, or a send still
+  // unmatched after the patience breaks the connection to that peer for good.
+  // Its receipts then complete not ok, and later sends to it return nullopt.
   void abandon(int peer) override;
   bool busy() const override;
 
