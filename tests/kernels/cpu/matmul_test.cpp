@@ -23,8 +23,8 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/thread_pool.h"
-#include "tests/kernels/matmul_checks.h"
-#include "tests/kernels/matmul_reference.h"
+#include "tests/kernels/cpu/matmul_checks.h"
+#include "tests/kernels/cpu/matmul_reference.h"
 
 namespace duet::cpu {
 namespace {

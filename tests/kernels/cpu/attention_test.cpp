@@ -22,7 +22,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/lane_math.h"
 #include "kernels/cpu/thread_pool.h"
-#include "tests/kernels/float_vectors.h"
+#include "tests/kernels/cpu/float_vectors.h"
 
 namespace duet::cpu {
 namespace {

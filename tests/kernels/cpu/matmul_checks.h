@@ -20,7 +20,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/thread_pool.h"
-#include "tests/kernels/matmul_reference.h"
+#include "tests/kernels/cpu/matmul_reference.h"
 
 namespace duet::cpu::test_support {
 

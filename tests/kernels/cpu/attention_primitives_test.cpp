@@ -15,7 +15,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/lane_math.h"
-#include "tests/kernels/float_vectors.h"
+#include "tests/kernels/cpu/float_vectors.h"
 
 namespace duet::cpu {
 namespace {
