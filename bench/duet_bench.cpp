@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "loadgen/command_line.h"
 #include "loadgen/http_client.h"
 #include "loadgen/prompts.h"
@@ -32,7 +33,6 @@
 #include "loadgen/runner.h"
 #include "loadgen/stats.h"
 #include "loadgen/workload.h"
-#include "common/error.h"
 
 namespace {
 

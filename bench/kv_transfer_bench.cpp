@@ -39,13 +39,13 @@
 #include <optional>
 
 #include "bench/kv_transfer/report.h"
-#include "sim/link/rig.h"
-#include "sim/link/transfer_phases.h"
 #include "bench/kv_transfer/ttft_phase.h"
 #include "common/control_plane/control_channel.h"
 #include "common/control_plane/mpi_runtime.h"
 #include "common/error.h"
 #include "common/timer_slack.h"
+#include "sim/link/rig.h"
+#include "sim/link/transfer_phases.h"
 #include "worker/transfer/mpi_kv_transfer.h"
 #include "worker/transfer/transfer_setup.h"
 

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "loadgen/command_line.h"
 #include "loadgen/report.h"
 #include "loadgen/stats.h"
@@ -25,7 +26,6 @@
 #include "sim/planner.h"
 #include "sim/profile.h"
 #include "sim/simulator.h"
-#include "common/error.h"
 
 namespace {
 

@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <chrono>
 
-#include "sim/link/rig.h"
-#include "sim/link/transfer_phases.h"
 #include "common/control_plane/control_channel.h"
 #include "common/error.h"
+#include "sim/link/rig.h"
+#include "sim/link/transfer_phases.h"
 #include "worker/parallel/mpi_collective.h"
 #include "worker/transfer/mpi_kv_transfer.h"
 #include "worker/transfer/tcp_kv_transfer.h"

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "sim/profile.h"
 #include "common/control_plane/mpi_runtime.h"
 #include "common/model/model_config.h"
+#include "sim/profile.h"
 
 namespace duet::sim {
 

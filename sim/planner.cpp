@@ -15,9 +15,9 @@
 #include <mutex>
 #include <thread>
 
+#include "common/error.h"
 #include "loadgen/command_line.h"
 #include "sim/simulator.h"
-#include "common/error.h"
 
 namespace duet::sim {
 namespace {

@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
+#include "common/cluster/cluster_spec.h"
 #include "loadgen/stats.h"
 #include "loadgen/workload.h"
 #include "sim/profile.h"
-#include "common/cluster/cluster_spec.h"
 #include "worker/engine.h"
 
 namespace CLI {

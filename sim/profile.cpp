@@ -4,9 +4,9 @@
 #include <cmath>
 #include <limits>
 
-#include "sim/nnls.h"
 #include "common/error.h"
 #include "common/stats.h"
+#include "sim/nnls.h"
 
 namespace duet::sim {
 namespace {

@@ -5,9 +5,9 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "bench/kv_transfer/ttft_phase.h"
 #include "sim/link/rig.h"
 #include "sim/link/transfer_phases.h"
-#include "bench/kv_transfer/ttft_phase.h"
 
 namespace duet::kv_bench {
 

@@ -29,11 +29,11 @@
 #include <thread>
 #include <vector>
 
-#include "sim/sim_instance.h"
 #include "common/net/tcp_connect.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
+#include "sim/sim_instance.h"
 #include "tests/test_paths.h"
 #include "worker/local_instance.h"
 #include "worker/model/llama_model.h"
@@ -103,23 +103,22 @@ class Script {
 
   // The event handler of the instance behind `door`; returns when done.
   void on_events(std::span<const InstanceEvent> events, Door& door) {
-    std::vector<Step> todo;
+    std::vector<Step> next;
     {
       std::lock_guard lock(mutex_);
       for (const InstanceEvent& e : events) {
         seen_.push_back({e.id.value, e.admitted, e.cached_tokens, e.token >= 0, e.finished,
-                         e.finish,
-                         e.error ? std::optional(e.error->kind) : std::nullopt});
+                         e.finish, e.error ? std::optional(e.error->kind) : std::nullopt});
         if (e.token >= 0 && first_tokens_.insert(e.id.value).second) {
           if (auto it = after_first_token_.find(e.id.value); it != after_first_token_.end())
-            todo.push_back(it->second);
+            next.push_back(it->second);
         }
         if (e.finished) ++finished_;
       }
       if (auto it = after_batch_.find(batches_++); it != after_batch_.end())
-        todo.push_back(it->second);
+        next.push_back(it->second);
     }
-    for (Step& step : todo) step(door);
+    for (Step& step : next) step(door);
     done_.notify_all();
   }
 
@@ -187,16 +186,15 @@ Script colocated_script() {
   // Request 1 starts alone; 2-4 come after its first batch and overrun the
   // 12 blocks (preemption); 5 is longer than the KV cache (refused); 3 is
   // cancelled after its first token; 6 comes late and is short.
-  return Script(
-      {{0,
-        [](Door& d) {
-          d.submit(request(2, 40, 60));
-          d.submit(request(3, 33, 40));
-          d.submit(request(4, 50, 50));
-          d.submit(request(5, 400, 8));
-        }},
-       {6, [](Door& d) { d.submit(request(6, 9, 5)); }}},
-      {{3, [](Door& d) { d.cancel(RequestId{3}); }}}, 6);
+  return Script({{0,
+                  [](Door& d) {
+                    d.submit(request(2, 40, 60));
+                    d.submit(request(3, 33, 40));
+                    d.submit(request(4, 50, 50));
+                    d.submit(request(5, 400, 8));
+                  }},
+                 {6, [](Door& d) { d.submit(request(6, 9, 5)); }}},
+                {{3, [](Door& d) { d.cancel(RequestId{3}); }}}, 6);
 }
 
 TEST_F(InstanceTwins, ColocatedGiveTheSameEventsInTheSameOrder) {
@@ -214,9 +212,10 @@ TEST_F(InstanceTwins, ColocatedGiveTheSameEventsInTheSameOrder) {
   Script sim_script = colocated_script();
   sim::EventQueue clock;
   sim::SharedCores cores;
-  sim::SimInstance simulated(clock, InstanceRole::kBoth, 1, cost_, config, info(config),
-                             shape_, {{}, shape_.kv_bytes_per_token, shape_.n_layers}, 0,
-                             [](int32_t) -> sim::SimInstance* { return nullptr; }, cores);
+  sim::SimInstance simulated(
+      clock, InstanceRole::kBoth, 1, cost_, config, info(config), shape_,
+      {{}, shape_.kv_bytes_per_token, shape_.n_layers}, 0,
+      [](int32_t) -> sim::SimInstance* { return nullptr; }, cores);
   Door sim_door{[&](InstanceRequest r) { simulated.submit(std::move(r)); },
                 [&](RequestId id) { simulated.cancel(id); }};
   simulated.set_event_handler(

@@ -147,7 +147,8 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t nb, int64_t j0
     return;
   }
   for (int j = 0; j < kWeightRows; ++j) {
-    const auto* wb = reinterpret_cast<const WB*>(w + (j0 + std::min<int64_t>(j, n_j - 1)) * w_stride) + c0;
+    const auto* wb =
+        reinterpret_cast<const WB*>(w + (j0 + std::min<int64_t>(j, n_j - 1)) * w_stride) + c0;
     for (int64_t b = 0; b < n_c; ++b) {
       if (j < n_j) {
         store(j, b, Format::weights(wb[b]), half_to_float(wb[b].d), Format::min(wb[b]));
@@ -160,8 +161,7 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t nb, int64_t j0
 
 // Blocks [0, nb) of activation rows [0, n_rows) (n_rows <= 4) as a tile.
 template <typename Format>
-void copy_act_tile(const uint8_t* x, size_t x_stride, int64_t n_rows, int64_t nb,
-                   ActBlock4* out) {
+void copy_act_tile(const uint8_t* x, size_t x_stride, int64_t n_rows, int64_t nb, ActBlock4* out) {
   using XB = typename Format::ActBlock;
   constexpr int kRowOfLane[8] = {0, 2, 0, 2, 1, 3, 1, 3};
   for (int64_t b = 0; b < nb; ++b) {
@@ -330,9 +330,9 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
           pack_weight_group<Format>(w, w_stride, nb, j0, n_j, c0, n_c, panel);
           for (int64_t t = 0; t < n_tiles; ++t) {
             const int64_t i = i0 + t * kActRows;
-            run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel,
-                             act.data() + t * nb + c0, n_c, c0 == 0, c0 + n_c == nb,
-                             states[(j0 - g0) / kWeightRows][t], y + i * ldy + j0, ldy, n_j);
+            run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act.data() + t * nb + c0,
+                             n_c, c0 == 0, c0 + n_c == nb, states[(j0 - g0) / kWeightRows][t],
+                             y + i * ldy + j0, ldy, n_j);
           }
         }
       }
