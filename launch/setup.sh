@@ -23,7 +23,7 @@ packages=(
   build-essential cmake pkg-config git ca-certificates curl iproute2 procps python3 python3-pip python3-venv
   openmpi-bin libopenmpi-dev capnproto libcapnp-dev libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
-  libcli11-dev libopenblas-dev libpcre2-dev prometheus
+  libcli11-dev libopenblas-dev libpcre2-dev libssl-dev prometheus
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }
