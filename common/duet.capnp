@@ -143,7 +143,11 @@ struct InstanceState {
   leaderRank @1 :Int32;  # -1: in the coordinator's process
   lost @2 :Bool;
   epoch @3 :UInt64;     # the cluster epoch its loss made; 0 while alive
-  reason @4 :Text;      # why it was lost
+  reason @4 :Text;      # why it was lost, or why it left
+  joined @5 :Bool;      # joined the cluster while it served
+  draining @6 :Bool;    # leaving: no new work, finishing what it runs
+  left @7 :Bool;        # gone after draining (not a loss)
+  host @8 :Text;        # a joined instance's host
 }
 
 enum HealthStatus {

@@ -178,10 +178,14 @@ class InstanceClient {
   // whole).
   struct InstanceState {
     std::string role = "both";  // "prefill", "decode" or "both"
-    int32_t leader = -1;        // its leader's rank (-1: in this process)
+    int32_t leader = -1;        // its leader's rank (-1: in this process), or its member address
     bool lost = false;
-    uint64_t epoch = 0;  // the cluster epoch its loss made; 0 while alive
-    std::string reason;  // why it was lost
+    uint64_t epoch = 0;     // the cluster epoch its loss made; 0 while alive
+    std::string reason;     // why it was lost, or why it left
+    bool joined = false;    // joined the running cluster (not started with it)
+    bool draining = false;  // leaving: gets no new work, finishes what it runs
+    bool left = false;      // gone after draining (not a loss)
+    std::string host;       // a joined instance's host, as it said
   };
   struct Health {
     std::vector<InstanceState> instances;  // each instance behind the client, in order
@@ -190,6 +194,8 @@ class InstanceClient {
     bool serving = true;               // every kind of instance a request needs has a live one
     int64_t reruns = 0;                // requests re-run after a loss
     int64_t failed_after_retries = 0;  // requests ended kUnavailable by losses
+    int64_t joins = 0;                 // instances that joined while the cluster served
+    int64_t leaves = 0;                // instances that left after draining
   };
   virtual Health health() const { return {}; }
 };

@@ -183,6 +183,12 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   scalar(out, "duet_instances_lost", "gauge",
          "Instances lost (dead or stalled past their lease); they get no work.",
          static_cast<double>(h.n_lost));
+  scalar(out, "duet_instances_joined_total", "counter",
+         "Instances that joined the cluster while it served (--join).",
+         static_cast<double>(h.joins));
+  scalar(out, "duet_instances_left_total", "counter",
+         "Joined instances that left after draining (SIGTERM); not losses.",
+         static_cast<double>(h.leaves));
   scalar(out, "duet_request_reruns_total", "counter",
          "Requests re-run on another instance after the one they were on was lost.",
          static_cast<double>(h.reruns));
@@ -196,15 +202,18 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
          "Bytes of unfinished sends to lost ranks, which MPI keeps for good.",
          static_cast<double>(s.send_bytes_abandoned));
   header(out, "duet_instance_up", "gauge",
-         "Per instance: 1 while it serves, 0 once lost (labels: its index, role and leader rank).");
+         "Per instance: 1 while it serves, 0 once lost or left (labels: its index, role, leader "
+         "rank or member address, and whether it joined while serving).");
   // No per-instance list: one instance, in this process, up while it serves.
   const std::vector<InstanceClient::InstanceState> in_process(1);
   const auto& instances = h.instances.empty() ? in_process : h.instances;
   for (size_t i = 0; i < instances.size(); ++i) {
     const InstanceClient::InstanceState& state = instances[i];
     fmt::format_to(std::back_inserter(out),
-                   "duet_instance_up{{instance=\"{}\",role=\"{}\",leader=\"{}\"}} {}\n", i,
-                   state.role, state.leader, state.lost ? 0 : 1);
+                   "duet_instance_up{{instance=\"{}\",role=\"{}\",leader=\"{}\",joined=\"{}\"}} "
+                   "{}\n",
+                   i, state.role, state.leader, state.joined ? 1 : 0,
+                   state.lost || state.left ? 0 : 1);
   }
   return out;
 }

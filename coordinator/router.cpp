@@ -97,43 +97,80 @@ RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
   DUET_REQUIRE(!instances_.empty(), "the router needs at least one instance");
   DUET_ASSERT(policy_ != nullptr, "the router needs a policy");
   info_ = instances_.front().client->info();
-  for (size_t i = 1; i < instances_.size(); ++i) {
-    const InstanceInfo& other = instances_[i].client->info();
-    auto differ = [&](std::string_view what, const auto& a, const auto& b) {
-      DUET_REQUIRE(a == b,
-                   "instances 0 and {} serve different models: {} {} vs {}; start every instance "
-                   "with the same model",
-                   i, what, a, b);
-    };
-    differ("model", info_.model_name, other.model_name);
-    differ("context", info_.n_ctx, other.n_ctx);
-    differ("vocabulary", info_.n_vocab, other.n_vocab);
-    DUET_REQUIRE(info_.end_of_generation == other.end_of_generation,
-                 "instances 0 and {} serve different models: their end-of-generation tokens "
-                 "differ; start every instance with the same model",
-                 i);
-    info_.kv_capacity_tokens = std::min(info_.kv_capacity_tokens, other.kv_capacity_tokens);
+  for (size_t i = 1; i < instances_.size(); ++i) check_same_model(i, instances_[i].client->info());
+  // The books of each, in order (the vectors grow one instance at a time).
+  std::vector<RoutedInstance> all = std::move(instances_);
+  instances_.clear();
+  for (RoutedInstance& instance : all) {
+    instances_.push_back(instance);
+    book_new_instance();
   }
-  const size_t n = instances_.size();
-  sequences_.assign(n, 0);
-  pending_blocks_.assign(n, 0);
-  routed_.assign(n, 0);
-  queued_prompt_.assign(n, 0);
-  lost_.assign(n, false);
-  lost_why_.resize(n);
-  prefixes_.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    // Keyed by the engine's own block size, which an instance reports from its start.
-    prefixes_.emplace_back(tokens_per_block(instances_[i].client->stats()));
-    instances_[i].client->set_event_handler(
-        [this, i](std::span<const InstanceEvent> events) { on_events(i, events); });
-  }
+}
+
+void RoutedInstances::check_same_model(size_t index, const InstanceInfo& other) {
+  auto differ = [&](std::string_view what, const auto& a, const auto& b) {
+    DUET_REQUIRE(a == b,
+                 "instances 0 and {} serve different models: {} {} vs {}; start every instance "
+                 "with the same model",
+                 index, what, a, b);
+  };
+  differ("model", info_.model_name, other.model_name);
+  differ("context", info_.n_ctx, other.n_ctx);
+  differ("vocabulary", info_.n_vocab, other.n_vocab);
+  DUET_REQUIRE(info_.end_of_generation == other.end_of_generation,
+               "instances 0 and {} serve different models: their end-of-generation tokens "
+               "differ; start every instance with the same model",
+               index);
+  info_.kv_capacity_tokens = std::min(info_.kv_capacity_tokens, other.kv_capacity_tokens);
+}
+
+void RoutedInstances::book_new_instance() {
+  const size_t i = instances_.size() - 1;
+  sequences_.push_back(0);
+  pending_blocks_.push_back(0);
+  routed_.push_back(0);
+  queued_prompt_.push_back(0);
+  lost_.push_back(false);
+  lost_why_.emplace_back();
+  membership_.emplace_back();
+  // Keyed by the engine's own block size, which an instance reports from its start.
+  prefixes_.emplace_back(tokens_per_block(instances_[i].client->stats()));
+  instances_[i].client->set_event_handler(
+      [this, i](std::span<const InstanceEvent> events) { on_events(i, events); });
+}
+
+size_t RoutedInstances::add_instance(RoutedInstance instance, std::string host) {
+  std::lock_guard lock(mutex_);
+  const size_t index = instances_.size();
+  // The same model, and a capacity that every request placed since fits.
+  const int64_t capacity = info_.kv_capacity_tokens;
+  check_same_model(index, instance.client->info());
+  DUET_REQUIRE(info_.kv_capacity_tokens == capacity,
+               "instance {} holds {} tokens per sequence, fewer than the cluster's {}; start it "
+               "with at least as much KV cache",
+               index, instance.client->info().kv_capacity_tokens, capacity);
+  instances_.push_back(instance);
+  book_new_instance();
+  membership_.back() = {true, false, false, std::move(host)};
+  ++joins_;
+  return index;
+}
+
+void RoutedInstances::drain_instance(size_t instance) {
+  std::lock_guard lock(mutex_);
+  DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
+  membership_[instance].draining = true;
 }
 
 void RoutedInstances::handed_over(Placement& placement) {
   if (!placement.prefill) return;
   queued_prompt_[*placement.prefill] -= placement.prompt_tokens;
   placement.prefill.reset();
+}
+
+size_t RoutedInstances::size() const {
+  std::lock_guard lock(mutex_);
+  return instances_.size();
 }
 
 RoutedInstances::~RoutedInstances() {
@@ -147,8 +184,13 @@ void RoutedInstances::set_event_handler(EventHandler handler) {
 
 std::vector<InstanceStats> RoutedInstances::all_stats() const {
   // Outside the lock: an instance's stats() takes its own lock.
+  std::vector<InstanceClient*> clients;
+  {
+    std::lock_guard lock(mutex_);
+    for (const RoutedInstance& instance : instances_) clients.push_back(instance.client);
+  }
   std::vector<InstanceStats> stats;
-  for (const RoutedInstance& instance : instances_) stats.push_back(instance.client->stats());
+  for (InstanceClient* client : clients) stats.push_back(client->stats());
   return stats;
 }
 
@@ -159,8 +201,9 @@ std::optional<RoutedInstances::Attempt> RoutedInstances::place(
   std::vector<InstanceLoad> loads;
   std::vector<size_t> live;
   size_t n_prefill = 0;
-  for (size_t i = 0; i < instances_.size(); ++i) {
-    if (lost_[i]) continue;
+  // (An instance that joined since `stats` was taken waits for the next request.)
+  for (size_t i = 0; i < std::min(instances_.size(), stats.size()); ++i) {
+    if (lost_[i] || membership_[i].draining) continue;
     InstanceLoad load;
     load.role = instances_[i].role;
     load.kv_blocks_free = stats[i].kv_blocks_free - pending_blocks_[i];
@@ -211,7 +254,7 @@ std::optional<RoutedInstances::Attempt> RoutedInstances::place(
     if (n_prefill > 1) prefixes_[*prefill].remember(request.prompt);
     request.prefill_peer = instances_[*prefill].peer;
   }
-  return Attempt{std::move(request), target};
+  return Attempt{std::move(request), target, instances_[target].client};
 }
 
 void RoutedInstances::unbook(const Placement& placement) {
@@ -240,7 +283,7 @@ void RoutedInstances::submit(InstanceRequest request) {
     placements_.emplace(id, std::move(placement));
   }
   try {
-    instances_[attempt->target].client->submit(std::move(attempt->request));
+    attempt->client->submit(std::move(attempt->request));
   } catch (...) {
     // Not placed after all: undo the bookkeeping, and let the caller refuse it.
     std::lock_guard lock(mutex_);
@@ -254,16 +297,16 @@ void RoutedInstances::submit(InstanceRequest request) {
 }
 
 void RoutedInstances::cancel(RequestId id) {
-  size_t target = 0;
+  InstanceClient* target = nullptr;
   RequestId attempt;
   {
     std::lock_guard lock(mutex_);
     const auto it = placements_.find(id);
     if (it == placements_.end()) return;  // finished or unknown
-    target = it->second.instance;
+    target = instances_[it->second.instance].client;
     attempt = it->second.attempt;
   }
-  instances_[target].client->cancel(attempt);
+  target->cancel(attempt);
 }
 
 // Under mutex_: `id`'s attempt is over without its end (its instance lost,
@@ -335,7 +378,7 @@ void RoutedInstances::submit_reruns(std::vector<Attempt>& reruns,
   for (Attempt& attempt : reruns) {
     const RequestId attempt_id = attempt.request.id;
     try {
-      instances_[attempt.target].client->submit(std::move(attempt.request));
+      attempt.client->submit(std::move(attempt.request));
     } catch (const std::exception& e) {
       std::lock_guard lock(mutex_);
       const auto it = attempts_.find(attempt_id);
@@ -357,38 +400,68 @@ void RoutedInstances::submit_reruns(std::vector<Attempt>& reruns,
   }
 }
 
+void RoutedInstances::remove_instance(size_t instance,
+                                      std::vector<std::pair<InstanceClient*, RequestId>>& withdrawn,
+                                      std::vector<Attempt>& reruns,
+                                      std::vector<InstanceEvent>& ended,
+                                      std::span<const InstanceStats> stats) {
+  lost_[instance] = true;
+  sequences_[instance] = 0;  // its counters start again (it gets no work)
+  pending_blocks_[instance] = 0;
+  queued_prompt_[instance] = 0;
+  // Its requests, and those whose prompt it was computing, by arrival.
+  std::vector<std::pair<uint64_t, RequestId>> hit;
+  for (const auto& [id, placement] : placements_) {
+    if (placement.instance == instance || placement.prefill == instance)
+      hit.emplace_back(placement.arrival, id);
+  }
+  std::sort(hit.begin(), hit.end());
+  for (const auto& [arrival, id] : hit) {
+    Placement& placement = placements_.at(id);
+    if (placement.instance != instance)
+      withdrawn.emplace_back(instances_[placement.instance].client, placement.attempt);
+    unbook(placement);
+    again(id, std::nullopt, stats, reruns, ended);
+  }
+}
+
 void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string reason) {
-  DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
   const std::vector<InstanceStats> stats = all_stats();
-  std::vector<std::pair<size_t, RequestId>> withdrawn;  // old attempts on live decode instances
+  std::vector<std::pair<InstanceClient*, RequestId>> withdrawn;  // old attempts elsewhere
   std::vector<Attempt> reruns;
   std::vector<InstanceEvent> ended;
   EventHandler handler;
   {
     std::lock_guard lock(mutex_);
+    DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
     if (lost_[instance]) return;
-    lost_[instance] = true;
     lost_why_[instance] = {epoch, std::move(reason)};
-    sequences_[instance] = 0;  // its counters start again (it gets no work)
-    pending_blocks_[instance] = 0;
-    queued_prompt_[instance] = 0;
-    // Its requests, and those whose prompt it was computing, by arrival.
-    std::vector<std::pair<uint64_t, RequestId>> hit;
-    for (const auto& [id, placement] : placements_) {
-      if (placement.instance == instance || placement.prefill == instance)
-        hit.emplace_back(placement.arrival, id);
-    }
-    std::sort(hit.begin(), hit.end());
-    for (const auto& [arrival, id] : hit) {
-      Placement& placement = placements_.at(id);
-      if (placement.instance != instance)
-        withdrawn.emplace_back(placement.instance, placement.attempt);
-      unbook(placement);
-      again(id, std::nullopt, stats, reruns, ended);
-    }
+    remove_instance(instance, withdrawn, reruns, ended, stats);
     handler = handler_;
   }
-  for (const auto& [target, attempt] : withdrawn) instances_[target].client->cancel(attempt);
+  for (const auto& [client, attempt] : withdrawn) client->cancel(attempt);
+  submit_reruns(reruns, ended);
+  if (handler && !ended.empty()) handler(ended);
+}
+
+void RoutedInstances::instance_left(size_t instance, std::string reason) {
+  const std::vector<InstanceStats> stats = all_stats();
+  std::vector<std::pair<InstanceClient*, RequestId>> withdrawn;
+  std::vector<Attempt> reruns;
+  std::vector<InstanceEvent> ended;
+  EventHandler handler;
+  {
+    std::lock_guard lock(mutex_);
+    DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
+    if (lost_[instance]) return;
+    lost_why_[instance] = {0, std::move(reason)};
+    membership_[instance].draining = false;
+    membership_[instance].left = true;
+    ++leaves_;
+    remove_instance(instance, withdrawn, reruns, ended, stats);
+    handler = handler_;
+  }
+  for (const auto& [client, attempt] : withdrawn) client->cancel(attempt);
   submit_reruns(reruns, ended);
   if (handler && !ended.empty()) handler(ended);
 }
@@ -409,11 +482,13 @@ InstanceClient::Health RoutedInstances::health() const {
   health.n_instances = static_cast<int>(instances_.size());
   bool target = false;  // an instance that can take a request (decode or colocated)
   for (size_t i = 0; i < instances_.size(); ++i) {
+    const Membership& member = membership_[i];
     health.instances.push_back({std::string(instance_role_name(instances_[i].role)),
-                                instances_[i].peer, lost_[i], lost_why_[i].first,
-                                lost_why_[i].second});
+                                instances_[i].peer, lost_[i] && !member.left, lost_why_[i].first,
+                                lost_why_[i].second, member.joined, member.draining, member.left,
+                                member.host});
     if (lost_[i]) {
-      ++health.n_lost;
+      if (!member.left) ++health.n_lost;
       continue;
     }
     target = target || instances_[i].role != InstanceRole::kPrefill;
@@ -421,6 +496,8 @@ InstanceClient::Health RoutedInstances::health() const {
   health.serving = target;
   health.reruns = failover_.reruns;
   health.failed_after_retries = failover_.failed_after_retries;
+  health.joins = joins_;
+  health.leaves = leaves_;
   return health;
 }
 
@@ -479,15 +556,16 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
 }
 
 InstanceStats RoutedInstances::stats() const {
-  std::vector<bool> lost;
+  std::vector<InstanceClient*> live;
   {
     std::lock_guard lock(mutex_);
-    lost = lost_;
+    for (size_t i = 0; i < instances_.size(); ++i) {
+      if (!lost_[i]) live.push_back(instances_[i].client);
+    }
   }
   InstanceStats sum;
-  for (size_t i = 0; i < instances_.size(); ++i) {
-    if (lost[i]) continue;
-    const InstanceStats s = instances_[i].client->stats();
+  for (InstanceClient* client : live) {
+    const InstanceStats s = client->stats();
     sum.running += s.running;
     sum.waiting += s.waiting;
     sum.kv_blocks_total += s.kv_blocks_total;
@@ -504,11 +582,7 @@ InstanceStats RoutedInstances::stats() const {
   return sum;
 }
 
-std::vector<InstanceStats> RoutedInstances::instance_stats() const {
-  std::vector<InstanceStats> out;
-  for (const RoutedInstance& instance : instances_) out.push_back(instance.client->stats());
-  return out;
-}
+std::vector<InstanceStats> RoutedInstances::instance_stats() const { return all_stats(); }
 
 std::vector<int64_t> RoutedInstances::routed_counts() const {
   std::lock_guard lock(mutex_);

@@ -118,6 +118,18 @@ class RoutedInstances final : public InstanceClient {
   InstanceStats stats() const override;
   Health health() const override;
 
+  // An instance that joined while serving (any thread): it must serve the
+  // same model as the others (else duet::Error, kInvalidArgument, naming the
+  // difference); from now on it takes new work. Returns its index. `host`
+  // is reported in health().
+  size_t add_instance(RoutedInstance instance, std::string host = {});
+  // Instance `instance` leaves (any thread): no new work goes there; what it
+  // runs finishes there. Reported as draining in health().
+  void drain_instance(size_t instance);
+  // A draining instance is gone: as instance_lost (what it still held, which
+  // should be nothing, runs again), but reported as left, not lost.
+  void instance_left(size_t instance, std::string reason);
+
   // Instance `instance` is lost (any thread; once is enough, again is a
   // no-op): no new work goes there, and its requests are re-run (above).
   // `epoch` and `reason` are reported in health().
@@ -130,7 +142,7 @@ class RoutedInstances final : public InstanceClient {
   };
   FailoverCounters failover_counters() const;
 
-  size_t size() const { return instances_.size(); }
+  size_t size() const;
   const RoutingPolicy& policy() const { return *policy_; }
   // Each instance's own stats, in order.
   std::vector<InstanceStats> instance_stats() const;
@@ -153,6 +165,7 @@ class RoutedInstances final : public InstanceClient {
   struct Attempt {
     InstanceRequest request;  // to submit (attempt id, prefill peer set)
     size_t target = 0;
+    InstanceClient* client = nullptr;  // target's
   };
 
   void on_events(size_t instance,
@@ -169,8 +182,20 @@ class RoutedInstances final : public InstanceClient {
              std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended);
   void submit_reruns(std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended);
   std::vector<InstanceStats> all_stats() const;  // outside mutex_
+  // Under mutex_: the model of `instance` agrees with the first instance's
+  // (else duet::Error); narrows info_'s capacity to it.
+  void check_same_model(size_t index, const InstanceInfo& other);
+  // Under mutex_: the per-instance books of instances_.back().
+  void book_new_instance();
+  // Under mutex_: `instance` gets no more work; its requests go again.
+  void remove_instance(size_t instance,
+                       std::vector<std::pair<InstanceClient*, RequestId>>& withdrawn,
+                       std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended,
+                       std::span<const InstanceStats> stats);
 
-  const std::vector<RoutedInstance> instances_;
+  // Grows when an instance joins (under mutex_); read under mutex_, but for
+  // the constructor and destructor.
+  std::vector<RoutedInstance> instances_;
   const std::unique_ptr<RoutingPolicy> policy_;
   InstanceInfo info_;
 
@@ -184,8 +209,14 @@ class RoutedInstances final : public InstanceClient {
   };
   std::unordered_map<RequestId, Placement, IdHash> placements_;  // submitted, not finished
   std::unordered_map<RequestId, RequestId, IdHash> attempts_;    // live attempt id -> request id
-  std::vector<bool> lost_;                                       // per instance
-  std::vector<std::pair<uint64_t, std::string>> lost_why_;       // per instance: epoch, reason
+  std::vector<bool> lost_;  // per instance: lost or left (no work, its events dropped)
+  struct Membership {
+    bool joined = false, draining = false, left = false;
+    std::string host;
+  };
+  std::vector<Membership> membership_;  // per instance
+  int64_t joins_ = 0, leaves_ = 0;
+  std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
   uint64_t next_arrival_ = 0;
   uint64_t next_attempt_ = 1;
   FailoverCounters failover_;

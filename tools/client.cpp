@@ -197,10 +197,16 @@ int run_stats(Session& session) {
   std::printf("draining %d\n", s.getDraining() ? 1 : 0);
   unsigned i = 0;
   for (auto instance : s.getInstances()) {
-    std::printf("instance %u %s rank %d %s epoch %llu%s%s\n", i++, instance.getRole().cStr(),
-                instance.getLeaderRank(), instance.getLost() ? "lost" : "live",
+    const char* state = instance.getLost()       ? "lost"
+                        : instance.getLeft()     ? "left"
+                        : instance.getDraining() ? "draining"
+                                                 : "live";
+    std::printf("instance %u %s rank %d %s epoch %llu%s%s%s%s\n", i++, instance.getRole().cStr(),
+                instance.getLeaderRank(), state,
                 static_cast<unsigned long long>(instance.getEpoch()),
-                instance.getLost() ? ": " : "", instance.getReason().cStr());
+                instance.getLost() || instance.getLeft() ? ": " : "", instance.getReason().cStr(),
+                instance.getJoined() ? " joined from " : "",
+                instance.getJoined() ? instance.getHost().cStr() : "");
   }
   return 0;
 }

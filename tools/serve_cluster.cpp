@@ -30,6 +30,7 @@
 #include <optional>
 #include <set>
 
+#include "common/cluster/model_fingerprint.h"
 #include "common/control_plane/control_channel.h"
 #include "common/control_plane/control_handshake.h"
 #include "common/control_plane/mpi_runtime.h"
@@ -102,6 +103,20 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   options.close_timeout = kCloseTimeout;
   options.instance_lease = serve::instance_lease(args);
   options.max_retries = args.max_retries;
+  if (args.join_port >= 0) {
+    options.join_port = static_cast<uint16_t>(args.join_port);
+    if (args.cluster_key_file.empty()) {
+      abort_cluster(channel, spec, "--join-port needs --cluster-key FILE", kCloseTimeout);
+      throw Error(ErrorKind::kInvalidArgument, "--join-port needs --cluster-key FILE");
+    }
+    try {
+      options.cluster_key = ClusterKey::from_file(args.cluster_key_file);
+      options.model_fingerprint = model_fingerprint(args.model);
+    } catch (const std::exception& e) {
+      abort_cluster(channel, spec, e.what(), kCloseTimeout);
+      throw;
+    }
+  }
   ClusterCoordinator cluster(channel, spec, options);
   Service service(cluster.router(), *tokenizer, chat, serve::model_name(args),
                   serve::service_limits(args));

@@ -147,6 +147,25 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::Range(0, 100))
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--join-port", args.join_port,
+                  "The coordinator (rank 0): instances may join the running cluster on this TCP "
+                  "port (0: any free port, logged), proving --cluster-key")
+      ->check(CLI::Range(0, 65535))
+      ->group(group);
+  cmd->add_option("--join", args.join,
+                  "Join the running cluster whose coordinator listens on HOST:PORT (its "
+                  "--join-port) as one instance, instead of starting one; leaves on SIGTERM once "
+                  "its requests are done")
+      ->group(group);
+  cmd->add_option("--role", args.role, "With --join: the instance's role")
+      ->check(CLI::IsMember({"both", "prefill", "decode"}))
+      ->capture_default_str()
+      ->group(group);
+  cmd->add_option("--cluster-key", args.cluster_key_file,
+                  "With --join or --join-port: the file holding the cluster's shared key (at "
+                  "least 32 bytes, mode 600; `head -c 32 /dev/urandom | base64 > FILE`); never "
+                  "sent, both ends prove they hold it")
+      ->group(group);
   cmd->add_option("--kv-same-host", args.kv_same_host,
                   "How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl "
                   "(one GPU shared by two ranks is always ipc; other hosts nccl)")
@@ -376,7 +395,13 @@ int run_serve(const ServeArgs& given) {
   const sigset_t signals = serve::block_stop_signals();
   ServeArgs args = given;
   args.api_key = serve::resolve_api_key(given);
+  if (!args.join.empty()) return run_join_serve(args, signals);
   if (launched_by_mpirun() || args.cluster.any()) return run_cluster_serve(args, signals);
+  if (args.join_port >= 0) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "--join-port needs a cluster (mpirun, or the cluster flags): instances join its "
+                "coordinator");
+  }
 
   const int n_threads = serve::compute_threads(args);
   const int device = parse_device(args.device);

@@ -69,6 +69,13 @@ struct ServeArgs {
   // Stopping (SIGTERM/SIGINT): the longest running requests may take to
   // finish while new ones are refused; those left then end `unavailable`.
   double drain_timeout_s = 30.0;
+  // Membership (coordinator/cluster/join_listener.h). The coordinator: the
+  // port instances may join on (-1: none). An instance: join the cluster
+  // at HOST:PORT with `role`. Both: the cluster key's file.
+  int join_port = -1;
+  std::string join;
+  std::string role = "both";
+  std::string cluster_key_file;
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);
@@ -117,5 +124,8 @@ void drain(Service& service, std::chrono::milliseconds timeout, const sigset_t& 
 // runs it. Returns the exit code; errors that every rank meets alike (a bad
 // spec) throw duet::Error on every rank.
 int run_cluster_serve(const ServeArgs& args, const sigset_t& signals);
+
+// An instance that joins a running cluster (tools/serve_join.cpp).
+int run_join_serve(const ServeArgs& args, const sigset_t& signals);
 
 }  // namespace duet::tools

@@ -150,7 +150,7 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferA
                            const ClusterInstanceOptions& options) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
   // Heartbeats from the start: loading the model takes seconds.
-  RankLiveness liveness(channel, self.role != InstanceRole::kBoth ? transfer : nullptr, mpi, self,
+  RankLiveness liveness(channel, self.role != InstanceRole::kBoth ? transfer : nullptr, &mpi, self,
                         options.heartbeat_interval);
   EngineConfig config;
   // Outlives the engine (whose CUDA graphs captured the communicator's operations).

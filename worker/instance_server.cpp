@@ -12,6 +12,8 @@ namespace {
 // How long a blocked receive sleeps before it looks again; the channel wakes
 // it at once when a message arrives, so this only bounds an idle wait.
 constexpr auto kIdleReceive = std::chrono::milliseconds(60'000);
+// serve()'s receive, which also notices stop().
+constexpr auto kStopPoll = std::chrono::milliseconds(100);
 
 }  // namespace
 
@@ -48,10 +50,24 @@ void InstanceServer::send(const ControlMessage& message) {
   }
 }
 
+void InstanceServer::stop(std::string reason) {
+  std::lock_guard lock(mutex_);
+  if (!stop_) stop_ = std::move(reason);
+}
+
+void InstanceServer::on_leave_accepted(std::function<void()> callback) {
+  std::lock_guard lock(mutex_);
+  on_leave_accepted_ = std::move(callback);
+}
+
 std::string InstanceServer::serve() {
   send(InstanceReady{instance_id_, instance_.info(), instance_.stats(), {}});
   for (;;) {
-    std::optional<ReceivedMessage> received = channel_.receive(kIdleReceive);
+    std::optional<ReceivedMessage> received = channel_.receive(kStopPoll);
+    {
+      std::lock_guard lock(mutex_);
+      if (stop_) return *stop_;
+    }
     if (!received) {
       if (!channel_.receiving()) return "the control channel stopped";
       continue;
@@ -68,6 +84,13 @@ std::string InstanceServer::serve() {
       instance_.cancel(cancel->id);
     } else if (const auto* shutdown = std::get_if<Shutdown>(&message)) {
       return shutdown->reason;
+    } else if (std::holds_alternative<LeaveAccepted>(message)) {
+      std::function<void()> callback;
+      {
+        std::lock_guard lock(mutex_);
+        callback = on_leave_accepted_;
+      }
+      if (callback) callback();
     } else {
       spdlog::error("instance {}: dropped an unexpected {} message", instance_id_,
                     control_message_name(message));

@@ -17,6 +17,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "common/cluster/cluster_spec.h"
@@ -36,10 +39,16 @@ class InstanceServer final {
   InstanceServer(const InstanceServer&) = delete;
   InstanceServer& operator=(const InstanceServer&) = delete;
 
-  // Sends InstanceReady, then serves until the coordinator's Shutdown and
-  // returns its reason. Messages from any rank but the coordinator, and kinds
-  // an instance does not take, are logged and dropped.
+  // Sends InstanceReady, then serves until the coordinator's Shutdown (or
+  // stop()) and returns its reason. Messages from any rank but the
+  // coordinator, and kinds an instance does not take, are logged and dropped.
   std::string serve();
+
+  // A joined instance's leave (tools/serve_join.cpp). Any thread: serve()
+  // returns `reason` within kStopPoll.
+  void stop(std::string reason);
+  // Called on serve()'s thread when the coordinator's LeaveAccepted arrives.
+  void on_leave_accepted(std::function<void()> callback);
 
  private:
   void send(const ControlMessage& message);  // any thread; drops after close
@@ -47,6 +56,9 @@ class InstanceServer final {
   ControlChannel& channel_;
   LocalInstance& instance_;
   const int32_t instance_id_;
+  std::mutex mutex_;  // guards the members below
+  std::optional<std::string> stop_;
+  std::function<void()> on_leave_accepted_;
 };
 
 // A leader whose instance could not start: tells the coordinator why (an

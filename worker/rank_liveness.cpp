@@ -11,7 +11,7 @@
 
 namespace duet {
 
-RankLiveness::RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime& mpi,
+RankLiveness::RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime* mpi,
                            const InstanceSpec& instance, std::chrono::milliseconds interval)
     : channel_(channel),
       transfer_(transfer),
@@ -68,7 +68,7 @@ void RankLiveness::leave_unheard(const std::string& why) {
   // The coordinator closed this rank's connection (it counted this rank
   // lost, and its RanksLost did not get through) or is gone: nothing this
   // rank sends can be heard any more.
-  mpi_.leave_without_finalize();
+  if (mpi_ != nullptr) mpi_->leave_without_finalize();
   spdlog::warn(
       "instance {} (rank {}): its control connection to the coordinator ended ({}); "
       "leaving",
@@ -81,7 +81,11 @@ void RankLiveness::leave_unheard(const std::string& why) {
 bool RankLiveness::apply(const ReceivedMessage& message) {
   const auto* lost = std::get_if<RanksLost>(&message.message);
   if (lost == nullptr || message.source != kCoordinatorRank) return false;
-  mpi_.leave_without_finalize();
+  // A rank of the MPI job lost: MPI_Finalize could wait on it forever. (A
+  // joined member lost is none of MPI's business.)
+  const bool world_rank_lost = std::any_of(lost->ranks.begin(), lost->ranks.end(),
+                                           [&](Rank r) { return r.value < channel_.world_size(); });
+  if (mpi_ != nullptr && world_rank_lost) mpi_->leave_without_finalize();
   const auto ours = std::find_if(lost->ranks.begin(), lost->ranks.end(), [&](Rank rank) {
     return std::find(instance_.ranks.begin(), instance_.ranks.end(), rank) != instance_.ranks.end();
   });

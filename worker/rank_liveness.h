@@ -35,8 +35,9 @@ namespace duet {
 
 class RankLiveness final {
  public:
-  // `transfer` may be null (a colocated instance moves no KV). All outlive this.
-  RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime& mpi,
+  // `transfer` may be null (a colocated instance moves no KV), `mpi` too (a
+  // joined instance, outside any MPI job). All outlive this.
+  RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime* mpi,
                const InstanceSpec& instance, std::chrono::milliseconds interval);
   ~RankLiveness();  // stops the heartbeats and removes the intercept
   RankLiveness(const RankLiveness&) = delete;
@@ -53,7 +54,7 @@ class RankLiveness final {
 
   ControlChannel& channel_;
   KvTransferAdapter* const transfer_;
-  MpiRuntime& mpi_;
+  MpiRuntime* const mpi_;
   const InstanceSpec instance_;
   const Rank rank_;
   const std::chrono::milliseconds interval_;

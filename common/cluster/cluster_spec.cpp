@@ -204,6 +204,14 @@ ClusterMode parse_cluster_mode(std::string_view name) {
       fmt::format("{}mode must be \"disaggregated\" or \"colocated\", got \"{}\"", kPrefix, name));
 }
 
+InstanceRole parse_instance_role(std::string_view name) {
+  if (name == "prefill") return InstanceRole::kPrefill;
+  if (name == "decode") return InstanceRole::kDecode;
+  if (name == "both") return InstanceRole::kBoth;
+  throw Error(ErrorKind::kInvalidArgument,
+              fmt::format("role must be \"prefill\", \"decode\" or \"both\", got \"{}\"", name));
+}
+
 ClusterSpec parse_cluster_flags(int prefill, int decode, int tp, ClusterMode mode) {
   DUET_REQUIRE(tp >= 1, "{}--tp must be at least 1, got {}", kPrefix, tp);
   return parse_cluster_flags(prefill, decode, tp, tp, mode);

@@ -93,7 +93,8 @@ struct ClusterFlags {
   bool any() const { return prefill || decode || tp || prefill_tp || decode_tp || mode || file; }
 };
 
-ClusterMode parse_cluster_mode(std::string_view name);  // throws on an unknown name
+ClusterMode parse_cluster_mode(std::string_view name);    // throws on an unknown name
+InstanceRole parse_instance_role(std::string_view name);  // "prefill", "decode", "both"
 
 // P prefill then D decode instances of `tp` ranks each on ranks 1, 2, ... in
 // order. In colocated mode the same P + D instances all get role kBoth.

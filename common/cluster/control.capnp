@@ -14,7 +14,8 @@
 
 $import "/capnp/c++.capnp".namespace("duet::control");
 
-const protocolVersion :UInt32 = 5;  # 2: InstanceReady; 3: disaggregation; 4: TP KV; 5: liveness
+const protocolVersion :UInt32 = 6;  # 2: InstanceReady; 3: disaggregation; 4: TP KV; 5: liveness;
+                                    # 6: joined members
 
 enum Role {
   prefill @0;
@@ -182,6 +183,43 @@ struct RanksLost {
   reason @2 :Text;
 }
 
+# ---------------------------------------------------------------- membership
+
+# A joining instance -> coordinator, inside the authenticated hello
+# (coordinator/cluster/join_listener.h): what it is and serves.
+struct JoinRequest {
+  protocolVersion @0 :UInt32;
+  version @1 :Text;           # Duet's version string
+  modelFingerprint @2 :Text;  # common/cluster/model_fingerprint.h
+  role @3 :Role;
+  tp @4 :Int32;
+  host @5 :Text;              # for logs and /health
+}
+
+# Coordinator -> the joining instance, the authenticated answer: its address
+# on the control channel and instance id, or why not.
+struct JoinVerdict {
+  accepted @0 :Bool;
+  member @1 :Int32;       # its address (the coordinator's world size and up)
+  instanceId @2 :Int32;
+  leaseMs @3 :Int64;      # heartbeat every leaseMs / 6
+  reason @4 :Text;        # when refused
+}
+
+# A joined instance's leader -> coordinator, twice: it is leaving (SIGTERM),
+# send it nothing new; then (done) its requests are done and it goes.
+struct Leaving {
+  instanceId @0 :Int32;
+  reason @1 :Text;
+  done @2 :Bool;
+}
+
+# Coordinator -> that leader: no request follows this message. Once its
+# requests are done it closes its channel and goes.
+struct LeaveAccepted {
+  instanceId @0 :Int32;
+}
+
 # ---------------------------------------------------------------- between instances
 
 # Decode leader -> prefill leader, on the KV transfer's communicator, once
@@ -222,5 +260,9 @@ struct Message {
     kvHandoff @9 :KvHandoff;
     heartbeat @10 :Heartbeat;
     ranksLost @11 :RanksLost;
+    joinRequest @12 :JoinRequest;
+    joinVerdict @13 :JoinVerdict;
+    leaving @14 :Leaving;
+    leaveAccepted @15 :LeaveAccepted;
   }
 }

@@ -312,6 +312,30 @@ struct Filler {
       ranks.set(static_cast<unsigned>(i), m.ranks[i].value);
     lost.setReason(m.reason);
   }
+  void operator()(const JoinRequest& m) {
+    auto join = out.initJoinRequest();
+    join.setProtocolVersion(m.protocol_version);
+    join.setVersion(m.version);
+    join.setModelFingerprint(m.model_fingerprint);
+    join.setRole(to_wire(m.role));
+    join.setTp(m.tp);
+    join.setHost(m.host);
+  }
+  void operator()(const JoinVerdict& m) {
+    auto verdict = out.initJoinVerdict();
+    verdict.setAccepted(m.accepted);
+    verdict.setMember(m.member.value);
+    verdict.setInstanceId(m.instance_id);
+    verdict.setLeaseMs(m.lease_ms);
+    verdict.setReason(m.reason);
+  }
+  void operator()(const Leaving& m) {
+    auto leaving = out.initLeaving();
+    leaving.setInstanceId(m.instance_id);
+    leaving.setReason(m.reason);
+    leaving.setDone(m.done);
+  }
+  void operator()(const LeaveAccepted& m) { out.initLeaveAccepted().setInstanceId(m.instance_id); }
   void operator()(const PrefillOrder& m) {
     auto order = out.initPrefillOrder();
     fill(order.initRequest(), m.request);
@@ -397,6 +421,26 @@ ControlMessage read(control::Message::Reader in) {
       for (int32_t rank : lost.getRanks()) out.ranks.push_back(Rank{rank});
       return out;
     }
+    case control::Message::JOIN_REQUEST: {
+      auto join = in.getJoinRequest();
+      return JoinRequest{join.getProtocolVersion(),
+                         to_string(join.getVersion()),
+                         to_string(join.getModelFingerprint()),
+                         from_wire(join.getRole()),
+                         join.getTp(),
+                         to_string(join.getHost())};
+    }
+    case control::Message::JOIN_VERDICT: {
+      auto verdict = in.getJoinVerdict();
+      return JoinVerdict{verdict.getAccepted(), Rank{verdict.getMember()}, verdict.getInstanceId(),
+                         verdict.getLeaseMs(), to_string(verdict.getReason())};
+    }
+    case control::Message::LEAVING: {
+      auto leaving = in.getLeaving();
+      return Leaving{leaving.getInstanceId(), to_string(leaving.getReason()), leaving.getDone()};
+    }
+    case control::Message::LEAVE_ACCEPTED:
+      return LeaveAccepted{in.getLeaveAccepted().getInstanceId()};
   }
   corrupt(fmt::format("unknown message kind {} (a newer protocol?)", static_cast<int>(in.which())));
 }
@@ -405,8 +449,10 @@ ControlMessage read(control::Message::Reader in) {
 
 std::string_view control_message_name(const ControlMessage& message) {
   static constexpr std::string_view kNames[] = {
-      "hello",    "hello_reply",    "submit",        "cancel",     "step_events", "stats",
-      "shutdown", "instance_ready", "prefill_order", "kv_handoff", "heartbeat",   "ranks_lost"};
+      "hello",         "hello_reply",  "submit",    "cancel",
+      "step_events",   "stats",        "shutdown",  "instance_ready",
+      "prefill_order", "kv_handoff",   "heartbeat", "ranks_lost",
+      "join_request",  "join_verdict", "leaving",   "leave_accepted"};
   static_assert(std::size(kNames) == std::variant_size_v<ControlMessage>);
   return kNames[message.index()];
 }

@@ -23,7 +23,7 @@
 namespace duet {
 
 // Equals `protocolVersion` in control.capnp (checked at compile time).
-inline constexpr uint32_t kControlProtocolVersion = 5;
+inline constexpr uint32_t kControlProtocolVersion = 6;
 
 // Leader -> coordinator, first message (see control.capnp).
 struct Hello {
@@ -97,14 +97,51 @@ struct RanksLost {
   std::string reason;
 };
 
+// A joining instance -> coordinator, the payload of its authenticated hello
+// (coordinator/cluster/join_listener.h).
+struct JoinRequest {
+  uint32_t protocol_version = kControlProtocolVersion;
+  std::string version;            // Duet's version string
+  std::string model_fingerprint;  // common/cluster/model_fingerprint.h
+  InstanceRole role = InstanceRole::kBoth;
+  int32_t tp = 1;
+  std::string host;  // where it runs, for logs and /health
+};
+
+// Coordinator -> the joining instance: its control-channel address and
+// instance id, or (accepted false) why not.
+struct JoinVerdict {
+  bool accepted = false;
+  Rank member;
+  int32_t instance_id = 0;
+  int64_t lease_ms = 0;  // heartbeat every lease_ms / 6
+  std::string reason;
+};
+
+// A joined instance's leader -> coordinator, twice: it leaves (SIGTERM), so
+// nothing new should go to it; then (done) it has drained and goes.
+struct Leaving {
+  int32_t instance_id = 0;
+  std::string reason;
+  bool done = false;  // its requests are done: it goes now (the first says it is leaving)
+};
+
+// Coordinator -> that leader: no request follows. Once its requests are
+// done it closes its channel and goes.
+struct LeaveAccepted {
+  int32_t instance_id = 0;
+};
+
 // PrefillOrder and KvHandoff (common/serving.h) travel between instances, on
 // the KV transfer's communicator.
 using ControlMessage =
     std::variant<Hello, HelloReply, SubmitRequest, Cancel, StepEvents, StatsReport, Shutdown,
-                 InstanceReady, PrefillOrder, KvHandoff, Heartbeat, RanksLost>;
+                 InstanceReady, PrefillOrder, KvHandoff, Heartbeat, RanksLost, JoinRequest,
+                 JoinVerdict, Leaving, LeaveAccepted>;
 
 // "hello", "hello_reply", "submit", "cancel", "step_events", "stats", "shutdown",
-// "instance_ready", "prefill_order", "kv_handoff", "heartbeat", "ranks_lost".
+// "instance_ready", "prefill_order", "kv_handoff", "heartbeat", "ranks_lost",
+// "join_request", "join_verdict", "leaving", "leave_accepted".
 std::string_view control_message_name(const ControlMessage& message);
 
 // The message's Cap'n Proto flat-array form; its size is a multiple of 8.

@@ -1,10 +1,12 @@
 #include "common/control_plane/control_channel.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <climits>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -23,26 +25,73 @@ constexpr size_t kMinSpareBytes = 4096;
 
 }  // namespace
 
-ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options)
+ControlChannel::ControlChannel(ControlChannelOptions options, Rank rank, int world_size,
+                               bool joined)
     : options_(options),
-      rank_(mpi.rank()),
-      world_size_(mpi.world_size()),
+      rank_(rank),
+      world_size_(world_size),
+      joined_(joined),
       queue_(options.bulk_window_bytes) {
   DUET_REQUIRE(
       options_.min_idle_sleep.count() > 0 && options_.min_idle_sleep <= options_.max_idle_sleep,
       "control channel: need 0 < min_idle_sleep <= max_idle_sleep");
   DUET_REQUIRE(options_.max_receives_per_pass > 0,
                "control channel: max_receives_per_pass must be positive");
-  closed_by_.assign(static_cast<size_t>(world_size_), false);
-  forgotten_.assign(static_cast<size_t>(world_size_), false);
-  forgotten_seen_.assign(static_cast<size_t>(world_size_), false);
-  ended_.assign(static_cast<size_t>(world_size_), false);
+  // Every rank's address, and a joined member's own (its vectors reach it).
+  const auto n = static_cast<size_t>(std::max(world_size_, rank_.value + 1));
+  closed_by_.assign(n, false);
+  forgotten_.assign(n, false);
+  forgotten_seen_.assign(n, false);
+  ended_.assign(n, false);
+  // Always: rank 0 may admit members (TCP) beside MPI ranks later.
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw Error(ErrorKind::kInternal, "control channel: eventfd failed");
+}
+
+ControlChannel::ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options)
+    : ControlChannel(options, mpi.rank(), mpi.world_size(), false) {
   if (options_.transport == Transport::kTcp) {
     connect_tcp(mpi);
   } else {
     DUET_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
   }
   thread_ = std::thread([this] { run(); });
+}
+
+ControlChannel::ControlChannel(JoinedLink link, ControlChannelOptions options)
+    : ControlChannel(options, link.self, 0, true) {
+  DUET_REQUIRE(link.self.value > 0 && link.socket >= 0,
+               "control channel: a joined member needs an address and a socket");
+  DUET_REQUIRE(options_.transport == Transport::kTcp,
+               "control channel: a joined member speaks TCP only");
+  tcp_ = std::make_unique<TcpFrameLink>(std::map<int, int>{{kCoordinatorRank.value, link.socket}});
+  thread_ = std::thread([this] { run(); });
+}
+
+void ControlChannel::admit(Rank member, int socket) {
+  {
+    // Both locks: the by-rank vectors grow, which the thread reads under
+    // one or the other.
+    std::lock_guard pass(pass_mutex_);
+    std::lock_guard lock(mutex_);
+    const bool fresh =
+        member.value >= world_size_ && static_cast<size_t>(member.value) >= forgotten_.size();
+    if (rank_ != kCoordinatorRank || joined_ || !fresh || closing_ || stop_) {
+      ::close(socket);
+      throw Error(
+          ErrorKind::kInternal,
+          format("control channel: cannot admit member {} (rank {}, {} addresses{})", member.value,
+                 rank_.value, forgotten_.size(), closing_ || stop_ ? ", closing" : ""));
+    }
+    const auto n = static_cast<size_t>(member.value) + 1;
+    closed_by_.resize(n, false);
+    forgotten_.resize(n, false);
+    forgotten_seen_.resize(n, false);
+    ended_.resize(n, false);
+    admitted_.emplace_back(member.value, socket);
+    woken_ = true;
+  }
+  notify_thread();
 }
 
 ControlChannel::~ControlChannel() {
@@ -66,7 +115,7 @@ ControlChannel::~ControlChannel() {
 }
 
 void ControlChannel::send(Rank destination, const ControlMessage& message) {
-  DUET_REQUIRE(destination.value >= 0 && destination.value < world_size_ && destination != rank_,
+  DUET_REQUIRE(destination.value >= 0 && destination != rank_,
                "control channel: cannot send to rank {} (this is rank {} of {})", destination.value,
                rank_.value, world_size_);
   DUET_REQUIRE(linked(destination.value),
@@ -79,6 +128,9 @@ void ControlChannel::send(Rank destination, const ControlMessage& message) {
                outgoing.bytes.size(), control_message_name(message));
   {
     std::lock_guard lock(mutex_);
+    DUET_REQUIRE(static_cast<size_t>(destination.value) < forgotten_.size(),
+                 "control channel: rank {} has no peer {} ({} addresses)", rank_.value,
+                 destination.value, forgotten_.size());
     DUET_REQUIRE(!closing_ && !stop_, "control channel: send after close ({} to rank {})",
                  control_message_name(message), destination.value);
     queue_.push(std::move(outgoing));
@@ -149,7 +201,8 @@ void ControlChannel::forget(std::span<const Rank> ranks) {
   {
     std::lock_guard lock(mutex_);
     for (Rank rank : ranks) {
-      if (rank.value < 0 || rank.value >= world_size_ || rank == rank_) continue;
+      if (rank.value < 0 || static_cast<size_t>(rank.value) >= forgotten_.size() || rank == rank_)
+        continue;
       if (forgotten_[static_cast<size_t>(rank.value)]) continue;
       forgotten_[static_cast<size_t>(rank.value)] = true;
       forget_pending_ = true;
@@ -162,8 +215,12 @@ void ControlChannel::forget(std::span<const Rank> ranks) {
 
 bool ControlChannel::forgot_any() const {
   std::lock_guard lock(mutex_);
-  return link_lost_any_ ||
-         std::find(forgotten_.begin(), forgotten_.end(), true) != forgotten_.end();
+  // Joined members are outside the MPI job: forgetting them is not a reason
+  // to skip MPI_Finalize.
+  const auto ranks_end =
+      forgotten_.begin() + std::min<ptrdiff_t>(static_cast<ptrdiff_t>(forgotten_.size()),
+                                               static_cast<ptrdiff_t>(world_size_));
+  return link_lost_any_ || std::find(forgotten_.begin(), ranks_end, true) != ranks_end;
 }
 
 bool ControlChannel::receiving() const {
@@ -241,13 +298,14 @@ void ControlChannel::run() {
   bool closed = false;
   try {
     while (true) {
-      if (tcp_) drain_wake_fd();  // before woken_ is read: a later wake-up stays pending
+      drain_wake_fd();  // before woken_ is read: a later wake-up stays pending
       std::unique_lock pass(pass_mutex_);
       bool stop = false;
       {
         std::lock_guard lock(mutex_);
         stop = stop_;
         woken_ = false;
+        if (!admitted_.empty()) apply_admissions();
         if (forget_pending_) apply_forgotten();
         if (closing_ && !close_markers_queued_) queue_close_markers();
         queue_.take(fresh);
@@ -269,7 +327,8 @@ void ControlChannel::run() {
         to_drop_.clear();
       }
       active = test_sends() || active;
-      active = (tcp_ ? receive_tcp() : receive_some()) || active;
+      if (comm_ != MPI_COMM_NULL) active = receive_some() || active;
+      if (tcp_) active = receive_tcp() || active;
       bool transferring = n_endpoint_sends_in_flight_ > 0;
       for (CommEndpoint* endpoint : endpoints_) {
         active = endpoint->progress() || active;
@@ -278,7 +337,7 @@ void ControlChannel::run() {
       const bool sends_in_flight = !in_flight_.empty() || !incoming_.empty();
       // MPI operations that poll() cannot see: over TCP the thread still
       // polls for them on the idle back-off.
-      const bool mpi_work = !tcp_ || !endpoints_.empty() || sends_in_flight ||
+      const bool mpi_work = comm_ != MPI_COMM_NULL || !endpoints_.empty() || sends_in_flight ||
                             !abandoned_sends_.empty() || transferring;
       const bool tcp_writing = tcp_ && tcp_->writing();
       pass.unlock();
@@ -332,8 +391,10 @@ void ControlChannel::run() {
 // (send() refuses new ones), so a peer that has our marker has all of our
 // messages: MPI does not let messages from one rank overtake.
 void ControlChannel::queue_close_markers() {
-  for (int r = 0; r < world_size_; ++r) {
+  for (int r = 0; r < static_cast<int>(forgotten_.size()); ++r) {
     if (!linked(r) || forgotten_[static_cast<size_t>(r)]) continue;
+    // A member that left has had rank 0's marker (answer_close).
+    if (r >= world_size_ && !joined_ && closed_by_[static_cast<size_t>(r)]) continue;
     queue_.push(Outgoing{comm_, r, kCloseTag, SendLane::kControl, {}});
     ++own_pending_;
   }
@@ -358,7 +419,7 @@ void ControlChannel::apply_forgotten() {
       ++it;
     }
   }
-  for (int r = 0; r < world_size_; ++r) {
+  for (int r = 0; r < static_cast<int>(forgotten_.size()); ++r) {
     if (!forgotten_[static_cast<size_t>(r)] || forgotten_seen_[static_cast<size_t>(r)]) continue;
     forgotten_seen_[static_cast<size_t>(r)] = true;
     if (tcp_) to_drop_.push_back(r);
@@ -367,7 +428,7 @@ void ControlChannel::apply_forgotten() {
 }
 
 bool ControlChannel::peers_settled() const {
-  for (int r = 0; r < world_size_; ++r) {
+  for (int r = 0; r < static_cast<int>(closed_by_.size()); ++r) {
     if (!linked(r)) continue;
     const auto i = static_cast<size_t>(r);
     if (!closed_by_[i] && !forgotten_[i] && !ended_[i]) return false;
@@ -396,7 +457,7 @@ bool ControlChannel::post_sends(std::vector<Outgoing>& fresh) {
     // forgotten rank are dropped, as over MPI.
     int64_t n_unsent = 0, n_own = 0;
     std::erase_if(fresh, [&](Outgoing& outgoing) {
-      if (outgoing.from != nullptr) return false;
+      if (outgoing.from != nullptr || !over_tcp(outgoing.destination)) return false;
       ++n_own;
       if (tcp_->queue(outgoing.destination, static_cast<uint32_t>(outgoing.tag), outgoing.bytes)) {
         if (outgoing.tag == kMessageTag) ++n_messages;
@@ -448,11 +509,12 @@ void ControlChannel::flush_for(std::chrono::milliseconds limit) {
   while ((!in_flight_.empty() || (tcp_ && tcp_->writing())) &&
          std::chrono::steady_clock::now() < deadline) {
     test_sends();
+    // A peer's rendezvous send to us may be what holds ours up.
+    if (comm_ != MPI_COMM_NULL) receive_some();
     if (tcp_) {
       receive_tcp();  // writes what the sockets take
       tcp_->wait(-1, options_.in_flight_poll);
     } else {
-      receive_some();  // a peer's rendezvous send to us may be what holds ours up
       std::this_thread::sleep_for(options_.in_flight_poll);
     }
   }

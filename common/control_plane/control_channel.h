@@ -12,7 +12,9 @@
 // on the channel's communicator or touches the TCP link, and it never blocks on a
 // peer; idle, it sleeps up to max_idle_sleep between passes, so a message after an
 // idle spell may wait that long (how the thread works: docs/ARCHITECTURE.md, "One
-// request, disaggregated").
+// request, disaggregated"). Instances that join at runtime (coordinator/cluster/
+// join_listener.h) are members of no MPI job: rank 0 admits each one's TCP
+// connection under an address of its own past the world's ranks, beside the ranks.
 #pragma once
 
 #include <chrono>
@@ -74,6 +76,14 @@ struct ControlChannelOptions {
   size_t bulk_window_bytes = size_t{64} << 20;
 };
 
+// A joined member's side (a process outside the coordinator's MPI job):
+// `socket`, its authenticated, connected control connection to rank 0, owned
+// from now on; `self`, the address rank 0 assigned it (>= its world's size).
+struct JoinedLink {
+  Rank self;
+  int socket = -1;
+};
+
 struct ReceivedMessage {
   Rank source;
   ControlMessage message;
@@ -89,6 +99,10 @@ class ControlChannel final {
   // destructor frees its communicator). Over TCP, throws Error(kInternal) on
   // every rank when rank 0 cannot listen or a rank did not connect in time.
   explicit ControlChannel(const MpiRuntime& mpi, ControlChannelOptions options = {});
+  // A joined member's channel: rank 0 is its only peer, over TCP; no MPI.
+  // Its close() waits for rank 0's answering close marker (or the connection's
+  // end), not for the cluster's.
+  explicit ControlChannel(JoinedLink link, ControlChannelOptions options = {});
   // Without close() (after an error): stops without the closing agreement,
   // giving what was already queued a moment (200 ms) to leave.
   ~ControlChannel();
@@ -118,7 +132,18 @@ class ControlChannel final {
   std::vector<std::byte> buffer(size_t size);
 
   Rank rank() const { return rank_; }
+  // The MPI world's size (a joined member's: 0). Addresses from world_size()
+  // up are joined members.
   int world_size() const { return world_size_; }
+  bool joined() const { return joined_; }
+
+  // Rank 0, any thread: from now on `member` (an address >= world_size(),
+  // never used before) is a peer over `socket`, an authenticated, connected
+  // TCP connection (owned from now on). Its messages arrive in the inbox
+  // like a rank's; send(), forget() and the link-lost handler take it. Its
+  // close marker (it leaves) is answered with rank 0's, and its connection
+  // then closed; close() waits on members not yet gone as on ranks.
+  void admit(Rank member, int socket);
   Transport transport() const { return options_.transport; }
 
   // Any thread. Encodes `message` on the caller's thread, queues it for
@@ -182,9 +207,9 @@ class ControlChannel final {
   // for them had its chance to leave (what the socket takes at once); later
   // messages to them are dropped (Counters::unsent).
   void forget(std::span<const Rank> ranks);
-  // Whether any rank was forgotten, or its TCP connection lost: MPI_Finalize
-  // may then wait on it forever (tests/mpi/failure_probe_main.cpp), so the
-  // process leaves without it.
+  // Whether any rank of the MPI world was forgotten, or its TCP connection
+  // lost (joined members do not count): MPI_Finalize may then wait on it
+  // forever (tests/mpi/failure_probe_main.cpp), so the process leaves without it.
   bool forgot_any() const;
 
   struct Counters {
@@ -203,6 +228,7 @@ class ControlChannel final {
   Counters counters() const;
 
  private:
+  ControlChannel(ControlChannelOptions options, Rank rank, int world_size, bool joined);
   // Tags of the channel's own messages (on its communicator, or in a frame's
   // header over TCP).
   static constexpr int kMessageTag = 1;  // one encoded ControlMessage
@@ -229,6 +255,9 @@ class ControlChannel final {
   void connect_tcp(const MpiRuntime& mpi);  // the constructor's, over TCP
   void notify_thread();                     // under mutex_ or not: the thread looks again
   bool linked(int rank) const;              // whether messages to `rank` can go over the link
+  bool over_tcp(int rank) const;            // whether messages to `rank` go over TCP, not MPI
+  void apply_admissions();                  // pass and mutex_ held: new members onto the link
+  void answer_close(int member);            // the thread: a member's close marker answered
   void drain_wake_fd();
   bool receive_tcp();          // frames into the inbox, ended connections noted
   void run();                  // the communication thread
@@ -247,6 +276,7 @@ class ControlChannel final {
   const ControlChannelOptions options_;
   const Rank rank_;
   const int world_size_;
+  const bool joined_;              // a joined member's channel (JoinedLink)
   MPI_Comm comm_ = MPI_COMM_NULL;  // used by the communication thread only (after construction)
 
   // Communication thread only.
@@ -289,9 +319,12 @@ class ControlChannel final {
   bool stop_ = false;                  // end the thread now, without the closing agreement
   bool thread_done_ = false;           // nothing queued will be posted any more
   std::vector<bool> forgotten_;        // by rank: forget() named it
-  bool forget_pending_ = false;        // forget() since the thread last applied it
-  bool link_lost_any_ = false;         // a TCP connection ended before its close marker
-  int64_t receive_interrupts_ = 0;     // receive() calls to return at once (a link lost)
+  // Members admitted and not yet on the link (address, socket); every
+  // by-rank vector already covers them.
+  std::vector<std::pair<int, int>> admitted_;
+  bool forget_pending_ = false;     // forget() since the thread last applied it
+  bool link_lost_any_ = false;      // a TCP connection ended before its close marker
+  int64_t receive_interrupts_ = 0;  // receive() calls to return at once (a link lost)
   Counters counters_;
 
   std::thread thread_;  // last: starts after everything above exists

@@ -3,7 +3,6 @@
 // thread's wake-up eventfd, and the receive side of each pass. The rest of
 // the channel is control_channel.cpp's.
 #include <spdlog/spdlog.h>
-#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <map>
@@ -70,14 +69,37 @@ void ControlChannel::connect_tcp(const MpiRuntime& mpi) {
   }
   agree_connected(mpi, failure);
   tcp_ = std::make_unique<TcpFrameLink>(std::move(sockets));
-  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (wake_fd_ < 0) throw Error(ErrorKind::kInternal, "control channel: eventfd failed");
 }
 
 bool ControlChannel::linked(int rank) const {
   if (rank == rank_.value) return false;
-  if (!tcp_) return true;
+  if (joined_) return rank == kCoordinatorRank.value;
+  if (rank >= world_size_) return rank_ == kCoordinatorRank;  // a member: rank 0's peer only
+  if (options_.transport == Transport::kMpi) return true;
   return rank_ == kCoordinatorRank || rank == kCoordinatorRank.value;
+}
+
+bool ControlChannel::over_tcp(int rank) const {
+  return joined_ || rank >= world_size_ || options_.transport == Transport::kTcp;
+}
+
+void ControlChannel::apply_admissions() {
+  for (const auto& [member, socket] : admitted_) {
+    if (tcp_) {
+      tcp_->add(member, socket);
+    } else {
+      tcp_ = std::make_unique<TcpFrameLink>(std::map<int, int>{{member, socket}});
+    }
+    spdlog::info("control channel: rank {} admitted member {}", rank_.value, member);
+  }
+  admitted_.clear();
+}
+
+void ControlChannel::answer_close(int member) {
+  // The member leaves: it waits for this marker (or the connection's end),
+  // then nothing more comes from it or goes to it.
+  tcp_->queue(member, kCloseTag, {});
+  tcp_->drop(member);
 }
 
 void ControlChannel::notify_thread() {
@@ -102,6 +124,7 @@ bool ControlChannel::receive_tcp() {
   for (TcpFrameLink::Frame& frame : frames) {
     if (frame.tag == kCloseTag) {
       closed_by_[static_cast<size_t>(frame.peer)] = true;
+      if (frame.peer >= world_size_ && !joined_) answer_close(frame.peer);
       continue;
     }
     try {
@@ -127,7 +150,7 @@ bool ControlChannel::receive_tcp() {
       const auto r = static_cast<size_t>(end.peer);
       ended_[r] = true;
       if (closed_by_[r] || forgotten_[r]) continue;
-      link_lost_any_ = true;
+      if (end.peer < world_size_) link_lost_any_ = true;  // a member is no MPI rank
       ++counters_.links_lost;
       lost.push_back(std::move(end));
     }

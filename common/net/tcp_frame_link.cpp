@@ -43,6 +43,11 @@ TcpFrameLink::TcpFrameLink(std::map<int, int> sockets, size_t max_frame_bytes)
   }
 }
 
+void TcpFrameLink::add(int peer, int socket) {
+  DUET_ASSERT(socket >= 0 && !peers_.contains(peer), "a socket for new peer {}", peer);
+  peers_[peer].fd = socket;
+}
+
 TcpFrameLink::~TcpFrameLink() {
   for (auto& [peer, p] : peers_) {
     if (p.fd >= 0) close(p.fd);

@@ -47,6 +47,10 @@ class TcpFrameLink final {
   TcpFrameLink(const TcpFrameLink&) = delete;
   TcpFrameLink& operator=(const TcpFrameLink&) = delete;
 
+  // Adds `peer` (never seen before) with its connected socket, owned from
+  // now on: a member that joined at runtime.
+  void add(int peer, int socket);
+
   // Whether `peer`'s connection is open (neither ended nor dropped).
   bool connected(int peer) const;
   // Queues one frame for `peer`; false (nothing queued) once its connection

@@ -5,6 +5,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/error.h"
+
 namespace duet {
 namespace {
 
@@ -49,20 +51,62 @@ ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpe
       routed_(routed_instances(cluster_, spec), make_routing_policy(spec.mode),
               options.max_retries) {
   cluster_.set_loss_handler([this](const InstanceLoss& loss) {
-    routed_.instance_lost(static_cast<size_t>(loss.instance_id), loss.epoch, loss.reason);
+    if (const std::optional<size_t> index = routed_index(loss.instance_id))
+      routed_.instance_lost(*index, loss.epoch, loss.reason);
   });
+  RemoteCluster::MembershipHandlers membership;
+  membership.joined = [this](int32_t id, InstanceClient* client, InstanceRole role,
+                             const std::string& host) {
+    // Its address on the channel is its transfer address too (unused: a
+    // joined instance is colocated).
+    const size_t index = routed_.add_instance({client, role, -1}, host);
+    std::lock_guard lock(mutex_);
+    routed_index_[id] = index;
+  };
+  membership.leaving = [this](int32_t id) {
+    if (const std::optional<size_t> index = routed_index(id)) routed_.drain_instance(*index);
+  };
+  membership.left = [this](int32_t id, const std::string& reason) {
+    if (const std::optional<size_t> index = routed_index(id)) routed_.instance_left(*index, reason);
+  };
+  cluster_.set_membership_handlers(std::move(membership));
+  if (options.join_port) {
+    DUET_REQUIRE(options.cluster_key.has_value(), "--join-port needs --cluster-key FILE");
+    join_ = std::make_unique<JoinListener>(cluster_, *options.cluster_key, spec.mode,
+                                           options.model_fingerprint, *options.join_port);
+  }
   spdlog::info("cluster: {}; routing: {}; instance lease {} ms, up to {} re-run(s) per request",
                spec.describe(), routed_.policy().name(), options.instance_lease.count(),
                options.max_retries);
 }
 
+std::optional<size_t> ClusterCoordinator::routed_index(int32_t instance_id) const {
+  if (instance_id >= 0 && static_cast<size_t>(instance_id) < spec_.instances.size())
+    return static_cast<size_t>(instance_id);
+  std::lock_guard lock(mutex_);
+  const auto it = routed_index_.find(instance_id);
+  if (it == routed_index_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<uint16_t> ClusterCoordinator::join_port() const {
+  if (!join_) return std::nullopt;
+  return join_->port();
+}
+
 bool ClusterCoordinator::shut_down(const std::string& reason, std::chrono::milliseconds timeout) {
+  join_.reset();  // no one joins a cluster that ends
   // Where the requests went, for logs (and tests).
   const std::vector<int64_t> routed_counts = routed_.routed_counts();
   const std::vector<InstanceStats> stats = routed_.instance_stats();
   for (size_t i = 0; i < spec_.instances.size(); ++i) {
     spdlog::info("instance {} (rank {}): {} requests routed, {} tokens generated", i,
                  spec_.instances[i].leader().value, routed_counts[i], stats[i].generated_tokens);
+  }
+  std::lock_guard lock(mutex_);
+  for (const auto& [id, index] : routed_index_) {
+    spdlog::info("instance {} (joined): {} requests routed, {} tokens generated", id,
+                 routed_counts.at(index), stats.at(index).generated_tokens);
   }
   return cluster_.shut_down(reason, timeout);
 }

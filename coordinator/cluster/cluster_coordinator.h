@@ -10,15 +10,25 @@
 // instance that cannot start) ends it with abort_cluster, so that every rank
 // still closes the channel together.
 //
+// With a join port, instances may join while it serves (join_listener.h): each
+// is added to the router once ready, drained when it leaves, and re-run from
+// when it is lost, as any other.
+//
 // Thread affinity: construct, shut_down and destroy on the main thread; the
 // router is called from any thread (coordinator/router.h).
 #pragma once
 
 #include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "common/cluster/cluster_spec.h"
 #include "common/control_plane/control_channel.h"
+#include "common/net/cluster_auth.h"
+#include "coordinator/cluster/join_listener.h"
 #include "coordinator/cluster/remote_instance.h"
 #include "coordinator/router.h"
 
@@ -34,6 +44,11 @@ struct ClusterCoordinatorOptions {
   std::chrono::milliseconds close_timeout{30'000};
   std::chrono::milliseconds instance_lease{3'000};  // coordinator/cluster/liveness.h
   int max_retries = 2;  // re-runs of one request after losses (coordinator/router.h)
+  // Instances may join on this port (coordinator/cluster/join_listener.h),
+  // proving `cluster_key`, when serving the model of `model_fingerprint`.
+  std::optional<uint16_t> join_port;
+  std::optional<ClusterKey> cluster_key;
+  std::string model_fingerprint;
 };
 
 class ClusterCoordinator final {
@@ -50,6 +65,8 @@ class ClusterCoordinator final {
 
   // Every instance behind the router; owned by the coordinator.
   RoutedInstances& router() { return routed_; }
+  // The port instances join on, when they may.
+  std::optional<uint16_t> join_port() const;
   // Each instance's liveness, in spec order (any thread).
   std::vector<Liveness::InstanceView> liveness() const { return cluster_.liveness(); }
 
@@ -61,9 +78,16 @@ class ClusterCoordinator final {
   bool shut_down(const std::string& reason, std::chrono::milliseconds timeout);
 
  private:
+  // The router's index of an instance (by its id), or nullopt for one that
+  // never got to the router (a member refused, or lost before it was ready).
+  std::optional<size_t> routed_index(int32_t instance_id) const;
+
   const ClusterSpec spec_;
   RemoteCluster cluster_;
-  RoutedInstances routed_;  // over cluster_'s instances
+  RoutedInstances routed_;                  // over cluster_'s instances
+  mutable std::mutex mutex_;                // guards routed_index_
+  std::map<int32_t, size_t> routed_index_;  // joined instances: id -> router index
+  std::unique_ptr<JoinListener> join_;      // last: admits into everything above
 };
 
 }  // namespace duet

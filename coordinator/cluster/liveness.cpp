@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "common/error.h"
+
 namespace duet {
 std::chrono::milliseconds Liveness::grace_for(std::chrono::milliseconds lease) {
   return std::min(lease / 2, std::chrono::milliseconds(1000));
@@ -11,15 +13,29 @@ std::chrono::milliseconds Liveness::grace_for(std::chrono::milliseconds lease) {
 
 Liveness::Liveness(const ClusterSpec& spec, std::chrono::milliseconds lease, Clock::time_point now)
     : lease_(lease), grace_(grace_for(lease)) {
-  for (const InstanceSpec& instance : spec.instances) {
-    Watched watched;
-    watched.instance_id = instance.id;
-    watched.ranks = instance.ranks;
-    watched.last_heard.assign(instance.ranks.size(), now);
-    watched.step_moved_at = now;
-    for (size_t i = 0; i < instance.ranks.size(); ++i)
-      where_[instance.ranks[i]] = {instances_.size(), i};
-    instances_.push_back(std::move(watched));
+  for (const InstanceSpec& instance : spec.instances) add_instance(instance, now);
+}
+
+void Liveness::add_instance(const InstanceSpec& instance, Clock::time_point now) {
+  Watched watched;
+  watched.instance_id = instance.id;
+  watched.ranks = instance.ranks;
+  watched.last_heard.assign(instance.ranks.size(), now);
+  watched.step_moved_at = now;
+  for (size_t i = 0; i < instance.ranks.size(); ++i) {
+    DUET_ASSERT(!where_.contains(instance.ranks[i]), "rank {} watched twice",
+                instance.ranks[i].value);
+    where_[instance.ranks[i]] = {instances_.size(), i};
+  }
+  instances_.push_back(std::move(watched));
+}
+
+void Liveness::retire(int32_t instance_id) {
+  for (Watched& watched : instances_) {
+    if (watched.instance_id == instance_id && !watched.lost) {
+      watched.retired = true;
+      watched.suspect = false;
+    }
   }
 }
 
@@ -97,7 +113,7 @@ std::pair<std::chrono::milliseconds, std::string> Liveness::worst_silence(
 std::vector<InstanceLoss> Liveness::check(Clock::time_point now) {
   std::vector<InstanceLoss> losses;
   for (Watched& watched : instances_) {
-    if (watched.lost) continue;
+    if (watched.lost || watched.retired) continue;
     std::string reason = watched.connection_lost;
     if (reason.empty()) {
       const auto [silent, what] = worst_silence(watched, now);

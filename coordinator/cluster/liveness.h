@@ -47,6 +47,13 @@ class Liveness final {
   // lease, at most 1 s.
   static std::chrono::milliseconds grace_for(std::chrono::milliseconds lease);
 
+  // An instance that joined while serving (its ranks are member addresses,
+  // never used before): alive from `now`, as if each rank had just spoken.
+  void add_instance(const InstanceSpec& instance, Clock::time_point now);
+  // An instance that left after draining: never judged again (its silence
+  // and its connection's end are not a loss). Ignored for a lost one.
+  void retire(int32_t instance_id);
+
   // Any message from `rank`, which arrived at `arrived`: it lives. Ranks in
   // no instance are ignored.
   void heard_from(Rank rank, Clock::time_point arrived);
@@ -102,6 +109,7 @@ class Liveness final {
     std::string suspicion;              // why, while suspect
     std::chrono::milliseconds worst{};  // the longest silence while suspect
     bool lost = false;
+    bool retired = false;  // left after draining
     uint64_t lost_epoch = 0;
     std::string reason;
     std::string connection_lost;  // why, once a rank's control connection ended

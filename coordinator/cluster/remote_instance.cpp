@@ -136,13 +136,19 @@ void shut_down_leaders(ControlChannel& channel, const ClusterSpec& spec,
 RemoteCluster::RemoteCluster(ControlChannel& channel, const ClusterSpec& spec,
                              const std::vector<InstanceReady>& ready,
                              std::chrono::milliseconds lease)
-    : channel_(channel), spec_(spec), liveness_(spec, lease, Clock::now()) {
+    : channel_(channel),
+      spec_(spec),
+      liveness_(spec, lease, Clock::now()),
+      next_member_(channel.world_size()),
+      next_instance_id_(static_cast<int>(spec.instances.size())) {
   DUET_ASSERT(channel.rank() == kCoordinatorRank, "remote instances live on rank 0");
   DUET_ASSERT(ready.size() == spec.instances.size(), "one InstanceReady per instance");
   for (const InstanceSpec& instance : spec.instances) {
     instances_.push_back(std::make_unique<RemoteInstance>(channel, instance.leader(),
                                                           ready[static_cast<size_t>(instance.id)]));
+    by_leader_[instance.leader()] = instances_.back().get();
   }
+  n_started_ = instances_.size();
   // Over TCP a rank's connection that ends is a loss at once (the handler
   // runs on the channel's thread; the dispatcher's receive() returns and
   // its check_leases() acts on it).
@@ -151,6 +157,145 @@ RemoteCluster::RemoteCluster(ControlChannel& channel, const ClusterSpec& spec,
     liveness_.connection_lost(rank, why);
   });
   dispatcher_ = std::thread([this] { dispatch(); });
+}
+
+void RemoteCluster::set_membership_handlers(MembershipHandlers handlers) {
+  std::lock_guard lock(mutex_);
+  membership_ = std::move(handlers);
+}
+
+JoinVerdict RemoteCluster::judge_join(const JoinRequest& request, ClusterMode mode,
+                                      const std::string& fingerprint) {
+  auto refuse = [](std::string reason) { return JoinVerdict{false, {}, 0, 0, std::move(reason)}; };
+  if (request.protocol_version != kControlProtocolVersion) {
+    return refuse(fmt::format("it speaks control protocol {} ({}), the coordinator {}",
+                              request.protocol_version, request.version, kControlProtocolVersion));
+  }
+  if (request.model_fingerprint != fingerprint) {
+    return refuse(fmt::format("it serves another model (fingerprint {}, the cluster's {})",
+                              request.model_fingerprint, fingerprint));
+  }
+  if (request.tp != 1) {
+    return refuse(fmt::format(
+        "it has tp {}; instances of more than one rank cannot join yet (start them with the "
+        "cluster)",
+        request.tp));
+  }
+  if (mode == ClusterMode::kColocated && request.role != InstanceRole::kBoth) {
+    return refuse(fmt::format("the cluster is colocated: join with --role both, not {}",
+                              instance_role_name(request.role)));
+  }
+  if (mode == ClusterMode::kDisaggregated) {
+    return refuse(
+        "the cluster is disaggregated, and a joined instance cannot open KV links to the "
+        "other side yet: join a colocated cluster");
+  }
+  std::lock_guard lock(mutex_);
+  if (shut_down_) return refuse("the coordinator is shutting down");
+  const JoinVerdict verdict{
+      true, Rank{next_member_++}, next_instance_id_++, liveness_.lease().count(), {}};
+  return verdict;
+}
+
+void RemoteCluster::admit(const JoinVerdict& verdict, const JoinRequest& request, int socket) {
+  {
+    std::lock_guard lock(mutex_);
+    InstanceSpec instance{verdict.instance_id, request.role, 1, {verdict.member}};
+    liveness_.add_instance(instance, Clock::now());
+    spec_.instances.push_back(std::move(instance));
+    members_[verdict.member] = Member{verdict.instance_id, request.role, request.host};
+  }
+  channel_.admit(verdict.member, socket);
+  spdlog::info("member {} ({}, {}) admitted as instance {}; waiting for it to be ready",
+               verdict.member.value, request.host, instance_role_name(request.role),
+               verdict.instance_id);
+}
+
+void RemoteCluster::member_ready(Rank source, const InstanceReady& ready) {
+  Member member;
+  MembershipHandlers handlers;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = members_.find(source);
+    if (it == members_.end() || it->second.ready) {
+      spdlog::error("dropped an instance_ready message from rank {}", source.value);
+      return;
+    }
+    it->second.ready = true;
+    member = it->second;
+    handlers = membership_;
+  }
+  std::string refusal = ready.error;
+  if (refusal.empty() && ready.instance_id != member.instance_id) {
+    refusal = fmt::format("it reports instance {}, not {}", ready.instance_id, member.instance_id);
+  }
+  RemoteInstance* instance = nullptr;
+  if (refusal.empty()) {
+    auto owned = std::make_unique<RemoteInstance>(channel_, source, ready);
+    instance = owned.get();
+    std::lock_guard lock(mutex_);
+    instances_.push_back(std::move(owned));
+  }
+  if (refusal.empty() && handlers.joined) {
+    try {
+      handlers.joined(member.instance_id, instance, member.role, member.host);
+    } catch (const std::exception& e) {
+      refusal = e.what();
+    }
+  }
+  if (!refusal.empty()) {
+    spdlog::error("member {} ({}) refused: {}", source.value, member.host, refusal);
+    if (instance != nullptr) instance->mark_lost();
+    {
+      std::lock_guard lock(mutex_);
+      liveness_.retire(member.instance_id);
+      members_[source].left = true;
+    }
+    try {
+      channel_.send(source, Shutdown{fmt::format("refused: {}", refusal)});
+    } catch (const Error&) {
+    }
+    return;
+  }
+  by_leader_[source] = instance;
+  spdlog::info("instance {} joined: member {} on {} ({}); routed to from now on",
+               member.instance_id, source.value, member.host, instance_role_name(member.role));
+}
+
+void RemoteCluster::member_leaving(Rank source, const Leaving& leaving) {
+  Member member;
+  MembershipHandlers handlers;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = members_.find(source);
+    if (it == members_.end() || !it->second.ready || it->second.left) {
+      spdlog::error("dropped a leaving message from rank {}", source.value);
+      return;
+    }
+    if (leaving.done) {
+      it->second.left = true;
+      liveness_.retire(it->second.instance_id);
+    } else {
+      it->second.leaving = true;
+    }
+    member = it->second;
+    handlers = membership_;
+  }
+  if (!leaving.done) {
+    spdlog::info("instance {} (member {}, {}) is leaving ({}): no new work goes there",
+                 member.instance_id, source.value, member.host, leaving.reason);
+    if (handlers.leaving) handlers.leaving(member.instance_id);
+    try {
+      channel_.send(source, LeaveAccepted{member.instance_id});
+    } catch (const Error& e) {
+      spdlog::warn("LeaveAccepted to member {} not sent: {}", source.value, e.what());
+    }
+    return;
+  }
+  by_leader_.at(source)->mark_lost();
+  spdlog::info("instance {} (member {}, {}) left: {}", member.instance_id, source.value,
+               member.host, leaving.reason);
+  if (handlers.left) handlers.left(member.instance_id, leaving.reason);
 }
 
 RemoteCluster::~RemoteCluster() {
@@ -174,8 +319,9 @@ uint64_t RemoteCluster::epoch() const {
 }
 
 std::vector<InstanceClient*> RemoteCluster::instances() const {
+  std::lock_guard lock(mutex_);
   std::vector<InstanceClient*> out;
-  for (const auto& instance : instances_) out.push_back(instance.get());
+  for (size_t i = 0; i < n_started_; ++i) out.push_back(instances_[i].get());
   return out;
 }
 
@@ -185,16 +331,23 @@ bool RemoteCluster::shut_down(const std::string& reason, std::chrono::millisecon
     DUET_ASSERT(!shut_down_, "RemoteCluster::shut_down called twice");
     shut_down_ = true;
   }
-  const std::vector<Rank> lost = [&] {
+  // Every leader not lost and not gone, members admitted but not yet ready too.
+  std::vector<Rank> leaders;
+  {
     std::lock_guard lock(mutex_);
-    return liveness_.lost_ranks();
-  }();
-  for (const auto& instance : instances_) {
-    if (std::find(lost.begin(), lost.end(), instance->leader()) != lost.end()) continue;
+    const std::vector<Rank> lost = liveness_.lost_ranks();
+    for (const InstanceSpec& instance : spec_.instances) {
+      const auto member = members_.find(instance.leader());
+      if (member != members_.end() && member->second.left) continue;
+      if (std::find(lost.begin(), lost.end(), instance.leader()) != lost.end()) continue;
+      leaders.push_back(instance.leader());
+    }
+  }
+  for (Rank leader : leaders) {
     try {
-      channel_.send(instance->leader(), Shutdown{reason});
+      channel_.send(leader, Shutdown{reason});
     } catch (const Error& e) {
-      spdlog::warn("Shutdown to rank {} not sent: {}", instance->leader().value, e.what());
+      spdlog::warn("Shutdown to rank {} not sent: {}", leader.value, e.what());
     }
   }
   const bool closed = channel_.close(timeout);
@@ -203,8 +356,6 @@ bool RemoteCluster::shut_down(const std::string& reason, std::chrono::millisecon
 }
 
 void RemoteCluster::dispatch() {
-  std::map<Rank, RemoteInstance*> by_leader;
-  for (const auto& instance : instances_) by_leader[instance->leader()] = instance.get();
   std::chrono::milliseconds tick;
   {
     std::lock_guard lock(mutex_);
@@ -226,7 +377,7 @@ void RemoteCluster::dispatch() {
     last_judged = judged_at;
     const bool any = received.has_value();
     while (received) {
-      apply(*received, by_leader);
+      apply(*received);
       if (received->arrived > judged_at) break;  // newer than the judgement: the next pass's
       received = channel_.try_receive();
     }
@@ -235,8 +386,7 @@ void RemoteCluster::dispatch() {
   }
 }
 
-void RemoteCluster::apply(const ReceivedMessage& received,
-                          const std::map<Rank, RemoteInstance*>& by_leader) {
+void RemoteCluster::apply(const ReceivedMessage& received) {
   bool from_lost = false;
   uint64_t epoch = 0;
   {
@@ -264,8 +414,19 @@ void RemoteCluster::apply(const ReceivedMessage& received,
     return;
   }
   if (std::holds_alternative<Heartbeat>(received.message)) return;
-  const auto it = by_leader.find(received.source);
-  if (it == by_leader.end()) {
+  if (received.source.value >= channel_.world_size()) {
+    // A member's own messages about its membership.
+    if (const auto* ready = std::get_if<InstanceReady>(&received.message)) {
+      member_ready(received.source, *ready);
+      return;
+    }
+    if (const auto* leaving = std::get_if<Leaving>(&received.message)) {
+      member_leaving(received.source, *leaving);
+      return;
+    }
+  }
+  const auto it = by_leader_.find(received.source);
+  if (it == by_leader_.end()) {
     spdlog::error("dropped a {} message from rank {}, which leads no instance",
                   control_message_name(received.message), received.source.value);
     return;
@@ -301,22 +462,31 @@ void RemoteCluster::check_leases(Clock::time_point now) {
 }
 
 void RemoteCluster::lose(const InstanceLoss& loss) {
-  const InstanceSpec& instance = spec_.instances[static_cast<size_t>(loss.instance_id)];
+  // Every rank not lost or gone hears of it: the lost ones leave should they
+  // wake, the others stop waiting on them. Sent before the channel forgets them.
+  InstanceSpec instance;
+  std::vector<Rank> told;
+  {
+    std::lock_guard lock(mutex_);
+    for (const InstanceSpec& other : spec_.instances) {
+      if (other.id == loss.instance_id) instance = other;
+      const auto member = members_.find(other.leader());
+      if (member != members_.end() && member->second.left) continue;
+      told.insert(told.end(), other.ranks.begin(), other.ranks.end());
+    }
+  }
   spdlog::error("instance {} ({}, rank {}) lost at epoch {}: {}; its requests go elsewhere",
-                instance.id, instance_role_name(instance.role), instance.leader().value, loss.epoch,
-                loss.reason);
-  instances_[static_cast<size_t>(loss.instance_id)]->mark_lost();
-  // Every rank hears of it: the lost ones leave should they wake, the
-  // others stop waiting on them. Sent before the channel forgets them.
+                instance.id, instance_role_name(instance.role), loss.ranks.front().value,
+                loss.epoch, loss.reason);
+  if (const auto it = by_leader_.find(loss.ranks.front()); it != by_leader_.end())
+    it->second->mark_lost();
   const RanksLost message{loss.epoch, loss.ranks,
                           fmt::format("instance {}: {}", instance.id, loss.reason)};
-  for (const InstanceSpec& other : spec_.instances) {
-    for (Rank rank : other.ranks) {
-      try {
-        channel_.send(rank, message);
-      } catch (const Error& e) {
-        spdlog::warn("RanksLost to rank {} not sent: {}", rank.value, e.what());
-      }
+  for (Rank rank : told) {
+    try {
+      channel_.send(rank, message);
+    } catch (const Error& e) {
+      spdlog::warn("RanksLost to rank {} not sent: {}", rank.value, e.what());
     }
   }
   channel_.forget(loss.ranks);

@@ -14,6 +14,12 @@
 // channel, its RemoteInstance refuses new requests, the loss handler runs; its late
 // messages are dropped, and a lost rank that speaks again is told again.
 //
+// Instances may join while the cluster serves (coordinator/cluster/join_listener.h):
+// judge_join and admit give one an address on the channel and an instance id,
+// its InstanceReady makes it a RemoteInstance (the joined handler routes to
+// it), and it leaves with Leaving (drain: the leaving handler) then
+// Leaving{done} (the left handler); its lease holds from admission until then.
+//
 // Threads: submit, cancel, stats and info from any thread; every handler on the
 // dispatcher thread; RemoteCluster built, shut down and destroyed on the main thread.
 #pragma once
@@ -90,8 +96,30 @@ class RemoteCluster final {
   RemoteCluster(const RemoteCluster&) = delete;
   RemoteCluster& operator=(const RemoteCluster&) = delete;
 
-  // In spec order; owned by the cluster.
+  // The instances the cluster started with, in spec order; owned by the cluster.
   std::vector<InstanceClient*> instances() const;
+
+  // Membership. Handlers run on the dispatcher thread; set them before serving.
+  struct MembershipHandlers {
+    // Instance `instance_id` joined and is ready; `client` is owned by the cluster.
+    // Throwing refuses it (its leader is told to shut down, with the reason).
+    std::function<void(int32_t instance_id, InstanceClient* client, InstanceRole role,
+                       const std::string& host)>
+        joined;
+    // It leaves: send it nothing new.
+    std::function<void(int32_t instance_id)> leaving;
+    // It drained and is gone (not a loss).
+    std::function<void(int32_t instance_id, const std::string& reason)> left;
+  };
+  void set_membership_handlers(MembershipHandlers handlers);
+  // Any thread: whether `request` may join a cluster of `mode` serving the
+  // model of `fingerprint`; accepted, with the address and instance id it is
+  // to take (reserved, never reused), or refused with a one-line reason.
+  JoinVerdict judge_join(const JoinRequest& request, ClusterMode mode,
+                         const std::string& fingerprint);
+  // Any thread: an accepted join (its verdict), whose authenticated control
+  // connection is `socket` (owned from now on): its lease starts now.
+  void admit(const JoinVerdict& verdict, const JoinRequest& request, int socket);
 
   // Called on the dispatcher thread with the index of each instance lost,
   // after its ranks were told and forgotten. Set it before serving.
@@ -112,17 +140,35 @@ class RemoteCluster final {
   void dispatch();  // the dispatcher thread
   // The dispatcher thread: one received message, to the leases and to its
   // instance.
-  void apply(const ReceivedMessage& received, const std::map<Rank, RemoteInstance*>& by_leader);
+  void apply(const ReceivedMessage& received);
   // The dispatcher thread: the leases judged at `now`, losses acted on.
   void check_leases(std::chrono::steady_clock::time_point now);
   void lose(const InstanceLoss& loss);
+  // The dispatcher thread: a member's InstanceReady, Leaving.
+  void member_ready(Rank source, const InstanceReady& ready);
+  void member_leaving(Rank source, const Leaving& leaving);
 
   ControlChannel& channel_;
-  const ClusterSpec spec_;
-  std::vector<std::unique_ptr<RemoteInstance>> instances_;  // immutable after construction
-  mutable std::mutex mutex_;                                // guards the members below
+  // The instances it started with (immutable) and those that joined since
+  // (appended by the dispatcher thread, under mutex_).
+  std::vector<std::unique_ptr<RemoteInstance>> instances_;
+  size_t n_started_ = 0;
+  // The dispatcher thread's: each instance's leader.
+  std::map<Rank, RemoteInstance*> by_leader_;
+  mutable std::mutex mutex_;  // guards the members below
+  ClusterSpec spec_;          // grows as members are admitted
   Liveness liveness_;
   LossHandler on_lost_;
+  MembershipHandlers membership_;
+  struct Member {
+    int32_t instance_id = 0;
+    InstanceRole role = InstanceRole::kBoth;
+    std::string host;
+    bool ready = false, leaving = false, left = false;
+  };
+  std::map<Rank, Member> members_;  // by address
+  int next_member_ = 0;             // the next address to give
+  int next_instance_id_ = 0;
   bool shut_down_ = false;  // guarded by mutex_
   std::thread dispatcher_;  // last: starts after everything above exists
 };

@@ -11,10 +11,21 @@ bool is_health_route(std::string_view path) {
 Answer answer(std::string_view path, const Service::Health& health) {
   const bool ready = Service::ready(health.state);
   const int status = path == "/health/live" || ready ? 200 : 503;
-  if (health.state == Service::HealthState::kOk) return {status, R"({"status":"ok"})"};
-  return {status, fmt::format(R"({{"status":"{}","lost_instances":{},"instances":{}}})",
-                              Service::health_state_name(health.state), health.instances.n_lost,
-                              health.instances.n_instances)};
+  const InstanceClient::Health& instances = health.instances;
+  // Once the membership changed, how: instances that joined, and that left
+  // after draining (their count stays in "instances").
+  const std::string membership =
+      instances.joins > 0 || instances.leaves > 0
+          ? fmt::format(R"(,"joined":{},"left":{})", instances.joins, instances.leaves)
+          : std::string();
+  if (health.state == Service::HealthState::kOk) {
+    if (membership.empty()) return {status, R"({"status":"ok"})"};
+    return {status, fmt::format(R"({{"status":"ok","instances":{}{}}})", instances.n_instances,
+                                membership)};
+  }
+  return {status, fmt::format(R"({{"status":"{}","lost_instances":{},"instances":{}{}}})",
+                              Service::health_state_name(health.state), instances.n_lost,
+                              instances.n_instances, membership)};
 }
 
 }  // namespace duet::http_health

@@ -126,6 +126,10 @@ void fill_stats(rpc::Stats::Builder out, const ServiceStats& stats) {
     state.setLost(states[i].lost);
     state.setEpoch(states[i].epoch);
     state.setReason(states[i].reason);
+    state.setJoined(states[i].joined);
+    state.setDraining(states[i].draining);
+    state.setLeft(states[i].left);
+    state.setHost(states[i].host);
   }
 }
 

@@ -386,6 +386,58 @@ TEST_F(RoutedInstancesTest, PrefillGoesWhereItsPrefixWasSent) {
   expect_all_free(*d);
 }
 
+// An instance joins while serving: new work reaches it, and its tokens are
+// one instance's own. Draining, it gets nothing new but finishes what it runs;
+// once it left, health counts it left, not lost.
+TEST_F(RoutedInstancesTest, AJoinedInstanceTakesWorkThenDrainsAndLeaves) {
+  std::map<RequestId, std::vector<int32_t>> expected;
+  {
+    std::unique_ptr<LocalInstance> alone = make_instance();
+    Collector collector;
+    alone->set_event_handler([&](auto events) { collector.on_events(events); });
+    for (uint64_t id = 1; id <= 6; ++id) alone->submit(request(id, 40 + id, 16));
+    for (uint64_t id = 1; id <= 6; ++id)
+      expected[RequestId{id}] = collector.wait(RequestId{id}).tokens;
+    alone->set_event_handler({});
+  }
+  // The instances outlive the router.
+  std::unique_ptr<LocalInstance> a = make_instance();
+  std::unique_ptr<LocalInstance> b = make_instance();
+  std::unique_ptr<LocalInstance> other = make_instance("other");
+  RoutedInstances routed(std::vector<InstanceClient*>{a.get()},
+                         std::make_unique<ColocatedPolicy>());
+  Collector collector;
+  routed.set_event_handler(
+      [&](std::span<const InstanceEvent> events) { collector.on_events(events); });
+  EXPECT_THROW(routed.add_instance({other.get(), InstanceRole::kBoth, -1}, "h"), Error);
+  EXPECT_EQ(routed.add_instance({b.get(), InstanceRole::kBoth, -1}, "node-b"), 1u);
+  EXPECT_EQ(routed.size(), 2u);
+  for (uint64_t id = 1; id <= 4; ++id) routed.submit(request(id, 40 + id, 16));
+  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 2}));
+  InstanceClient::Health health = routed.health();
+  EXPECT_EQ(health.joins, 1);
+  EXPECT_TRUE(health.instances[1].joined);
+  EXPECT_EQ(health.instances[1].host, "node-b");
+
+  routed.drain_instance(1);
+  EXPECT_TRUE(routed.health().instances[1].draining);
+  for (uint64_t id = 5; id <= 6; ++id) routed.submit(request(id, 40 + id, 16));
+  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{4, 2}));  // none to the draining one
+  for (uint64_t id = 1; id <= 6; ++id) {
+    const Collector::Output out = collector.wait(RequestId{id});
+    EXPECT_EQ(out.finish, InstanceFinish::kLength) << "request " << id;
+    EXPECT_EQ(out.tokens, expected[RequestId{id}]) << "request " << id;
+  }
+  expect_all_free(*b);
+  routed.instance_left(1, "drained");
+  health = routed.health();
+  EXPECT_EQ(health.leaves, 1);
+  EXPECT_EQ(health.n_lost, 0);
+  EXPECT_TRUE(health.instances[1].left);
+  EXPECT_FALSE(health.instances[1].lost);
+  EXPECT_EQ(routed.failover_counters().reruns, 0);
+}
+
 TEST_F(RoutedInstancesTest, InstancesServingDifferentModelsAreRefused) {
   std::unique_ptr<LocalInstance> a = make_instance("tiny");
   std::unique_ptr<LocalInstance> b = make_instance("other");

@@ -231,8 +231,9 @@ TEST_F(ServiceTest, BadRequestsGetTypedErrorsAndTheServiceGoesOn) {
       << metrics;
   EXPECT_NE(metrics.find("duet_requests_total{outcome=\"length\"} 1"), std::string::npos);
   EXPECT_NE(metrics.find("duet_time_to_first_token_seconds_count 1"), std::string::npos);
-  EXPECT_NE(metrics.find("duet_instance_up{instance=\"0\",role=\"both\",leader=\"-1\"} 1"),
-            std::string::npos)
+  EXPECT_NE(
+      metrics.find("duet_instance_up{instance=\"0\",role=\"both\",leader=\"-1\",joined=\"0\"} 1"),
+      std::string::npos)
       << metrics;
   EXPECT_EQ(service_->stats().refused_requests, 13);
 }

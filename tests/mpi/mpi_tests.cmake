@@ -217,6 +217,17 @@ set_tests_properties(mpi_failover_control_tcp_test PROPERTIES
   LABELS mpi
   TIMEOUT 600)
 
+# Instances that join a running cluster and leave it (tests/mpi/test_join.py):
+# bad joins refused with one line on both sides, a joined instance routed to
+# and drained on SIGTERM with every stream whole and equal to `duet generate`,
+# a killed one re-run from, and a join from an mpirun job of its own.
+add_test(NAME mpi_join_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_join.py)
+set_tests_properties(mpi_join_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)
+
 # Stopping a cluster with SIGTERM to mpirun (tests/mpi/test_drain.py): the
 # streams in flight finish whole, new requests get 503 while it drains,
 # /health/ready and /health/live tell the two apart, and every rank exits 0;

@@ -226,6 +226,34 @@ TEST(ControlMessages, NamesFollowTheVariant) {
   EXPECT_EQ(control_message_name(KvHandoff{}), "kv_handoff");
   EXPECT_EQ(control_message_name(Heartbeat{}), "heartbeat");
   EXPECT_EQ(control_message_name(RanksLost{}), "ranks_lost");
+  EXPECT_EQ(control_message_name(JoinRequest{}), "join_request");
+  EXPECT_EQ(control_message_name(JoinVerdict{}), "join_verdict");
+  EXPECT_EQ(control_message_name(Leaving{}), "leaving");
+  EXPECT_EQ(control_message_name(LeaveAccepted{}), "leave_accepted");
+}
+
+TEST(ControlMessages, MembershipMessagesRoundTrip) {
+  const JoinRequest join{6, "duet 0.9", "sha256:abcd", InstanceRole::kDecode, 2, "node-7"};
+  const JoinRequest j = round_trip_as(join);
+  EXPECT_EQ(j.protocol_version, 6u);
+  EXPECT_EQ(j.version, join.version);
+  EXPECT_EQ(j.model_fingerprint, join.model_fingerprint);
+  EXPECT_EQ(j.role, InstanceRole::kDecode);
+  EXPECT_EQ(j.tp, 2);
+  EXPECT_EQ(j.host, "node-7");
+
+  const JoinVerdict verdict{true, Rank{12}, 5, 3000, ""};
+  const JoinVerdict v = round_trip_as(verdict);
+  EXPECT_TRUE(v.accepted);
+  EXPECT_EQ(v.member, Rank{12});
+  EXPECT_EQ(v.instance_id, 5);
+  EXPECT_EQ(v.lease_ms, 3000);
+  EXPECT_EQ(round_trip_as(JoinVerdict{false, {}, 0, 0, "wrong model"}).reason, "wrong model");
+
+  const Leaving leaving = round_trip_as(Leaving{5, "SIGTERM"});
+  EXPECT_EQ(leaving.instance_id, 5);
+  EXPECT_EQ(leaving.reason, "SIGTERM");
+  EXPECT_EQ(round_trip_as(LeaveAccepted{5}).instance_id, 5);
 }
 
 TEST(ControlMessages, LivenessMessagesRoundTrip) {

@@ -233,5 +233,29 @@ TEST(Liveness, ARealSilenceIsFoundWithinTheLeasePlusOneSecond) {
   EXPECT_LE(lost_at - t0, 2000ms);
 }
 
+// A member that joined (address 10, instance 2) is watched from its
+// admission like any instance; once it left (retired), neither its silence
+// nor its connection's end is a loss.
+TEST(Liveness, AJoinedInstanceIsWatchedUntilItLeaves) {
+  const auto t0 = Clock::now();
+  Liveness live(spec(), 3000ms, t0);
+  live.add_instance(InstanceSpec{2, InstanceRole::kBoth, 1, {Rank{10}}}, t0 + 1000ms);
+  all_beat(live, t0 + 3000ms);
+  EXPECT_TRUE(live.check(t0 + 3000ms).empty());  // the member's lease began at its admission
+  all_beat(live, t0 + 5000ms);
+  const std::vector<InstanceLoss> lost = live.check(t0 + 5600ms);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].instance_id, 2);
+  EXPECT_EQ(lost[0].ranks, std::vector<Rank>{Rank{10}});
+
+  live.add_instance(InstanceSpec{3, InstanceRole::kBoth, 1, {Rank{11}}}, t0 + 5600ms);
+  live.on_heartbeat(beat(3, 11, 4, false), t0 + 6000ms);
+  live.retire(3);
+  live.connection_lost(Rank{11}, "closed the connection");
+  all_beat(live, t0 + 20000ms);
+  EXPECT_TRUE(live.check(t0 + 20000ms).empty());
+  EXPECT_FALSE(live.lost(3));
+}
+
 }  // namespace
 }  // namespace duet

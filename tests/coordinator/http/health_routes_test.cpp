@@ -45,6 +45,18 @@ TEST(HealthRoutes, EachStateOnEachRoute) {
   }
 }
 
+TEST(HealthRoutes, BodiesCountJoinsAndLeavesOnceTheMembershipChanged) {
+  Service::Health h = health(Service::HealthState::kOk);
+  h.instances.joins = 2;
+  h.instances.leaves = 1;
+  EXPECT_EQ(http_health::answer("/health", h).body,
+            R"({"status":"ok","instances":3,"joined":2,"left":1})");
+  h.state = Service::HealthState::kDegraded;
+  h.instances.n_lost = 1;
+  EXPECT_EQ(http_health::answer("/health", h).body,
+            R"({"status":"degraded","lost_instances":1,"instances":3,"joined":2,"left":1})");
+}
+
 TEST(HealthRoutes, BodiesNameTheStateAndTheLostInstances) {
   EXPECT_EQ(http_health::answer("/health", health(Service::HealthState::kOk)).body,
             R"({"status":"ok"})");

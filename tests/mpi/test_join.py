@@ -1,0 +1,254 @@
+"""Instances that join a running cluster and leave it (`duet serve --join`).
+
+A colocated cluster of one instance under mpirun (rank 0 the coordinator,
+rank 1 the instance) opens --join-port 0 with a cluster key. Then:
+
+- test_1_bad_joins: a joiner with another key, with another model (a
+  synthetic one the generator writes), or with a role a colocated cluster
+  does not take, exits non-zero with a one-line reason; the coordinator logs
+  one line for each; the cluster keeps serving.
+- test_2_join_serve_leave: a plain process joins; /health counts it, and
+  requests go to it (its own log counts the tokens it made): every text is
+  the single-process `duet generate`'s. Streams in flight on it when it gets
+  SIGTERM finish whole and equal; it exits 0; /health and /metrics say it
+  left; new requests are still served.
+- test_3_killed_member: a joined instance SIGKILLed while streams run on it
+  is lost (its connection ends): every stream finishes with the same text.
+- test_4_join_from_mpirun: a one-rank mpirun job of its own joins as well.
+
+Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
+DUET_MPIEXEC set.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpirun_serve import (MPIRUN_FLAGS, SseStream, complete, http_request,  # noqa: E402
+                          metrics, rank_pids, start_cluster, stop_every_rank, wait_until)
+from test_failover import generate  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
+from serve_process import serve_environment  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "To make bread, first"]
+
+cluster = None
+workdir = None
+key_file = None
+join_address = None
+expected = {}
+
+
+def write_key(path, text):
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+
+
+def setUpModule():
+    global cluster, workdir, key_file, join_address
+    serve_environment()  # SkipTest without the model
+    workdir = tempfile.TemporaryDirectory()
+    key_file = os.path.join(workdir.name, "cluster.key")
+    write_key(key_file, "a-test-cluster-key-of-at-least-32-bytes-0123456789")
+    for prompt in PROMPTS:
+        expected[prompt] = generate({"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                     "ignore_eos": True})
+    cluster = start_cluster(2, ["--mode", "colocated", "--kv-cache-mem", "64MiB",
+                                "--join-port", "0", "--cluster-key", key_file])
+    port = None
+
+    def listening():
+        nonlocal port
+        for line in cluster.log_lines():
+            match = re.search(r"instances may join on port (\d+)", line)
+            if match:
+                port = int(match.group(1))
+        return port is not None
+
+    wait_until(listening, 30, "the join listener's port")
+    join_address = f"127.0.0.1:{port}"
+
+
+def tearDownModule():
+    try:
+        if cluster is not None and cluster.process.poll() is None:
+            stop_every_rank(cluster, timeout=60)
+    finally:
+        workdir.cleanup()
+
+
+class Joiner:
+    """`duet serve --join` (optionally under a one-rank mpirun of its own), its
+    output collected in a file."""
+
+    def __init__(self, *extra, model=None, key=None, mpirun=False):
+        binary, default_model = serve_environment()
+        self.log_path = os.path.join(workdir.name, f"joiner-{time.monotonic_ns()}.log")
+        command = [binary, "serve", "--model", model or default_model, "--join", join_address,
+                   "--cluster-key", key or key_file, "--threads", "1",
+                   "--kv-cache-mem", "64MiB", *extra]
+        if mpirun:
+            command = [os.environ.get("DUET_MPIEXEC", "mpirun"), *MPIRUN_FLAGS, "-np", "1",
+                       *command]
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def text(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait(self, timeout):
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.log.close()
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def health():
+    status, _, body = http_request(cluster.http_url + "/health")
+    return status, body.decode()
+
+
+def joins():
+    return int(metrics(cluster)["duet_instances_joined_total"])
+
+
+def wait_joined(joiner, n_joins):
+    """Until the coordinator counts n_joins, and the joiner says it serves."""
+    def ready():
+        if joiner.process.poll() is not None:
+            raise AssertionError(f"the joiner exited:\n{joiner.text()}")
+        return joins() >= n_joins and "(both, joined): serving" in joiner.text()
+    wait_until(ready, 120, "the joined instance to serve")
+
+
+def greedy(prompt):
+    return {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def run_streams(n):
+    streams = [SseStream("127.0.0.1", cluster.http_port,
+                         {**greedy(PROMPTS[i % len(PROMPTS)]), "stream": True})
+               for i in range(n)]
+    for s in streams:
+        s.start()
+    return streams
+
+
+def check_streams(test, streams, timeout=180):
+    for s in streams:
+        s.join(timeout)
+        test.assertIsNone(s.failure, s.failure)
+        test.assertIsNone(s.error)
+        test.assertEqual(s.finish, "length")
+        test.assertEqual(s.text, expected[s.body["prompt"]], s.body["prompt"])
+
+
+class JoinTest(unittest.TestCase):
+    def test_1_bad_joins(self):
+        other_key = os.path.join(workdir.name, "other.key")
+        write_key(other_key, "another-cluster-key-of-at-least-32-bytes-abcdefghij")
+        other_model = os.path.join(workdir.name, "other.gguf")
+        subprocess.run([sys.executable, os.path.join(HERE, "..", "gpu", "synthetic_model.py"),
+                        "--shape", "smollm2-135m", "--type", "q4_0", "--layers", "1",
+                        "--out", other_model], check=True, capture_output=True, timeout=300)
+        cases = [
+            ((), {"key": other_key}, "did not prove the cluster key",
+             "closed the connection instead of proving the cluster key"),
+            ((), {"model": other_model}, "refused: it serves another model",
+             "refused .*it serves another model"),
+            (("--role", "decode"), {}, "refused: the cluster is colocated",
+             "refused .*the cluster is colocated"),
+        ]
+        for extra, kwargs, joiner_says, coordinator_says in cases:
+            joiner = Joiner(*extra, **kwargs)
+            code = joiner.wait(120)
+            text = joiner.text()
+            self.assertNotEqual(code, 0, text)
+            self.assertIn(joiner_says, text)
+            self.assertEqual(len([l for l in text.splitlines() if l.startswith("duet: ")]), 1,
+                             text)
+            wait_until(lambda: any(re.search(coordinator_says, l) for l in cluster.log_lines()),
+                       10, f"the coordinator to log {coordinator_says!r}")
+        self.assertEqual(joins(), 0)
+        self.assertEqual(health(), (200, '{"status":"ok"}'))
+        r = complete(cluster, greedy(PROMPTS[0]))
+        self.assertEqual(r["choices"][0]["text"], expected[PROMPTS[0]])
+
+    def test_2_join_serve_leave(self):
+        joiner = Joiner()
+        try:
+            wait_joined(joiner, 1)
+            status, body = health()
+            self.assertEqual(status, 200)
+            self.assertEqual(body, '{"status":"ok","instances":2,"joined":1,"left":0}')
+            # Enough at once that the router, which prefers free KV, sends
+            # some to the joined instance.
+            check_streams(self, run_streams(8))
+            # Streams in flight on both instances when the joiner is told to go.
+            streams = run_streams(8)
+            wait_until(lambda: all(s.events > 0 for s in streams), 120, "every stream to start")
+            joiner.process.send_signal(signal.SIGTERM)
+            check_streams(self, streams)
+            self.assertEqual(joiner.wait(60), 0, joiner.text())
+            text = joiner.text()
+            self.assertIn("leaving the cluster", text)
+            made = re.search(r"instance \d+: drained \(\d+ steps, (\d+) tokens generated\)", text)
+            self.assertIsNotNone(made, text)
+            self.assertGreater(int(made.group(1)), 0, "no request went to the joined instance")
+            self.assertEqual(health(), (200, '{"status":"ok","instances":2,"joined":1,"left":1}'))
+            m = metrics(cluster)
+            self.assertEqual(m["duet_instances_left_total"], 1)
+            self.assertEqual(m["duet_instances_lost"], 0)
+            check_streams(self, run_streams(2))
+        finally:
+            joiner.kill()
+
+    def test_3_killed_member(self):
+        joiner = Joiner()
+        try:
+            wait_joined(joiner, 2)
+            streams = run_streams(8)
+            wait_until(lambda: all(s.events > 0 for s in streams), 120, "every stream to start")
+            joiner.process.kill()
+            check_streams(self, streams)
+            wait_until(lambda: metrics(cluster)["duet_instances_lost"] == 1, 30,
+                       "the killed member to count lost")
+            status, body = health()
+            self.assertEqual(status, 200)
+            self.assertIn('"status":"degraded"', body)
+        finally:
+            joiner.kill()
+
+    def test_4_join_from_mpirun(self):
+        joiner = Joiner(mpirun=True)
+        try:
+            wait_joined(joiner, 3)
+            check_streams(self, run_streams(4))
+            # To the rank, as a scheduler stopping that job's process would
+            # (mpirun, signalled itself, exits 1 whatever its ranks do).
+            os.kill(rank_pids(joiner.process.pid)[0], signal.SIGTERM)
+            self.assertEqual(joiner.wait(60), 0, joiner.text())
+            self.assertIn("drained", joiner.text())
+        finally:
+            joiner.kill()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
