@@ -196,6 +196,11 @@ class InstanceClient {
     int64_t failed_after_retries = 0;  // requests ended kUnavailable by losses
     int64_t joins = 0;                 // instances that joined while the cluster served
     int64_t leaves = 0;                // instances that left after draining
+    // Instances taking new work, and how many the cluster started with: a
+    // loss made up for (a replacement or a rejoin joined) is no longer a
+    // degradation. -1: not counted (one instance in this process).
+    int n_live = -1;
+    int n_started = -1;
   };
   virtual Health health() const { return {}; }
 };

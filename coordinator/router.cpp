@@ -105,6 +105,7 @@ RoutedInstances::RoutedInstances(std::vector<RoutedInstance> instances,
     instances_.push_back(instance);
     book_new_instance();
   }
+  n_started_ = instances_.size();
 }
 
 void RoutedInstances::check_same_model(size_t index, const InstanceInfo& other) {
@@ -498,6 +499,10 @@ InstanceClient::Health RoutedInstances::health() const {
   health.failed_after_retries = failover_.failed_after_retries;
   health.joins = joins_;
   health.leaves = leaves_;
+  health.n_started = static_cast<int>(n_started_);
+  health.n_live = 0;
+  for (size_t i = 0; i < instances_.size(); ++i)
+    health.n_live += !lost_[i] && !membership_[i].draining ? 1 : 0;
   return health;
 }
 

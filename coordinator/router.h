@@ -216,6 +216,7 @@ class RoutedInstances final : public InstanceClient {
   };
   std::vector<Membership> membership_;  // per instance
   int64_t joins_ = 0, leaves_ = 0;
+  size_t n_started_ = 0;                                    // instances given to the constructor
   std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
   uint64_t next_arrival_ = 0;
   uint64_t next_attempt_ = 1;

@@ -450,7 +450,10 @@ Service::Health Service::health() const {
     health.state = HealthState::kUnavailable;
   } else if (draining) {
     health.state = HealthState::kDraining;
-  } else if (health.instances.n_lost > 0) {
+  } else if (health.instances.n_lost > 0 &&
+             (health.instances.n_live < 0 ||
+              health.instances.n_live < health.instances.n_started)) {
+    // Lost instances not yet made up for by instances that joined since.
     health.state = HealthState::kDegraded;
   }
   return health;

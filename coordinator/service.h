@@ -199,7 +199,8 @@ class Service final {
   ServiceStats stats() const;
   // Takes new requests: ready(health().state).
   bool healthy() const;
-  // ok: serving with every instance; degraded: serving with some lost;
+  // ok: serving with every instance (or as many as it started with, losses
+  // made up for by instances that joined); degraded: serving with some lost;
   // draining: finishing what runs, refusing new requests (begin_drain);
   // unavailable: shutting down, or no live instance a request needs.
   // Ready for new requests: ok and degraded only.

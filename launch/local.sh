@@ -20,6 +20,16 @@
 # SIGTERM sent to mpirun directly still lets the cluster drain (README:
 # stopping a cluster).
 #
+# Replacements (colocated clusters of one-rank instances): the coordinator
+# opens a join port with a cluster key of this run's own, and while the
+# cluster serves this script keeps its P + D instances: when /metrics shows
+# fewer up than that, it starts a replacement on this host (with a hostfile:
+# on the lost instance's host, by an mpirun of its own) that joins the
+# running cluster (`duet serve --join`, README: joining a running cluster)
+# and says how long the loss took to mend. DUET_REPLACE=0 turns this off.
+# Disaggregated or tensor-parallel clusters are not mended yet: a joined
+# instance is colocated and of one rank.
+#
 # Usage: launch/local.sh P D [duet serve arguments...]
 #   e.g. launch/local.sh 1 1
 #        launch/local.sh 1 2 --mode colocated --kv-cache-mem 512MiB
@@ -38,6 +48,8 @@
 #   DUET_MPIRUN_ARGS    more mpirun options, split on spaces
 #   DUET_HOSTFILE       an Open MPI hostfile (launch/hostfile.sh sets it); without
 #                       one every rank runs here, oversubscribing the cores
+#   DUET_REPLACE        1 (default): replace lost instances (colocated, tp 1); 0: do not
+#   DUET_JOIN_PORT      the coordinator's join port for replacements (default 0: a free one)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -53,10 +65,12 @@ decode=$2
 shift 2
 # Tensor parallelism: an instance takes --tp ranks (--prefill-tp and
 # --decode-tp for one kind), so mpirun must start that many.
-tp=1 prefill_tp='' decode_tp='' drain_timeout=30
+tp=1 prefill_tp='' decode_tp='' drain_timeout=30 mode=disaggregated
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
+    --mode) mode=${args[i + 1]:-} ;;
+    --mode=*) mode=${args[i]#*=} ;;
     --drain-timeout) drain_timeout=${args[i + 1]:-30} ;;
     --drain-timeout=*) drain_timeout=${args[i]#*=} ;;
     --tp) tp=${args[i + 1]:-1} ;;
@@ -98,12 +112,17 @@ mpirun_args+=(${DUET_MPIRUN_ARGS:-})
 work=$(mktemp -d)
 mpirun_pid=""
 stopping=0
+all_replacements=()  # every replacement's pid
 # shellcheck disable=SC2317 # called from the trap
 cleanup() {
   if [ -n "$mpirun_pid" ] && kill -0 "$mpirun_pid" 2>/dev/null; then
     kill -TERM "$mpirun_pid" 2>/dev/null || true
     wait "$mpirun_pid" 2>/dev/null || true
   fi
+  # Replacements leave when the coordinator shuts down; one still here now
+  # (its coordinator gone) is told to go, and leaves once its link ends.
+  local pid
+  for pid in "${all_replacements[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -139,10 +158,23 @@ stop() {
   fi
 }
 
+# Replacements need joins: a colocated cluster of one-rank instances.
+replace=0
+join_args=()
+if [ "${DUET_REPLACE:-1}" = 1 ]; then
+  if [ "$mode" = colocated ] && [ "${prefill_tp:-$tp}" = 1 ] && [ "${decode_tp:-$tp}" = 1 ]; then
+    replace=1
+    (umask 077 && head -c 32 /dev/urandom | base64 >"$work/cluster.key")
+    join_args=(--join-port "${DUET_JOIN_PORT:-0}" --cluster-key "$work/cluster.key")
+  else
+    say "lost instances will not be replaced: a joined instance is colocated and of one rank (--mode colocated, tp 1)"
+  fi
+fi
+
 command=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" -np "$ranks"
   "$duet" serve --model "$model" --prefill "$prefill" --decode "$decode"
   --threads "${DUET_THREADS:-1}" --host "${DUET_HOST:-127.0.0.1}"
-  --rpc-port "${DUET_RPC_PORT:-0}" --http-port "${DUET_HTTP_PORT:-0}" "$@")
+  --rpc-port "${DUET_RPC_PORT:-0}" --http-port "${DUET_HTTP_PORT:-0}" "${join_args[@]}" "$@")
 say "starting: ${command[*]}"
 # stdout (rank 0's listening lines) into a file read below; stderr to ours,
 # noting rank 0's exit code from its last line on the way.
@@ -152,6 +184,8 @@ note_rank0_exit() {
     printf '%s\n' "$line" >&2
     if [[ $line =~ "rank 0: exiting with code "([0-9]+) ]]; then
       echo "${BASH_REMATCH[1]}" >"$work/rank0_exit"
+    elif [[ $line =~ "instances may join on port "([0-9]+) ]]; then
+      echo "${BASH_REMATCH[1]}" >"$work/join_port"
     fi
   done
 }
@@ -185,6 +219,91 @@ if [ "$stopping" -eq 0 ]; then
   say "Ctrl-C drains and stops every rank (again: at once)"
 fi
 
+# The host of each rank of the job: this one, or with a hostfile the one
+# whose slot it takes (ranks fill the slots in hostfile order, --map-by slot).
+rank_host() {
+  local rank=$1 host slots line
+  [ -n "${DUET_HOSTFILE:-}" ] || { echo localhost; return; }
+  while read -r line; do
+    line=${line%%#*}
+    [ -n "${line// /}" ] || continue
+    host=${line%% *}
+    slots=1
+    [[ $line =~ slots=([0-9]+) ]] && slots=${BASH_REMATCH[1]}
+    if [ "$rank" -lt "$slots" ]; then
+      echo "$host"
+      return
+    fi
+    rank=$((rank - slots))
+  done <"$DUET_HOSTFILE"
+  echo localhost
+}
+
+# Keeps P + D instances up (replace=1): a replacement for each one missing,
+# on the host the lost one ran on, joining through the coordinator's join
+# port; its log goes to stderr. Called every half second while the cluster serves.
+replacements=0
+served=0  # replacements that said they serve
+declare -A starting=()  # replacement pid -> "host when-the-loss-was-seen log-file"
+lost_since=""
+keep_counts() {
+  [ "$replace" = 1 ] && [ "$stopping" -eq 0 ] && [ -s "$work/join_port" ] || return 0
+  local metrics up joined pid host lost_at log n_starting=0
+  metrics=$(curl -s --max-time 2 "http://$http/metrics") || return 0
+  up=$(awk '/^duet_instance_up\{/ { n += $NF } END { print n + 0 }' <<<"$metrics")
+  joined=$(awk '/^duet_instances_joined_total / { print $2 + 0 }' <<<"$metrics")
+  for pid in "${!starting[@]}"; do
+    read -r host lost_at log <<<"${starting[$pid]}"
+    if ! kill -0 "$pid" 2>/dev/null; then
+      say "replacement (pid $pid, $host) exited before it served"
+      unset "starting[$pid]"
+    elif grep -q "joined): serving" "$log" 2>/dev/null; then
+      say "replacement (pid $pid, $host) serves: $((SECONDS - lost_at)) s after the loss was seen"
+      unset "starting[$pid]"
+      served=$((served + 1))
+    else
+      n_starting=$((n_starting + 1))
+    fi
+  done
+  # A replacement that serves but that the coordinator has not counted yet
+  # (its join still being applied) is not missing.
+  [ "${joined:-0}" -ge "$served" ] || n_starting=$((n_starting + served - ${joined:-0}))
+  local want=$((prefill + decode))
+  if [ "$up" -ge "$want" ]; then
+    lost_since=""
+    return 0
+  fi
+  [ -n "$lost_since" ] || lost_since=$SECONDS
+  while [ $((up + n_starting)) -lt "$want" ]; do
+    # The lost instance's host: the first down one's leader rank in the job.
+    local leader
+    leader=$(awk -F'"' '/^duet_instance_up\{/ && / 0$/ { print $6; exit }' <<<"$metrics")
+    host=localhost
+    if [ -n "$leader" ] && [ "$leader" -ge 0 ] 2>/dev/null && [ "$leader" -lt "$ranks" ]; then
+      host=$(rank_host "$leader")
+    fi
+    replacements=$((replacements + 1))
+    local join_host=127.0.0.1
+    log=$work/replacement-$replacements.log
+    local replacement=("$duet" serve --model "$model" --threads "${DUET_THREADS:-1}"
+      --join "$join_host:$(cat "$work/join_port")" --cluster-key "$work/cluster.key" "$@")
+    if [ "$host" != localhost ]; then
+      join_host=$(rank_host 0)
+      replacement=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" --host "$host" -np 1
+        "$duet" serve --model "$model" --threads "${DUET_THREADS:-1}"
+        --join "$join_host:$(cat "$work/join_port")" --cluster-key "$work/cluster.key" "$@")
+    fi
+    : >"$log"
+    # Its output to a file (read above) and, marked, to stderr.
+    "${replacement[@]}" </dev/null > >(tee -a "$log" | sed -u "s/^/[replacement] /" >&2) 2>&1 &
+    pid=$!
+    all_replacements+=("$pid")
+    starting[$pid]="$host $lost_since $log"
+    say "an instance is down ($up of $want up): replacement $replacements (pid $pid) starting on $host"
+    n_starting=$((n_starting + 1))
+  done
+}
+
 # Until mpirun exits. After a rank was lost, mpirun can outlive the ranks: it
 # waits for a lost host's daemon that never answers, or runs its kill delay
 # (odls_base_sigkill_timeout, twice) for the lost rank (docs/FAILURES.md). So
@@ -205,6 +324,7 @@ while kill -0 "$mpirun_pid" 2>/dev/null; do
     say "the cluster exited with code $code (rank 0's)"
     exit "$code"
   fi
+  keep_counts "$@"
   sleep 0.5
 done
 code=0

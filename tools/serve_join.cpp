@@ -10,6 +10,13 @@
 // what it runs finish (up to --drain-timeout), says Leaving{done}, closes its
 // channel and exits 0. A second signal cuts the drain short; what is then
 // left is the coordinator's to run again elsewhere, as after a loss.
+//
+// A member the coordinator counted lost (stalled past its lease, its link
+// cut) that is still alive rejoins: it drops its engine (its requests already
+// run elsewhere, its KV is void), joins again as a new member with a new
+// instance id, and is routed to again. Should a replacement have taken its
+// place meanwhile, it stays as extra capacity: more capacity costs nothing
+// a drain would not, and an operator's SIGTERM sends it away.
 #include <fmt/format.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
@@ -43,6 +50,9 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr auto kCloseTimeout = 10s;
+// A lost member joins again, trying every kRejoinPause for up to kRejoinWindow.
+constexpr auto kRejoinPause = 1000ms;
+constexpr auto kRejoinWindow = std::chrono::milliseconds(60'000);
 
 std::string host_name() {
   char name[256] = {};
@@ -141,6 +151,93 @@ class Leaver final {
   std::thread thread_;  // last
 };
 
+// What one membership ended in: the exit code, or a loss to rejoin from.
+struct Membership {
+  int code = 0;
+  bool lost = false;
+};
+
+// Whether a stop signal of `signals` is pending (taken if so).
+bool stop_signal_pending(const sigset_t& signals) {
+  const timespec now{0, 0};
+  return sigtimedwait(&signals, nullptr, &now) > 0;
+}
+
+// The join, retried every kRejoinPause for up to `window` (a coordinator
+// busy with the loss may not answer at once); nullopt when a stop signal
+// came meanwhile. The first join is tried once (window 0): its errors are
+// the user's to read.
+std::optional<JoinVerdict> join(const ServeArgs& args, const ClusterKey& key,
+                                const JoinRequest& request, std::chrono::milliseconds window,
+                                const sigset_t& signals, int& socket) {
+  const auto deadline = Clock::now() + window;
+  for (;;) {
+    try {
+      return join_cluster(args.join, key, request, kHandshakeTimeout, socket);
+    } catch (const Error& e) {
+      if (Clock::now() + kRejoinPause >= deadline) throw;
+      spdlog::warn("rejoin: {}; trying again in {} ms", e.what(), kRejoinPause.count());
+    }
+    const timespec pause{0, static_cast<long>(kRejoinPause.count()) * 1'000'000};
+    if (sigtimedwait(&signals, nullptr, &pause) > 0) return std::nullopt;
+  }
+}
+
+// One membership: the instance behind an InstanceServer over the joined
+// channel, until the coordinator's Shutdown, a leave, or a loss.
+Membership serve_member(const ServeArgs& args, const LlamaModel& model,
+                        const cpu::KernelTable& kernels, const EngineConfig& config,
+                        InstanceRole role, const JoinVerdict& verdict, int socket,
+                        const sigset_t& signals) {
+  ControlChannelOptions options;
+  options.transport = Transport::kTcp;
+  ControlChannel channel(JoinedLink{verdict.member, socket}, options);
+  const InstanceSpec self{verdict.instance_id, role, 1, {verdict.member}};
+  // Lost (stalled past the lease, or cut off): the server stops, the
+  // instance and its KV go, and the caller joins again as a new member.
+  std::mutex mutex;
+  bool lost = false;
+  InstanceServer* serving = nullptr;
+  auto on_lost = [&](const std::string& why) {
+    std::lock_guard lock(mutex);
+    lost = true;
+    if (serving != nullptr) serving->stop(format("lost: {}", why));
+  };
+  RankLiveness liveness(channel, nullptr, nullptr, self,
+                        std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms), on_lost);
+  InstanceStats stats;
+  std::string reason;
+  {
+    cpu::ThreadPool pool(serve::compute_threads(args));
+    LocalInstance instance(model, kernels, pool, config, serve::model_name(args));
+    InstanceServer server(channel, instance, verdict.instance_id);
+    liveness.watch([&instance] { return instance.progress(); });
+    Leaver leaver(channel, instance, server, verdict.instance_id, signals,
+                  std::chrono::milliseconds(static_cast<int64_t>(args.drain_timeout_s * 1000)));
+    server.on_leave_accepted([&leaver] { leaver.accepted(); });
+    {
+      std::lock_guard lock(mutex);
+      serving = &server;
+      if (lost) server.stop("lost before it served");
+    }
+    spdlog::info("instance {} ({}, joined): serving {} with {} compute threads",
+                 verdict.instance_id, instance_role_name(role), serve::model_name(args),
+                 pool.size());
+    reason = server.serve();
+    {
+      std::lock_guard lock(mutex);
+      serving = nullptr;
+    }
+    stats = instance.stats();
+    liveness.watch({});
+  }  // the engine has stopped: what it held is dropped with it
+  spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
+               stats.steps, stats.generated_tokens);
+  const bool closed = channel.close(kCloseTimeout);
+  std::lock_guard lock(mutex);
+  return {closed ? 0 : 1, lost};
+}
+
 }  // namespace
 
 int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
@@ -155,7 +252,6 @@ int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
     std::unique_ptr<LlamaModel> model =
         LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
     const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
-    const std::string name = serve::model_name(args);
     const EngineConfig config =
         serve::engine_config(args, *model, tokenizer.end_of_generation_ids(), device);
 
@@ -165,36 +261,25 @@ int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
     request.role = role;
     request.tp = 1;
     request.host = host_name();
-    int socket = -1;
-    const JoinVerdict verdict = join_cluster(args.join, key, request, kHandshakeTimeout, socket);
-    spdlog::info("joined the cluster at {} as instance {} (member {})", args.join,
-                 verdict.instance_id, verdict.member.value);
-
-    ControlChannelOptions options;
-    options.transport = Transport::kTcp;
-    ControlChannel channel(JoinedLink{verdict.member, socket}, options);
-    const InstanceSpec self{verdict.instance_id, role, 1, {verdict.member}};
-    RankLiveness liveness(channel, nullptr, nullptr, self,
-                          std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms));
-    InstanceStats stats;
-    std::string reason;
-    {
-      cpu::ThreadPool pool(serve::compute_threads(args));
-      LocalInstance instance(*model, kernels, pool, config, name);
-      InstanceServer server(channel, instance, verdict.instance_id);
-      liveness.watch([&instance] { return instance.progress(); });
-      Leaver leaver(channel, instance, server, verdict.instance_id, signals,
-                    std::chrono::milliseconds(static_cast<int64_t>(args.drain_timeout_s * 1000)));
-      server.on_leave_accepted([&leaver] { leaver.accepted(); });
-      spdlog::info("instance {} ({}, joined): serving {} with {} compute threads",
-                   verdict.instance_id, instance_role_name(role), name, pool.size());
-      reason = server.serve();
-      stats = instance.stats();
-      liveness.watch({});
+    std::chrono::milliseconds window{0};  // the first join: once
+    for (;;) {
+      int socket = -1;
+      const std::optional<JoinVerdict> verdict = join(args, key, request, window, signals, socket);
+      if (!verdict) {
+        spdlog::info("a stop signal while rejoining: exiting");
+        return 0;
+      }
+      spdlog::info("joined the cluster at {} as instance {} (member {})", args.join,
+                   verdict->instance_id, verdict->member.value);
+      const Membership membership =
+          serve_member(args, *model, kernels, config, role, *verdict, socket, signals);
+      if (!membership.lost) return membership.code;
+      if (stop_signal_pending(signals)) return 0;
+      // Its requests run elsewhere now; it comes back as a new member, with
+      // an empty KV cache, under the epoch its loss made.
+      spdlog::warn("rejoining the cluster at {} as a new member", args.join);
+      window = kRejoinWindow;
     }
-    spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
-                 stats.steps, stats.generated_tokens);
-    return channel.close(kCloseTimeout) ? 0 : 1;
   } catch (const Error& e) {
     std::fprintf(stderr, "duet: %s: %s\n", std::string(error_kind_name(e.kind())).c_str(),
                  e.what());

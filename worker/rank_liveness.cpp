@@ -8,17 +8,20 @@
 #include <string>
 
 #include "common/error.h"
+#include "common/format.h"
 
 namespace duet {
 
 RankLiveness::RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime* mpi,
-                           const InstanceSpec& instance, std::chrono::milliseconds interval)
+                           const InstanceSpec& instance, std::chrono::milliseconds interval,
+                           LostHandler on_lost)
     : channel_(channel),
       transfer_(transfer),
       mpi_(mpi),
       instance_(instance),
       rank_(channel.rank()),
-      interval_(interval) {
+      interval_(interval),
+      on_lost_(std::move(on_lost)) {
   channel_.set_intercept([this](const ReceivedMessage& message) { return apply(message); });
   channel_.set_link_lost_handler([this](Rank rank, const std::string& why) {
     if (rank == kCoordinatorRank) leave_unheard(why);
@@ -69,10 +72,17 @@ void RankLiveness::leave_unheard(const std::string& why) {
   // lost, and its RanksLost did not get through) or is gone: nothing this
   // rank sends can be heard any more.
   if (mpi_ != nullptr) mpi_->leave_without_finalize();
-  spdlog::warn(
-      "instance {} (rank {}): its control connection to the coordinator ended ({}); "
-      "leaving",
-      instance_.id, rank_.value, why);
+  lost(format("its control connection to the coordinator ended ({})", why));
+}
+
+void RankLiveness::lost(const std::string& why) {
+  if (lost_.exchange(true)) return;
+  if (on_lost_) {
+    spdlog::warn("instance {} (rank {}): {}", instance_.id, rank_.value, why);
+    on_lost_(why);
+    return;
+  }
+  spdlog::warn("instance {} (rank {}): {}; leaving", instance_.id, rank_.value, why);
   spdlog::default_logger()->flush();
   std::fflush(nullptr);
   std::_Exit(0);
@@ -92,11 +102,8 @@ bool RankLiveness::apply(const ReceivedMessage& message) {
   if (ours != lost->ranks.end()) {
     // This instance is lost (this rank stalled, or another of its ranks is
     // gone): what it holds is the coordinator's to re-run elsewhere.
-    spdlog::warn("instance {} (rank {}): lost at epoch {} ({}); leaving", instance_.id, rank_.value,
-                 lost->epoch, lost->reason);
-    spdlog::default_logger()->flush();
-    std::fflush(nullptr);
-    std::_Exit(0);
+    this->lost(format("lost at epoch {} ({})", lost->epoch, lost->reason));
+    return true;
   }
   std::string names;
   for (Rank rank : lost->ranks) names += (names.empty() ? "" : ", ") + std::to_string(rank.value);

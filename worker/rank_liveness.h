@@ -37,8 +37,13 @@ class RankLiveness final {
  public:
   // `transfer` may be null (a colocated instance moves no KV), `mpi` too (a
   // joined instance, outside any MPI job). All outlive this.
+  // `on_lost` (a joined instance, which rejoins): called once, on the
+  // channel's thread, with why, where a rank of the job would leave the
+  // process (its instance lost, or its link to the coordinator ended).
+  using LostHandler = std::function<void(const std::string& why)>;
   RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime* mpi,
-               const InstanceSpec& instance, std::chrono::milliseconds interval);
+               const InstanceSpec& instance, std::chrono::milliseconds interval,
+               LostHandler on_lost = {});
   ~RankLiveness();  // stops the heartbeats and removes the intercept
   RankLiveness(const RankLiveness&) = delete;
   RankLiveness& operator=(const RankLiveness&) = delete;
@@ -48,9 +53,11 @@ class RankLiveness final {
   void watch(std::function<EngineProgress()> progress);
 
  private:
-  void beat_until_stopped();                                // the heartbeat thread
-  bool apply(const ReceivedMessage& message);               // the communication thread
-  [[noreturn]] void leave_unheard(const std::string& why);  // the communication thread
+  void beat_until_stopped();                   // the heartbeat thread
+  bool apply(const ReceivedMessage& message);  // the communication thread
+  void leave_unheard(const std::string& why);  // the communication thread
+  // Leaves the process, or (on_lost_) hands the loss to the caller once.
+  void lost(const std::string& why);
 
   ControlChannel& channel_;
   KvTransferAdapter* const transfer_;
@@ -59,6 +66,8 @@ class RankLiveness final {
   const Rank rank_;
   const std::chrono::milliseconds interval_;
   std::atomic<uint64_t> epoch_{0};
+  const LostHandler on_lost_;
+  std::atomic<bool> lost_{false};
 
   std::mutex mutex_;  // guards the members below
   std::condition_variable wake_;

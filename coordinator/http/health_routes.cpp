@@ -20,8 +20,8 @@ Answer answer(std::string_view path, const Service::Health& health) {
           : std::string();
   if (health.state == Service::HealthState::kOk) {
     if (membership.empty()) return {status, R"({"status":"ok"})"};
-    return {status, fmt::format(R"({{"status":"ok","instances":{}{}}})", instances.n_instances,
-                                membership)};
+    return {status, fmt::format(R"({{"status":"ok","lost_instances":{},"instances":{}{}}})",
+                                instances.n_lost, instances.n_instances, membership)};
   }
   return {status, fmt::format(R"({{"status":"{}","lost_instances":{},"instances":{}{}}})",
                               Service::health_state_name(health.state), instances.n_lost,

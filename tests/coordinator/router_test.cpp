@@ -413,7 +413,11 @@ TEST_F(RoutedInstancesTest, AJoinedInstanceTakesWorkThenDrainsAndLeaves) {
   EXPECT_EQ(routed.add_instance({b.get(), InstanceRole::kBoth, -1}, "node-b"), 1u);
   EXPECT_EQ(routed.size(), 2u);
   for (uint64_t id = 1; id <= 4; ++id) routed.submit(request(id, 40 + id, 16));
-  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 2}));
+  // How they spread depends on when each instance admits; b takes the
+  // second at least (a holds the first's blocks then).
+  const std::vector<int64_t> before = routed.routed_counts();
+  EXPECT_EQ(before[0] + before[1], 4);
+  EXPECT_GE(before[1], 1);
   InstanceClient::Health health = routed.health();
   EXPECT_EQ(health.joins, 1);
   EXPECT_TRUE(health.instances[1].joined);
@@ -422,7 +426,8 @@ TEST_F(RoutedInstancesTest, AJoinedInstanceTakesWorkThenDrainsAndLeaves) {
   routed.drain_instance(1);
   EXPECT_TRUE(routed.health().instances[1].draining);
   for (uint64_t id = 5; id <= 6; ++id) routed.submit(request(id, 40 + id, 16));
-  EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{4, 2}));  // none to the draining one
+  EXPECT_EQ(routed.routed_counts(),
+            (std::vector<int64_t>{before[0] + 2, before[1]}));  // none to the draining one
   for (uint64_t id = 1; id <= 6; ++id) {
     const Collector::Output out = collector.wait(RequestId{id});
     EXPECT_EQ(out.finish, InstanceFinish::kLength) << "request " << id;

@@ -65,7 +65,7 @@ set_tests_properties(mpi_lost_tcp PROPERTIES LABELS mpi TIMEOUT 60
 # Failures: every rank exits non-zero with the same line, and nothing hangs.
 add_test(NAME mpi_version_mismatch
   COMMAND ${DUET_EXPECT_SAME_ERROR} 3
-    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 5"
+    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 6"
     60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
     --prefill 1 --decode 1 --bad-version-rank 2)
 add_test(NAME mpi_world_size_mismatch
@@ -227,6 +227,16 @@ set_tests_properties(mpi_join_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 600)
+
+# launch/local.sh keeps its instance count (tests/mpi/test_replacement.py): a
+# colocated instance SIGKILLed mid-stream costs no token, and the launcher's
+# replacement joins and serves.
+add_test(NAME mpi_replacement_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_replacement.py)
+set_tests_properties(mpi_replacement_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 300)
 
 # Stopping a cluster with SIGTERM to mpirun (tests/mpi/test_drain.py): the
 # streams in flight finish whole, new requests get 503 while it drains,

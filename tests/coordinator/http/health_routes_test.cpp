@@ -50,7 +50,7 @@ TEST(HealthRoutes, BodiesCountJoinsAndLeavesOnceTheMembershipChanged) {
   h.instances.joins = 2;
   h.instances.leaves = 1;
   EXPECT_EQ(http_health::answer("/health", h).body,
-            R"({"status":"ok","instances":3,"joined":2,"left":1})");
+            R"({"status":"ok","lost_instances":0,"instances":3,"joined":2,"left":1})");
   h.state = Service::HealthState::kDegraded;
   h.instances.n_lost = 1;
   EXPECT_EQ(http_health::answer("/health", h).body,
