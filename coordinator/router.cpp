@@ -427,6 +427,19 @@ void RoutedInstances::remove_instance(size_t instance,
 }
 
 void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string reason) {
+  take_out(instance, [&] { lost_why_[instance] = {epoch, std::move(reason)}; });
+}
+
+void RoutedInstances::instance_left(size_t instance, std::string reason) {
+  take_out(instance, [&] {
+    lost_why_[instance] = {0, std::move(reason)};
+    membership_[instance].draining = false;
+    membership_[instance].left = true;
+    ++leaves_;
+  });
+}
+
+void RoutedInstances::take_out(size_t instance, const std::function<void()>& record) {
   const std::vector<InstanceStats> stats = all_stats();
   std::vector<std::pair<InstanceClient*, RequestId>> withdrawn;  // old attempts elsewhere
   std::vector<Attempt> reruns;
@@ -436,29 +449,7 @@ void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string
     std::lock_guard lock(mutex_);
     DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
     if (lost_[instance]) return;
-    lost_why_[instance] = {epoch, std::move(reason)};
-    remove_instance(instance, withdrawn, reruns, ended, stats);
-    handler = handler_;
-  }
-  for (const auto& [client, attempt] : withdrawn) client->cancel(attempt);
-  submit_reruns(reruns, ended);
-  if (handler && !ended.empty()) handler(ended);
-}
-
-void RoutedInstances::instance_left(size_t instance, std::string reason) {
-  const std::vector<InstanceStats> stats = all_stats();
-  std::vector<std::pair<InstanceClient*, RequestId>> withdrawn;
-  std::vector<Attempt> reruns;
-  std::vector<InstanceEvent> ended;
-  EventHandler handler;
-  {
-    std::lock_guard lock(mutex_);
-    DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
-    if (lost_[instance]) return;
-    lost_why_[instance] = {0, std::move(reason)};
-    membership_[instance].draining = false;
-    membership_[instance].left = true;
-    ++leaves_;
+    record();
     remove_instance(instance, withdrawn, reruns, ended, stats);
     handler = handler_;
   }

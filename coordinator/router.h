@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -187,6 +188,9 @@ class RoutedInstances final : public InstanceClient {
   void check_same_model(size_t index, const InstanceInfo& other);
   // Under mutex_: the per-instance books of instances_.back().
   void book_new_instance();
+  // `instance` lost or left: `record` (under mutex_) says which, then it
+  // gets no more work and its requests go again (outside mutex_).
+  void take_out(size_t instance, const std::function<void()>& record);
   // Under mutex_: `instance` gets no more work; its requests go again.
   void remove_instance(size_t instance,
                        std::vector<std::pair<InstanceClient*, RequestId>>& withdrawn,

@@ -1,7 +1,9 @@
 // The control channel's TCP link (common/control_plane/control_channel.h,
 // Transport::kTcp): its start-up in the constructor, the communication
-// thread's wake-up eventfd, and the receive side of each pass. The rest of
-// the channel is control_channel.cpp's.
+// thread's wake-up eventfd, the receive side of each pass, and joined
+// members admitted at runtime. The rest of the channel is in
+// control_channel.cpp (its surface) and control_channel_thread.cpp (the
+// communication thread).
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
