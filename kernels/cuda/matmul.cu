@@ -12,7 +12,7 @@ namespace duet::cuda {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kGemvWarps = 4;  // output rows per GEMV thread block
+constexpr int kGemvWarps = 4;  // warps per GEMV thread block
 // Dequantized tile of the GEMM path: 8M F16 elements (16 MiB), small enough
 // to be written and read back from the L2 of a Hopper or Ampere GPU.
 constexpr int64_t kTileElements = int64_t{8} << 20;
@@ -45,36 +45,55 @@ __device__ __forceinline__ float half_bits(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));
 }
 
-// Σ_j q_j x_j and Σ_j x_j over one 32-element block of 4-bit quants: element
-// j < 16 is the low nibble of byte j, element 16 + j its high nibble.
-__device__ __forceinline__ void dot_q4(const uint4& q, const float* x, float& sum_qx,
-                                       float& sum_x) {
+// A lane's 32 activations of one quantization block (or 8 consecutive
+// activations, F16), loaded once and used for every output row of the warp.
+template <int kFloat4s>
+struct XSlice {
+  float4 v[kFloat4s];
+
+  __device__ __forceinline__ void load(const float* x) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll
+    for (int i = 0; i < kFloat4s; ++i) v[i] = __ldg(x4 + i);
+  }
+};
+
+// Σ_j q_j x_j over one 32-element block of 4-bit quants: element j < 16 is
+// the low nibble of byte j, element 16 + j its high nibble.
+__device__ __forceinline__ float dot_q4(const uint4& q, const XSlice<8>& x) {
   const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  float qx = 0.0f, sx = 0.0f;
+  float qx = 0.0f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const float4 lo = __ldg(x4 + w);      // elements 4w .. 4w+3
-    const float4 hi = __ldg(x4 + 4 + w);  // elements 16+4w .. 16+4w+3
+    const float4 lo = x.v[w];      // elements 4w .. 4w+3
+    const float4 hi = x.v[4 + w];  // elements 16+4w .. 16+4w+3
     const uint32_t b = words[w];
     qx += static_cast<float>(b & 0xf) * lo.x + static_cast<float>((b >> 8) & 0xf) * lo.y +
           static_cast<float>((b >> 16) & 0xf) * lo.z + static_cast<float>((b >> 24) & 0xf) * lo.w;
     qx += static_cast<float>((b >> 4) & 0xf) * hi.x + static_cast<float>((b >> 12) & 0xf) * hi.y +
           static_cast<float>((b >> 20) & 0xf) * hi.z + static_cast<float>((b >> 28) & 0xf) * hi.w;
+  }
+  return qx;
+}
+
+// Σ_j x_j over one block, in the order dot_q4 visits the elements.
+__device__ __forceinline__ float sum_block(const XSlice<8>& x) {
+  float sx = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4 lo = x.v[w], hi = x.v[4 + w];
     sx += lo.x + lo.y + lo.z + lo.w + hi.x + hi.y + hi.z + hi.w;
   }
-  sum_qx = qx;
-  sum_x = sx;
+  return sx;
 }
 
 // Σ_j q_j x_j over one 32-element Q8_0 block (two 16-byte loads of int8).
-__device__ __forceinline__ float dot_q8(const uint4& q0, const uint4& q1, const float* x) {
+__device__ __forceinline__ float dot_q8(const uint4& q0, const uint4& q1, const XSlice<8>& x) {
   const uint32_t words[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-  const float4* x4 = reinterpret_cast<const float4*>(x);
   float qx = 0.0f;
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
-    const float4 v = __ldg(x4 + w);
+    const float4 v = x.v[w];
     const uint32_t b = words[w];
     qx += static_cast<float>(static_cast<int8_t>(b & 0xff)) * v.x +
           static_cast<float>(static_cast<int8_t>((b >> 8) & 0xff)) * v.y +
@@ -84,106 +103,158 @@ __device__ __forceinline__ float dot_q8(const uint4& q0, const uint4& q1, const 
   return qx;
 }
 
-// One warp per output row, all kRows activation rows at once: every lane
-// walks the row's blocks lane, lane + 32, ... with 16-byte loads; the loop is
-// unrolled so several blocks' loads are in flight per lane.
-template <Kind kKind, int kRows>
+// Σ_j w_j x_j over 8 F16 weights.
+__device__ __forceinline__ float dot_f16(const uint4& packed, const XSlice<2>& x) {
+  const __half2* h = reinterpret_cast<const __half2*>(&packed);
+  float w[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h[j]);
+    w[2 * j] = f.x;
+    w[2 * j + 1] = f.y;
+  }
+  const float4 a = x.v[0], b = x.v[1];
+  return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z +
+         w[7] * b.w;
+}
+
+// One warp per kOut consecutive output rows, all kRows activation rows at
+// once: every lane walks the rows' blocks lane, lane + 32, ... with 16-byte
+// loads, and each activation block it loads serves all kOut rows (a Q4 block
+// is 16 bytes of weights against 128 of F32 activations, so the activation
+// loads, not the weights, bound a one-row warp). Each output element is the
+// same sequence of operations whatever kRows and kOut: lane sums in block
+// order, then the warp's butterfly. Rows past n_out read the last row and
+// write nothing.
+template <Kind kKind, int kRows, int kOut>
 __global__ void __launch_bounds__(kWarp* kGemvWarps)
     gemv_kernel(const uint8_t* __restrict__ quants, const uint16_t* __restrict__ scales,
                 const uint16_t* __restrict__ mins, int64_t k, int64_t n_out,
                 const float* __restrict__ x, float* __restrict__ y, int64_t ldy) {
   const int lane = threadIdx.x % kWarp;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / kWarp;
-  if (row >= n_out) return;
-  float acc[kRows];
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / kWarp) * kOut;
+  if (row0 >= n_out) return;
+  int64_t rows[kOut];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
+  for (int o = 0; o < kOut; ++o) rows[o] = min(row0 + o, n_out - 1);
+  float acc[kOut][kRows];
+#pragma unroll
+  for (int o = 0; o < kOut; ++o)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[o][r] = 0.0f;
 
   if constexpr (kKind == Kind::kF16) {
-    const uint16_t* w_row = reinterpret_cast<const uint16_t*>(quants) + row * k;
-#pragma unroll 4
+    const auto* w = reinterpret_cast<const uint16_t*>(quants);
+#pragma unroll(kOut == 1 ? 4 : 2)
     for (int64_t i = static_cast<int64_t>(lane) * 8; i < k; i += kWarp * 8) {
-      const uint4 packed = __ldg(reinterpret_cast<const uint4*>(w_row + i));
-      const __half2* h = reinterpret_cast<const __half2*>(&packed);
-      float w[8];
+      uint4 packed[kOut];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __half22float2(h[j]);
-        w[2 * j] = f.x;
-        w[2 * j + 1] = f.y;
-      }
+      for (int o = 0; o < kOut; ++o)
+        packed[o] = __ldg(reinterpret_cast<const uint4*>(w + rows[o] * k + i));
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float4* x4 = reinterpret_cast<const float4*>(x + r * k + i);
-        const float4 a = __ldg(x4), b = __ldg(x4 + 1);
-        acc[r] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y +
-                  w[6] * b.z + w[7] * b.w;
+        XSlice<2> xs;
+        xs.load(x + r * k + i);
+#pragma unroll
+        for (int o = 0; o < kOut; ++o) acc[o][r] += dot_f16(packed[o], xs);
       }
     }
   } else {
     const int64_t n_blocks = k / kQuantBlock;
-#pragma unroll 4
+    constexpr int kQuantWords = kKind == Kind::kQ8_0 ? 2 : 1;  // uint4s of quants per block
+#pragma unroll(kOut == 1 ? 4 : 2)
     for (int64_t b = lane; b < n_blocks; b += kWarp) {
-      const int64_t i = row * n_blocks + b;
-      const float d = half_bits(__ldg(scales + i));
-      if constexpr (kKind == Kind::kQ8_0) {
-        const uint4* q = reinterpret_cast<const uint4*>(quants) + 2 * i;
-        const uint4 q0 = __ldg(q), q1 = __ldg(q + 1);
+      uint4 q[kOut][kQuantWords];
+      float d[kOut], m[kOut];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r] += d * dot_q8(q0, q1, x + r * k + b * kQuantBlock);
-      } else {
-        const uint4 q = __ldg(reinterpret_cast<const uint4*>(quants) + i);
-        const float m = kKind == Kind::kQ4_1 ? half_bits(__ldg(mins + i)) : 0.0f;
+      for (int o = 0; o < kOut; ++o) {
+        const int64_t i = rows[o] * n_blocks + b;
+        d[o] = half_bits(__ldg(scales + i));
+        m[o] = kKind == Kind::kQ4_1 ? half_bits(__ldg(mins + i)) : 0.0f;
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          float sum_qx, sum_x;
-          dot_q4(q, x + r * k + b * kQuantBlock, sum_qx, sum_x);
-          // Q4_0: (q - 8) * d; Q4_1: q * d + m.
-          acc[r] += kKind == Kind::kQ4_1 ? d * sum_qx + m * sum_x : d * (sum_qx - 8.0f * sum_x);
+        for (int h = 0; h < kQuantWords; ++h)
+          q[o][h] = __ldg(reinterpret_cast<const uint4*>(quants) + kQuantWords * i + h);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        XSlice<8> xs;
+        xs.load(x + r * k + b * kQuantBlock);
+        if constexpr (kKind == Kind::kQ8_0) {
+#pragma unroll
+          for (int o = 0; o < kOut; ++o) acc[o][r] += d[o] * dot_q8(q[o][0], q[o][1], xs);
+        } else {
+          const float sum_x = sum_block(xs);
+#pragma unroll
+          for (int o = 0; o < kOut; ++o) {
+            const float sum_qx = dot_q4(q[o][0], xs);
+            // Q4_0: (q - 8) * d; Q4_1: q * d + m.
+            acc[o][r] += kKind == Kind::kQ4_1 ? d[o] * sum_qx + m[o] * sum_x
+                                              : d[o] * (sum_qx - 8.0f * sum_x);
+          }
         }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const float total = warp_sum(acc[r]);
-    if (lane == 0) y[r * ldy + row] = total;
+  for (int o = 0; o < kOut; ++o) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float total = warp_sum(acc[o][r]);
+      if (lane == 0 && row0 + o < n_out) y[r * ldy + row0 + o] = total;
+    }
+  }
+}
+
+// Output rows per warp: as many as keep at least kGemvMinWarps warps busy
+// (the rows of small matrices, K and V, stay one per warp).
+constexpr int64_t kGemvMinWarps = 2048;
+
+template <Kind kKind, int kRows>
+void launch_rows(const DeviceWeight& w, const float* x, float* y, int64_t ldy,
+                 cudaStream_t stream) {
+  auto run = [&](auto out) {
+    constexpr int kOut = decltype(out)::value;
+    const int64_t warps = (w.n_out + kOut - 1) / kOut;
+    const auto blocks = static_cast<unsigned>((warps + kGemvWarps - 1) / kGemvWarps);
+    gemv_kernel<kKind, kRows, kOut><<<blocks, kWarp * kGemvWarps, 0, stream>>>(
+        w.quants, w.scales, w.mins, w.k, w.n_out, x, y, ldy);
+  };
+  if (w.n_out >= 4 * kGemvMinWarps) {
+    run(std::integral_constant<int, 4>{});
+  } else if (w.n_out >= 2 * kGemvMinWarps) {
+    run(std::integral_constant<int, 2>{});
+  } else {
+    run(std::integral_constant<int, 1>{});
   }
 }
 
 template <Kind kKind>
 void launch_gemv(const DeviceWeight& w, const float* x, int64_t n_x, float* y, int64_t ldy,
                  cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((w.n_out + kGemvWarps - 1) / kGemvWarps);
-  const dim3 threads(kWarp * kGemvWarps);
-  auto run = [&](auto rows) {
-    gemv_kernel<kKind, decltype(rows)::value>
-        <<<blocks, threads, 0, stream>>>(w.quants, w.scales, w.mins, w.k, w.n_out, x, y, ldy);
-  };
   switch (n_x) {
     case 1:
-      run(std::integral_constant<int, 1>{});
+      launch_rows<kKind, 1>(w, x, y, ldy, stream);
       break;
     case 2:
-      run(std::integral_constant<int, 2>{});
+      launch_rows<kKind, 2>(w, x, y, ldy, stream);
       break;
     case 3:
-      run(std::integral_constant<int, 3>{});
+      launch_rows<kKind, 3>(w, x, y, ldy, stream);
       break;
     case 4:
-      run(std::integral_constant<int, 4>{});
+      launch_rows<kKind, 4>(w, x, y, ldy, stream);
       break;
     case 5:
-      run(std::integral_constant<int, 5>{});
+      launch_rows<kKind, 5>(w, x, y, ldy, stream);
       break;
     case 6:
-      run(std::integral_constant<int, 6>{});
+      launch_rows<kKind, 6>(w, x, y, ldy, stream);
       break;
     case 7:
-      run(std::integral_constant<int, 7>{});
+      launch_rows<kKind, 7>(w, x, y, ldy, stream);
       break;
     default:
-      run(std::integral_constant<int, 8>{});
+      launch_rows<kKind, 8>(w, x, y, ldy, stream);
       break;
   }
   DUET_CUDA_CHECK(cudaGetLastError());

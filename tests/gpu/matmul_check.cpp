@@ -3,6 +3,8 @@
 // cpu::matmul, for every weight type, on both paths: the fused GEMV (batches
 // of 1 to 8, and in passes above) and the dequantized-tile cuBLAS GEMM.
 //
+// The GEMV's warps take 1, 2 or 4 output rows by the matrix's height: the
+// tall cases cover the last two, with a last warp short of rows.
 // Tolerances (normalized error): the GEMV keeps activations in F32, so it
 // matches the exact product to F32 rounding (1e-5); the GEMM rounds
 // activations to F16 (2e-3). The CPU rounds activations to 8-bit blocks, so
@@ -104,9 +106,21 @@ int main() {
   return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
     cpu::ThreadPool pool(4);
     const Case cases[] = {
-        {DType::kQ4_0, 576, 1536}, {DType::kQ4_1, 576, 1536}, {DType::kQ8_0, 1536, 576},
-        {DType::kF16, 576, 1000},  {DType::kQ4_1, 4096, 256}, {DType::kF32, 256, 300},
-        {DType::kBF16, 256, 300},  {DType::kQ4_K, 512, 300},  {DType::kQ6_K, 512, 300},
+        {DType::kQ4_0, 576, 1536},
+        {DType::kQ4_1, 576, 1536},
+        {DType::kQ8_0, 1536, 576},
+        {DType::kF16, 576, 1000},
+        {DType::kQ4_1, 4096, 256},
+        {DType::kF32, 256, 300},
+        {DType::kBF16, 256, 300},
+        {DType::kQ4_K, 512, 300},
+        {DType::kQ6_K, 512, 300},
+        // Tall matrices, whose GEMV warps take 4 and 2 output rows each, and
+        // a last warp short of rows.
+        {DType::kQ4_0, 256, 8195},
+        {DType::kQ4_1, 256, 8194},
+        {DType::kQ8_0, 256, 4099},
+        {DType::kF16, 256, 8193},
     };
     for (const Case& c : cases) {
       const std::string name = std::string("matmul ") + std::string(dtype_name(c.type));

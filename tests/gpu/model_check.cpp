@@ -4,7 +4,7 @@
 //
 // On the default model (SmolLM2-135M Q4_1; skipped when absent):
 //   - the CPU's 48-token greedy path, fed to the GPU in one prefill: every
-//     position's logits within normalized error 2e-2 (median below 1e-2) and
+//     position's logits within normalized error 5e-2 (median below 1e-2) and
 //     the same argmax except where the CPU's top two are within kNearTie;
 //   - the GPU's own greedy decode, token by token with on-device sampling,
 //     follows the CPU path up to the first near-tie;
@@ -19,6 +19,10 @@
 // it: it refuses fixtures/tiny's and tiny_shapes' 16-dimension heads, so
 // fixtures/tiny_gpu (Q8_0 and Q4_1, the GEMV's native types) and
 // tiny_kquant are what this check has where the default model is absent.
+// Random weights carry rounding through the layers undamped (about 2e-2 of
+// the logits for the CPU's 8-bit activations), so both devices are measured
+// against the model's F32 twin (tests/f32_twin.h): the GPU within 1e-2 of
+// it, and within the CPU's own distance from it (plus that) of the CPU.
 #include <algorithm>
 #include <filesystem>
 #include <numeric>
@@ -29,6 +33,7 @@
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
+#include "tests/f32_twin.h"
 #include "tests/gpu/forward_runs.h"
 #include "tests/gpu/gpu_check.h"
 #include "tests/test_paths.h"
@@ -49,6 +54,10 @@ using gpu_check::teacher_forced;
 
 constexpr int64_t kSteps = 48;
 constexpr int64_t kBlocks = 64;
+// The GPU's distance from a tiny model's F32 twin: its F16 rounding of
+// activations (cuBLAS) and of the KV (as on the CPU).
+constexpr double kGpuTwinMax = 1e-2;
+constexpr double kGpuTwinMedian = 5e-3;
 
 struct CpuRun {
   std::vector<int32_t> tokens;  // prompt then the greedy path
@@ -83,37 +92,46 @@ CpuRun cpu_greedy(const LlamaModel& model, KvCache& cache, std::span<const int32
   return run;
 }
 
-// Compares the teacher-forced rows with the CPU's; counts argmax
-// differences that are not near-ties as failures.
-void compare_logits(const char* what, const std::vector<float>& gpu, const CpuRun& cpu,
-                    int64_t n_vocab, double max_tolerance, double median_tolerance) {
-  const int64_t n_rows = static_cast<int64_t>(cpu.logits.size()) / n_vocab;
+// Distances of the teacher-forced rows `got` from `want` (rows of n_vocab).
+struct LogitDistance {
+  double median = 0;
+  double worst = 0;
+};
+
+// Compares the teacher-forced rows with `want`'s, fails beyond the
+// tolerances, and counts argmax differences that are not near-ties in
+// `want` as failures.
+LogitDistance compare_logits(const std::string& what, const std::vector<float>& got,
+                             const std::vector<float>& want, int64_t n_vocab, double max_tolerance,
+                             double median_tolerance) {
+  const int64_t n_rows = static_cast<int64_t>(want.size()) / n_vocab;
   std::vector<double> errors;
   int64_t near_ties = 0, flips = 0;
   for (int64_t r = 0; r < n_rows; ++r) {
-    const std::span<const float> c(cpu.logits.data() + r * n_vocab, static_cast<size_t>(n_vocab));
-    const std::span<const float> g(gpu.data() + r * n_vocab, static_cast<size_t>(n_vocab));
+    const std::span<const float> c(want.data() + r * n_vocab, static_cast<size_t>(n_vocab));
+    const std::span<const float> g(got.data() + r * n_vocab, static_cast<size_t>(n_vocab));
     errors.push_back(gpu_check::normalized_error(g, c));
-    const int32_t want = argmax(c), got = argmax(g);
-    if (want == got) continue;
-    if (c[static_cast<size_t>(want)] - c[static_cast<size_t>(got)] < kNearTie) {
+    const int32_t expected = argmax(c), argmax_got = argmax(g);
+    if (expected == argmax_got) continue;
+    if (c[static_cast<size_t>(expected)] - c[static_cast<size_t>(argmax_got)] < kNearTie) {
       ++near_ties;
     } else {
       ++flips;
     }
   }
-  const double median = duet::median(errors);
-  const double worst = *std::max_element(errors.begin(), errors.end());
+  const LogitDistance d{duet::median(errors), *std::max_element(errors.begin(), errors.end())};
   std::printf(
-      "    %-30s %lld rows: normalized error median %.3g max %.3g; argmax: %lld near-tie "
-      "difference(s), %lld other(s)\n",
-      what, static_cast<long long>(n_rows), median, worst, static_cast<long long>(near_ties),
-      static_cast<long long>(flips));
-  if (worst > max_tolerance || median > median_tolerance)
-    fail("%s: normalized error median %.3g max %.3g over %.1g / %.1g", what, median, worst,
-         median_tolerance, max_tolerance);
+      "    %-44s %lld rows: normalized error median %.3g max %.3g (tolerances %.2g, %.2g); "
+      "argmax: %lld near-tie difference(s), %lld other(s)\n",
+      what.c_str(), static_cast<long long>(n_rows), d.median, d.worst, median_tolerance,
+      max_tolerance, static_cast<long long>(near_ties), static_cast<long long>(flips));
+  if (d.worst > max_tolerance || d.median > median_tolerance)
+    fail("%s: normalized error median %.3g max %.3g over %.2g / %.2g", what.c_str(), d.median,
+         d.worst, median_tolerance, max_tolerance);
   if (flips > 0)
-    fail("%s: %lld argmax difference(s) beyond near-ties", what, static_cast<long long>(flips));
+    fail("%s: %lld argmax difference(s) beyond near-ties", what.c_str(),
+         static_cast<long long>(flips));
+  return d;
 }
 
 void check_default_model(const std::filesystem::path& path, cpu::ThreadPool& pool) {
@@ -132,7 +150,7 @@ void check_default_model(const std::filesystem::path& path, cpu::ThreadPool& poo
   // Teacher-forced: the CPU's path in one GPU prefill (the last token predicts nothing).
   const std::vector<int32_t> forced(cpu.tokens.begin(), cpu.tokens.end() - 1);
   const std::vector<float> logits = teacher_forced(gpu, staging, table, forced, n_vocab);
-  compare_logits("teacher-forced", logits, cpu, n_vocab, 5e-2, 1e-2);
+  compare_logits("teacher-forced", logits, cpu.logits, n_vocab, 5e-2, 1e-2);
 
   // The GPU's own greedy path follows the CPU's up to a near-tie.
   const std::vector<std::vector<int32_t>> tables = {blocks_from(8, 8)};
@@ -236,7 +254,24 @@ void check_tiny_model(const std::filesystem::path& path, cpu::ThreadPool& pool) 
   const CpuRun cpu = cpu_greedy(*model, cpu_cache, table, prompt, 16, pool);
   const std::vector<int32_t> forced(cpu.tokens.begin(), cpu.tokens.end() - 1);
   const std::vector<float> logits = teacher_forced(gpu, staging, table, forced, n_vocab);
-  compare_logits(path.filename().c_str(), logits, cpu, n_vocab, 5e-2, 2e-2);
+
+  // Both devices against the model's F32 twin along the same path: the CPU
+  // rounds activations to 8 bits for quantized weights (llama.cpp's
+  // vec_dot_type), the GPU keeps them F32 (GEMV) or F16 (cuBLAS), so the GPU
+  // must be the closer of the two, and its distance from the CPU is bounded
+  // by the CPU's own rounding.
+  const testing::F32Twin twin(model->file());
+  const auto exact_model = LlamaModel::load(twin.path());
+  CpuForward exact(*exact_model, cpu::kernel_table(cpu::best_isa()), pool);
+  KvCache exact_cache(layout);
+  const std::vector<float> reference = teacher_forced(exact, exact_cache, table, forced, n_vocab);
+  const std::string name = path.filename().string();
+  const LogitDistance cpu_rounding =
+      compare_logits(name + ": CPU vs F32 twin", cpu.logits, reference, n_vocab, 1e-1, 5e-2);
+  compare_logits(name + ": GPU vs F32 twin", logits, reference, n_vocab, kGpuTwinMax,
+                 kGpuTwinMedian);
+  compare_logits(name + ": GPU vs CPU", logits, cpu.logits, n_vocab,
+                 cpu_rounding.worst + kGpuTwinMax, cpu_rounding.median + kGpuTwinMedian);
 }
 
 }  // namespace

@@ -18,26 +18,14 @@
 #include "common/error.h"
 #include "common/model/dtype.h"
 #include "common/model/gguf.h"
+#include "tests/gguf_bytes.h"
 
 namespace duet::gguf_testing {
 
 using Bytes = std::vector<uint8_t>;
 
 // Appends little-endian values as GGUF lays them out.
-struct ByteWriter {
-  Bytes bytes;
-
-  template <typename T>
-  void pod(T value) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&value);
-    bytes.insert(bytes.end(), p, p + sizeof(T));
-  }
-  void str(std::string_view s) {
-    pod<uint64_t>(s.size());
-    bytes.insert(bytes.end(), s.begin(), s.end());
-  }
-  void type(GgufType t) { pod(static_cast<uint32_t>(t)); }
-};
+using ByteWriter = ::duet::testing::GgufBytes;
 
 struct TensorSpec {
   std::string name;
