@@ -76,22 +76,26 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
                      : c.n_heads;
   c.n_ctx_train =
       file.get_u64(p + "context_length") ? require_count(file, p + "context_length") : 2048;
-  if (c.n_embd % c.n_heads != 0) {
-    fail(file, ErrorKind::kCorruptFile,
-         duet::format("embedding_length {} is not a multiple of head_count {}", c.n_embd,
-                      c.n_heads));
-  }
-  c.head_dim = c.n_embd / c.n_heads;
+  // The head size: attention.key_length when the file has it (Qwen3's heads
+  // are wider than n_embd / n_heads), else n_embd / n_heads, as in llama.cpp.
   if (file.get_u64(p + "attention.key_length")) {
-    const int64_t key_length = require_count(file, p + "attention.key_length");
+    c.head_dim = require_count(file, p + "attention.key_length");
     const int64_t value_length = file.get_u64(p + "attention.value_length")
                                      ? require_count(file, p + "attention.value_length")
-                                     : key_length;
-    if (key_length != c.head_dim || value_length != c.head_dim) {
+                                     : c.head_dim;
+    if (value_length != c.head_dim) {
       fail(file, ErrorKind::kUnsupported,
-           duet::format("head size {}/{} different from embedding_length / head_count = {}",
-                        key_length, value_length, c.head_dim));
+           duet::format("attention.value_length {} differs from attention.key_length {}: "
+                        "heads whose values and keys differ in size are not supported",
+                        value_length, c.head_dim));
     }
+  } else {
+    if (c.n_embd % c.n_heads != 0) {
+      fail(file, ErrorKind::kCorruptFile,
+           duet::format("embedding_length {} is not a multiple of head_count {}", c.n_embd,
+                        c.n_heads));
+    }
+    c.head_dim = c.n_embd / c.n_heads;
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     fail(file, ErrorKind::kCorruptFile,
@@ -106,8 +110,15 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
          duet::format("rope.dimension_count {} does not fit head size {}", c.n_rot, c.head_dim));
   }
   // The RoPE style follows the architecture, not a key: `llama` GGUFs hold Q/K permuted for
-  // adjacent-pair rotation, `qwen2` ones as trained (NeoX halves).
-  c.rope_neox = c.architecture == "qwen2";
+  // adjacent-pair rotation, `qwen2` and `qwen3` ones as trained (NeoX halves).
+  c.rope_neox = c.architecture == "qwen2" || c.architecture == "qwen3";
+  c.qk_norm = c.architecture == "qwen3";
+  if (c.qk_norm && c.n_rot != c.head_dim) {  // llama.cpp's qwen3 graph asserts the same
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("rope.dimension_count {} differs from the head size {}: {} rotates whole "
+                      "heads",
+                      c.n_rot, c.head_dim, c.architecture));
+  }
   c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
   c.rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon").value_or(1e-5f);
   if (!(c.rope_freq_base > 0.0f) || !(c.rms_eps > 0.0f)) {

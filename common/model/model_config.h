@@ -11,8 +11,10 @@ namespace duet {
 class GgufFile;
 
 // general.architecture values Duet runs: `llama` (also Llama 3/3.1 and Mistral without sliding
-// windows) and `qwen2` (Q/K/V biases, NeoX RoPE).
-inline constexpr std::array<std::string_view, 2> kSupportedArchitectures = {"llama", "qwen2"};
+// windows), `qwen2` (Q/K/V biases, NeoX RoPE) and `qwen3` (RMS norm of Q and K per head, NeoX
+// RoPE, a head size of its own).
+inline constexpr std::array<std::string_view, 3> kSupportedArchitectures = {"llama", "qwen2",
+                                                                            "qwen3"};
 
 struct ModelConfig {
   std::string architecture;  // GGUF general.architecture
@@ -22,11 +24,12 @@ struct ModelConfig {
   int64_t n_layers = 0;
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;  // attention.key_length, else n_embd / n_heads
   int64_t n_ff = 0;
   int64_t n_ctx_train = 0;
   int64_t n_rot = 0;       // rotated dims per head
   bool rope_neox = false;  // rotate halves (NeoX) instead of adjacent pairs
+  bool qk_norm = false;    // RMS norm of each Q and K head before RoPE (qwen3)
   float rope_freq_base = 10000.0f;
   float rope_freq_scale = 1.0f;  // linear position scaling: 1 / rope.scaling.factor
   float rms_eps = 1e-5f;

@@ -10,3 +10,13 @@ set_tests_properties(consistency_doors_test PROPERTIES
   LABELS "consistency;mpi"
   SKIP_RETURN_CODE 77
   TIMEOUT 300)
+
+# The same doors for each model family Duet added to Llama's, on its tiny
+# fixture (text prompts only: the fixtures carry no chat template).
+add_test(NAME consistency_qwen3_doors_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_doors.py)
+set_tests_properties(consistency_qwen3_doors_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/tests/fixtures/tiny_shapes/tiny_qwen3_gqa_tied.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE};DUET_CONSISTENCY_PROMPTS=${CMAKE_CURRENT_LIST_DIR}/family_prompts.json"
+  LABELS "consistency;mpi"
+  SKIP_RETURN_CODE 77
+  TIMEOUT 300)

@@ -18,9 +18,17 @@ matrices and token_embd are Q8_0, 1-D tensors F32.  What differs:
                                                                   factor 2, freq_base 500000
     tiny_mistral_sliding_window llama         2          tied     attention.sliding_window 4096
                                                                   (Duet refuses it: no logits)
+    tiny_qwen3_gqa_tied         qwen3         2          tied     heads of 64 (key_length, wider
+                                                                  than n_embd / n_head = 16, and
+                                                                  a size the GPU's attention
+                                                                  runs), RMS norm of each Q and
+                                                                  K head
 
 Biases are 0.5*N(0,1) (large, like Qwen2's K bias, so they matter); the qwen2
-files hold no rope.dimension_count (as real Qwen2 files), so n_rot = head_dim.
+and qwen3 files hold no rope.dimension_count (as real ones), so n_rot = head_dim.
+Qwen3's per-head norm weights are 1 + 0.3*N(0,1), and its control takes them to
+ones (llama.cpp loads no qwen3 file without them, so the norm itself cannot be
+taken away: the logits against llama.cpp's show it is done).
 Q and K are written as drawn: qwen2 rotates halves (NeoX), llama adjacent pairs.
 Each model draws its weights from numpy default_rng(seed=[20250, model_index]).
 
@@ -73,7 +81,9 @@ MODELS = [
                                     linear_factor=2.0)),
     ("tiny_mistral_sliding_window", dict(arch="llama", n_head_kv=2, tied=True, sliding_window=4096,
                                          refuse={"kind": "unsupported", "message_contains": "sliding"})),
+    ("tiny_qwen3_gqa_tied", dict(arch="qwen3", n_head_kv=2, tied=True, head_dim=64, qk_norm=True)),
 ]
+QK_NORM_STD = 0.3
 
 # Control variants: (label, option overrides) whose logits must differ from the model's.
 CONTROLS = {
@@ -83,6 +93,7 @@ CONTROLS = {
                               ("adjacent_pair_rope", dict(arch="llama"))],
     "tiny_llama_rope_freqs": [("no_rope_freqs", dict(rope_freqs=None))],
     "tiny_llama_rope_linear": [("no_scaling", dict(linear_factor=None))],
+    "tiny_qwen3_gqa_tied": [("unit_qk_norm_weights", dict(unit_qk_norm=True))],
 }
 
 
@@ -91,8 +102,9 @@ def tensor_plan(o):
     plan = [("token_embd.weight", None, N_EMBD, "matrix")]
     if o.get("rope_freqs"):
         plan.append(("rope_freqs.weight", (len(o["rope_freqs"]),), None, "rope_freqs"))
-    q = N_HEAD * HEAD_DIM
-    kv = o["n_head_kv"] * HEAD_DIM
+    head_dim = o.get("head_dim", HEAD_DIM)
+    q = N_HEAD * head_dim
+    kv = o["n_head_kv"] * head_dim
     for i in range(N_LAYER):
         p = f"blk.{i}."
         plan.append((p + "attn_norm.weight", (N_EMBD,), None, "norm"))
@@ -105,6 +117,9 @@ def tensor_plan(o):
         plan.append((p + "attn_v.weight", (kv, N_EMBD), N_EMBD, "matrix"))
         if o.get("biases"):
             plan.append((p + "attn_v.bias", (kv,), None, "bias"))
+        if o.get("qk_norm"):
+            plan.append((p + "attn_q_norm.weight", (head_dim,), None, "qk_norm"))
+            plan.append((p + "attn_k_norm.weight", (head_dim,), None, "qk_norm"))
         plan += [
             (p + "attn_output.weight", (N_EMBD, q), q, "matrix"),
             (p + "ffn_norm.weight", (N_EMBD,), None, "norm"),
@@ -136,6 +151,9 @@ def write_model(path, index, name, o, tokens, types):
     w.add_head_count_kv(o["n_head_kv"])
     if o["arch"] == "llama":
         w.add_rope_dimension_count(HEAD_DIM)
+    if "head_dim" in o:
+        w.add_key_length(o["head_dim"])
+        w.add_value_length(o["head_dim"])
     w.add_rope_freq_base(o.get("rope_base", 10000.0))
     if o.get("linear_factor"):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -167,6 +185,10 @@ def write_model(path, index, name, o, tokens, types):
             data = (BIAS_STD * rng.standard_normal(shape)).astype(np.float32)
             if o.get("zero_biases"):
                 data[:] = 0.0
+        elif kind == "qk_norm":
+            data = (1.0 + QK_NORM_STD * rng.standard_normal(shape)).astype(np.float32)
+            if o.get("unit_qk_norm"):
+                data[:] = 1.0
         elif kind == "rope_freqs":
             data = np.array(o["rope_freqs"], dtype=np.float32)
         else:
@@ -215,7 +237,7 @@ def main():
         path = os.path.join(out_dir, fname)
         tensors = write_model(path, index, name, o, tokens, types)
         size = os.path.getsize(path)
-        assert size < 150_000, f"{fname} is {size} bytes"
+        assert size < 200_000, f"{fname} is {size} bytes"
         if "refuse" in o:
             # llama.cpp loads and runs it (it ignores the key for `llama`); only Duet refuses.
             reference_logits(path, [3, 4, 5])
@@ -247,7 +269,9 @@ def main():
             "n_head_kv": o["n_head_kv"],
             "tied_embeddings": o["tied"],
             "qkv_biases": bool(o.get("biases")),
-            "rope_style": "halves" if o["arch"] == "qwen2" else "adjacent_pairs",
+            "rope_style": "halves" if o["arch"] in ("qwen2", "qwen3") else "adjacent_pairs",
+            "head_dim": o.get("head_dim", HEAD_DIM),
+            "qk_norm": bool(o.get("qk_norm")),
             "rope_freq_base": o.get("rope_base", 10000.0),
             "rope_scaling": {"type": "linear", "factor": o["linear_factor"]} if o.get("linear_factor") else None,
             "rope_freqs": o.get("rope_freqs"),

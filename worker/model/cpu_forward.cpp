@@ -68,6 +68,12 @@ class CpuForward::Ops {
     for (int64_t r = 0; r < n_rows; ++r) cpu::add_in_place(x + r * dim, bias.data(), dim);
   }
 
+  // As llama.cpp's RMS norm of a (head_dim, n_heads, n_tokens) view.
+  void head_norm(float* x, const std::vector<float>& weight, int64_t n_heads, int64_t head_dim,
+                 float eps) {
+    if (!weight.empty()) cpu::rms_norm(x, weight.data(), x, n_heads, head_dim, eps, f_.pool_);
+  }
+
   void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
             const RopeParams& params) {
     cpu::rope(x, n_rows, n_heads, head_dim, positions, params, f_.pool_);

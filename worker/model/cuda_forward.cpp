@@ -67,6 +67,11 @@ class CudaForward::Ops {
     if (bias.bytes() != 0) cuda::add_bias(x, floats(bias), n_rows, dim, b_);
   }
 
+  void head_norm(float* x, const cuda::DeviceBuffer& weight, int64_t n_heads, int64_t head_dim,
+                 float eps) {
+    if (weight.bytes() != 0) cuda::rms_norm(x, floats(weight), x, n_heads, head_dim, eps, b_);
+  }
+
   void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int32_t* positions,
             const RopeParams& params) {
     cuda::rope(x, n_rows, n_heads, head_dim, positions, params, b_);
@@ -151,6 +156,8 @@ CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* 
     l.bq = upload_vector(w.bq, b);
     l.bk = upload_vector(w.bk, b);
     l.bv = upload_vector(w.bv, b);
+    l.q_norm = upload_vector(w.q_norm, b);
+    l.k_norm = upload_vector(w.k_norm, b);
     l.wq = weight(w.wq);
     l.wk = weight(w.wk);
     l.wv = weight(w.wv);

@@ -3,8 +3,9 @@
 // over a small set of twin ops (listed at ForwardPlan::run) that each device
 // implements with its kernels (CpuForward with kernels/cpu/, CudaForward with
 // kernels/cuda/). Every architecture LlamaModel loads runs through it: `llama`
-// (adjacent-pair RoPE, optional rope_freqs divisors) and `qwen2` (Q/K/V
-// biases, NeoX RoPE).
+// (adjacent-pair RoPE, optional rope_freqs divisors), `qwen2` (Q/K/V
+// biases, NeoX RoPE) and `qwen3` (NeoX RoPE, each Q and K head RMS-normed
+// before it).
 //
 // All rows of the batch go through each weight matrix together (one product
 // per weight); attention runs per sequence over its blocks of the paged cache.
@@ -128,6 +129,8 @@ class ForwardPlan {
   //   rms_norm(x, weight, out, n_rows, dim, eps)
   //   matmul(x, n_rows, WeightProduct...)  every product of the one input x
   //   add_bias(x, bias, n_rows, dim)       nothing for an empty bias
+  //   head_norm(x, weight, n_heads, head_dim, eps)   rms_norm of each of x's n_heads rows of
+  //                         head_dim in place; nothing for an empty weight
   //   rope(x, n_rows, n_heads, head_dim, positions, params)
   //   store_kv(layer, k, v), attention(layer, shape, q, out)
   //                         over the staged step's sequences
@@ -206,6 +209,8 @@ void ForwardPlan::run(Ops& ops, const ModelForward::LayerStored& layer_stored) c
     ops.add_bias(q, w.bq, n, q_dim);
     ops.add_bias(k, w.bk, n, kv_dim);
     ops.add_bias(v, w.bv, n, kv_dim);
+    ops.head_norm(q, w.q_norm, n * n_heads, c.head_dim, c.rms_eps);
+    ops.head_norm(k, w.k_norm, n * n_kv_heads, c.head_dim, c.rms_eps);
     ops.rope(q, n, n_heads, c.head_dim, positions, rope);
     ops.rope(k, n, n_kv_heads, c.head_dim, positions, rope);
     ops.store_kv(il, k, v);

@@ -47,6 +47,10 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement, const cpu::KernelTa
     l.bq = slice(optional_vector(p + "attn_q.bias", q_dim), q0, q1);
     l.bk = slice(optional_vector(p + "attn_k.bias", kv_dim), kv0, kv1);
     l.bv = slice(optional_vector(p + "attn_v.bias", kv_dim), kv0, kv1);
+    if (c.qk_norm) {  // one weight for every head: the same on every rank
+      l.q_norm = vector(p + "attn_q_norm.weight", hd);
+      l.k_norm = vector(p + "attn_k_norm.weight", hd);
+    }
   }
   output_norm_ = vector("output_norm.weight", c.n_embd);
   output_ = c.tied_embeddings

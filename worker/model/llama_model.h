@@ -34,6 +34,9 @@ struct LlamaLayerWeights {
   // Projection biases, added after the product (qwen2 has them; llama may): (n_heads * head_dim)
   // for bq, (n_kv_heads * head_dim) for bk and bv; empty when the file has none.
   std::vector<float> bq, bk, bv;
+  // RMS norm weights of every Q and K head, (head_dim) each, applied before RoPE (qwen3); empty
+  // for the other architectures.
+  std::vector<float> q_norm, k_norm;
   // O and down: the shard's output rows [embd_begin, embd_end) of the whole
   // input (every rank's heads, every rank's hidden units).
   cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim), all heads

@@ -1,4 +1,5 @@
-// The Llama family's other shapes: qwen2 (Q/K/V biases, NeoX RoPE), Llama 3.1's
+// The Llama family's other shapes: qwen2 (Q/K/V biases, NeoX RoPE), qwen3 (a head
+// size of its own, RMS norm of each Q and K head), Llama 3.1's
 // rope_freqs, linear RoPE scaling, large vocabularies, and the refusals (Mistral's
 // sliding window, YaRN, other architectures, tensors the forward pass would not
 // use). Logits of tiny random models against llama.cpp's
@@ -62,6 +63,9 @@ TEST(TinyShapes, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
     EXPECT_EQ(c.rope_neox, m["rope_style"] == "halves") << file;
     EXPECT_EQ(c.tied_embeddings, m["tied_embeddings"].get<bool>()) << file;
     EXPECT_EQ(model->layer(0).bq.empty(), !m["qkv_biases"].get<bool>()) << file;
+    EXPECT_EQ(c.head_dim, m["head_dim"].get<int64_t>()) << file;
+    EXPECT_EQ(c.qk_norm, m["qk_norm"].get<bool>()) << file;
+    EXPECT_EQ(model->layer(0).q_norm.empty(), !c.qk_norm) << file;
     EXPECT_EQ(c.rope_freq_base, m["rope_freq_base"].get<float>()) << file;
     const float scale =
         m["rope_scaling"].is_null() ? 1.0f : 1.0f / m["rope_scaling"]["factor"].get<float>();
@@ -217,6 +221,54 @@ TEST(TinyShapes, OtherArchitecturesAreRefusedByName) {
   }
   EXPECT_TRUE(config_of(tiny_model("qwen2", 8)).rope_neox);
   EXPECT_FALSE(config_of(tiny_model("llama", 8)).rope_neox);
+}
+
+TEST(TinyShapes, HeadSizeComesFromKeyLengthAndQwen3NormsEachHead) {
+  // Two heads of 32 over n_embd 32 (Qwen3's heads are wider than n_embd / n_heads).
+  const ModelConfig wide = config_of(tiny_model("qwen3", 8)
+                                         .u32("qwen3.attention.key_length", 32)
+                                         .u32("qwen3.attention.value_length", 32));
+  EXPECT_EQ(wide.head_dim, 32);
+  EXPECT_EQ(wide.n_rot, 32);
+  EXPECT_TRUE(wide.qk_norm);
+  EXPECT_TRUE(wide.rope_neox);
+  const ModelConfig plain = config_of(tiny_model("llama", 8).u32("llama.attention.key_length", 16));
+  EXPECT_EQ(plain.head_dim, 16);
+  EXPECT_FALSE(plain.qk_norm);
+
+  struct Case {
+    GgufBuilder builder;
+    std::string expected;
+  };
+  std::vector<Case> cases;
+  cases.push_back({tiny_model("qwen3", 8)
+                       .u32("qwen3.attention.key_length", 16)
+                       .u32("qwen3.attention.value_length", 32),
+                   "value_length 32 differs from attention.key_length 16"});
+  cases.push_back({tiny_model("qwen3", 8).u32("qwen3.rope.dimension_count", 8),
+                   "rope.dimension_count 8 differs from the head size 16"});
+  for (const Case& c : cases) {
+    const auto [kind, message] = error_of([&] { config_of(c.builder); });
+    EXPECT_EQ(kind, ErrorKind::kUnsupported) << message;
+    EXPECT_NE(message.find(c.expected), std::string::npos) << message;
+  }
+
+  // qwen3 needs both norms of every layer; llama takes none.
+  const auto bare =
+      tiny_model("qwen3", 8).tensor("blk.0.attn_k_norm.weight", {16}, std::vector<float>(16, 1.0f));
+  const std::filesystem::path missing = bare.write("qwen3_no_q_norm.gguf");
+  const auto [missing_kind, missing_message] = error_of([&] { LlamaModel::load(missing); });
+  EXPECT_EQ(missing_kind, ErrorKind::kNotFound) << missing_message;
+  EXPECT_NE(missing_message.find("blk.0.attn_q_norm.weight"), std::string::npos) << missing_message;
+  std::filesystem::remove(missing);
+  const std::filesystem::path extra =
+      tiny_model("llama", 8)
+          .tensor("blk.0.attn_q_norm.weight", {16}, std::vector<float>(16, 1.0f))
+          .write("llama_q_norm.gguf");
+  const auto [extra_kind, extra_message] = error_of([&] { LlamaModel::load(extra); });
+  EXPECT_EQ(extra_kind, ErrorKind::kUnsupported) << extra_message;
+  EXPECT_NE(extra_message.find("blk.0.attn_q_norm.weight"), std::string::npos) << extra_message;
+  std::filesystem::remove(extra);
 }
 
 TEST(TinyShapes, SlidingWindowYarnAndExpertsAreRefused) {
