@@ -6,8 +6,8 @@
 # The model is any GGUF path (default: SmolLM2-135M Q4_1), or, with SHAPE
 # set instead, a synthetic model that tests/gpu/synthetic_model.py writes into
 # a temporary folder (under TMPDIR; deleted on exit): SHAPE is one of its
-# --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, smollm2-135m), TYPE its
-# --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
+# --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, qwen3-0.6b, qwen3-8b,
+# smollm2-135m), TYPE its --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
 # layers than the shape's (all by default).
 # Usage: bench/compare_batched.sh [MODEL]
 #   env: ROUNDS=3 THREADS=2 BATCHES=1,2,4,8,16,32,64 OUT=docs/batched_decode.png

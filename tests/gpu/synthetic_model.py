@@ -11,12 +11,15 @@ forward pass stays finite; the text it writes means nothing.
 Speed comes from repetition: per weight type and fan-in, one pool of
 POOL_BLOCKS random quantized blocks (a prime count, so that the rows of a
 matrix do not repeat) is drawn, and every tensor is that pool repeated from a
-phase of its own. The file is written in WRITE_BYTES writes of a buffer that
+phase of its own; token_embd and output, one row per token, read it with a
+stride that changes every POOL_BLOCKS rows, so that no two tokens share a
+row (row_stride). The file is written in WRITE_BYTES writes of a buffer that
 holds the pool over and over, so an 8B model takes the disk's time.
 
     synthetic_model.py --shape llama3-8b --type q4_0 --out llama3-8b-q4_0.gguf
     synthetic_model.py --shape llama3.2-1b --type q4_k_m --layers 2 --out small.gguf
     synthetic_model.py --shape smollm2-135m --type q8_0 --layers 2 --out small.gguf
+    synthetic_model.py --shape qwen3-8b --type q4_0 --layers 4 --out qwen3-4-layers.gguf
 
 Types: q4_0, q4_1, q8_0, q4_k and q6_k put every matrix in that type (as
 `llama-quantize --pure` would); q4_k_m is the mix llama.cpp's quantizer makes
@@ -65,6 +68,12 @@ class Shape:
     architecture: str = "llama"  # general.architecture, and the prefix of its keys
     rms_eps: float = 1e-5
     qkv_bias: bool = False  # attn_q/k/v.bias (F32) in every layer, as Qwen2 has
+    head_dim: int = 0  # attention.key_length when set (Qwen3's heads), else n_embd / n_heads
+    qk_norm: bool = False  # attn_q_norm/attn_k_norm (F32, head_dim) in every layer, as Qwen3 has
+
+    @property
+    def head_size(self):
+        return self.head_dim or self.n_embd // self.n_heads
 
 
 SHAPES = {
@@ -78,6 +87,11 @@ SHAPES = {
     # Qwen2.5-7B (context as its config.json's max_position_embeddings).
     "qwen2.5-7b": Shape(3584, 28, 28, 4, 18944, 152064, 32768, 1000000.0, False, "qwen2",
                         architecture="qwen2", rms_eps=1e-6, qkv_bias=True),
+    # Qwen3-0.6B and Qwen3-8B (config.json: heads of 128, wider than n_embd / n_heads in 0.6B).
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 3072, 151936, 40960, 1000000.0, True, "qwen2",
+                        architecture="qwen3", rms_eps=1e-6, head_dim=128, qk_norm=True),
+    "qwen3-8b": Shape(4096, 36, 32, 8, 12288, 151936, 40960, 1000000.0, False, "qwen2",
+                      architecture="qwen3", rms_eps=1e-6, head_dim=128, qk_norm=True),
 }
 
 
@@ -133,6 +147,7 @@ class TensorPlan:
     qtype: QuantType
     pool: tuple  # the key of the pool its bytes repeat
     phase: int  # the pool block its first block is
+    unique_rows: bool = False  # token_embd and output: no two rows alike (see row_stride)
 
 
 def use_more_bits(i_layer, n_layers):
@@ -181,8 +196,8 @@ def matrix_type(ftype, name, n_layers, row_length, tied, shape_name="?"):
 
 def tensor_plans(shape, ftype, n_layers, shape_name="?"):
     """Every tensor of the model, in file order; ValueError when `ftype` cannot hold it."""
-    q_dim = shape.n_embd
-    kv_dim = shape.n_kv_heads * (shape.n_embd // shape.n_heads)
+    q_dim = shape.n_heads * shape.head_size
+    kv_dim = shape.n_kv_heads * shape.head_size
     # (name, ne, fan_in (None: a vector), the pool of a vector)
     entries = [("token_embd.weight", (shape.n_embd, shape.n_vocab), shape.n_embd, None)]
     for i in range(n_layers):
@@ -202,6 +217,10 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
             layer[2:2] = [(p + "attn_q.bias", (q_dim,), None, "bias")]
             layer[4:4] = [(p + "attn_k.bias", (kv_dim,), None, "bias")]
             layer[6:6] = [(p + "attn_v.bias", (kv_dim,), None, "bias")]
+        if shape.qk_norm:
+            at = layer.index((p + "attn_output.weight", (q_dim, shape.n_embd), q_dim, None))
+            layer[at:at] = [(p + "attn_q_norm.weight", (shape.head_size,), None, "norm"),
+                            (p + "attn_k_norm.weight", (shape.head_size,), None, "norm")]
         entries += layer
     entries.append(("output_norm.weight", (shape.n_embd,), None, "norm"))
     if not shape.tied:
@@ -213,8 +232,27 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
         else:
             t = matrix_type(ftype, name, n_layers, ne[0], shape.tied, shape_name)
             pool = (t.ggml_type, fan_in)
-        plans.append(TensorPlan(name, ne, t, pool, index * 7919 % POOL_BLOCKS))
+        unique = name in ("token_embd.weight", "output.weight")
+        plans.append(TensorPlan(name, ne, t, pool, index * 7919 % POOL_BLOCKS, unique))
     return plans
+
+
+# Rows of token_embd and output (one per token) must not repeat: a pool read
+# straight through repeats every POOL_BLOCKS rows, so tokens t and t + 4,099
+# would get the same embedding and, worse, exactly the same logit, a tie that
+# two engines break differently. Row r reads the pool with stride
+# row_stride(r) = 1 + r // POOL_BLOCKS: block j of the row is pool block
+# ((phase + r * blocks_per_row + j) * stride) mod POOL_BLOCKS. Within a run
+# of POOL_BLOCKS rows the starts differ (POOL_BLOCKS is prime), and rows of
+# two runs differ in their stride, so no two rows are alike.
+def row_stride(row):
+    stride = 1 + row // POOL_BLOCKS
+    assert stride < POOL_BLOCKS, "more rows than distinct strides"
+    return stride
+
+
+def blocks_per_row(plan):
+    return plan.ne[0] // plan.qtype.block_elements
 
 
 def tensor_bytes(plan):
@@ -307,6 +345,7 @@ class Pools:
     def __init__(self):
         self.pools = {}
         self.buffers = {}
+        self.strided = {}
 
     def pool(self, key):
         if key not in self.pools:
@@ -321,11 +360,21 @@ class Pools:
             self.buffers[key] = memoryview(pool * repeats)
         return self.buffers[key]
 
+    def strided_buffer(self, key, size, stride):
+        """The pool's blocks (of `size` bytes) in the order i -> i * stride, twice over."""
+        if (key, stride) not in self.strided:
+            pool = self.pool(key)
+            starts = ((i * stride) % POOL_BLOCKS * size for i in range(POOL_BLOCKS))
+            order = b"".join(pool[at:at + size] for at in starts)
+            self.strided[key, stride] = memoryview(order * 2)
+        return self.strided[key, stride]
+
 
 def expected_block(pools, plan, block):
     """The bytes of block `block` of the tensor `plan` describes."""
     size = plan.qtype.block_bytes
-    start = (plan.phase + block) % POOL_BLOCKS * size
+    stride = row_stride(block // blocks_per_row(plan)) if plan.unique_rows else 1
+    start = (plan.phase + block) * stride % POOL_BLOCKS * size
     return pools.pool(plan.pool)[start:start + size]
 
 
@@ -389,8 +438,9 @@ class Writer:
 
 def metadata(shape_name, shape, type_name, n_layers):
     """(key, type, value) of every scalar key, in file order."""
-    head_dim = shape.n_embd // shape.n_heads
     a = shape.architecture + "."
+    heads = [(a + "attention.key_length", U32, shape.head_dim),
+             (a + "attention.value_length", U32, shape.head_dim)] if shape.head_dim else []
     return [
         ("general.architecture", STRING, shape.architecture),
         ("general.name", STRING, f"synthetic {shape_name} {type_name}"),
@@ -402,7 +452,8 @@ def metadata(shape_name, shape, type_name, n_layers):
         (a + "feed_forward_length", U32, shape.n_ff),
         (a + "attention.head_count", U32, shape.n_heads),
         (a + "attention.head_count_kv", U32, shape.n_kv_heads),
-        (a + "rope.dimension_count", U32, head_dim),
+        *heads,
+        (a + "rope.dimension_count", U32, shape.head_size),
         (a + "rope.freq_base", F32, shape.rope_freq_base),
         (a + "attention.layer_norm_rms_epsilon", F32, shape.rms_eps),
         (a + "vocab_size", U32, shape.n_vocab),
@@ -416,6 +467,18 @@ def metadata(shape_name, shape, type_name, n_layers):
 
 def padding(offset):
     return (ALIGNMENT - offset % ALIGNMENT) % ALIGNMENT
+
+
+def write_unique_rows(f, pools, plan):
+    """The tensor row by row, each a slice of its stride's reordered pool (row_stride)."""
+    size = plan.qtype.block_bytes
+    per_row = blocks_per_row(plan)
+    row_bytes = per_row * size
+    assert per_row <= POOL_BLOCKS
+    for row in range(plan.ne[1]):
+        buffer = pools.strided_buffer(plan.pool, size, row_stride(row))
+        start = (plan.phase + row * per_row) % POOL_BLOCKS * size
+        f.write(buffer[start:start + row_bytes])
 
 
 def write_model(path, shape_name, type_name, n_layers=None):
@@ -446,6 +509,10 @@ def write_model(path, shape_name, type_name, n_layers=None):
             offset += padding(offset)
         w.raw(bytes(padding(f.tell())))
         for plan in plans:
+            if plan.unique_rows:
+                write_unique_rows(f, pools, plan)
+                w.raw(bytes(padding(tensor_bytes(plan))))
+                continue
             buffer = pools.buffer(plan.pool)
             pool_bytes = len(pools.pool(plan.pool))
             start = plan.phase * plan.qtype.block_bytes

@@ -232,12 +232,18 @@ class SyntheticModelTest(unittest.TestCase):
         self.assertEqual(m["tokenizer.ggml.merges"], ["\u0120 t"])
         self.assertTrue({"\u0120", "t", "\u0120t"} <= set(tokens))
 
-        n_per_layer = 9 + (3 if shape.qkv_bias else 0)
+        n_per_layer = 9 + (3 if shape.qkv_bias else 0) + (2 if shape.qk_norm else 0)
         self.assertEqual(len(gguf.tensors), 2 + n_per_layer * n_layers + (0 if shape.tied else 1))
         self.assertEqual("output.weight" in gguf.tensors, not shape.tied)
         for i in range(n_layers):
             for b in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
                 self.assertEqual(f"blk.{i}.{b}" in gguf.tensors, shape.qkv_bias)
+            for n in ("attn_q_norm.weight", "attn_k_norm.weight"):
+                self.assertEqual(f"blk.{i}.{n}" in gguf.tensors, shape.qk_norm)
+        self.assertEqual(m.get(arch + ".attention.key_length"), shape.head_dim or None)
+        self.assertEqual(m.get(arch + ".attention.value_length"), shape.head_dim or None)
+        self.assertEqual(m[arch + ".rope.dimension_count"], shape.head_size)
+        self.assertEqual(gguf.tensors["blk.0.attn_q.weight"][0][1], shape.n_heads * shape.head_size)
         plans = sm.tensor_plans(shape, sm.TYPES[type_name], n_layers)
         self.assertEqual(sorted(gguf.tensors), sorted(p.name for p in plans))
         pools = sm.Pools()
@@ -416,6 +422,26 @@ class SyntheticModelTest(unittest.TestCase):
         with self.assertRaises(AssertionError):
             sm.pack_q4_k_scales([64] + [0] * 7, [0] * 8)
 
+    def test_qwen3_0_6b_q4_k_m_one_layer(self):
+        path = self.generate("qwen3-0.6b", "q4_k_m", 1)
+        gguf = self.check_file(path, "qwen3-0.6b", "q4_k_m", 1)
+        self.assertEqual(len(gguf.floats("blk.0.attn_q_norm.weight")), 128)
+        self.run_duet(path, "qwen3-0.6b")
+
+    def test_token_rows_never_repeat(self):
+        """No two tokens share a row of token_embd (tied here): a pool read straight through
+        would repeat every POOL_BLOCKS rows, giving tokens t and t + 4,099 the same logit."""
+        path = self.generate("smollm2-135m", "q8_0", 1, "-rows")
+        gguf = GgufReader(path)
+        ne, ggml_type, _ = gguf.tensors["token_embd.weight"]
+        per_row = ne[0] // BLOCK_BYTES[ggml_type][0]
+        rows = set()
+        for r in range(ne[1]):
+            rows.add(b"".join(gguf.block("token_embd.weight", r * per_row + j)
+                              for j in range(per_row)))
+        self.assertEqual(len(rows), ne[1])
+        self.assertGreater(ne[1], 4 * sm.POOL_BLOCKS)
+
     def test_same_bytes_every_time(self):
         a = self.generate("smollm2-135m", "q8_0", 1, "-a")
         with open(a, "rb") as f:
@@ -428,7 +454,9 @@ class SyntheticModelTest(unittest.TestCase):
         """The full shapes' tensors add up to the published models' weight counts."""
         for shape_name, n_weights, n_tensors in (("llama3-8b", 8030261248, 291),
                                                  ("llama3.2-1b", 1235814400, 146),
-                                                 ("qwen2.5-7b", 7615616512, 339)):
+                                                 ("qwen2.5-7b", 7615616512, 339),
+                                                 ("qwen3-0.6b", 596049920, 310),
+                                                 ("qwen3-8b", 8190735360, 399)):
             shape = sm.SHAPES[shape_name]
             for type_name in ("q4_0", "q4_k_m"):
                 plans = sm.tensor_plans(shape, sm.TYPES[type_name], shape.n_layers)
