@@ -94,6 +94,7 @@ bool dtype_is_supported_weight(DType type) {
     case DType::kBF16:
     case DType::kQ4_0:
     case DType::kQ4_1:
+    case DType::kQ5_0:
     case DType::kQ8_0:
     case DType::kQ4_K:
     case DType::kQ6_K:

@@ -1,6 +1,6 @@
 // Byte layouts of the block-quantized types, as GGUF stores them (ggml's
 // block_q4_0 ... block_q8_K). Scales are IEEE half (bits in uint16_t) unless
-// a field says otherwise. Q4_0, Q4_1, Q8_0 and Q8_1 blocks hold kQuantBlock
+// a field says otherwise. Q4_0, Q4_1, Q5_0, Q8_0 and Q8_1 blocks hold kQuantBlock
 // elements; K-quants a super-block of kSuperBlock, so their rows must be
 // multiples of 256. Each struct states how its bytes hold the elements.
 #pragma once
@@ -27,6 +27,15 @@ struct BlockQ4_1 {
 struct BlockQ8_0 {
   uint16_t d;
   int8_t qs[kQuantBlock];
+};
+
+// Element j's low 4 bits as in Q4_0 (byte j of `qs` for j < 16, the high
+// nibble of byte j - 16 after that), its fifth bit bit j of `qh` (little
+// endian); the value is d * (those 5 bits - 16).
+struct BlockQ5_0 {
+  uint16_t d;
+  uint8_t qh[4];
+  uint8_t qs[kQuantBlock / 2];
 };
 
 // The activation format for Q4_1 dot products: `s` = d * sum(qs).
@@ -83,6 +92,7 @@ static inline void q4_k_scale_min(const uint8_t* scales, int s, uint8_t* sc, uin
 }
 
 static_assert(sizeof(BlockQ4_0) == 18);
+static_assert(sizeof(BlockQ5_0) == 22);
 static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);

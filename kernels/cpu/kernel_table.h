@@ -24,7 +24,7 @@ using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 
 // Reduction orders of the dot products. Every path computes exactly these, so
 // all paths agree bit for bit (the scalar path spells them out):
-//  - Q8_0, Q4_0, Q4_1: see x86_kernels_inl.h (llama.cpp's AVX2 order).
+//  - Q8_0, Q4_0, Q4_1, Q5_0: see x86_kernels_inl.h (llama.cpp's AVX2 order).
 //  - BF16 x BF16: 16 float lanes over whole 32-element chunks; for chunk c,
 //    lane l adds the product of elements 32c + 2l + 1, then of 32c + 2l
 //    (what AVX512-BF16's vdpbf16ps computes, used by llama.cpp's tinyBLAS on
@@ -103,6 +103,7 @@ struct KernelTable {
   DotTileFn dot_q8_0;  // Q8_0 weights, Q8_0 activations
   DotTileFn dot_q4_0;  // Q4_0 weights, Q8_0 activations
   DotTileFn dot_q4_1;  // Q4_1 weights, Q8_1 activations
+  DotTileFn dot_q5_0;  // Q5_0 weights, Q8_0 activations
   DotTileFn dot_bf16;  // BF16 weights, BF16 activations
   DotTileFn dot_q4_k;  // Q4_K weights, Q8_K activations
   DotTileFn dot_q6_k;  // Q6_K weights, Q8_K activations

@@ -74,6 +74,23 @@ float dot_row_q4_0(const uint8_t* w, const uint8_t* x, int64_t k) {
   return sum_lanes8(acc);
 }
 
+float dot_row_q5_0(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ5_0*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_0*>(x);
+  float acc[8] = {};
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float scale = fp16_to_fp32(wb[b].d) * fp16_to_fp32(xb[b].d);
+    uint32_t qh;
+    std::memcpy(&qh, wb[b].qh, sizeof qh);
+    accumulate_block(
+        [&](int e) {
+          return (nibble(wb[b].qs, e) | static_cast<int32_t>((qh >> e) & 1) << 4) - 16;
+        },
+        xb[b].qs, scale, acc);
+  }
+  return sum_lanes8(acc);
+}
+
 float dot_row_q4_1(const uint8_t* w, const uint8_t* x, int64_t k) {
   const auto* wb = reinterpret_cast<const BlockQ4_1*>(w);
   const auto* xb = reinterpret_cast<const BlockQ8_1*>(x);
@@ -259,6 +276,7 @@ constexpr KernelTable kScalarTable = {
     .dot_q8_0 = dot_tile<dot_row_q8_0>,
     .dot_q4_0 = dot_tile<dot_row_q4_0>,
     .dot_q4_1 = dot_tile<dot_row_q4_1>,
+    .dot_q5_0 = dot_tile<dot_row_q5_0>,
     .dot_bf16 = dot_tile<dot_row_bf16>,
     .dot_q4_k = dot_tile<dot_row_q4_k>,
     .dot_q6_k = dot_tile<dot_row_q6_k>,

@@ -59,6 +59,8 @@ DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type) {
       return kernels.dot_q4_0;
     case DType::kQ4_1:
       return kernels.dot_q4_1;
+    case DType::kQ5_0:
+      return kernels.dot_q5_0;
     case DType::kBF16:
       return kernels.dot_bf16;
     case DType::kQ4_K:
@@ -122,6 +124,7 @@ DType activation_type(DType weight_type) {
       return DType::kF16;
     case DType::kQ8_0:
     case DType::kQ4_0:
+    case DType::kQ5_0:
       return DType::kQ8_0;
     case DType::kQ4_1:
       return DType::kQ8_1;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "common/error.h"
 #include "common/format.h"
@@ -25,18 +26,28 @@ void quantize_row_q8_k(const float* x, void* out, int64_t n) {
   quantize_rows_q8_k_inl(x, out, n);
 }
 
+namespace {
+
+// The block's value of largest magnitude, with its sign (the first of equals).
+float largest_magnitude(const float* xb) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < kQuantBlock; ++j) {
+    if (std::fabs(xb[j]) > amax) {
+      amax = std::fabs(xb[j]);
+      max = xb[j];
+    }
+  }
+  return max;
+}
+
+}  // namespace
+
 void quantize_row_q4_0(const float* x, void* out, int64_t n) {
   DUET_ASSERT(n % kQuantBlock == 0);
   auto* blocks = static_cast<BlockQ4_0*>(out);
   for (int64_t b = 0; b < n / kQuantBlock; ++b) {
     const float* xb = x + b * kQuantBlock;
-    float amax = 0.0f, max = 0.0f;
-    for (int j = 0; j < kQuantBlock; ++j) {
-      if (std::fabs(xb[j]) > amax) {
-        amax = std::fabs(xb[j]);
-        max = xb[j];
-      }
-    }
+    const float max = largest_magnitude(xb);
     const float d = max / -8.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
     blocks[b].d = fp32_to_fp16(d);
@@ -45,6 +56,28 @@ void quantize_row_q4_0(const float* x, void* out, int64_t n) {
       const int hi = std::min(15, static_cast<int>(xb[j + 16] * id + 8.5f));
       blocks[b].qs[j] = static_cast<uint8_t>(lo | (hi << 4));
     }
+  }
+}
+
+// llama.cpp's quantize_row_q5_0_ref: d = (the value of largest magnitude) / -16.
+void quantize_row_q5_0(const float* x, void* out, int64_t n) {
+  DUET_ASSERT(n % kQuantBlock == 0);
+  auto* blocks = static_cast<BlockQ5_0*>(out);
+  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    const float max = largest_magnitude(xb);
+    const float d = max / -16.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    blocks[b].d = fp32_to_fp16(d);
+    uint32_t qh = 0;
+    for (int j = 0; j < kQuantBlock / 2; ++j) {
+      const int lo = std::min(31, static_cast<int>(static_cast<int8_t>(xb[j] * id + 16.5f)));
+      const int hi = std::min(31, static_cast<int>(static_cast<int8_t>(xb[j + 16] * id + 16.5f)));
+      blocks[b].qs[j] = static_cast<uint8_t>((lo & 0x0f) | (hi & 0x0f) << 4);
+      qh |= static_cast<uint32_t>((lo & 0x10) >> 4) << j;
+      qh |= static_cast<uint32_t>((hi & 0x10) >> 4) << (j + 16);
+    }
+    std::memcpy(blocks[b].qh, &qh, sizeof qh);
   }
 }
 
@@ -223,6 +256,22 @@ void dequantize_row(DType type, const void* row, float* out, int64_t n) {
       }
       return;
     }
+    case DType::kQ5_0: {
+      const auto* blocks = static_cast<const BlockQ5_0*>(row);
+      for (int64_t b = 0; b < n / kQuantBlock; ++b) {
+        const float d = fp16_to_fp32(blocks[b].d);
+        uint32_t qh;
+        std::memcpy(&qh, blocks[b].qh, sizeof qh);
+        float* o = out + b * kQuantBlock;
+        for (int j = 0; j < kQuantBlock / 2; ++j) {
+          const int lo = (blocks[b].qs[j] & 0x0f) | static_cast<int>((qh >> j) & 1) << 4;
+          const int hi = (blocks[b].qs[j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
+          o[j] = static_cast<float>(lo - 16) * d;
+          o[j + 16] = static_cast<float>(hi - 16) * d;
+        }
+      }
+      return;
+    }
     case DType::kQ4_1: {
       const auto* blocks = static_cast<const BlockQ4_1*>(row);
       for (int64_t b = 0; b < n / kQuantBlock; ++b) {
@@ -326,6 +375,9 @@ void quantize_row(DType type, const float* x, void* out, int64_t n) {
       return;
     case DType::kQ4_1:
       quantize_row_q4_1(x, out, n);
+      return;
+    case DType::kQ5_0:
+      quantize_row_q5_0(x, out, n);
       return;
     case DType::kQ8_0:
       quantize_row_q8_0(x, out, n);

@@ -30,8 +30,8 @@ void quantize_row_q6_k(const float* x, void* out, int64_t n);
 void convert_row_f16(const float* x, void* out, int64_t n);
 void convert_row_bf16(const float* x, void* out, int64_t n);
 
-// Any row of a supported stored type (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q8_1,
-// Q4_K, Q6_K, Q8_K) to floats.
+// Any row of a supported stored type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0,
+// Q8_1, Q4_K, Q6_K, Q8_K) to floats.
 void dequantize_row(DType type, const void* row, float* out, int64_t n);
 
 // Quantizes a row of any of those types (test helper).

@@ -25,7 +25,8 @@ Types: q4_0, q4_1, q8_0, q4_k and q6_k put every matrix in that type (as
 `llama-quantize --pure` would); q4_k_m is the mix llama.cpp's quantizer makes
 for Q4_K_M (see matrix_type). K-quants need rows that are multiples of 256:
 where a row is not, the type falls back as llama.cpp's does (Q6_K to Q8_0),
-and a type whose fallback Duet cannot read (Q4_K's is Q5_0) is refused.
+so Q4_K becomes Q5_0 and Q6_K Q8_0 in rows of 576 (SmolLM2's), as llama.cpp's
+quantizer makes them.
 
 The tokenizer is a byte-level BPE vocabulary (three control tokens, the 256
 byte tokens, the one merge MERGE's result, then filler tokens up to the
@@ -107,7 +108,7 @@ class QuantType:
 F32_TYPE = QuantType("F32", 0, 1, 4)
 Q4_0 = QuantType("Q4_0", 2, 32, 18)
 Q4_1 = QuantType("Q4_1", 3, 32, 20)
-Q5_0 = QuantType("Q5_0", 6, 32, 22)  # only as Q4_K's fallback, which is refused
+Q5_0 = QuantType("Q5_0", 6, 32, 22)  # Q4_K's fallback
 Q8_0 = QuantType("Q8_0", 8, 32, 34)
 Q4_K = QuantType("Q4_K", 12, 256, 144)
 Q6_K = QuantType("Q6_K", 14, 256, 210)
@@ -115,7 +116,7 @@ Q6_K = QuantType("Q6_K", 14, 256, 210)
 # llama.cpp's tensor_type_fallback (src/llama-quant.cpp) for a row length
 # that is not a multiple of the type's block.
 FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
-READABLE_BY_DUET = {F32_TYPE, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K}
+READABLE_BY_DUET = {F32_TYPE, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K}
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,8 @@ def matrix_type(ftype, name, n_layers, row_length, tied, shape_name="?"):
         far, and visits tensors in layer order, so i is the layer);
       - everything else, an untied token_embd included: Q4_K.
     Then tensor_type_fallback: a K-quant whose row length is not a multiple
-    of 256 becomes Q5_0 (from Q4_K) or Q8_0 (from Q6_K). Duet does not read
-    Q5_0, so that case raises ValueError instead.
+    of 256 becomes Q5_0 (from Q4_K) or Q8_0 (from Q6_K); a fallback Duet
+    could not read would raise ValueError.
     """
     parts = name.split(".")
     role = parts[-2]
@@ -319,6 +320,8 @@ def make_pool(key):
         elif ggml_type == Q4_1.ggml_type:  # d * q + m, centred by m = -7.5 d
             d = sigma / 4.6 * jitter
             blocks.append(half(d) + half(-7.5 * d) + rng.randbytes(16))
+        elif ggml_type == Q5_0.ggml_type:  # d * (q - 16), q uniform in 0..31: sd 9.23 d
+            blocks.append(half(sigma / 9.23 * jitter) + rng.randbytes(20))
         elif ggml_type == Q8_0.ggml_type:  # d * q, q uniform in -127..127: sd 73.6 d
             blocks.append(half(sigma / 73.6 * jitter) + no_minus_128(rng.randbytes(32)))
         elif ggml_type == Q4_K.ggml_type:

@@ -34,8 +34,8 @@ import synthetic_model as sm  # noqa: E402
 SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                   10: "<Q", 11: "<q", 12: "<d"}
 STRING_TYPE, ARRAY_TYPE = 8, 9
-F32, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 2, 3, 8, 12, 14  # ggml types
-BLOCK_BYTES = {F32: (1, 4), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34),
+F32, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 0, 2, 3, 6, 8, 12, 14  # ggml types
+BLOCK_BYTES = {F32: (1, 4), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
                Q4_K: (256, 144), Q6_K: (256, 210)}  # ggml type: elements, bytes
 FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q4_k_m": 15, "q6_k": 18}  # llama_ftype
 
@@ -127,6 +127,10 @@ def dequantize(ggml_type, block):
     if ggml_type == Q4_1:  # half d, m; qs[16]: d * q + m
         d, m, qs = f16(block, 0), f16(block, 2), block[4:20]
         return [d * (b & 15) + m for b in qs] + [d * (b >> 4) + m for b in qs]
+    if ggml_type == Q5_0:  # half d; qh (32 fifth bits); qs[16]: d * (q - 16)
+        d, qh, qs = f16(block, 0), struct.unpack_from("<I", block, 2)[0], block[6:22]
+        return ([d * ((b & 15 | (qh >> j & 1) << 4) - 16) for j, b in enumerate(qs)]
+                + [d * ((b >> 4 | (qh >> (j + 16) & 1) << 4) - 16) for j, b in enumerate(qs)])
     if ggml_type == Q8_0:  # half d; int8 qs[32]: d * q
         d = f16(block, 0)
         return [d * q for q in struct.unpack_from("<32b", block, 2)]
@@ -304,23 +308,16 @@ class SyntheticModelTest(unittest.TestCase):
         self.check_file(path, "smollm2-135m", "q8_0", 2)
         self.run_duet(path, "smollm2-135m")
 
-    def test_q6_k_falls_back_to_q8_0_on_576(self):
-        """As llama.cpp: rows of 576 cannot hold Q6_K and become Q8_0; ffn_down's 1536 can."""
-        path = self.generate("smollm2-135m", "q6_k", 2)
-        gguf = self.check_file(path, "smollm2-135m", "q6_k", 2)
-        for name, t in self.types(gguf).items():
-            expected = F32 if "norm" in name else Q6_K if "ffn_down" in name else Q8_0
-            self.assertEqual(t, expected, name)
-        self.run_duet(path, "smollm2-135m")
-
-    def test_q4_k_refused_on_576(self):
-        """Q4_K would fall back to Q5_0, which Duet does not read: a clear error, no file."""
-        for type_name in ("q4_k", "q4_k_m"):
-            path, done = self.run_generator("smollm2-135m", type_name, 1)
-            self.assertEqual(done.returncode, 2, done.stderr)
-            self.assertIn(f"--type {type_name} needs rows that are multiples of 256; shape "
-                          "smollm2-135m has 576", done.stderr)
-            self.assertFalse(os.path.exists(path))
+    def test_k_quants_fall_back_on_576(self):
+        """As llama.cpp: rows of 576 cannot hold K-quants; Q6_K becomes Q8_0 and Q4_K Q5_0
+        (Gemma 3's type), while ffn_down's 1536 keeps its K-quant."""
+        for type_name, k_quant, fallback in (("q6_k", Q6_K, Q8_0), ("q4_k", Q4_K, Q5_0)):
+            path = self.generate("smollm2-135m", type_name, 1)
+            gguf = self.check_file(path, "smollm2-135m", type_name, 1)
+            for name, t in self.types(gguf).items():
+                expected = F32 if "norm" in name else k_quant if "ffn_down" in name else fallback
+                self.assertEqual(t, expected, name)
+            self.run_duet(path, "smollm2-135m")
 
     def test_q4_k_and_q6_k_plans(self):
         """q4_k and q6_k put every matrix in their type where the rows allow it."""
@@ -383,7 +380,7 @@ class SyntheticModelTest(unittest.TestCase):
 
     def test_block_statistics(self):
         """Each type's pool blocks decode to values of sd ~1/sqrt(fan_in), mean ~0, in range."""
-        for ggml_type in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K):
+        for ggml_type in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K):
             for fan_in in (2048, 18944):
                 pool = sm.Pools().pool((ggml_type, fan_in))
                 size = BLOCK_BYTES[ggml_type][1]
@@ -394,8 +391,9 @@ class SyntheticModelTest(unittest.TestCase):
                 sd = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
                 sigma = 1 / math.sqrt(fan_in)
                 self.assertLess(abs(sd / sigma - 1), 0.1, (ggml_type, fan_in, sd, sigma))
-                # Q4_0's codes q - 8 average -0.5, a mean of -0.11 sigma.
-                bound = 0.15 if ggml_type == Q4_0 else 0.05
+                # Q4_0's codes q - 8 average -0.5, a mean of -0.11 sigma; Q5_0's
+                # q - 16 too, -0.05 sigma.
+                bound = {Q4_0: 0.15, Q5_0: 0.08}.get(ggml_type, 0.05)
                 self.assertLess(abs(mean), bound * sigma, (ggml_type, fan_in, mean))
                 for b in blocks:
                     if ggml_type == Q4_K:

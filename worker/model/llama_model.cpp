@@ -110,7 +110,7 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
   if (!dtype_is_supported_weight(t.type)) {
     throw Error(ErrorKind::kUnsupported,
                 duet::format("{}: tensor {} has weight type {}, which is not supported "
-                             "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)",
+                             "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)",
                              file_.name(), name, dtype_name(t.type)));
   }
   used_tensors_.insert(name);

@@ -236,6 +236,8 @@ template <int NX>
 using Q4_0Tile = QuantTile<Q4_0Format>::Tile<NX>;
 template <int NX>
 using Q4_1Tile = QuantTile<Q4_1Format>::Tile<NX>;
+template <int NX>
+using Q5_0Tile = QuantTile<Q5_0Format>::Tile<NX>;
 
 template <typename GemmFormat, template <int> class Tile>
 void dot_quant(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
@@ -257,6 +259,13 @@ void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
   dot_quant<gemm512::Q4_0Gemm, Q4_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+// Q5_0 (Gemma 3's and Q4_K's fallback type) runs the row tiles at every
+// batch size: no GEMM panels of its own.
+void dot_q5_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+              int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  run_row_tiles<Q5_0Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
@@ -329,6 +338,7 @@ constexpr KernelTable kAvx512Table = {
     .dot_q8_0 = dot_q8_0,
     .dot_q4_0 = dot_q4_0,
     .dot_q4_1 = dot_q4_1,
+    .dot_q5_0 = dot_q5_0,
     .dot_bf16 = dot_bf16_x86,
     .dot_q4_k = dot_q4_k_x86,
     .dot_q6_k = dot_q6_k_x86,

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "common/model/fp16.h"
 #include "common/model/quant_blocks.h"
@@ -81,6 +82,18 @@ struct SymmetricFormat {
   static __m256i weights(const WeightBlock& b) {
     if constexpr (sizeof(Block) == sizeof(BlockQ4_0)) {
       return _mm256_sub_epi8(unpack_nibbles(b.qs), _mm256_set1_epi8(8));
+    } else if constexpr (sizeof(Block) == sizeof(BlockQ5_0)) {
+      // The fifth bits as bytes (element j's bit j of qh), 0xF0 where it is
+      // clear: nibble | 0xF0 is nibble - 16 as int8 (llama.cpp's AVX2 way).
+      uint32_t qh;
+      std::memcpy(&qh, b.qh, sizeof qh);
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(qh)),
+          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+      return _mm256_or_si256(unpack_nibbles(b.qs),
+                             _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
     } else {
       return load_i8x32(b.qs);
     }
@@ -95,6 +108,7 @@ struct SymmetricFormat {
 
 using Q8_0Format = SymmetricFormat<BlockQ8_0>;
 using Q4_0Format = SymmetricFormat<BlockQ4_0>;
+using Q5_0Format = SymmetricFormat<BlockQ5_0>;
 
 // Runs Tile<kTile> over the activation rows in tiles of kTile rows, then one
 // smaller tile for the rest (Tile<r> for r < kTile computes each pair with

@@ -143,7 +143,7 @@ TEST_P(MatmulTest, DotTileSplitsAreBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(WeightTypes, MatmulTest,
                          ::testing::Values(DType::kF32, DType::kF16, DType::kQ8_0, DType::kQ4_0,
-                                           DType::kQ4_1),
+                                           DType::kQ4_1, DType::kQ5_0),
                          dtype_param_name);
 
 TEST(Matmul, OnePackServesSeveralWeightTypes) {
@@ -259,6 +259,7 @@ TEST(Matmul, ActivationTypes) {
   EXPECT_EQ(activation_type(DType::kQ8_0), DType::kQ8_0);
   EXPECT_EQ(activation_type(DType::kQ4_0), DType::kQ8_0);
   EXPECT_EQ(activation_type(DType::kQ4_1), DType::kQ8_1);
+  EXPECT_EQ(activation_type(DType::kQ5_0), DType::kQ8_0);
   EXPECT_EQ(activation_type(DType::kQ4_K), DType::kQ8_K);
   EXPECT_EQ(activation_type(DType::kQ6_K), DType::kQ8_K);
   EXPECT_EQ(activation_type(DType::kBF16), DType::kBF16);

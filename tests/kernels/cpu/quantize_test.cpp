@@ -234,6 +234,15 @@ std::vector<float> test_row(int64_t n, std::mt19937& rng) {
 
 constexpr int64_t kRowLength = 64 * kQuantBlock;
 
+// A block's value of largest magnitude, with its sign.
+float signed_max(const float* xb) {
+  float max = 0.0f;
+  for (int j = 0; j < kQuantBlock; ++j) {
+    if (std::fabs(xb[j]) > std::fabs(max)) max = xb[j];
+  }
+  return max;
+}
+
 TEST(BlockFormats, Q8_0WithinHalfAStep) {
   std::mt19937 rng(1);
   for (int iter = 0; iter < 20; ++iter) {
@@ -303,10 +312,7 @@ TEST(BlockFormats, Q4_0WithinHalfAStep) {
     dequantize_row(DType::kQ4_0, q.data(), y.data(), kRowLength);
     for (int64_t b = 0; b < kRowLength / kQuantBlock; ++b) {
       const float* xb = x.data() + b * kQuantBlock;
-      float max = 0.0f;  // the value of largest magnitude, with its sign
-      for (int j = 0; j < kQuantBlock; ++j) {
-        if (std::fabs(xb[j]) > std::fabs(max)) max = xb[j];
-      }
+      const float max = signed_max(xb);
       const float d = max / -8.0f;  // max itself maps to -8 steps exactly
       ASSERT_EQ(q[b].d, fp32_to_fp16(d)) << "block " << b;
       const double step = std::fabs(d);
@@ -321,6 +327,52 @@ TEST(BlockFormats, Q4_0WithinHalfAStep) {
       }
     }
   }
+}
+
+TEST(BlockFormats, Q5_0WithinHalfAStep) {
+  std::mt19937 rng(5);
+  for (int iter = 0; iter < 20; ++iter) {
+    const std::vector<float> x = test_row(kRowLength, rng);
+    std::vector<BlockQ5_0> q(kRowLength / kQuantBlock);
+    std::vector<float> y(kRowLength);
+    quantize_row(DType::kQ5_0, x.data(), q.data(), kRowLength);
+    dequantize_row(DType::kQ5_0, q.data(), y.data(), kRowLength);
+    for (int64_t b = 0; b < kRowLength / kQuantBlock; ++b) {
+      const float* xb = x.data() + b * kQuantBlock;
+      const float max = signed_max(xb);
+      const float d = max / -16.0f;  // max maps to -16 steps exactly
+      ASSERT_EQ(q[b].d, fp32_to_fp16(d)) << "block " << b;
+      const double step = std::fabs(d);
+      const double scale_error = 16.0 * std::fabs(d - fp16_to_fp32(q[b].d));
+      uint32_t qh;
+      std::memcpy(&qh, q[b].qh, sizeof qh);
+      for (int j = 0; j < kQuantBlock; ++j) {
+        const int e = (j < 16 ? (q[b].qs[j] & 0x0f) : (q[b].qs[j - 16] >> 4)) |
+                      static_cast<int>((qh >> j) & 1) << 4;
+        // Levels run -16..15 steps; beyond 15.5 on the far side clamps to 15.
+        const double bound = (e == 31 ? step : 0.5 * step) + scale_error + 1e-6 * step;
+        ASSERT_LE(std::fabs(static_cast<double>(xb[j]) - y[b * kQuantBlock + j]), bound)
+            << "block " << b << " element " << j << " x " << xb[j] << " step " << step;
+      }
+    }
+  }
+  // One hand-made block: element j is (j - 16) steps of 0.5 (its fifth bit set for j >= 16).
+  BlockQ5_0 block{};
+  block.d = fp32_to_fp16(0.5f);
+  uint32_t qh = 0;
+  for (int j = 0; j < kQuantBlock; ++j) {
+    const int level = j;  // stored level; value (level - 16) * d
+    if (j < 16) {
+      block.qs[j] = static_cast<uint8_t>((block.qs[j] & 0xf0) | (level & 0x0f));
+    } else {
+      block.qs[j - 16] = static_cast<uint8_t>((block.qs[j - 16] & 0x0f) | (level & 0x0f) << 4);
+    }
+    qh |= static_cast<uint32_t>(level >> 4) << j;
+  }
+  std::memcpy(block.qh, &qh, sizeof qh);
+  float values[kQuantBlock];
+  dequantize_row(DType::kQ5_0, &block, values, kQuantBlock);
+  for (int j = 0; j < kQuantBlock; ++j) EXPECT_EQ(values[j], 0.5f * (j - 16)) << j;
 }
 
 TEST(BlockFormats, Q4_1WithinHalfAStep) {
@@ -351,8 +403,8 @@ TEST(BlockFormats, Q4_1WithinHalfAStep) {
 
 TEST(BlockFormats, ZeroRowsStayZero) {
   const std::vector<float> zeros(kRowLength, 0.0f);
-  for (DType type :
-       {DType::kQ4_0, DType::kQ4_1, DType::kQ8_0, DType::kQ8_1, DType::kF16, DType::kBF16}) {
+  for (DType type : {DType::kQ4_0, DType::kQ4_1, DType::kQ5_0, DType::kQ8_0, DType::kQ8_1,
+                     DType::kF16, DType::kBF16}) {
     std::vector<uint8_t> q(dtype_row_bytes(type, kRowLength));
     std::vector<float> y(kRowLength, 1.0f);
     quantize_row(type, zeros.data(), q.data(), kRowLength);
