@@ -56,12 +56,7 @@ int run_batch_generate(const GenerateArgs& args, const GenerateOptions& options)
       LlamaModel::load(args.model, {}, device < 0 ? &cpu::kernel_table(isa) : nullptr);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   std::optional<ChatTemplateKind> chat;
-  if (args.chat) {
-    const auto text = model->file().get_string("tokenizer.chat_template");
-    DUET_REQUIRE(text.has_value(), "{}: --chat: the model has no chat template",
-                 model->file().name());
-    chat = detect_chat_template(*text);
-  }
+  if (args.chat) chat = model_chat_template(model->file(), args.chat_template);
 
   std::vector<std::vector<int32_t>> prompt_ids;
   int64_t needed_tokens = 0;

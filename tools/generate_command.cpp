@@ -53,6 +53,9 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
                   "Token budget of one engine step (longer prompts are computed in chunks)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_flag("--chat", args.chat, "Wrap the prompt as a user turn in the model's chat template");
+  cmd->add_option("--chat-template", args.chat_template,
+                  "With --chat: this template instead of the model's (chatml, llama3, gemma, "
+                  "mistral-v1, mistral-v3, mistral-v3-tekken, mistral-v7, mistral-v7-tekken)");
   cmd->add_option("-n,--n-tokens", args.n_tokens, "Tokens to generate at most")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   cmd->add_option("--temp", args.temperature, "Sampling temperature (0: greedy)")
@@ -131,16 +134,9 @@ int run_generate(const GenerateArgs& args) {
 
   std::vector<TokenId> prompt_ids;
   if (args.chat) {
-    const std::optional<std::string> template_text =
-        model->file().get_string("tokenizer.chat_template");
-    if (!template_text) {
-      throw duet::Error(
-          duet::ErrorKind::kUnsupported,
-          fmt::format("{}: --chat: the model has no chat template", model->file().name()));
-    }
     // Special-token text is parsed only where the template put it.
-    prompt_ids =
-        encode_chat(tokenizer, detect_chat_template(*template_text), {{"user", args.prompt}});
+    prompt_ids = encode_chat(tokenizer, model_chat_template(model->file(), args.chat_template),
+                             {{"user", args.prompt}});
   } else {
     prompt_ids = tokenizer.encode(args.prompt, /*add_special=*/true, /*parse_special=*/false);
   }

@@ -16,6 +16,7 @@ struct GenerateArgs {
   std::string model;
   std::string prompt;
   bool chat = false;
+  std::string chat_template;  // --chat-template: a name or template text; empty: the model's
   int64_t n_tokens = 128;
   float temperature = 0.0f;
   uint64_t seed = 0;

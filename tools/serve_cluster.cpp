@@ -90,7 +90,7 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
     // The tokenizer and template only: the weights stay on the instances.
     const GgufFile file = GgufFile::open(args.model);
     tokenizer.emplace(tokenizer_from_gguf(file));
-    chat = serve::chat_template(file);
+    chat = serve::chat_template(file, args);
   } catch (const std::exception& e) {
     abort_cluster(channel, spec, e.what(), kCloseTimeout);
     throw;

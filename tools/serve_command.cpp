@@ -38,6 +38,9 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   cmd->add_option("-m,--model", args.model, "Path of a GGUF model")->required();
   cmd->add_option("--model-name", args.model_name,
                   "The model id clients name (default: the file name without .gguf)");
+  cmd->add_option("--chat-template", args.chat_template,
+                  "Chat template instead of the model's (chatml, llama3, gemma, mistral-v1, "
+                  "mistral-v3, mistral-v3-tekken, mistral-v7, mistral-v7-tekken)");
   cmd->add_option("--host", args.host, "Address both fronts bind")->capture_default_str();
   cmd->add_option("--rpc-port", args.rpc_port, "Cap'n Proto port (0: any free port)")
       ->check(CLI::Range(0, 65535))
@@ -226,7 +229,8 @@ int compute_threads(const ServeArgs& args) {
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-std::optional<ChatTemplateKind> chat_template(const GgufFile& file) {
+std::optional<ChatTemplateKind> chat_template(const GgufFile& file, const ServeArgs& args) {
+  if (!args.chat_template.empty()) return detect_chat_template(args.chat_template);
   if (const auto text = file.get_string("tokenizer.chat_template")) {
     try {
       return detect_chat_template(*text);
@@ -410,7 +414,7 @@ int run_serve(const ServeArgs& given) {
   std::unique_ptr<LlamaModel> model =
       LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
-  const std::optional<ChatTemplateKind> chat = serve::chat_template(model->file());
+  const std::optional<ChatTemplateKind> chat = serve::chat_template(model->file(), args);
   const std::string model_name = serve::model_name(args);
 
   cpu::ThreadPool pool(n_threads);

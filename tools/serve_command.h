@@ -25,7 +25,8 @@ namespace duet::tools {
 
 struct ServeArgs {
   std::string model;
-  std::string model_name;  // the id clients name; default: the file's stem
+  std::string model_name;     // the id clients name; default: the file's stem
+  std::string chat_template;  // --chat-template: a name or template text; empty: the model's
   std::string host = "127.0.0.1";
   int rpc_port = 7433;         // 0: any free port (printed)
   int http_port = 8000;        // 0: any free port (printed)
@@ -96,7 +97,10 @@ inline std::chrono::milliseconds instance_lease(const ServeArgs& args) {
 sigset_t block_stop_signals();
 std::string model_name(const ServeArgs& args);
 int compute_threads(const ServeArgs& args);
-std::optional<ChatTemplateKind> chat_template(const GgufFile& file);
+// The chat template of `args.chat_template`, or else the model's; nullopt (chat
+// requests refused, with a warning) when the model's is not one Duet takes.
+// Throws kUnsupported for a --chat-template Duet does not take.
+std::optional<ChatTemplateKind> chat_template(const GgufFile& file, const ServeArgs& args);
 // The engine's configuration for `model` (KV size from --kv-cache-mem, logged).
 // `device`: -1 for the CPU, else the CUDA device the engine runs on (refused,
 // kUnsupported, where there is none).

@@ -159,6 +159,24 @@ TEST(Cli, PromptsFileRunsEveryPromptThroughTheBatchingEngine) {
   EXPECT_NE(run.err.find("bytes per token"), std::string::npos) << run.err;
 }
 
+// A model without a chat template takes one by name; a name Duet does not
+// know, or no template at all, is one clear error.
+TEST(Cli, ChatTemplateOptionNamesATemplate) {
+  const std::string base = "generate -m " + tiny_model() + " -p hi -n 2 -t 1 --chat";
+  const ProcessResult none = run_duet(base);
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.err.find("has no chat template (--chat-template NAME gives one)"),
+            std::string::npos)
+      << none.err;
+  for (const char* name : {"chatml", "llama3", "gemma", "mistral-v7"}) {
+    const ProcessResult named = run_duet(base + " --chat-template " + name);
+    EXPECT_EQ(named.exit_code, 0) << name << ": " << named.err;
+  }
+  const ProcessResult unknown = run_duet(base + " --chat-template llama2");
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_NE(unknown.err.find("unsupported chat template"), std::string::npos) << unknown.err;
+}
+
 TEST(Cli, PromptAndPromptsFileAreExclusive) {
   const ProcessResult run = run_duet("generate -m " + tiny_model() + " -p hi --prompts-file x");
   EXPECT_EQ(run.exit_code, 2);
