@@ -204,7 +204,11 @@ class FailoverTest(unittest.TestCase):
         self.assertIsNone(long_stream.failure)
         self.assertIsNone(long_stream.error)
         self.assertEqual(long_stream.text, generate(long_body))
-        self.assertEqual(long_stream.retries, 1)
+        # One re-run when the coordinator learns of the loss first; two when
+        # the decode instance's failed import reaches it first (on a loaded
+        # machine): that re-run goes to the only prefill instance, not yet
+        # known lost, and the loss sends it once more.
+        self.assertIn(long_stream.retries, (1, 2))
         self.expect_degraded_and_serving(server)
 
     def test_4_a_tensor_parallel_instance_losing_its_follower_is_lost_whole(self):
