@@ -32,6 +32,8 @@ struct AttentionShape {
   int64_t n_kv_heads = 0;  // query head h reads KV head h / (n_heads / n_kv_heads)
   int64_t head_dim = 0;
   float scale = 1.0f;  // usually 1 / sqrt(head_dim)
+  // A query at position p attends to positions max(0, p - window + 1) .. p; 0: to 0 .. p.
+  int64_t window = 0;
 };
 
 // A position no row reaches: every row in the multi-token order.

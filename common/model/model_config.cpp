@@ -51,6 +51,76 @@ float read_rope_freq_scale(const GgufFile& file, const std::string& p) {
   return 1.0f / *factor;
 }
 
+// Which layers attend through the window, as llama.cpp's load_swa_pattern reads them: an array of
+// one flag per layer, else a period n (every layer but each n-th is windowed; 0: all of them),
+// else llama.cpp's default for the architecture.
+std::vector<bool> read_swa_layers(const GgufFile& file, const std::string& p, int64_t n_layers,
+                                  uint32_t default_period) {
+  const std::string key = p + "attention.sliding_window_pattern";
+  std::vector<bool> layers(static_cast<size_t>(n_layers));
+  const GgufValue* value = file.find(key);
+  if (value != nullptr && value->is_array()) {
+    if (static_cast<int64_t>(value->size()) != n_layers) {
+      fail(file, ErrorKind::kCorruptFile,
+           duet::format("{} holds {} flags for {} layers", key, value->size(), n_layers));
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const GgufValue flag = value->element(i);
+      if (flag.type() == GgufType::kBool) {
+        layers[i] = flag.as_bool();
+      } else if (flag.is_integer()) {
+        layers[i] = flag.integer_as<int64_t>().value_or(1) != 0;
+      } else {
+        fail(file, ErrorKind::kCorruptFile,
+             duet::format("{} holds {} values, not flags", key, gguf_type_name(flag.type())));
+      }
+    }
+    return layers;
+  }
+  uint32_t period = default_period;
+  if (value != nullptr) {
+    const std::optional<uint32_t> n = value->integer_as<uint32_t>();
+    if (!n) fail(file, ErrorKind::kCorruptFile, duet::format("{} is not a layer period", key));
+    period = *n;
+  }
+  for (int64_t il = 0; il < n_layers; ++il) {
+    layers[static_cast<size_t>(il)] =
+        period == 0 || static_cast<uint32_t>(il) % period < period - 1;
+  }
+  return layers;
+}
+
+// gemma3 as llama.cpp's loader and graph take it (src/models/gemma3.cpp): head norms, NeoX RoPE,
+// gated GELU, the embedding times sqrt(n_embd), Q times 1/sqrt(head size) (the 62-layer 27B:
+// 1/sqrt(n_embd / n_heads)) before unscaled scores, norms after both blocks; with a window, one
+// layer in six global and the others windowed at RoPE base rope.freq_base_swa (10000 unless the
+// file says), unscaled.
+void read_gemma3(const GgufFile& file, const std::string& p, ModelConfig& c) {
+  c.ffn_activation = FfnActivation::kGeluTanh;
+  c.embed_scale = std::sqrt(static_cast<float>(c.n_embd));
+  c.q_scale = c.n_layers == 62 ? 1.0f / std::sqrt(static_cast<float>(c.n_embd / c.n_heads))
+                               : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  c.post_norms = true;
+  if (const std::optional<float> cap = file.get_f32(p + "final_logit_softcapping");
+      cap && *cap != 0.0f) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{}final_logit_softcapping = {}: logit soft-capping is not supported", p,
+                      *cap));
+  }
+  const std::optional<uint64_t> window = file.get_u64(p + "attention.sliding_window");
+  if (!window || *window == 0) return;  // llama.cpp: no layer windowed
+  if (*window > (1ull << 31)) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("{}attention.sliding_window = {} is out of range", p, *window));
+  }
+  c.sliding_window = static_cast<int64_t>(*window);
+  c.swa_layers = read_swa_layers(file, p, c.n_layers, 6);
+  c.rope_freq_base_swa = file.get_f32(p + "rope.freq_base_swa").value_or(10000.0f);
+  if (!(c.rope_freq_base_swa > 0.0f)) {
+    fail(file, ErrorKind::kCorruptFile, "rope.freq_base_swa must be positive");
+  }
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
@@ -110,29 +180,39 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
          duet::format("rope.dimension_count {} does not fit head size {}", c.n_rot, c.head_dim));
   }
   // The RoPE style follows the architecture, not a key: `llama` GGUFs hold Q/K permuted for
-  // adjacent-pair rotation, `qwen2` and `qwen3` ones as trained (NeoX halves).
-  c.rope_neox = c.architecture == "qwen2" || c.architecture == "qwen3";
-  c.qk_norm = c.architecture == "qwen3";
-  if (c.qk_norm && c.n_rot != c.head_dim) {  // llama.cpp's qwen3 graph asserts the same
+  // adjacent-pair rotation, the others as trained (NeoX halves).
+  c.rope_neox = c.architecture != "llama";
+  c.qk_norm = c.architecture == "qwen3" || c.architecture == "gemma3";
+  if (c.architecture == "qwen3" && c.n_rot != c.head_dim) {  // as llama.cpp's graph asserts
     fail(file, ErrorKind::kUnsupported,
          duet::format("rope.dimension_count {} differs from the head size {}: {} rotates whole "
                       "heads",
                       c.n_rot, c.head_dim, c.architecture));
   }
   c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
-  c.rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon").value_or(1e-5f);
+  const std::optional<float> rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon");
+  if (!rms_eps && c.architecture == "gemma3") {  // llama.cpp requires it there
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("missing metadata key {}attention.layer_norm_rms_epsilon", p));
+  }
+  c.rms_eps = rms_eps.value_or(1e-5f);
   if (!(c.rope_freq_base > 0.0f) || !(c.rms_eps > 0.0f)) {
     fail(file, ErrorKind::kCorruptFile,
          "rope.freq_base and layer_norm_rms_epsilon must be positive");
   }
   c.rope_freq_scale = read_rope_freq_scale(file, p);
-  if (const GgufValue* window = file.find(p + "attention.sliding_window")) {
+  if (c.architecture == "gemma3") {
+    read_gemma3(file, p, c);
+  } else if (const GgufValue* window = file.find(p + "attention.sliding_window")) {
+    // llama.cpp's graphs for these architectures ignore the key; attending to the whole context
+    // would answer unlike the model as trained, attending through the window unlike llama.cpp.
     const std::optional<uint64_t> size = window->integer_as<uint64_t>();
     fail(file, ErrorKind::kUnsupported,
          duet::format(
-             "{}attention.sliding_window = {}: sliding-window attention (as in Mistral) is not "
-             "supported; Duet attends to the whole context",
-             p, size ? std::to_string(*size) : std::string(gguf_type_name(window->type()))));
+             "{}attention.sliding_window = {}: sliding-window attention is not supported for "
+             "'{}' (llama.cpp ignores the key for it; Duet windows gemma3 only)",
+             p, size ? std::to_string(*size) : std::string(gguf_type_name(window->type())),
+             c.architecture));
   }
   if (const uint64_t n_experts = file.get_u64(p + "expert_count").value_or(0); n_experts > 0) {
     fail(file, ErrorKind::kUnsupported,

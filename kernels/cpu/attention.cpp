@@ -18,6 +18,11 @@ constexpr int64_t kMinTasksPerThread = 4;
 // Query rows of one sequence whose scores come from one pass over the keys
 // (a prefill's): each key segment is loaded and converted once for them all.
 constexpr int64_t kMaxTileRows = 8;
+// Keys before a sliding window are skipped in whole runs of this many, from
+// key 0: the 16-key segments of kqv_sum's accumulator groups (4 of them) and
+// of softmax_exp's chunks line up as if every key were there, so the skipped
+// keys, whose probabilities are zeros, change no bit.
+constexpr int64_t kSkipAlign = kLanes * kGroups;
 
 // A hint that the line at p will be read soon (into L2; nothing on other CPUs).
 inline void prefetch_l2(const char* p) {
@@ -180,6 +185,11 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
     const int64_t t0 = seq.row + tile.first;  // the tile's first row in q and out
     const int64_t position0 = seq.pos0 + tile.first;
     const int64_t n_keys = position0 + tile.rows;  // causal: the tile's last row's keys
+    // With a sliding window the tile reads keys [skip, n_keys) only: its
+    // first row's window, from the run of kSkipAlign keys that holds it.
+    const int64_t skip = shape.window > 0 && position0 >= shape.window
+                             ? (position0 - shape.window + 1) / kSkipAlign * kSkipAlign
+                             : 0;
     // 4 accumulator groups: llama.cpp's ggml_vec_dot_f16; 1: its tinyBLAS GEMM.
     const int groups = attention_groups(position0 >= seq.one_token_from, head_dim);
     const int64_t n_heads = tile.rows * heads_per_task;
@@ -189,14 +199,14 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
     const KvElement** v_segments = k_segments + n_segments;
 
     // Keys and values in 16-token segments; a segment never crosses a block.
-    for (int64_t k0 = 0; k0 < n_keys; k0 += kLanes) {
+    for (int64_t k0 = skip; k0 < n_keys; k0 += kLanes) {
       const int64_t block = block_table[k0 / layout.block_size];
       const int64_t slot = k0 % layout.block_size;
       k_segments[k0 / kLanes] = cache + layout.k_offset(layer, block, kv_head, slot);
       v_segments[k0 / kLanes] = cache + layout.v_offset(layer, block, kv_head, slot);
     }
     // The values are read after the keys and the softmax: ask for them now.
-    for (int64_t k0 = 0; k0 < n_keys; k0 += kLanes) {
+    for (int64_t k0 = skip; k0 < n_keys; k0 += kLanes) {
       const auto* v = reinterpret_cast<const char*>(v_segments[k0 / kLanes]);
       const int64_t bytes = std::min<int64_t>(kLanes, n_keys - k0) * head_dim * sizeof(KvElement);
       for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(v + b);
@@ -205,11 +215,18 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
       kernels.convert_f16(q + ((t0 + r) * shape.n_heads + h0) * head_dim,
                           q16 + r * heads_per_task * head_dim, heads_per_task * head_dim);
     }
-    kernels.kq_scores(q16, n_heads, k_segments, n_keys, head_dim, groups, scores, n_scores);
+    // Scores, probabilities and values from key `skip` on: index t is key skip + t.
+    const KvElement* const* k_from = k_segments + skip / kLanes;
+    const KvElement* const* v_from = v_segments + skip / kLanes;
+    kernels.kq_scores(q16, n_heads, k_from, n_keys - skip, head_dim, groups, scores, n_scores);
     for (int64_t r = 0; r < tile.rows; ++r) {
-      const int64_t row_keys = position0 + r + 1;  // this row's own keys
+      const int64_t row_keys = position0 + r + 1 - skip;  // this row's own keys
+      // Keys before the row's window weigh nothing, as under llama.cpp's -inf mask.
+      const int64_t masked =
+          shape.window > 0 ? std::max<int64_t>(0, position0 + r + 1 - shape.window - skip) : 0;
       for (int64_t h = 0; h < heads_per_task; ++h) {
         float* p = scores + (r * heads_per_task + h) * n_scores;
+        std::fill(p, p + masked, -INFINITY);
         const float max = scale_and_max(p, row_keys, shape.scale);
         const double sum = kernels.softmax_exp(p, row_keys, max, p);
         const float inv = static_cast<float>(1.0 / sum);
@@ -220,13 +237,13 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
     float* tile_out = out + (t0 * shape.n_heads + h0) * head_dim;
     const int64_t ld_out = shape.n_heads * head_dim;
     if (kernels.kqv_sum_tile != nullptr) {
-      kernels.kqv_sum_tile(scores, n_scores, heads_per_task, tile.rows, position0 + 1, v_segments,
-                           head_dim, groups, tile_out, ld_out);
+      kernels.kqv_sum_tile(scores, n_scores, heads_per_task, tile.rows, position0 + 1 - skip,
+                           v_from, head_dim, groups, tile_out, ld_out);
       return;
     }
     for (int64_t r = 0; r < tile.rows; ++r) {
-      kernels.kqv_sum(scores + r * heads_per_task * n_scores, n_scores, heads_per_task, v_segments,
-                      position0 + r + 1, head_dim, groups, tile_out + r * ld_out);
+      kernels.kqv_sum(scores + r * heads_per_task * n_scores, n_scores, heads_per_task, v_from,
+                      position0 + r + 1 - skip, head_dim, groups, tile_out + r * ld_out);
     }
   });
 }

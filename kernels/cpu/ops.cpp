@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "common/error.h"
+#include "common/model/fp16.h"
 
 namespace duet::cpu {
 
@@ -83,6 +85,36 @@ void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int
 
 void add_in_place(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void scale(float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+float gelu(float x) {
+  // ggml's table: every F16 input's GELU, rounded to F16 (ggml_cpu_init).
+  static const std::vector<uint16_t> table = [] {
+    constexpr float kCoefA = 0.044715f;
+    constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f;
+    std::vector<uint16_t> t(1 << 16);
+    for (size_t i = 0; i < t.size(); ++i) {
+      const float f = fp16_to_fp32(static_cast<uint16_t>(i));
+      t[i] =
+          fp32_to_fp16(0.5f * f * (1.0f + std::tanh(kSqrt2OverPi * f * (1.0f + kCoefA * f * f))));
+    }
+    return t;
+  }();
+  if (x <= -10.0f) return 0.0f;
+  if (x >= 10.0f) return x;
+  return fp16_to_fp32(table[fp32_to_fp16(x)]);
+}
+
+void gelu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width,
+              ThreadPool& pool) {
+  gelu(0.0f);  // the table, before the threads
+  for_row_ranges(n_rows, pool, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * width; i < r1 * width; ++i) out[i] = gelu(gate[i]) * up[i];
+  });
 }
 
 void softmax_in_place(float* x, int64_t n) {

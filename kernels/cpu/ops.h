@@ -29,6 +29,20 @@ void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int
 // x[i] += y[i]
 void add_in_place(float* x, const float* y, int64_t n);
 
+// x[i] *= factor (as ggml_scale).
+void scale(float* x, int64_t n, float factor);
+
+// GELU by its tanh approximation, as llama.cpp's CPU build computes it
+// (ggml_gelu_f32 through its F16 table): x <= -10 gives 0, x >= 10 gives x,
+// else the F16 rounding of gelu(the F16 rounding of x). The same bits on
+// every ISA (a table built once with the C library's tanhf).
+float gelu(float x);
+
+// out (n_rows, width) = gelu(gate) * up, element by element (llama.cpp's
+// GEGLU, ggml_vec_geglu_f32); out may alias gate. Rows split across the pool.
+void gelu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width,
+              ThreadPool& pool);
+
 // Numerically safe softmax of x (n) in place; returns nothing, sums in double.
 void softmax_in_place(float* x, int64_t n);
 

@@ -18,7 +18,20 @@ void launch_add(float* x, const float* y, int64_t n, int64_t period, CudaBackend
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 
+__global__ void scale_kernel(float* x, int64_t n, float factor) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= factor;
+}
+
 }  // namespace
+
+void scale(float* x, int64_t n, float factor, CudaBackend& backend) {
+  if (n == 0) return;
+  const int threads = 256;
+  scale_kernel<<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0,
+                 static_cast<cudaStream_t>(backend.stream())>>>(x, n, factor);
+  DUET_CUDA_CHECK(cudaGetLastError());
+}
 
 void add_in_place(float* x, const float* y, int64_t n, CudaBackend& backend) {
   launch_add(x, y, n, n, backend);

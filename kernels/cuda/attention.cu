@@ -2,7 +2,8 @@
 // kernels/cpu/attention.cpp).
 //
 // attention_kernel: one thread block per (row, KV head, chunk of the query
-// heads that read it, split), kWarps warps. The row's keys [0, position] are
+// heads that read it, split), kWarps warps. The row's keys [0, position]
+// (the last `window` of them, with a sliding window) are
 // cut into n_splits runs of whole kStep keys (n_splits is 1 unless the grid
 // would not fill the GPU: then the runs go to separate blocks and
 // combine_kernel merges their partial softmaxes). A block's keys go in tiles
@@ -71,6 +72,11 @@ __device__ __forceinline__ int64_t k_row_offset(const CacheGeometry& g, const in
   const int64_t block = table[pos / g.block_size];
   return g.layer_offset + block * g.block_elems + head * g.head_elems +
          static_cast<int64_t>(pos % g.block_size) * g.head_dim;
+}
+
+// The first key a row at `position` attends to: window keys at most (0: no window).
+__device__ __forceinline__ int32_t first_key(int32_t position, int32_t window) {
+  return window > 0 && position >= window ? position - window + 1 : 0;
 }
 
 // Keys per split of a row with n_keys keys cut into n_splits: whole block
@@ -149,7 +155,7 @@ __global__ void __launch_bounds__(kThreads)
                      const uint16_t* __restrict__ cache, const float* __restrict__ q,
                      float* __restrict__ out, float* __restrict__ partial_acc,
                      float2* __restrict__ partial_stats, int n_heads, int group, int n_chunks,
-                     int n_splits, float scale) {
+                     int n_splits, float scale, int32_t window) {
   static_assert(kChunk <= kMaxChunk && kHeadDim <= kMaxHeadDim);
   constexpr int kDims = kHeadDim / 32;  // value dims per lane
   __shared__ float4 q_shared[kChunk][kHeadDim / 4];
@@ -157,10 +163,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float max_shared[kWarps][kChunk], sum_shared[kWarps][kChunk];
 
   const int64_t row = blockIdx.x;
-  const int32_t n_keys = batch.row_position[row] + 1;  // causal: positions [0, position]
+  // Causal: positions [key0, position], key0 > 0 past a sliding window.
+  const int32_t key0 = first_key(batch.row_position[row], window);
+  const int32_t n_keys = batch.row_position[row] + 1 - key0;
   const int64_t per_split = split_keys(n_keys, n_splits);
   const int64_t split_begin = blockIdx.z * per_split;
   if (split_begin >= n_keys) return;  // an unused split (the whole block, before any barrier)
+  // Keys counted from key0.
   const auto begin = static_cast<int32_t>(split_begin);
   const auto end = static_cast<int32_t>(min(static_cast<int64_t>(n_keys), split_begin + per_split));
   const int kv_head = static_cast<int>(blockIdx.y) / n_chunks;
@@ -196,7 +205,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int h = 0; h < kChunk; ++h) score[h] = 0.0f;
     if (valid) {
-      k_offset = k_row_offset(g, table, kv_head, t);
+      k_offset = k_row_offset(g, table, kv_head, key0 + t);
 #pragma unroll 4
       for (int c = 0; c < kHeadDim / 8; ++c) {
         float kf[8];
@@ -284,10 +293,11 @@ template <int kHeadDim>
 __global__ void __launch_bounds__(kHeadDim)
     combine_kernel(AttentionBatch::View batch, const float* __restrict__ partial_acc,
                    const float2* __restrict__ partial_stats, float* __restrict__ out, int n_heads,
-                   int n_splits) {
+                   int n_splits, int32_t window) {
   const int64_t entry = blockIdx.x;  // row * n_heads + head
   const int d = threadIdx.x;
-  const int64_t n_keys = batch.row_position[entry / n_heads] + 1;
+  const int32_t position = batch.row_position[entry / n_heads];
+  const int64_t n_keys = position + 1 - first_key(position, window);
   const int64_t per_split = split_keys(n_keys, n_splits);
   const auto n_used = static_cast<int>((n_keys + per_split - 1) / per_split);  // >= 1
   const int64_t slot0 = entry * n_splits;
@@ -316,7 +326,7 @@ int split_count(const AttentionBatch::View& batch, int64_t blocks, int n_heads, 
 template <int kHeadDim, int kChunk>
 void launch_attention(const AttentionBatch::View& batch, const CacheGeometry& g,
                       const uint16_t* cache, const float* q, float* out, int n_heads,
-                      int n_kv_heads, int group, float scale, cudaStream_t stream) {
+                      int n_kv_heads, int group, float scale, int32_t window, cudaStream_t stream) {
   const int n_chunks = (group + kChunk - 1) / kChunk;
   const int64_t blocks = batch.n_rows * n_kv_heads * n_chunks;
   const int n_splits = split_count(batch, blocks, n_heads, kHeadDim);
@@ -331,12 +341,12 @@ void launch_attention(const AttentionBatch::View& batch, const CacheGeometry& g,
                   static_cast<unsigned>(n_splits));
   attention_kernel<kHeadDim, kChunk>
       <<<grid, kThreads, 0, stream>>>(batch, g, cache, q, out, partial_acc, partial_stats, n_heads,
-                                      group, n_chunks, n_splits, scale);
+                                      group, n_chunks, n_splits, scale, window);
   if (n_splits > 1) {
     DUET_CUDA_CHECK(cudaGetLastError());
     combine_kernel<kHeadDim>
         <<<static_cast<unsigned>(batch.n_rows * n_heads), kHeadDim, 0, stream>>>(
-            batch, partial_acc, partial_stats, out, n_heads, n_splits);
+            batch, partial_acc, partial_stats, out, n_heads, n_splits, window);
   }
 }
 
@@ -345,11 +355,11 @@ void launch_attention(const AttentionBatch::View& batch, const CacheGeometry& g,
 template <int kHeadDim>
 void launch_for_group(const AttentionBatch::View& batch, const CacheGeometry& g,
                       const uint16_t* cache, const float* q, float* out, int n_heads,
-                      int n_kv_heads, float scale, cudaStream_t stream) {
+                      int n_kv_heads, float scale, int32_t window, cudaStream_t stream) {
   const int group = n_heads / n_kv_heads;
   auto launch = [&](auto chunk) {
     launch_attention<kHeadDim, decltype(chunk)::value>(batch, g, cache, q, out, n_heads, n_kv_heads,
-                                                       group, scale, stream);
+                                                       group, scale, window, stream);
   };
   if (group == 1) {
     launch(std::integral_constant<int, 1>{});
@@ -470,15 +480,17 @@ void attention_batch(const KvLayout& layout, const KvElement* cache, int64_t lay
   const int n_heads = static_cast<int>(shape.n_heads);
   const int n_kv_heads = static_cast<int>(shape.n_kv_heads);
   const auto stream = static_cast<cudaStream_t>(backend.stream());
+  DUET_REQUIRE(shape.window >= 0 && shape.window <= INT32_MAX, "window {}", shape.window);
+  const auto window = static_cast<int32_t>(shape.window);
   switch (shape.head_dim) {
     case 64:
-      launch_for_group<64>(view, g, c, q, out, n_heads, n_kv_heads, shape.scale, stream);
+      launch_for_group<64>(view, g, c, q, out, n_heads, n_kv_heads, shape.scale, window, stream);
       break;
     case 128:
-      launch_for_group<128>(view, g, c, q, out, n_heads, n_kv_heads, shape.scale, stream);
+      launch_for_group<128>(view, g, c, q, out, n_heads, n_kv_heads, shape.scale, window, stream);
       break;
     case 256:
-      launch_for_group<256>(view, g, c, q, out, n_heads, n_kv_heads, shape.scale, stream);
+      launch_for_group<256>(view, g, c, q, out, n_heads, n_kv_heads, shape.scale, window, stream);
       break;
     default:
       DUET_REQUIRE(false, "the CUDA attention supports head_dim 64, 128 and 256, not {}",

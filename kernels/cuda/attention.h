@@ -70,7 +70,8 @@ void kv_cache_store_batch(const KvLayout& layout, KvElement* cache, int64_t laye
                           CudaBackend& backend);
 
 // Twin of cpu::attention_batch: out (n_rows, n_heads * head_dim); row r's
-// query attends to positions [0, its position] of its sequence. One
+// query attends to positions [0, its position] of its sequence (the last
+// shape.window of them when that is set). One
 // reduction order on the GPU (a sequence's one_token_from is not read). head_dim 64, 128 or 256;
 // the cache must be 16-byte aligned. Block tables are not bounds-checked on the device: the
 // caller's tables must cover every row's position (as the CPU asserts).

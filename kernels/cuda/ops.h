@@ -50,8 +50,14 @@ void rope(float* x, int64_t n_rows, int64_t n_heads, int64_t head_dim, const int
 // out[i] = silu(gate[i]) * up[i] (twin of KernelTable::silu_mul); out may alias gate.
 void silu_mul(const float* gate, const float* up, float* out, int64_t n, CudaBackend& backend);
 
+// out[i] = gelu(gate[i]) * up[i] (twin of cpu::gelu_mul); out may alias gate.
+void gelu_mul(const float* gate, const float* up, float* out, int64_t n, CudaBackend& backend);
+
 // x[i] += y[i]
 void add_in_place(float* x, const float* y, int64_t n, CudaBackend& backend);
+
+// x[i] *= factor (twin of cpu::scale).
+void scale(float* x, int64_t n, float factor, CudaBackend& backend);
 
 // x (n_rows, dim) += bias (dim) on every row.
 void add_bias(float* x, const float* bias, int64_t n_rows, int64_t dim, CudaBackend& backend);

@@ -23,10 +23,21 @@ matrices and token_embd are Q8_0, 1-D tensors F32.  What differs:
                                                                   a size the GPU's attention
                                                                   runs), RMS norm of each Q and
                                                                   K head
+    tiny_gemma3_swa_tied        gemma3        2          tied     qwen3's heads and head norms,
+                                                                  norms after both blocks, gated
+                                                                  GELU, the embedding times
+                                                                  sqrt(n_embd) (all hard-coded by
+                                                                  llama.cpp for gemma3), a sliding
+                                                                  window of 8 on layer 0
+                                                                  (sliding_window_pattern 2: layer
+                                                                  1 global), freq_base 1e6 with
+                                                                  linear scaling 8 for the global
+                                                                  layer (the windowed one: 10000,
+                                                                  unscaled)
 
 Biases are 0.5*N(0,1) (large, like Qwen2's K bias, so they matter); the qwen2
 and qwen3 files hold no rope.dimension_count (as real ones), so n_rot = head_dim.
-Qwen3's per-head norm weights are 1 + 0.3*N(0,1), and its control takes them to
+Qwen3's and Gemma 3's per-head norm weights are 1 + 0.3*N(0,1), and a control takes them to
 ones (llama.cpp loads no qwen3 file without them, so the norm itself cannot be
 taken away: the logits against llama.cpp's show it is done).
 Q and K are written as drawn: qwen2 rotates halves (NeoX), llama adjacent pairs.
@@ -82,6 +93,9 @@ MODELS = [
     ("tiny_mistral_sliding_window", dict(arch="llama", n_head_kv=2, tied=True, sliding_window=4096,
                                          refuse={"kind": "unsupported", "message_contains": "sliding"})),
     ("tiny_qwen3_gqa_tied", dict(arch="qwen3", n_head_kv=2, tied=True, head_dim=64, qk_norm=True)),
+    ("tiny_gemma3_swa_tied", dict(arch="gemma3", n_head_kv=2, tied=True, head_dim=64, qk_norm=True,
+                                  post_norms=True, sliding_window=8, swa_pattern=2, rope_base=1000000.0,
+                                  linear_factor=8.0)),
 ]
 QK_NORM_STD = 0.3
 
@@ -94,6 +108,9 @@ CONTROLS = {
     "tiny_llama_rope_freqs": [("no_rope_freqs", dict(rope_freqs=None))],
     "tiny_llama_rope_linear": [("no_scaling", dict(linear_factor=None))],
     "tiny_qwen3_gqa_tied": [("unit_qk_norm_weights", dict(unit_qk_norm=True))],
+    "tiny_gemma3_swa_tied": [("no_sliding_window", dict(sliding_window=None)),
+                             ("unit_qk_norm_weights", dict(unit_qk_norm=True)),
+                             ("unit_post_norm_weights", dict(unit_post_norm=True))],
 }
 
 
@@ -120,13 +137,17 @@ def tensor_plan(o):
         if o.get("qk_norm"):
             plan.append((p + "attn_q_norm.weight", (head_dim,), None, "qk_norm"))
             plan.append((p + "attn_k_norm.weight", (head_dim,), None, "qk_norm"))
+        plan.append((p + "attn_output.weight", (N_EMBD, q), q, "matrix"))
+        if o.get("post_norms"):
+            plan.append((p + "post_attention_norm.weight", (N_EMBD,), None, "post_norm"))
         plan += [
-            (p + "attn_output.weight", (N_EMBD, q), q, "matrix"),
             (p + "ffn_norm.weight", (N_EMBD,), None, "norm"),
             (p + "ffn_gate.weight", (N_FF, N_EMBD), N_EMBD, "matrix"),
             (p + "ffn_up.weight", (N_FF, N_EMBD), N_EMBD, "matrix"),
             (p + "ffn_down.weight", (N_EMBD, N_FF), N_FF, "matrix"),
         ]
+        if o.get("post_norms"):
+            plan.append((p + "post_ffw_norm.weight", (N_EMBD,), None, "post_norm"))
     plan.append(("output_norm.weight", (N_EMBD,), None, "norm"))
     if not o["tied"]:
         plan.append(("output.weight", None, N_EMBD, "matrix"))
@@ -160,6 +181,8 @@ def write_model(path, index, name, o, tokens, types):
         w.add_rope_scaling_factor(o["linear_factor"])
     if o.get("sliding_window"):
         w.add_sliding_window(o["sliding_window"])
+        if o.get("swa_pattern"):
+            w.add_uint32(f"{o['arch']}.attention.sliding_window_pattern", o["swa_pattern"])
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_vocab_size(n_vocab)
     w.add_file_type(FILE_TYPE[WEIGHT_TYPE])
@@ -185,6 +208,10 @@ def write_model(path, index, name, o, tokens, types):
             data = (BIAS_STD * rng.standard_normal(shape)).astype(np.float32)
             if o.get("zero_biases"):
                 data[:] = 0.0
+        elif kind == "post_norm":
+            data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            if o.get("unit_post_norm"):
+                data[:] = 1.0
         elif kind == "qk_norm":
             data = (1.0 + QK_NORM_STD * rng.standard_normal(shape)).astype(np.float32)
             if o.get("unit_qk_norm"):
@@ -269,12 +296,17 @@ def main():
             "n_head_kv": o["n_head_kv"],
             "tied_embeddings": o["tied"],
             "qkv_biases": bool(o.get("biases")),
-            "rope_style": "halves" if o["arch"] in ("qwen2", "qwen3") else "adjacent_pairs",
+            "rope_style": "adjacent_pairs" if o["arch"] == "llama" else "halves",
             "head_dim": o.get("head_dim", HEAD_DIM),
             "qk_norm": bool(o.get("qk_norm")),
             "rope_freq_base": o.get("rope_base", 10000.0),
             "rope_scaling": {"type": "linear", "factor": o["linear_factor"]} if o.get("linear_factor") else None,
             "rope_freqs": o.get("rope_freqs"),
+            "post_norms": bool(o.get("post_norms")),
+            "ffn_activation": "gelu_tanh" if o["arch"] == "gemma3" else "silu",
+            "sliding_window": o.get("sliding_window", 0),
+            "swa_layers": ([il % o["swa_pattern"] < o["swa_pattern"] - 1 for il in range(N_LAYER)]
+                           if o.get("sliding_window") else []),
             "tensors": tensors,
             "ids_seed": [778, index],
             "ids": ids,

@@ -71,6 +71,8 @@ class Shape:
     qkv_bias: bool = False  # attn_q/k/v.bias (F32) in every layer, as Qwen2 has
     head_dim: int = 0  # attention.key_length when set (Qwen3's heads), else n_embd / n_heads
     qk_norm: bool = False  # attn_q_norm/attn_k_norm (F32, head_dim) in every layer, as Qwen3 has
+    post_norms: bool = False  # post_attention_norm/post_ffw_norm (F32, n_embd), as Gemma 3 has
+    sliding_window: int = 0  # attention.sliding_window (Gemma 3: 5 layers in 6 windowed)
 
     @property
     def head_size(self):
@@ -93,6 +95,12 @@ SHAPES = {
                         architecture="qwen3", rms_eps=1e-6, head_dim=128, qk_norm=True),
     "qwen3-8b": Shape(4096, 36, 32, 8, 12288, 151936, 40960, 1000000.0, False, "qwen2",
                       architecture="qwen3", rms_eps=1e-6, head_dim=128, qk_norm=True),
+    # Gemma 3 1B (config.json: heads of 256 over n_embd 1152, one KV head, a 512-token window on
+    # the local layers, rope_theta 1e6 for the global ones). Its real tokenizer is SentencePiece;
+    # the generator's is byte-level BPE of the same size, which speed does not see.
+    "gemma3-1b": Shape(1152, 26, 4, 1, 6912, 262144, 32768, 1000000.0, True, "default",
+                       architecture="gemma3", rms_eps=1e-6, head_dim=256, qk_norm=True,
+                       post_norms=True, sliding_window=512),
 }
 
 
@@ -222,6 +230,10 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
             at = layer.index((p + "attn_output.weight", (q_dim, shape.n_embd), q_dim, None))
             layer[at:at] = [(p + "attn_q_norm.weight", (shape.head_size,), None, "norm"),
                             (p + "attn_k_norm.weight", (shape.head_size,), None, "norm")]
+        if shape.post_norms:
+            at = layer.index((p + "ffn_norm.weight", (shape.n_embd,), None, "norm"))
+            layer[at:at] = [(p + "post_attention_norm.weight", (shape.n_embd,), None, "norm")]
+            layer.append((p + "post_ffw_norm.weight", (shape.n_embd,), None, "norm"))
         entries += layer
     entries.append(("output_norm.weight", (shape.n_embd,), None, "norm"))
     if not shape.tied:
@@ -444,6 +456,7 @@ def metadata(shape_name, shape, type_name, n_layers):
     a = shape.architecture + "."
     heads = [(a + "attention.key_length", U32, shape.head_dim),
              (a + "attention.value_length", U32, shape.head_dim)] if shape.head_dim else []
+    window = [(a + "attention.sliding_window", U32, shape.sliding_window)] if shape.sliding_window else []
     return [
         ("general.architecture", STRING, shape.architecture),
         ("general.name", STRING, f"synthetic {shape_name} {type_name}"),
@@ -456,6 +469,7 @@ def metadata(shape_name, shape, type_name, n_layers):
         (a + "attention.head_count", U32, shape.n_heads),
         (a + "attention.head_count_kv", U32, shape.n_kv_heads),
         *heads,
+        *window,
         (a + "rope.dimension_count", U32, shape.head_size),
         (a + "rope.freq_base", F32, shape.rope_freq_base),
         (a + "attention.layer_norm_rms_epsilon", F32, shape.rms_eps),

@@ -94,6 +94,12 @@ class CpuForward::Ops {
 
   void add_in_place(float* x, const float* y, int64_t n) { cpu::add_in_place(x, y, n); }
 
+  void scale(float* x, int64_t n, float factor) { cpu::scale(x, n, factor); }
+
+  void gelu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width) {
+    cpu::gelu_mul(gate, up, out, n_rows, width, f_.pool_);
+  }
+
   void silu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width) {
     f_.pool_.parallel_for(n_rows, [&](int64_t r, int) {
       f_.kernels_.silu_mul(gate + r * width, up + r * width, out + r * width, width);

@@ -90,6 +90,12 @@ class CudaForward::Ops {
 
   void add_in_place(float* x, const float* y, int64_t n) { cuda::add_in_place(x, y, n, b_); }
 
+  void scale(float* x, int64_t n, float factor) { cuda::scale(x, n, factor, b_); }
+
+  void gelu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width) {
+    cuda::gelu_mul(gate, up, out, n_rows * width, b_);
+  }
+
   // One kernel over every row.
   void silu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width) {
     cuda::silu_mul(gate, up, out, n_rows * width, b_);
@@ -158,6 +164,8 @@ CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* 
     l.bv = upload_vector(w.bv, b);
     l.q_norm = upload_vector(w.q_norm, b);
     l.k_norm = upload_vector(w.k_norm, b);
+    l.attn_post_norm = upload_vector(w.attn_post_norm, b);
+    l.ffn_post_norm = upload_vector(w.ffn_post_norm, b);
     l.wq = weight(w.wq);
     l.wk = weight(w.wk);
     l.wv = weight(w.wv);

@@ -67,7 +67,8 @@ class CudaForward final : public ModelForward {
   // One layer's weights, named as LlamaLayerWeights names them (the plan
   // reads both alike); an empty bias when the model has none.
   struct Layer {
-    cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm;
+    cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, attn_post_norm,
+        ffn_post_norm;
     cuda::DeviceWeight wq, wk, wv, wo, w_gate, w_up, w_down;
   };
   class Ops;  // the plan's ops on this GPU (cuda_forward.cpp)

@@ -7,22 +7,23 @@
 
 namespace duet {
 
-RopeParams rope_params(const ModelConfig& c, const float* freq_factors) {
+RopeParams rope_params(const ModelConfig& c, const float* freq_factors, bool windowed) {
   RopeParams rope;
   rope.style = c.rope_neox ? RopeStyle::kHalves : RopeStyle::kAdjacentPairs;
   rope.n_rot = c.n_rot;
-  rope.freq_base = c.rope_freq_base;
-  rope.freq_scale = c.rope_freq_scale;
+  rope.freq_base = windowed ? c.rope_freq_base_swa : c.rope_freq_base;
+  rope.freq_scale = windowed ? c.rope_freq_scale_swa : c.rope_freq_scale;
   rope.freq_factors = freq_factors;
   return rope;
 }
 
-AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard) {
+AttentionShape attention_shape(const ModelConfig& c, const TpShard& shard, bool windowed) {
   AttentionShape shape;
   shape.n_heads = shard.n_heads();
   shape.n_kv_heads = shard.n_kv_heads();
   shape.head_dim = c.head_dim;
-  shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  shape.scale = c.q_scale != 0.0f ? 1.0f : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  shape.window = windowed ? c.sliding_window : 0;
   return shape;
 }
 

@@ -4,8 +4,10 @@
 // implements with its kernels (CpuForward with kernels/cpu/, CudaForward with
 // kernels/cuda/). Every architecture LlamaModel loads runs through it: `llama`
 // (adjacent-pair RoPE, optional rope_freqs divisors), `qwen2` (Q/K/V
-// biases, NeoX RoPE) and `qwen3` (NeoX RoPE, each Q and K head RMS-normed
-// before it).
+// biases, NeoX RoPE), `qwen3` (NeoX RoPE, each Q and K head RMS-normed
+// before it) and `gemma3` (qwen3's heads, a scaled embedding, Q scaled
+// before unscaled scores, norms after each block, gated GELU, and
+// sliding-window layers with their own RoPE).
 //
 // All rows of the batch go through each weight matrix together (one product
 // per weight); attention runs per sequence over its blocks of the paged cache.
@@ -29,9 +31,11 @@ namespace duet {
 
 // What every device sets up alike from the model: its RoPE (the frequency
 // divisors `freq_factors`, or null; host or device memory, as the device's
-// kernels read them) and the attention of the shard's heads.
-RopeParams rope_params(const ModelConfig& config, const float* freq_factors);
-AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard);
+// kernels read them) and the attention of the shard's heads, for the global
+// layers or (`windowed`) the sliding-window ones.
+RopeParams rope_params(const ModelConfig& config, const float* freq_factors, bool windowed = false);
+AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard,
+                               bool windowed = false);
 
 // The intermediate tensors a device keeps for the plan, by name, overwritten
 // layer by layer:
@@ -131,11 +135,13 @@ class ForwardPlan {
   //   add_bias(x, bias, n_rows, dim)       nothing for an empty bias
   //   head_norm(x, weight, n_heads, head_dim, eps)   rms_norm of each of x's n_heads rows of
   //                         head_dim in place; nothing for an empty weight
+  //   scale(x, n, factor)   x[i] *= factor for i < n
   //   rope(x, n_rows, n_heads, head_dim, positions, params)
   //   store_kv(layer, k, v), attention(layer, shape, q, out)
   //                         over the staged step's sequences
   //   synchronize()         the host sees every op queued so far
-  //   add_in_place(x, y, n), silu_mul(gate, up, out, n_rows, width)
+  //   add_in_place(x, y, n), silu_mul(gate, up, out, n_rows, width),
+  //   gelu_mul(gate, up, out, n_rows, width)   llama.cpp's GEGLU (ggml_vec_geglu_f32)
   //   all_reduce(data, n), all_gather(mine, n_per_rank, all)
   //                         over the instance's ranks (tensor parallelism
   //                         only); a gather sends n_per_rank floats of `mine`,
@@ -183,8 +189,10 @@ void ForwardPlan::run(Ops& ops, const ModelForward::LayerStored& layer_stored) c
   const int64_t n_ff = shard.n_ff();
   const int64_t q_dim = n_heads * c.head_dim;
   const int64_t kv_dim = n_kv_heads * c.head_dim;
-  const RopeParams rope = rope_params(c, ops.rope_freqs());
-  const AttentionShape shape = attention_shape(c, shard);
+  const RopeParams global_rope = rope_params(c, ops.rope_freqs());
+  const RopeParams window_rope = rope_params(c, ops.rope_freqs(), true);
+  const AttentionShape global_shape = attention_shape(c, shard);
+  const AttentionShape window_shape = attention_shape(c, shard, true);
   const int32_t* positions = ops.positions();
   float* x = ops.tensor(ForwardTensor::kX);
   float* norm = ops.tensor(ForwardTensor::kNorm);
@@ -199,8 +207,11 @@ void ForwardPlan::run(Ops& ops, const ModelForward::LayerStored& layer_stored) c
 
   ops.embed(ops.tokens(), n, x);
   if (!shard.whole()) ops.all_reduce(x, n * c.n_embd);  // adds zeros to each row but one: exact
+  if (c.embed_scale != 1.0f) ops.scale(x, n * c.n_embd, c.embed_scale);
   for (int64_t il = 0; il < c.n_layers; ++il) {
     const auto& w = ops.layer(il);
+    const bool windowed = c.is_swa(il);
+    const RopeParams& rope = windowed ? window_rope : global_rope;
 
     // Attention block.
     ops.rms_norm(x, w.attn_norm, norm, n, c.n_embd, c.rms_eps);
@@ -213,20 +224,29 @@ void ForwardPlan::run(Ops& ops, const ModelForward::LayerStored& layer_stored) c
     ops.head_norm(k, w.k_norm, n * n_kv_heads, c.head_dim, c.rms_eps);
     ops.rope(q, n, n_heads, c.head_dim, positions, rope);
     ops.rope(k, n, n_kv_heads, c.head_dim, positions, rope);
+    if (c.q_scale != 0.0f) ops.scale(q, n * q_dim, c.q_scale);
     ops.store_kv(il, k, v);
     if (layer_stored) {
       ops.synchronize();
       layer_stored(il);
     }
-    ops.attention(il, shape, q, attn);
+    ops.attention(il, windowed ? window_shape : global_shape, q, attn);
     split_product(ops, w.wo, attn, q_parts_, attn_out);
+    if (c.post_norms) {
+      ops.rms_norm(attn_out, w.attn_post_norm, attn_out, n, c.n_embd, c.rms_eps);
+    }
     ops.add_in_place(x, attn_out, n * c.n_embd);
 
-    // Feed-forward block (SwiGLU).
+    // Feed-forward block (gated: SwiGLU or GEGLU).
     ops.rms_norm(x, w.ffn_norm, norm, n, c.n_embd, c.rms_eps);
     ops.matmul(norm, n, WeightProduct{w.w_gate, gate, n_ff}, WeightProduct{w.w_up, up, n_ff});
-    ops.silu_mul(gate, up, gate, n, n_ff);
+    if (c.ffn_activation == FfnActivation::kGeluTanh) {
+      ops.gelu_mul(gate, up, gate, n, n_ff);
+    } else {
+      ops.silu_mul(gate, up, gate, n, n_ff);
+    }
     split_product(ops, w.w_down, gate, ff_parts_, ffn_out);
+    if (c.post_norms) ops.rms_norm(ffn_out, w.ffn_post_norm, ffn_out, n, c.n_embd, c.rms_eps);
     ops.add_in_place(x, ffn_out, n * c.n_embd);
   }
   head(ops, x);

@@ -51,6 +51,10 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement, const cpu::KernelTa
       l.q_norm = vector(p + "attn_q_norm.weight", hd);
       l.k_norm = vector(p + "attn_k_norm.weight", hd);
     }
+    if (c.post_norms) {  // whole rows on every rank
+      l.attn_post_norm = vector(p + "post_attention_norm.weight", c.n_embd);
+      l.ffn_post_norm = vector(p + "post_ffw_norm.weight", c.n_embd);
+    }
   }
   output_norm_ = vector("output_norm.weight", c.n_embd);
   output_ = c.tied_embeddings

@@ -39,7 +39,10 @@ struct LlamaLayerWeights {
   std::vector<float> q_norm, k_norm;
   // O and down: the shard's output rows [embd_begin, embd_end) of the whole
   // input (every rank's heads, every rank's hidden units).
-  cpu::WeightMatrix wo;         // n_embd rows of (n_heads * head_dim), all heads
+  cpu::WeightMatrix wo;  // n_embd rows of (n_heads * head_dim), all heads
+  // RMS norm weights of the attention's and the feed-forward's outputs (n_embd each; gemma3);
+  // empty for the other architectures.
+  std::vector<float> attn_post_norm, ffn_post_norm;
   std::vector<float> ffn_norm;  // (n_embd)
   cpu::WeightMatrix w_gate;     // n_ff rows of n_embd
   cpu::WeightMatrix w_up;       // n_ff rows of n_embd

@@ -101,18 +101,21 @@ struct Sequence {
   }
 
   // out (n_q, n_heads * head_dim) by softmax(scale q.k) v in double, from the
-  // F16-rounded q, K and V of layer kLayer.
-  std::vector<double> reference(const std::vector<float>& q, int64_t n_q, int64_t pos0) const {
+  // F16-rounded q, K and V of layer kLayer; a window (> 0) keeps each query's
+  // last `window` keys.
+  std::vector<double> reference(const std::vector<float>& q, int64_t n_q, int64_t pos0,
+                                int64_t window = 0) const {
     const int64_t hd = layout.head_dim, row = kKvHeads * hd, group = kHeads / kKvHeads;
     std::vector<double> out(static_cast<size_t>(n_q * kHeads * hd), 0.0);
     for (int64_t t = 0; t < n_q; ++t) {
       const int64_t n_keys = pos0 + t + 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n_keys - window) : 0;
       for (int64_t h = 0; h < kHeads; ++h) {
         const int64_t kvh = h / group;
         const float* qh = q.data() + (t * kHeads + h) * hd;
-        std::vector<double> p(static_cast<size_t>(n_keys));
+        std::vector<double> p(static_cast<size_t>(n_keys), -INFINITY);
         double max = -INFINITY;
-        for (int64_t s = 0; s < n_keys; ++s) {
+        for (int64_t s = first; s < n_keys; ++s) {
           double dot = 0.0;
           for (int64_t d = 0; d < hd; ++d) {
             dot += static_cast<double>(round_half(qh[d])) *
@@ -138,9 +141,11 @@ struct Sequence {
 std::vector<float> run_attention(const KernelTable& kernels, const Sequence& seq,
                                  const std::vector<KvElement>& cache,
                                  const std::vector<int32_t>& table, const std::vector<float>& q,
-                                 int64_t n_q, int64_t pos0, ThreadPool& pool) {
+                                 int64_t n_q, int64_t pos0, ThreadPool& pool, int64_t window = 0) {
   std::vector<float> out(static_cast<size_t>(n_q * kHeads * seq.layout.head_dim), NAN);
-  attention(kernels, seq.layout, cache.data(), kLayer, table, seq.shape, q.data(), n_q, pos0,
+  AttentionShape shape = seq.shape;
+  shape.window = window;
+  attention(kernels, seq.layout, cache.data(), kLayer, table, shape, q.data(), n_q, pos0,
             out.data(), pool);
   return out;
 }
@@ -356,6 +361,59 @@ TEST(Attention, PrefillChunksOfTwoOrMoreMatchOneStep) {
           pos0 += n;
         }
         EXPECT_TRUE(bitwise_equal(pieces, whole)) << "chunks of " << chunk;
+      }
+    }
+  }
+}
+
+// A sliding window (gemma3's layers): each query attends to its last
+// `window` keys. Against the reference, the same bits on every ISA, and the
+// same bits however a prefill is cut into steps (the keys skipped before a
+// tile's window are whole runs that line up with the reduction orders).
+TEST(Attention, SlidingWindowMatchesReferenceAndIsStepInvariant) {
+  std::mt19937 rng(16);
+  ThreadPool pool(2);
+  for (const AttentionCase& c : {AttentionCase{64, 16, 150}, AttentionCase{32, 32, 300}}) {
+    const Sequence seq(c, rng);
+    const std::vector<int32_t> table = seq.block_table(7);
+    const std::vector<KvElement> cache = seq.store(table);
+    const int64_t row = kHeads * c.head_dim;
+    const std::vector<float> q = random_floats(static_cast<size_t>(c.n_ctx * row), 2.0f, rng);
+    for (int64_t window : {1, 5, 17, 64, 70, 1000}) {
+      SCOPED_TRACE(case_name(c) + ", window " + std::to_string(window));
+      const std::vector<double> ref = seq.reference(q, c.n_ctx, 0, window);
+      std::vector<float> scalar_whole;
+      for (Isa isa : supported_isas()) {
+        SCOPED_TRACE(std::string(isa_name(isa)));
+        const std::vector<float> whole =
+            run_attention(kernel_table(isa), seq, cache, table, q, c.n_ctx, 0, pool, window);
+        EXPECT_LT(normalized_error(whole, ref), 2e-3);
+        if (isa == Isa::kScalar) {
+          scalar_whole = whole;
+        } else {
+          EXPECT_TRUE(bitwise_equal(whole, scalar_whole)) << "differs from the scalar path";
+        }
+        for (int64_t chunk : {2, 9, 33}) {
+          std::vector<float> pieces;
+          for (int64_t pos0 = 0; pos0 < c.n_ctx;) {
+            int64_t n = std::min(chunk, c.n_ctx - pos0);
+            if (c.n_ctx - pos0 - n == 1) ++n;  // never leave a single-token step
+            const std::vector<float> qc(q.begin() + pos0 * row, q.begin() + (pos0 + n) * row);
+            const std::vector<float> out =
+                run_attention(kernel_table(isa), seq, cache, table, qc, n, pos0, pool, window);
+            pieces.insert(pieces.end(), out.begin(), out.end());
+            pos0 += n;
+          }
+          EXPECT_TRUE(bitwise_equal(pieces, whole)) << "chunks of " << chunk;
+        }
+        // Decode steps: one token at a time, against the reference row.
+        for (int64_t pos : {c.n_ctx - 1, c.n_ctx / 2, int64_t{3}}) {
+          const std::vector<float> qr(q.begin() + pos * row, q.begin() + (pos + 1) * row);
+          const std::vector<float> out =
+              run_attention(kernel_table(isa), seq, cache, table, qr, 1, pos, pool, window);
+          const std::vector<double> ref_row(ref.begin() + pos * row, ref.begin() + (pos + 1) * row);
+          EXPECT_LT(normalized_error(out, ref_row), 2e-3) << "decode at " << pos;
+        }
       }
     }
   }

@@ -248,6 +248,43 @@ TEST(SiluMul, MatchesDoubleReferenceAndIsBitIdenticalOnEveryIsa) {
   }
 }
 
+// GELU as llama.cpp's CPU build computes it: within F16 rounding (twice) of
+// the tanh form in double, cut off at |x| >= 10, and the same bits whatever
+// the threads.
+TEST(GeluMul, MatchesTanhGeluToF16AndIgnoresThreads) {
+  auto reference = [](double x) {
+    return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)));
+  };
+  for (float x = -12.0f; x <= 12.0f; x += 0.0137f) {
+    const double want = x <= -10.0f ? 0.0 : x >= 10.0f ? x : reference(x);
+    // F16 rounding of x moves gelu by up to 2^-11 |x| |gelu'(x)| (gelu' <= 1.13), of the result
+    // by 2^-11 |gelu|; F16's smallest steps (2^-24) bound both near zero.
+    const double bound =
+        1.13 * (std::fabs(x) * 0x1p-11 + 0x1p-24) + std::fabs(want) * 0x1p-11 + 0x1p-24;
+    EXPECT_NEAR(gelu(x), want, bound) << "x " << x;
+  }
+  EXPECT_EQ(gelu(-10.0f), 0.0f);
+  EXPECT_EQ(gelu(10.0f), 10.0f);
+  EXPECT_EQ(gelu(0.0f), 0.0f);
+
+  std::mt19937 rng(9);
+  const int64_t rows = 7, width = 300;
+  const std::vector<float> gate = random_floats(rows * width, 4.0f, rng);
+  const std::vector<float> up = random_floats(rows * width, 1.0f, rng);
+  std::vector<float> one(rows * width), three(rows * width);
+  ThreadPool pool1(1), pool3(3);
+  gelu_mul(gate.data(), up.data(), one.data(), rows, width, pool1);
+  gelu_mul(gate.data(), up.data(), three.data(), rows, width, pool3);
+  EXPECT_EQ(0, std::memcmp(one.data(), three.data(), one.size() * sizeof(float)));
+  for (size_t i = 0; i < one.size(); ++i) ASSERT_EQ(one[i], gelu(gate[i]) * up[i]) << i;
+}
+
+TEST(Scale, MultipliesEachElement) {
+  std::vector<float> x = {1.0f, -2.0f, 0.5f};
+  scale(x.data(), 3, 8.0f);
+  EXPECT_EQ(x, (std::vector<float>{8.0f, -16.0f, 4.0f}));
+}
+
 TEST(AddInPlace, AddsElementWise) {
   std::vector<float> x = {1.0f, 2.0f, -3.0f};
   const std::vector<float> y = {0.5f, -2.0f, 3.0f};

@@ -1,5 +1,6 @@
 // The Llama family's other shapes: qwen2 (Q/K/V biases, NeoX RoPE), qwen3 (a head
-// size of its own, RMS norm of each Q and K head), Llama 3.1's
+// size of its own, RMS norm of each Q and K head), gemma3 (qwen3's heads,
+// post-norms, GEGLU, a scaled embedding, a sliding-window layer), Llama 3.1's
 // rope_freqs, linear RoPE scaling, large vocabularies, and the refusals (Mistral's
 // sliding window, YaRN, other architectures, tensors the forward pass would not
 // use). Logits of tiny random models against llama.cpp's
@@ -26,6 +27,8 @@
 #include "tests/test_paths.h"
 #include "tests/worker/model/tiny_model_golden.h"
 #include "worker/generator.h"
+#include "worker/kv/kv_cache.h"
+#include "worker/model/cpu_forward.h"
 
 namespace duet {
 namespace {
@@ -73,6 +76,16 @@ TEST(TinyShapes, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
     const auto freqs = m["rope_freqs"].is_null() ? std::vector<float>{}
                                                  : m["rope_freqs"].get<std::vector<float>>();
     EXPECT_EQ(model->rope_freqs(), freqs) << file;
+    EXPECT_EQ(c.post_norms, m.value("post_norms", false)) << file;
+    EXPECT_EQ(model->layer(0).attn_post_norm.empty(), !c.post_norms) << file;
+    EXPECT_EQ(c.ffn_activation == FfnActivation::kGeluTanh,
+              m.value("ffn_activation", "silu") == "gelu_tanh")
+        << file;
+    EXPECT_EQ(c.sliding_window, m.value("sliding_window", int64_t{0})) << file;
+    for (int64_t il = 0; il < c.n_layers; ++il) {
+      const bool windowed = c.sliding_window > 0 && m["swa_layers"][il].get<bool>();
+      EXPECT_EQ(c.is_swa(il), windowed) << file << " layer " << il;
+    }
 
     const auto ids = m["ids"].get<std::vector<int32_t>>();
     for (const auto& [feature, effect] : m["feature_effect"].items()) {
@@ -88,6 +101,40 @@ TEST(TinyShapes, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
       EXPECT_LE(worst, kLogitTolerance) << file << " on " << cpu::isa_name(isa);
     }
   }
+}
+
+// Decode steps through a sliding window: the golden ids fed one token per
+// step (each in the one-token order, most of them past the window of 8) give
+// llama.cpp's logits too, on every ISA.
+TEST(TinyShapes, SlidingWindowDecodeStepsMatchReference) {
+  const nlohmann::json g = golden();
+  cpu::ThreadPool pool(2);
+  int checked = 0;
+  for (const auto& m : g["models"]) {
+    if (m.value("sliding_window", int64_t{0}) == 0) continue;
+    const std::string file = m["file"];
+    auto model = LlamaModel::load(model_dir(g) / file);
+    const int64_t n_vocab = model->config().n_vocab;
+    const auto ids = m["ids"].get<std::vector<int32_t>>();
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      CpuForward forward(*model, cpu::kernel_table(isa), pool);
+      KvCache cache(model->kv_layout(4));
+      const std::vector<int32_t> table = {3, 0, 2, 1};
+      std::vector<float> logits(static_cast<size_t>(ids.size() * n_vocab));
+      const int64_t row = 0;
+      for (size_t p = 0; p < ids.size(); ++p) {
+        const auto pos = static_cast<int64_t>(p);
+        const ForwardSequence step{table, pos, 1, pos};
+        forward.run({&ids[p], 1}, {&step, 1}, cache, {&row, 1}, logits.data() + pos * n_vocab);
+      }
+      const float worst = testing::max_logit_diff(logits, m["logits"], n_vocab);
+      std::printf("  %-30s %-7s decode steps, max |dlogit| %.1e\n", file.c_str(),
+                  std::string(cpu::isa_name(isa)).c_str(), worst);
+      EXPECT_LE(worst, kLogitTolerance) << file << " on " << cpu::isa_name(isa);
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 0) << "no fixture with a sliding window";
 }
 
 TEST(TinyShapes, SlidingWindowModelIsRefused) {
