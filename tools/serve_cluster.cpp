@@ -86,11 +86,13 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
                       const sigset_t& signals) {
   std::optional<Tokenizer> tokenizer;
   std::optional<ChatTemplateKind> chat;
+  bool split_reasoning = false;
   try {
     // The tokenizer and template only: the weights stay on the instances.
     const GgufFile file = GgufFile::open(args.model);
     tokenizer.emplace(tokenizer_from_gguf(file));
     chat = serve::chat_template(file, args);
+    split_reasoning = serve::split_reasoning(file, args);
   } catch (const std::exception& e) {
     abort_cluster(channel, spec, e.what(), kCloseTimeout);
     throw;
@@ -120,7 +122,7 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   ClusterCoordinator cluster(channel, spec, options);
   Service service(cluster.router(), *tokenizer, chat, serve::model_name(args),
                   serve::service_limits(args));
-  serve::run_fronts_until_signal(service, args, signals);
+  serve::run_fronts_until_signal(service, args, signals, split_reasoning);
   if (!cluster.shut_down("the coordinator is shutting down", kCloseTimeout)) {
     spdlog::error("not every rank closed the control channel in time");
     return 1;

@@ -41,6 +41,11 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
   cmd->add_option("--chat-template", args.chat_template,
                   "Chat template instead of the model's (chatml, llama3, gemma, mistral-v1, "
                   "mistral-v3, mistral-v3-tekken, mistral-v7, mistral-v7-tekken)");
+  cmd->add_option("--reasoning-format", args.reasoning_format,
+                  "auto: a chat reply's leading <think> block comes back as reasoning_content when "
+                  "the chat template thinks (Qwen3); none: always in the content")
+      ->check(CLI::IsMember({"auto", "none"}))
+      ->capture_default_str();
   cmd->add_option("--host", args.host, "Address both fronts bind")->capture_default_str();
   cmd->add_option("--rpc-port", args.rpc_port, "Cap'n Proto port (0: any free port)")
       ->check(CLI::Range(0, 65535))
@@ -241,6 +246,14 @@ std::optional<ChatTemplateKind> chat_template(const GgufFile& file, const ServeA
   return std::nullopt;
 }
 
+bool split_reasoning(const GgufFile& file, const ServeArgs& args) {
+  if (args.reasoning_format == "none") return false;
+  const std::string text = !args.chat_template.empty()
+                               ? args.chat_template
+                               : file.get_string("tokenizer.chat_template").value_or("");
+  return text.find("<think>") != std::string::npos;
+}
+
 EngineConfig engine_config(const ServeArgs& args, const LlamaModel& model,
                            std::vector<int32_t> end_of_generation, int device) {
   const int64_t kv_budget = parse_memory_size(args.kv_cache_mem, "--kv-cache-mem");
@@ -292,7 +305,8 @@ ServiceLimits service_limits(const ServeArgs& args) {
   return limits;
 }
 
-void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals) {
+void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals,
+                             bool split_reasoning) {
   auto milliseconds = [](double seconds) {
     return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
   };
@@ -307,13 +321,15 @@ void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigs
                             .max_body_bytes = args.max_body_bytes,
                             .max_connections = args.max_connections,
                             .idle_timeout = milliseconds(args.http_idle_timeout_s),
-                            .worker_threads = args.http_threads});
+                            .worker_threads = args.http_threads,
+                            .split_reasoning = split_reasoning});
   // Machine-readable lines on stdout (tests and scripts read the ports here).
   std::printf("rpc listening on %s:%u\nhttp listening on %s:%u\n", args.host.c_str(), rpc.port(),
               args.host.c_str(), http.port());
   std::fflush(stdout);
-  spdlog::info("serving {}{}", service.model().name,
-               args.api_key.empty() ? "" : ", API key required");
+  spdlog::info("serving {}{}{}", service.model().name,
+               args.api_key.empty() ? "" : ", API key required",
+               split_reasoning ? ", <think> blocks as reasoning_content" : "");
 
   int signal = 0;
   sigwait(&signals, &signal);
@@ -415,6 +431,7 @@ int run_serve(const ServeArgs& given) {
       LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
   const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
   const std::optional<ChatTemplateKind> chat = serve::chat_template(model->file(), args);
+  const bool split_reasoning = serve::split_reasoning(model->file(), args);
   const std::string model_name = serve::model_name(args);
 
   cpu::ThreadPool pool(n_threads);
@@ -423,7 +440,7 @@ int run_serve(const ServeArgs& given) {
       serve::engine_config(args, *model, tokenizer.end_of_generation_ids(), device), model_name);
   Service service(instance, tokenizer, chat, model_name, serve::service_limits(args));
   spdlog::info("{} compute threads", n_threads);
-  serve::run_fronts_until_signal(service, args, signals);
+  serve::run_fronts_until_signal(service, args, signals, split_reasoning);
   return 0;
 }
 

@@ -27,6 +27,7 @@ struct ServeArgs {
   std::string model;
   std::string model_name;     // the id clients name; default: the file's stem
   std::string chat_template;  // --chat-template: a name or template text; empty: the model's
+  std::string reasoning_format = "auto";  // --reasoning-format: auto or none
   std::string host = "127.0.0.1";
   int rpc_port = 7433;         // 0: any free port (printed)
   int http_port = 8000;        // 0: any free port (printed)
@@ -101,6 +102,11 @@ int compute_threads(const ServeArgs& args);
 // requests refused, with a warning) when the model's is not one Duet takes.
 // Throws kUnsupported for a --chat-template Duet does not take.
 std::optional<ChatTemplateKind> chat_template(const GgufFile& file, const ServeArgs& args);
+// Whether chat replies' <think> blocks go to reasoning_content: with
+// --reasoning-format auto (the default) when the chat template (--chat-template's
+// text, else the model's) writes "<think>", as Qwen3's and DeepSeek-R1's do;
+// never with none.
+bool split_reasoning(const GgufFile& file, const ServeArgs& args);
 // The engine's configuration for `model` (KV size from --kv-cache-mem, logged).
 // `device`: -1 for the CPU, else the CUDA device the engine runs on (refused,
 // kUnsupported, where there is none).
@@ -114,7 +120,8 @@ ServiceLimits service_limits(const ServeArgs& args);
 std::string resolve_api_key(const ServeArgs& args);
 // Starts both fronts over `service`, prints their `... listening on` lines,
 // waits for a signal in `signals`, then drains (drain()) and stops the fronts.
-void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals);
+void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals,
+                             bool split_reasoning);
 // The drain after the first stop signal: new requests are refused (503,
 // `unavailable`) while the running ones finish, for up to `timeout`; those
 // still running then, or when a second signal of `signals` comes, end with an

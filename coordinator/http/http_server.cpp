@@ -355,7 +355,7 @@ HttpServer::Impl::PreparedCompletion HttpServer::Impl::prepare_completion(openai
   const std::string_view prefix =
       endpoint == openai::Endpoint::kChatCompletions ? "chatcmpl" : "cmpl";
   out.writer.emplace(completion, fmt::format("{}-{:016x}", prefix, id_bits), unix_now(),
-                     service_.model().name);
+                     service_.model().name, options_.split_reasoning);
   out.stream = completion.stream;
   Result<PreparedRequest> prepared = service_.prepare(std::move(completion.serve));
   if (const auto* error = std::get_if<ServeError>(&prepared)) {

@@ -39,6 +39,9 @@ struct HttpServerOptions {
   // idle), and the longest wait for the rest of a request's bytes.
   std::chrono::milliseconds idle_timeout{60'000};
   int worker_threads = 2;  // parse, validate and tokenize requests (>= 1)
+  // Chat replies that begin with a <think> block return it as
+  // reasoning_content (openai::ReasoningSplitter); completions never do.
+  bool split_reasoning = false;
 };
 
 class HttpServer final {

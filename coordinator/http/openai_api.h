@@ -17,6 +17,7 @@
 #include <variant>
 #include <vector>
 
+#include "coordinator/http/reasoning.h"
 #include "coordinator/service.h"
 
 namespace duet::openai {
@@ -89,8 +90,11 @@ std::string_view finish_reason(ServeFinish finish);
 class ResponseWriter {
  public:
   // `id` is the response id ("cmpl-..." or "chatcmpl-..."), `created` Unix seconds.
+  // `split_reasoning`: a chat reply's leading <think> block goes to
+  // `reasoning_content` (message or delta) apart from `content`
+  // (ReasoningSplitter's rule); completions keep the raw text.
   ResponseWriter(const CompletionRequest& request, std::string id, int64_t created,
-                 std::string model);
+                 std::string model, bool split_reasoning = false);
 
   // Streaming: the events that open the stream (chat: the chunk with
   // delta.role "assistant"; completions: none).
@@ -112,9 +116,13 @@ class ResponseWriter {
 
  private:
   // One chunk as an event; `final_update` (or nullptr) adds finish_reason and
-  // the timings, `role` the chat delta's role; `tokens` go out when asked for.
+  // the timings, `role` the chat delta's role, `reasoning` (when not empty)
+  // the delta's reasoning_content; `tokens` go out when asked for.
   std::string chunk_event(std::string_view text, std::span<const int32_t> tokens,
-                          const RequestUpdate* final_update, bool role);
+                          const RequestUpdate* final_update, bool role,
+                          std::string_view reasoning = {});
+  // Streaming: the update's text as (reasoning, content), split when asked for.
+  ReasoningSplitter::Parts split(const RequestUpdate& update);
 
   const Endpoint endpoint_;
   const bool include_usage_;
@@ -122,7 +130,9 @@ class ResponseWriter {
   const std::string id_;
   const int64_t created_;
   const std::string model_;
+  const bool split_reasoning_;
   bool sent_role_ = false;
+  ReasoningSplitter splitter_;   // streamed replies, when split_reasoning_
   std::string text_;             // collected (whole responses)
   std::vector<int32_t> tokens_;  // collected when return_token_ids_ (whole responses)
 };

@@ -125,13 +125,25 @@ std::optional<ApiError> failure(const RequestUpdate& final_update) {
 }
 
 ResponseWriter::ResponseWriter(const CompletionRequest& request, std::string id, int64_t created,
-                               std::string model)
+                               std::string model, bool split_reasoning)
     : endpoint_(request.endpoint),
       include_usage_(request.stream && request.include_usage),
       return_token_ids_(request.serve.include_token_ids),
       id_(std::move(id)),
       created_(created),
-      model_(std::move(model)) {}
+      model_(std::move(model)),
+      split_reasoning_(split_reasoning && request.endpoint == Endpoint::kChatCompletions) {}
+
+ReasoningSplitter::Parts ResponseWriter::split(const RequestUpdate& update) {
+  if (!split_reasoning_) return {{}, update.text};
+  ReasoningSplitter::Parts parts = splitter_.add(update.text);
+  if (update.finished) {
+    ReasoningSplitter::Parts rest = splitter_.finish();
+    parts.reasoning += rest.reasoning;
+    parts.content += rest.content;
+  }
+  return parts;
+}
 
 std::string ResponseWriter::stream_start() {
   if (endpoint_ != Endpoint::kChatCompletions) return {};
@@ -139,17 +151,21 @@ std::string ResponseWriter::stream_start() {
 }
 
 std::string ResponseWriter::stream_update(const RequestUpdate& update) {
+  const ReasoningSplitter::Parts parts = split(update);
   // A token that shows no text yet still makes a chunk when its id was asked for.
-  const bool has_output = !update.text.empty() || !update.tokens.empty();
+  const bool has_output =
+      !parts.content.empty() || !parts.reasoning.empty() || !update.tokens.empty();
   if (!update.finished) {
-    return has_output ? chunk_event(update.text, update.tokens, nullptr, false) : std::string();
+    return has_output ? chunk_event(parts.content, update.tokens, nullptr, false, parts.reasoning)
+                      : std::string();
   }
   if (std::optional<ApiError> error = failure(update)) {
     std::string events =
-        has_output ? chunk_event(update.text, update.tokens, nullptr, false) : std::string();
+        has_output ? chunk_event(parts.content, update.tokens, nullptr, false, parts.reasoning)
+                   : std::string();
     return events + stream_error(*error);
   }
-  std::string events = chunk_event(update.text, update.tokens, &update, false);
+  std::string events = chunk_event(parts.content, update.tokens, &update, false, parts.reasoning);
   if (include_usage_) {
     json usage_chunk = {{"id", id_},
                         {"object", endpoint_ == Endpoint::kChatCompletions ? "chat.completion.chunk"
@@ -170,13 +186,17 @@ std::string ResponseWriter::stream_error(const ApiError& error) {
 }
 
 std::string ResponseWriter::chunk_event(std::string_view text, std::span<const int32_t> tokens,
-                                        const RequestUpdate* final_update, bool role) {
+                                        const RequestUpdate* final_update, bool role,
+                                        std::string_view reasoning) {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
   json choice = {{"index", 0}};
   if (chat) {
     json delta = json::object();
     if (role) delta["role"] = "assistant";
-    if (role || !text.empty() || final_update == nullptr) delta["content"] = text;
+    if (!reasoning.empty()) delta["reasoning_content"] = reasoning;
+    if (role || !text.empty() || (final_update == nullptr && reasoning.empty())) {
+      delta["content"] = text;
+    }
     choice["delta"] = std::move(delta);
   } else {
     choice["text"] = text;
@@ -203,7 +223,15 @@ void ResponseWriter::collect(const RequestUpdate& update) {
 std::string ResponseWriter::full_response(const RequestUpdate& final_update) const {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
   json choice = {{"index", 0}};
-  if (chat) {
+  if (chat && split_reasoning_) {
+    ReasoningSplitter splitter;
+    ReasoningSplitter::Parts parts = splitter.add(text_);
+    ReasoningSplitter::Parts rest = splitter.finish();
+    parts.reasoning += rest.reasoning;
+    parts.content += rest.content;
+    choice["message"] = {{"role", "assistant"}, {"content", parts.content}};
+    if (!parts.reasoning.empty()) choice["message"]["reasoning_content"] = parts.reasoning;
+  } else if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text_}};
   } else {
     choice["text"] = text_;

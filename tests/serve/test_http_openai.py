@@ -117,6 +117,33 @@ class HttpOpenAiTest(unittest.TestCase):
         self.assertEqual(text, message.content)
         self.assertEqual(chunks[-1].choices[0].finish_reason, whole.choices[0].finish_reason)
 
+    def test_thinking_template_splits_reasoning(self):
+        """A template that thinks turns the <think> split on (the unit tests,
+        reasoning_test, hold the rule); a reply without a <think> block comes
+        back whole in `content`, as the plain server's."""
+        whole = self.client.chat.completions.create(model=self.model, messages=CHAT,
+                                                    max_tokens=12, temperature=0)
+        template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                    "{% endfor %}<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        def serving_line(server):
+            # Logged just after the ports are printed: wait for it.
+            deadline = time.monotonic() + 10
+            while "serving " not in server.log_tail(50) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return next(line for line in server.log_tail(50).splitlines() if "serving " in line)
+
+        with ServeProcess(["--chat-template", template]) as thinking:
+            self.assertIn("<think> blocks as reasoning_content", serving_line(thinking))
+            client = openai.OpenAI(base_url=thinking.http_url + "/v1", api_key="unused",
+                                   max_retries=0, timeout=60)
+            reply = client.chat.completions.create(model=self.model, messages=CHAT,
+                                                   max_tokens=12, temperature=0)
+            message = reply.choices[0].message
+            self.assertEqual(message.content, whole.choices[0].message.content)
+            self.assertIsNone(getattr(message, "reasoning_content", None))
+        with ServeProcess(["--chat-template", template, "--reasoning-format", "none"]) as plain:
+            self.assertNotIn("reasoning_content", serving_line(plain))
+
     def test_stop_strings(self):
         text = self.client.completions.create(model=self.model, prompt=PROMPT, max_tokens=16,
                                               temperature=0).choices[0].text
