@@ -17,13 +17,14 @@
 # set instead, a synthetic model that tests/gpu/synthetic_model.py writes into
 # a temporary folder (under TMPDIR; deleted on exit): SHAPE is one of its
 # --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, qwen3-0.6b, qwen3-8b,
-# smollm2-135m), TYPE its --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
+# gemma3-1b, smollm2-135m), TYPE its --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
 # layers than the shape's (all by default).
 #
 # Usage: bench/compare_llama_cpp.sh [MODEL]
 #        SHAPE=llama3.2-1b TYPE=q4_k_m [LAYERS=N] bench/compare_llama_cpp.sh
 #   env: ROUNDS=3 REPS=5 THREADS=1,2 PROMPTS=512 GENS=128 (0: no tg test)
-#        PEER_CONFIGS=default
+#        DEPTHS=0 (e.g. 0,4096: each test also after that many tokens in the
+#        cache, llama-bench's -d) PEER_CONFIGS=default
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model=${1:-}
@@ -41,6 +42,7 @@ reps=${REPS:-5}
 threads=${THREADS:-1,2}
 prompts=${PROMPTS:-512}
 gens=${GENS:-128}
+depths=${DEPTHS:-0}
 peer_configs=${PEER_CONFIGS:-default}
 duet_bench=${DUET_BUILD_DIR:-$root/build}/bench/duet-engine-bench
 llama_bench=$("$root/bench/build_llama_cpp.sh" | tail -n 1)
@@ -60,15 +62,15 @@ isa=$(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx512f|avx512_vnni|avx51
 echo "CPU: $(cpu_field 'model name') (family $(cpu_field 'cpu family'), model $(cpu_field 'model\s*:' || true)), $(nproc) cores; ${isa:-no AVX-512}" >&2
 for round in $(seq "$rounds"); do
   echo "round $round/$rounds" >&2
-  OPENBLAS_NUM_THREADS=1 "$duet_bench" -m "$model" -p "$prompts" -n "$gens" -t "$threads" \
-    -r "$reps" --json >"$out/duet-$round.json"
+  OPENBLAS_NUM_THREADS=1 "$duet_bench" -m "$model" -p "$prompts" -n "$gens" -d "$depths" \
+    -t "$threads" -r "$reps" --json >"$out/duet-$round.json"
   for i in "${!configs[@]}"; do
     config=${configs[$i]}
     args=()
     [ "$config" = default ] || read -r -a args <<<"$config"
     if [ -f "$out/fallback-$i" ]; then args+=(--repack 0); fi
-    if ! "$llama_bench" -m "$model" -p "$prompts" -n "$gens" -t "$threads" -r "$reps" \
-      "${args[@]}" -o json >"$out/llama-$i-$round.json" 2>"$out/llama-$i.err"; then
+    if ! "$llama_bench" -m "$model" -p "$prompts" -n "$gens" -d "$depths" -t "$threads" \
+      -r "$reps" "${args[@]}" -o json >"$out/llama-$i-$round.json" 2>"$out/llama-$i.err"; then
       if [ -f "$out/fallback-$i" ] || [[ " ${args[*]} " == *" --repack "* ]]; then
         echo "llama.cpp ($config) failed:" >&2
         tail -n 5 "$out/llama-$i.err" >&2
@@ -77,8 +79,8 @@ for round in $(seq "$rounds"); do
       echo "llama.cpp ($config) crashed on this machine ($(tail -n 1 "$out/llama-$i.err"));" \
         "retrying with --repack 0" >&2
       touch "$out/fallback-$i"
-      "$llama_bench" -m "$model" -p "$prompts" -n "$gens" -t "$threads" -r "$reps" \
-        "${args[@]}" --repack 0 -o json >"$out/llama-$i-$round.json" 2>"$out/llama-$i.err"
+      "$llama_bench" -m "$model" -p "$prompts" -n "$gens" -d "$depths" -t "$threads" \
+        -r "$reps" "${args[@]}" --repack 0 -o json >"$out/llama-$i-$round.json" 2>"$out/llama-$i.err"
     fi
   done
 done
@@ -94,6 +96,8 @@ for r in range(1, rounds + 1):
     for i in range(len(configs)):
         for row in json.loads((out / f"llama-{i}-{r}.json").read_text()):
             test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+            if row.get("n_depth"):
+                test += f" @ d{row['n_depth']}"
             peers[i].setdefault((test, row["n_threads"]), []).append(row["avg_ts"])
 names = []
 for i, config in enumerate(configs):
@@ -105,7 +109,11 @@ print(f"model: {pathlib.Path(model).name}; {rounds} alternating rounds; median o
 print("| test | threads | Duet t/s | " + " | ".join(f"{n} t/s" for n in names) +
       " | Duet / best llama.cpp |")
 print("|---|---:|---:|" + "---:|" * len(names) + "---:|")
-for key in sorted(duet, key=lambda k: (k[0][:2] != "pp", int(k[0][2:]), k[1])):
+def order(key):
+    test, threads = key
+    size, _, depth = test[2:].partition(" @ d")
+    return (test[:2] != "pp", int(depth or 0), int(size), threads)
+for key in sorted(duet, key=order):
     d = statistics.median(duet[key])
     p = [statistics.median(peer[key]) if key in peer else float("nan") for peer in peers]
     best = max((x for x in p if x == x), default=float("nan"))

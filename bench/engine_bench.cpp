@@ -2,7 +2,9 @@
 // way llama-bench measures them, so the two can run side by side:
 //   pp N: one forward pass over N random tokens from an empty cache (logits of
 //         the last one), tokens/s = N / time;
-//   tg N: N single-token steps from an empty cache, tokens/s = N / time.
+//   tg N: N single-token steps from an empty cache, tokens/s = N / time;
+//   either "@ dD" with -d D: after D tokens already in the cache (filled
+//         once, untimed), as llama-bench's --n-depth.
 // Each test runs once to warm up, then --repetitions times; it prints the
 // mean and standard deviation as a Markdown table (or JSON with --json).
 #include <CLI/CLI.hpp>
@@ -10,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -40,23 +43,52 @@ Stats stats(const std::vector<double>& values) {
   return s;
 }
 
-// Runs n_prompt tokens in one batch, then n_gen single-token steps; returns seconds of each part.
+// One sequence's cache with room for n_depth + n_more positions, the first
+// n_depth holding random tokens' K/V (llama-bench's -d: a test then runs at
+// that depth), filled in one untimed pass.
+struct Context {
+  std::unique_ptr<duet::KvCache> cache;
+  std::vector<int32_t> blocks;
+  int64_t n_depth = 0;
+};
+
+Context make_context(duet::CpuForward& forward, const duet::ModelConfig& config, int64_t n_depth,
+                     int64_t n_more, std::mt19937& rng) {
+  const int64_t n_total = std::max<int64_t>(n_depth + n_more, 1);
+  Context ctx{std::make_unique<duet::KvCache>(duet::make_kv_layout(config, (n_total + 15) / 16)),
+              {},
+              n_depth};
+  ctx.blocks.resize(static_cast<size_t>(ctx.cache->layout().n_blocks));
+  std::iota(ctx.blocks.begin(), ctx.blocks.end(), 0);
+  if (n_depth > 0) {
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config.n_vocab - 1));
+    std::vector<int32_t> tokens(static_cast<size_t>(n_depth));
+    for (auto& t : tokens) t = token(rng);
+    std::vector<float> logits(static_cast<size_t>(config.n_vocab));
+    const duet::ForwardSequence seq{ctx.blocks, 0, n_depth};
+    const int64_t last = n_depth - 1;
+    forward.run(tokens, {&seq, 1}, *ctx.cache, {&last, 1}, logits.data());
+  }
+  return ctx;
+}
+
+// Runs n_prompt tokens in one batch, then n_gen single-token steps, after the
+// context's depth (each run writes the same positions again); returns seconds
+// of each part.
 std::pair<double, double> run_once(duet::CpuForward& forward, const duet::ModelConfig& config,
-                                   int64_t n_prompt, int64_t n_gen, std::mt19937& rng) {
-  const int64_t n_total = std::max<int64_t>(n_prompt + n_gen, 1);
-  duet::KvCache cache(duet::make_kv_layout(config, (n_total + 15) / 16));
-  std::vector<int32_t> blocks(static_cast<size_t>(cache.layout().n_blocks));
-  std::iota(blocks.begin(), blocks.end(), 0);
+                                   Context& ctx, int64_t n_prompt, int64_t n_gen,
+                                   std::mt19937& rng) {
+  const int64_t d = ctx.n_depth;
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config.n_vocab - 1));
   std::vector<float> logits(static_cast<size_t>(config.n_vocab));
   double prompt_seconds = 0.0, gen_seconds = 0.0;
   if (n_prompt > 0) {
     std::vector<int32_t> tokens(static_cast<size_t>(n_prompt));
     for (auto& t : tokens) t = token(rng);
-    const duet::ForwardSequence seq{blocks, 0, n_prompt};
+    const duet::ForwardSequence seq{ctx.blocks, d, n_prompt};
     const int64_t last = n_prompt - 1;
     const auto start = Clock::now();
-    forward.run(tokens, {&seq, 1}, cache, {&last, 1}, logits.data());
+    forward.run(tokens, {&seq, 1}, *ctx.cache, {&last, 1}, logits.data());
     prompt_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   }
   if (n_gen > 0) {
@@ -64,9 +96,9 @@ std::pair<double, double> run_once(duet::CpuForward& forward, const duet::ModelC
     for (int64_t i = 0; i < n_gen; ++i) {
       const int32_t t = token(rng);
       // A generated token: llama.cpp's one-token order, as the engine runs it.
-      const duet::ForwardSequence seq{blocks, n_prompt + i, 1, n_prompt + i};
+      const duet::ForwardSequence seq{ctx.blocks, d + i, 1, d + i};
       const int64_t last = 0;
-      forward.run({&t, 1}, {&seq, 1}, cache, {&last, 1}, logits.data());
+      forward.run({&t, 1}, {&seq, 1}, *ctx.cache, {&last, 1}, logits.data());
     }
     gen_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   }
@@ -113,6 +145,7 @@ int main(int argc, char** argv) {
   std::string model_path;
   std::vector<int64_t> prompt_sizes{512};
   std::vector<int64_t> gen_sizes{128};
+  std::vector<int64_t> depths{0};
   std::vector<int> threads{1, 2};
   int repetitions = 5;
   bool json = false;
@@ -120,6 +153,9 @@ int main(int argc, char** argv) {
   app.add_option("-m,--model", model_path, "GGUF model")->required();
   app.add_option("-p,--n-prompt", prompt_sizes, "Prompt sizes (pp tests)")->delimiter(',');
   app.add_option("-n,--n-gen", gen_sizes, "Generation lengths (tg tests)")->delimiter(',');
+  app.add_option("-d,--n-depth", depths,
+                 "Context depths: tokens already in the cache before each test (as llama-bench's)")
+      ->delimiter(',');
   app.add_option("-t,--threads", threads, "Thread counts")->delimiter(',');
   app.add_option("-r,--repetitions", repetitions, "Timed runs per test")
       ->check(CLI::Range(1, 1000));
@@ -183,11 +219,13 @@ int main(int argc, char** argv) {
       duet::cpu::ThreadPool pool(n_threads);
       duet::CpuForward forward(*model, kernels, pool);
       std::mt19937 rng(1234);
-      auto measure = [&](const std::string& test, int64_t n_prompt, int64_t n_gen) {
-        run_once(forward, model->config(), n_prompt, n_gen, rng);  // warm-up
+      auto measure = [&](std::string test, int64_t n_depth, int64_t n_prompt, int64_t n_gen) {
+        if (n_depth > 0) test += " @ d" + std::to_string(n_depth);
+        Context ctx = make_context(forward, model->config(), n_depth, n_prompt + n_gen, rng);
+        run_once(forward, model->config(), ctx, n_prompt, n_gen, rng);  // warm-up
         std::vector<double> rates;
         for (int r = 0; r < repetitions; ++r) {
-          const auto [pp, tg] = run_once(forward, model->config(), n_prompt, n_gen, rng);
+          const auto [pp, tg] = run_once(forward, model->config(), ctx, n_prompt, n_gen, rng);
           rates.push_back(n_prompt > 0 ? n_prompt / pp : n_gen / tg);
         }
         const Stats s = stats(rates);
@@ -196,6 +234,7 @@ int main(int argc, char** argv) {
                              {"isa", duet::cpu::isa_name(isa)},
                              {"threads", n_threads},
                              {"test", test},
+                             {"n_depth", n_depth},
                              {"tokens_per_second", rates},
                              {"mean", s.mean},
                              {"stddev", s.stddev}});
@@ -206,11 +245,13 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
         }
       };
-      for (int64_t p : prompt_sizes) {
-        if (p > 0) measure("pp" + std::to_string(p), p, 0);
-      }
-      for (int64_t n : gen_sizes) {
-        if (n > 0) measure("tg" + std::to_string(n), 0, n);
+      for (int64_t d : depths) {
+        for (int64_t p : prompt_sizes) {
+          if (p > 0) measure("pp" + std::to_string(p), d, p, 0);
+        }
+        for (int64_t n : gen_sizes) {
+          if (n > 0) measure("tg" + std::to_string(n), d, 0, n);
+        }
       }
     }
     if (json) std::printf("%s\n", results.dump(2).c_str());

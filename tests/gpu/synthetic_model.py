@@ -42,6 +42,7 @@ import random
 import struct
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 
 GGUF_VERSION = 3
@@ -498,12 +499,15 @@ def write_unique_rows(f, pools, plan):
         f.write(buffer[start:start + row_bytes])
 
 
-def write_model(path, shape_name, type_name, n_layers=None):
+def write_model(path, shape_name, type_name, n_layers=None, sliding_window=None):
     """Writes the model; returns (tensor plans, bytes written).
 
+    sliding_window, when given, replaces the shape's (0: no window key, every layer global).
     Raises ValueError, before opening `path`, when the type cannot hold the shape.
     """
     shape = SHAPES[shape_name]
+    if sliding_window is not None:
+        shape = dataclasses.replace(shape, sliding_window=sliding_window)
     n_layers = shape.n_layers if n_layers is None else n_layers
     plans = tensor_plans(shape, TYPES[type_name], n_layers, shape_name)
     keys = metadata(shape_name, shape, type_name, n_layers)
@@ -550,13 +554,17 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--type", choices=sorted(TYPES), default="q4_0")
     ap.add_argument("--layers", type=int, help="fewer layers than the shape's (tests)")
+    ap.add_argument("--sliding-window", type=int,
+                    help="the attention window of the shape's windowed layers, 0 for none "
+                         "(a full-attention control of the same weights)")
     ap.add_argument("--out", required=True, help="the GGUF file to write")
     args = ap.parse_args()
     if args.layers is not None and not 1 <= args.layers <= SHAPES[args.shape].n_layers:
         ap.error(f"--layers takes 1 to {SHAPES[args.shape].n_layers}")
     start = time.monotonic()
     try:
-        plans, size = write_model(args.out, args.shape, args.type, args.layers)
+        plans, size = write_model(args.out, args.shape, args.type, args.layers,
+                                  args.sliding_window)
     except ValueError as e:
         ap.error(str(e))
     seconds = time.monotonic() - start
