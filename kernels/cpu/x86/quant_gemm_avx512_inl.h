@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/model/quant_blocks.h"
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/x86/x86_kernels_inl.h"
 
 namespace duet::cpu {
@@ -42,6 +43,7 @@ constexpr int64_t kActPanelBlocks = 256;
 struct Q4_1Gemm {
   using WeightBlock = BlockQ4_1;
   using ActBlock = BlockQ8_1;
+  static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = true;
   static constexpr bool kOffsetActivations = false;
   static __m256i weights(const WeightBlock& b) { return unpack_nibbles(b.qs); }
@@ -54,6 +56,7 @@ template <typename Block>
 struct SymmetricGemm {
   using WeightBlock = Block;
   using ActBlock = BlockQ8_0;
+  static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kOffsetActivations = true;
   static __m256i weights(const WeightBlock& b) { return SymmetricFormat<Block>::weights(b); }
@@ -63,6 +66,13 @@ struct SymmetricGemm {
 
 using Q8_0Gemm = SymmetricGemm<BlockQ8_0>;
 using Q4_0Gemm = SymmetricGemm<BlockQ4_0>;
+
+// Q4_0 interleaved by 8 rows (interleave.h): a group of 4 weight rows is two
+// pairs of a BlockQ4_0x8, each row's nibbles in a half of each byte, in
+// element order. The panel holds the same weights and scales as Q4_0Gemm's.
+struct Q4_0x8Gemm : SymmetricGemm<BlockQ4_0> {
+  static constexpr bool kInterleaved = true;
+};
 
 // vpdpbusd multiplies unsigned by signed bytes. Q4_1: the nibbles (0..15) are
 // the unsigned operand, the Q8_1 activations the signed one. Q8_0 and Q4_0
@@ -94,13 +104,41 @@ struct alignas(64) ActPanelBlock {
   float s[16];  // Q8_1 sums (Q4_1 only)
 };
 
+// Row j of the group of rows [j0, j0 + n_j) of the matrix at w, block b: its
+// 32 weights in element order and its scale's bits.
 template <typename Format>
-void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t n_j, int64_t nb,
-                       PanelBlock<Format>* panel) {
+struct GroupRows {
   using WB = typename Format::WeightBlock;
   const WB* rows[kWeightRows];
-  for (int j = 0; j < kWeightRows; ++j)
-    rows[j] = reinterpret_cast<const WB*>(w + std::min<int64_t>(j, n_j - 1) * w_stride);
+  GroupRows(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_j) {
+    for (int j = 0; j < kWeightRows; ++j)
+      rows[j] = reinterpret_cast<const WB*>(w + (j0 + std::min<int64_t>(j, n_j - 1)) * w_stride);
+  }
+  __m256i weights(int j, int64_t b) const { return Format::weights(rows[j][b]); }
+  uint32_t scale_bits(int j, int64_t b) const { return Format::scale_bits(rows[j][b]); }
+};
+
+// The same of an interleaved matrix (j0 a multiple of 4, n_j 4: groups of 8 rows are whole).
+template <>
+struct GroupRows<Q4_0x8Gemm> {
+  const BlockQ4_0x8* blocks;
+  int row0;  // the group's first row within its 8
+  GroupRows(const uint8_t* w, size_t /*w_stride*/, int64_t j0, int64_t nb)
+      : blocks(reinterpret_cast<const BlockQ4_0x8*>(w) + j0 / kInterleavedRows * nb),
+        row0(static_cast<int>(j0 % kInterleavedRows)) {}
+  __m256i weights(int j, int64_t b) const {
+    const int r = row0 + j;
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b].qs[r / 2]));
+    const __m256i nibbles = r % 2 == 0 ? q : _mm256_srli_epi16(q, 4);
+    return _mm256_sub_epi8(_mm256_and_si256(nibbles, _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8));
+  }
+  uint32_t scale_bits(int j, int64_t b) const { return blocks[b].d[row0 + j]; }
+};
+
+template <typename Format>
+void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_j, int64_t nb,
+                       PanelBlock<Format>* panel) {
+  const GroupRows<Format> rows(w, w_stride, j0, Format::kInterleaved ? nb : n_j);
   const __m512i repeat = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m256i d_pattern = _mm256_set_epi32(6, 6, 4, 4, 2, 2, 0, 0);
   const __m256i m_pattern = _mm256_set_epi32(7, 7, 5, 5, 3, 3, 1, 1);
@@ -111,8 +149,8 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t n_j, int64_t n
       __m512i q = _mm512_setzero_si512();
       scales[j] = 0;
       if (j < n_j) {
-        q = _mm512_permutexvar_epi32(repeat, _mm512_zextsi256_si512(Format::weights(rows[j][b])));
-        scales[j] = Format::scale_bits(rows[j][b]);
+        q = _mm512_permutexvar_epi32(repeat, _mm512_zextsi256_si512(rows.weights(j, b)));
+        scales[j] = rows.scale_bits(j, b);
       }
       _mm512_store_si512(&out.q[j], q);
       if constexpr (Format::kOffsetActivations) {
@@ -320,11 +358,13 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
     }
     for (int64_t j0 = 0; j0 < n_w; j0 += kWeightRows) {
       const int64_t n_j = std::min<int64_t>(kWeightRows, n_w - j0);
-      pack_weight_group<Format>(w + j0 * w_stride, w_stride, n_j, nb, panel);
+      pack_weight_group<Format>(w, w_stride, j0, n_j, nb, panel);
       // The next group's rows, fetched while this group's tiles compute (a
-      // large matrix, such as the output head, does not stay in cache).
-      if (j0 + 2 * kWeightRows <= n_w) {
-        const uint8_t* next = w + (j0 + kWeightRows) * w_stride;
+      // large matrix, such as the output head, does not stay in cache). An
+      // interleaved group of 8 rows is read whole by its first 4: fetch 8 on.
+      const int64_t ahead = Format::kInterleaved ? kInterleavedRows : kWeightRows;
+      if (j0 + ahead + kWeightRows <= n_w) {
+        const uint8_t* next = w + (j0 + ahead) * w_stride;
         for (size_t offset = 0; offset < kWeightRows * w_stride; offset += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T0);
       }

@@ -215,8 +215,9 @@ TEST(Matmul, BatchedShapeEdgesMatchScalar) {
   }
 }
 
-// Q4_0 interleaved by 8 rows: every path, decode (its own kernel on AVX2)
-// and batched, bit-identical to the scalar path on the file's rows, also when
+// Q4_0 interleaved by 8 rows: every path, decode (AVX2's own kernel, which
+// AVX-512 runs too) and batched (the GEMMs' panels packed from the groups),
+// bit-identical to the scalar path on the file's rows, also when
 // threads split the rows; and the layout gives back the file's rows.
 TEST(Matmul, InterleavedQ4_0MatchesRowsOnEveryIsa) {
   std::mt19937 rng(700);
