@@ -261,11 +261,11 @@ void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   dot_quant<gemm512::Q4_0Gemm, Q4_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
-// Q5_0 (Gemma 3's and Q4_K's fallback type) runs the row tiles at every
-// batch size: no GEMM panels of its own.
+// Q5_0 (most of a Gemma 3 Q4_K_M file, and Q4_K's fallback type): the
+// signed formats' GEMM, its weights 5-bit.
 void dot_q5_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  run_row_tiles<Q5_0Tile, kQuantRowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_quant<gemm512::Q5_0Gemm, Q5_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,

@@ -69,6 +69,7 @@ struct SymmetricGemm {
 
 using Q8_0Gemm = SymmetricGemm<BlockQ8_0>;
 using Q4_0Gemm = SymmetricGemm<BlockQ4_0>;
+using Q5_0Gemm = SymmetricGemm<BlockQ5_0>;  // weights -16..15: no operand saturates
 
 // Q4_0 interleaved by 8 rows (interleave.h): a weight group is one pair of a
 // BlockQ4_0x8, each row's nibbles in a half of each byte, in element order.
