@@ -91,8 +91,10 @@ void scale(float* x, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
-float gelu(float x) {
-  // ggml's table: every F16 input's GELU, rounded to F16 (ggml_cpu_init).
+namespace {
+
+// ggml's table: every F16 input's GELU, rounded to F16 (ggml_cpu_init).
+const std::vector<uint16_t>& gelu_table() {
   static const std::vector<uint16_t> table = [] {
     constexpr float kCoefA = 0.044715f;
     constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f;
@@ -104,16 +106,24 @@ float gelu(float x) {
     }
     return t;
   }();
+  return table;
+}
+
+float gelu_from(const std::vector<uint16_t>& table, float x) {
   if (x <= -10.0f) return 0.0f;
   if (x >= 10.0f) return x;
   return fp16_to_fp32(table[fp32_to_fp16(x)]);
 }
 
+}  // namespace
+
+float gelu(float x) { return gelu_from(gelu_table(), x); }
+
 void gelu_mul(const float* gate, const float* up, float* out, int64_t n_rows, int64_t width,
               ThreadPool& pool) {
-  gelu(0.0f);  // the table, before the threads
+  const std::vector<uint16_t>& table = gelu_table();  // built before the threads read it
   for_row_ranges(n_rows, pool, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * width; i < r1 * width; ++i) out[i] = gelu(gate[i]) * up[i];
+    for (int64_t i = r0 * width; i < r1 * width; ++i) out[i] = gelu_from(table, gate[i]) * up[i];
   });
 }
 

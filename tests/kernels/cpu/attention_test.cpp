@@ -150,6 +150,26 @@ std::vector<float> run_attention(const KernelTable& kernels, const Sequence& seq
   return out;
 }
 
+// The whole prompt's attention (q holds every position's rows) computed in
+// steps of `chunk` tokens, never leaving a single-token step, concatenated.
+std::vector<float> run_in_chunks(const KernelTable& kernels, const Sequence& seq,
+                                 const std::vector<KvElement>& cache,
+                                 const std::vector<int32_t>& table, const std::vector<float>& q,
+                                 int64_t chunk, ThreadPool& pool, int64_t window = 0) {
+  const int64_t row = kHeads * seq.layout.head_dim;
+  std::vector<float> pieces;
+  for (int64_t pos0 = 0; pos0 < seq.n_ctx;) {
+    int64_t n = std::min(chunk, seq.n_ctx - pos0);
+    if (seq.n_ctx - pos0 - n == 1) ++n;
+    const std::vector<float> qc(q.begin() + pos0 * row, q.begin() + (pos0 + n) * row);
+    const std::vector<float> out =
+        run_attention(kernels, seq, cache, table, qc, n, pos0, pool, window);
+    pieces.insert(pieces.end(), out.begin(), out.end());
+    pos0 += n;
+  }
+  return pieces;
+}
+
 // max |out - ref| / max |ref|
 double normalized_error(const std::vector<float>& out, const std::vector<double>& ref) {
   double max_diff = 0.0, max_ref = 0.0;
@@ -350,17 +370,9 @@ TEST(Attention, PrefillChunksOfTwoOrMoreMatchOneStep) {
       const std::vector<float> whole =
           run_attention(kernel_table(isa), seq, cache, table, q, c.n_ctx, 0, pool);
       for (int64_t chunk : {2, 3, 7, 16}) {
-        std::vector<float> pieces;
-        for (int64_t pos0 = 0; pos0 < c.n_ctx;) {
-          int64_t n = std::min(chunk, c.n_ctx - pos0);
-          if (c.n_ctx - pos0 - n == 1) ++n;  // never leave a single-token step
-          const std::vector<float> qc(q.begin() + pos0 * row, q.begin() + (pos0 + n) * row);
-          const std::vector<float> out =
-              run_attention(kernel_table(isa), seq, cache, table, qc, n, pos0, pool);
-          pieces.insert(pieces.end(), out.begin(), out.end());
-          pos0 += n;
-        }
-        EXPECT_TRUE(bitwise_equal(pieces, whole)) << "chunks of " << chunk;
+        EXPECT_TRUE(bitwise_equal(
+            run_in_chunks(kernel_table(isa), seq, cache, table, q, chunk, pool), whole))
+            << "chunks of " << chunk;
       }
     }
   }
@@ -394,17 +406,9 @@ TEST(Attention, SlidingWindowMatchesReferenceAndIsStepInvariant) {
           EXPECT_TRUE(bitwise_equal(whole, scalar_whole)) << "differs from the scalar path";
         }
         for (int64_t chunk : {2, 9, 33}) {
-          std::vector<float> pieces;
-          for (int64_t pos0 = 0; pos0 < c.n_ctx;) {
-            int64_t n = std::min(chunk, c.n_ctx - pos0);
-            if (c.n_ctx - pos0 - n == 1) ++n;  // never leave a single-token step
-            const std::vector<float> qc(q.begin() + pos0 * row, q.begin() + (pos0 + n) * row);
-            const std::vector<float> out =
-                run_attention(kernel_table(isa), seq, cache, table, qc, n, pos0, pool, window);
-            pieces.insert(pieces.end(), out.begin(), out.end());
-            pos0 += n;
-          }
-          EXPECT_TRUE(bitwise_equal(pieces, whole)) << "chunks of " << chunk;
+          EXPECT_TRUE(bitwise_equal(
+              run_in_chunks(kernel_table(isa), seq, cache, table, q, chunk, pool, window), whole))
+              << "chunks of " << chunk;
         }
         // Decode steps: one token at a time, against the reference row.
         for (int64_t pos : {c.n_ctx - 1, c.n_ctx / 2, int64_t{3}}) {
