@@ -36,6 +36,14 @@ struct AttentionShape {
   int64_t window = 0;
 };
 
+// A mixture of experts' router: for each row, a softmax of its n_experts logits, the n_used
+// most probable experts in decreasing probability (ties: the lower index), and their
+// probabilities divided by their sum (at least 2^-14, as llama.cpp clamps it).
+struct RouterShape {
+  int64_t n_experts = 0;
+  int64_t n_used = 0;
+};
+
 // A position no row reaches: every row in the multi-token order.
 inline constexpr int64_t kNoOneTokenRows = INT64_MAX;
 

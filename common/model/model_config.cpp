@@ -121,6 +121,40 @@ void read_gemma3(const GgufFile& file, const std::string& p, ModelConfig& c) {
   }
 }
 
+// A mixture of experts as llama.cpp's `llama` (expert_count > 0: every layer; experts of
+// feed_forward_length units) and `qwen3moe` (experts of expert_feed_forward_length units, else
+// feed_forward_length / expert_used_count) loaders read it. Per-layer expert counts, expert
+// groups and shared experts belong to other architectures and are refused.
+void read_experts(const GgufFile& file, const std::string& p, ModelConfig& c) {
+  const std::string used_key = p + "expert_used_count";
+  if (const GgufValue* used = file.find(used_key); used != nullptr && used->is_array()) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{} is an array: per-layer expert counts are not supported", used_key));
+  }
+  c.n_experts = require_count(file, p + "expert_count");
+  c.n_experts_used = require_count(file, used_key);
+  if (c.n_experts > kMaxExperts || c.n_experts_used > c.n_experts) {
+    fail(file, ErrorKind::kCorruptFile,
+         duet::format("{} experts, {} used per token: at most {} experts, and no more used than "
+                      "there are",
+                      c.n_experts, c.n_experts_used, kMaxExperts));
+  }
+  if (const uint64_t groups = file.get_u64(p + "expert_group_count").value_or(0); groups > 1) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{}expert_group_count = {}: expert groups are not supported", p, groups));
+  }
+  if (const uint64_t shared = file.get_u64(p + "expert_shared_count").value_or(0); shared > 0) {
+    fail(file, ErrorKind::kUnsupported,
+         duet::format("{}expert_shared_count = {}: shared experts are not supported", p, shared));
+  }
+  c.n_ff_exp = c.n_ff;
+  if (c.architecture == "qwen3moe") {
+    c.n_ff_exp = file.get_u64(p + "expert_feed_forward_length")
+                     ? require_count(file, p + "expert_feed_forward_length")
+                     : c.n_ff / c.n_experts_used;
+  }
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
@@ -182,8 +216,10 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
   // The RoPE style follows the architecture, not a key: `llama` GGUFs hold Q/K permuted for
   // adjacent-pair rotation, the others as trained (NeoX halves).
   c.rope_neox = c.architecture != "llama";
-  c.qk_norm = c.architecture == "qwen3" || c.architecture == "gemma3";
-  if (c.architecture == "qwen3" && c.n_rot != c.head_dim) {  // as llama.cpp's graph asserts
+  c.qk_norm =
+      c.architecture == "qwen3" || c.architecture == "qwen3moe" || c.architecture == "gemma3";
+  if ((c.architecture == "qwen3" || c.architecture == "qwen3moe") &&
+      c.n_rot != c.head_dim) {  // as llama.cpp's graph asserts
     fail(file, ErrorKind::kUnsupported,
          duet::format("rope.dimension_count {} differs from the head size {}: {} rotates whole "
                       "heads",
@@ -191,7 +227,8 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
   }
   c.rope_freq_base = file.get_f32(p + "rope.freq_base").value_or(10000.0f);
   const std::optional<float> rms_eps = file.get_f32(p + "attention.layer_norm_rms_epsilon");
-  if (!rms_eps && c.architecture == "gemma3") {  // llama.cpp requires it there
+  if (!rms_eps && (c.architecture == "gemma3" || c.architecture == "qwen3moe")) {
+    // llama.cpp requires it there
     fail(file, ErrorKind::kCorruptFile,
          duet::format("missing metadata key {}attention.layer_norm_rms_epsilon", p));
   }
@@ -214,10 +251,14 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& file) {
              p, size ? std::to_string(*size) : std::string(gguf_type_name(window->type())),
              c.architecture));
   }
-  if (const uint64_t n_experts = file.get_u64(p + "expert_count").value_or(0); n_experts > 0) {
-    fail(file, ErrorKind::kUnsupported,
-         duet::format("{}expert_count = {}: mixture-of-experts models are not supported", p,
-                      n_experts));
+  const bool moe_architecture = c.architecture == "qwen3moe" || c.architecture == "llama";
+  if (file.get_u64(p + "expert_count").value_or(0) > 0 || c.architecture == "qwen3moe") {
+    if (!moe_architecture) {
+      fail(file, ErrorKind::kUnsupported,
+           duet::format("{}expert_count: '{}' has no mixture of experts in llama.cpp", p,
+                        c.architecture));
+    }
+    read_experts(file, p, c);
   }
 
   const GgufTensorInfo& embd = file.tensor("token_embd.weight");

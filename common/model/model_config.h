@@ -11,12 +11,16 @@ namespace duet {
 
 class GgufFile;
 
-// general.architecture values Duet runs: `llama` (also Llama 3/3.1 and Mistral), `qwen2` (Q/K/V
-// biases, NeoX RoPE), `qwen3` (RMS norm of Q and K per head, NeoX RoPE, a head size of its own)
-// and `gemma3` (qwen3's head norms, gated GELU, a scaled embedding, norms after each block and
-// sliding-window layers with a RoPE of their own).
-inline constexpr std::array<std::string_view, 4> kSupportedArchitectures = {"llama", "qwen2",
-                                                                            "qwen3", "gemma3"};
+// general.architecture values Duet runs: `llama` (also Llama 3/3.1, Mistral, and Mixtral's
+// mixture of experts with expert_count), `qwen2` (Q/K/V biases, NeoX RoPE), `qwen3` (RMS norm of
+// Q and K per head, NeoX RoPE, a head size of its own), `qwen3moe` (qwen3's attention and a
+// mixture of experts) and `gemma3` (qwen3's head norms, gated GELU, a scaled embedding, norms
+// after each block and sliding-window layers with a RoPE of their own).
+inline constexpr std::array<std::string_view, 5> kSupportedArchitectures = {
+    "llama", "qwen2", "qwen3", "qwen3moe", "gemma3"};
+
+// The most experts llama.cpp takes (LLAMA_MAX_EXPERTS).
+inline constexpr int64_t kMaxExperts = 512;
 
 // The feed-forward block's gated activation: act(gate) * up.
 enum class FfnActivation {
@@ -58,14 +62,23 @@ struct ModelConfig {
   std::vector<bool> swa_layers;
   float rope_freq_base_swa = 10000.0f;
   float rope_freq_scale_swa = 1.0f;
+  // Mixture of experts (qwen3moe; llama with expert_count, Mixtral): every layer's feed-forward
+  // is n_experts gated experts of n_ff_exp hidden units each, of which a router (ffn_gate_inp)
+  // picks n_experts_used per token: a softmax over the experts, the top n_experts_used, their
+  // probabilities divided by their sum (both architectures hard-code these in llama.cpp), and
+  // the weighted expert outputs summed in the order picked. 0: a dense feed-forward of n_ff.
+  int64_t n_experts = 0;
+  int64_t n_experts_used = 0;
+  int64_t n_ff_exp = 0;
 
   // Reads and validates the metadata; throws kUnsupported for an architecture
-  // or feature Duet does not implement (naming the key: YaRN, mixture of
-  // experts, logit soft-capping) and kCorruptFile for contradictions.
+  // or feature Duet does not implement (naming the key: YaRN, expert groups,
+  // logit soft-capping) and kCorruptFile for contradictions.
   static ModelConfig from_gguf(const GgufFile& file);
 
   // Query heads per KV head.
   int64_t group_size() const { return n_heads / n_kv_heads; }
+  bool is_moe() const { return n_experts > 0; }
   // Whether layer il attends through the sliding window.
   bool is_swa(int64_t il) const {
     return sliding_window > 0 && swa_layers[static_cast<size_t>(il)];

@@ -62,4 +62,20 @@ void scale(float* x, int64_t n, float factor, CudaBackend& backend);
 // x (n_rows, dim) += bias (dim) on every row.
 void add_bias(float* x, const float* bias, int64_t n_rows, int64_t dim, CudaBackend& backend);
 
+// A mixture of experts' ops (twins of kernels/cpu/experts.h, device pointers; the router's
+// softmax takes expf throughout, in one order).
+void route_experts(const float* logits, int64_t n_rows, const RouterShape& shape, int32_t* picked,
+                   float* weights, CudaBackend& backend);
+// out[i] = x[rows[i]] for the n rows of width.
+void gather_rows(const float* x, int64_t width, const int32_t* rows, int64_t n, float* out,
+                 CudaBackend& backend);
+// out[slots[i]] = y[i] * weights[slots[i]] for the n rows of width.
+void scatter_weighted(const float* y, int64_t width, const int32_t* slots, int64_t n,
+                      const float* weights, float* out, CudaBackend& backend);
+// out[r] = the sum of picks[r][0..n_used), left to right.
+void sum_picks(const float* picks, int64_t n_rows, int64_t n_used, int64_t width, float* out,
+               CudaBackend& backend);
+// x[0..n) = 0
+void zero(float* x, int64_t n, CudaBackend& backend);
+
 }  // namespace duet::cuda

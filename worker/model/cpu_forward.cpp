@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/experts.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quantize.h"
 
@@ -93,6 +94,28 @@ class CpuForward::Ops {
   }
 
   void add_in_place(float* x, const float* y, int64_t n) { cpu::add_in_place(x, y, n); }
+
+  std::span<const int32_t> route(const float* logits, int64_t n_rows, const RouterShape& shape,
+                                 float* weights) {
+    f_.picked_.resize(static_cast<size_t>(n_rows * shape.n_used));
+    cpu::route_experts(f_.kernels_, logits, n_rows, shape, f_.picked_.data(), weights);
+    return f_.picked_;
+  }
+
+  void gather_rows(const float* x, int64_t width, std::span<const int32_t> rows, float* out) {
+    cpu::gather_rows(x, width, rows, out);
+  }
+
+  void scatter_weighted(const float* y, int64_t width, std::span<const int32_t> slots,
+                        const float* weights, float* out) {
+    cpu::scatter_weighted(y, width, slots, weights, out);
+  }
+
+  void zero(float* x, int64_t n) { std::fill(x, x + n, 0.0f); }
+
+  void sum_picks(const float* picks, int64_t n_rows, int64_t n_used, int64_t width, float* out) {
+    cpu::sum_picks(picks, n_rows, n_used, width, out);
+  }
 
   void scale(float* x, int64_t n, float factor) { cpu::scale(x, n, factor); }
 

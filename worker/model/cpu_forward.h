@@ -62,6 +62,7 @@ class CpuForward final : public ModelForward {
   CollectiveTime collective_time_;
   cpu::PackedActivations packed_;
   ForwardTensors<std::vector<float>> tensors_;
+  std::vector<int32_t> picked_;  // the router's picks of the step's rows (mixture of experts)
 };
 
 }  // namespace duet

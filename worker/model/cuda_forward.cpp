@@ -101,6 +101,35 @@ class CudaForward::Ops {
     cuda::silu_mul(gate, up, out, n_rows * width, b_);
   }
 
+  // The picks come to the host (the plan groups the rows by expert there).
+  std::span<const int32_t> route(const float* logits, int64_t n_rows, const RouterShape& shape,
+                                 float* weights) {
+    const auto n_picks = static_cast<size_t>(n_rows * shape.n_used);
+    cuda::route_experts(logits, n_rows, shape, f_.picked_.as<int32_t>(), weights, b_);
+    f_.picked_host_.resize(n_picks);
+    b_.download(f_.picked_host_.data(), f_.picked_.data(), n_picks * sizeof(int32_t));
+    b_.synchronize();
+    return f_.picked_host_;
+  }
+
+  // The index list goes up first, in stream order before the kernel that reads it (and after
+  // the one that read the last list).
+  void gather_rows(const float* x, int64_t width, std::span<const int32_t> rows, float* out) {
+    cuda::gather_rows(x, width, upload_index(rows), static_cast<int64_t>(rows.size()), out, b_);
+  }
+
+  void scatter_weighted(const float* y, int64_t width, std::span<const int32_t> slots,
+                        const float* weights, float* out) {
+    cuda::scatter_weighted(y, width, upload_index(slots), static_cast<int64_t>(slots.size()),
+                           weights, out, b_);
+  }
+
+  void zero(float* x, int64_t n) { cuda::zero(x, n, b_); }
+
+  void sum_picks(const float* picks, int64_t n_rows, int64_t n_used, int64_t width, float* out) {
+    cuda::sum_picks(picks, n_rows, n_used, width, out, b_);
+  }
+
   void all_reduce(float* data, int64_t n) { f_.collective_->all_reduce_sum(data, n, b_.stream()); }
 
   // `mine` is read for all n_per_rank floats, past this rank's own part too
@@ -120,6 +149,12 @@ class CudaForward::Ops {
   }
 
  private:
+  const int32_t* upload_index(std::span<const int32_t> index) {
+    b_.upload(f_.expert_index_.data(), index.data(), index.size_bytes());
+    b_.synchronize();  // `index` is the plan's, gone when it moves on
+    return f_.expert_index_.as<int32_t>();
+  }
+
   CudaForward& f_;
   cuda::CudaBackend& b_;
 };
@@ -170,9 +205,16 @@ CudaForward::CudaForward(const LlamaModel& model, int device, DeviceCollective* 
     l.wk = weight(w.wk);
     l.wv = weight(w.wv);
     l.wo = weight(w.wo);
-    l.w_gate = weight(w.w_gate);
-    l.w_up = weight(w.w_up);
-    l.w_down = weight(w.w_down);
+    if (model.config().is_moe()) {
+      l.router = weight(w.router);
+      for (const ExpertWeights& e : w.experts) {
+        l.experts.push_back({weight(e.gate), weight(e.up), weight(e.down)});
+      }
+    } else {
+      l.w_gate = weight(w.w_gate);
+      l.w_up = weight(w.w_up);
+      l.w_down = weight(w.w_down);
+    }
   }
 }
 
@@ -210,6 +252,9 @@ void CudaForward::reserve(int64_t n_rows, int64_t n_out) {
       cuda::PinnedBuffer(static_cast<size_t>(out_capacity_) * sizeof(cuda::RowSampling));
   sampling_ = cuda::DeviceBuffer(sampling_host_.bytes());
   sampled_ = cuda::DeviceBuffer(static_cast<size_t>(out_capacity_) * sizeof(int32_t));
+  const auto picks = static_cast<size_t>(capacity_ * c.n_experts_used);
+  picked_ = cuda::DeviceBuffer(picks * sizeof(int32_t));
+  expert_index_ = cuda::DeviceBuffer(picks * sizeof(int32_t));
 }
 
 void CudaForward::use_layout(const KvLayout& layout) {
@@ -252,7 +297,9 @@ void CudaForward::run(std::span<const int32_t> tokens, std::span<const ForwardSe
   b.upload(inputs_.data(), staged, static_cast<size_t>(2 * capacity_ + n_out) * sizeof(int32_t));
   batch_.set(step.sequences, b);
 
-  const bool decode = step.one_row_per_sequence && step.logit_rows_are_all && !layer_stored;
+  // A mixture of experts synchronizes inside the step (the picks): never captured.
+  const bool decode = step.one_row_per_sequence && step.logit_rows_are_all && !layer_stored &&
+                      !model_.config().is_moe();
   if (decode && use_graphs_) {
     // A graph replays the addresses it was captured with: the batch arrays'
     // and the scratch's (the GEMM path's, for batches over kGemvMaxRows).

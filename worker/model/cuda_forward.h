@@ -6,10 +6,10 @@
 //
 // Decode steps (one row per sequence, every row sampled, nothing exported) are
 // captured as a CUDA graph per batch size on their second occurrence and replayed
-// from then on; their inputs (tokens, positions, block tables) are uploaded to
-// fixed device buffers before the launch. Numerics: activations in F32, products
-// with F32 accumulation (F16 inputs on the cuBLAS path), the KV cache in F16. Not
-// batch-invariant (the GEMV and cuBLAS paths round differently), so tokens may
+// from then on (not for a mixture of experts, whose grouping by expert is the host's); their inputs
+// (tokens, positions, block tables) are uploaded to fixed device buffers before the launch.
+// Numerics: activations in F32, products with F32 accumulation (F16 inputs on the cuBLAS path), the
+// KV cache in F16. Not batch-invariant (the GEMV and cuBLAS paths round differently), so tokens may
 // differ from the CPU's, and between batch shapes, where two logits are within
 // rounding. Tensor parallelism: a shard (worker/model/tp_shard.h; no element is a
 // sum over ranks) and the instance's DeviceCollective (NCCL, one GPU per rank) on
@@ -70,6 +70,12 @@ class CudaForward final : public ModelForward {
     cuda::DeviceBuffer attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, attn_post_norm,
         ffn_post_norm;
     cuda::DeviceWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+    // A mixture of experts' (ExpertWeights's twin).
+    struct Expert {
+      cuda::DeviceWeight gate, up, down;
+    };
+    cuda::DeviceWeight router;
+    std::vector<Expert> experts;
   };
   class Ops;  // the plan's ops on this GPU (cuda_forward.cpp)
 
@@ -106,6 +112,10 @@ class CudaForward final : public ModelForward {
   cuda::AttentionBatch batch_;
   cuda::PinnedBuffer sampling_host_;
   cuda::DeviceBuffer sampling_, sampled_;
+  // A mixture of experts': the router's picks on the device and on the host, and an expert's
+  // rows or slots (capacity_ * n_experts_used each).
+  cuda::DeviceBuffer picked_, expert_index_;
+  std::vector<int32_t> picked_host_;
   int64_t last_n_out_ = 0;
 
   // Decode graphs by batch size, and the buffers they were captured with.

@@ -102,10 +102,11 @@ int64_t ForwardPlan::floats(ForwardTensor t, int64_t n_rows, int64_t n_out) cons
     // attn and gate are sent whole by an all-gather: as wide as the widest rank's part.
     case ForwardTensor::kAttn:
       return n_rows * widest_part(q_parts_);
+    // gate and up hold an expert's rows in a mixture of experts.
     case ForwardTensor::kGate:
-      return n_rows * widest_part(ff_parts_);
+      return n_rows * (c.is_moe() ? c.n_ff_exp : widest_part(ff_parts_));
     case ForwardTensor::kUp:
-      return n_rows * s.n_ff();
+      return n_rows * (c.is_moe() ? c.n_ff_exp : s.n_ff());
     case ForwardTensor::kHeadIn:
       return n_out * c.n_embd;
     case ForwardTensor::kLogitSlice:
@@ -113,12 +114,23 @@ int64_t ForwardPlan::floats(ForwardTensor t, int64_t n_rows, int64_t n_out) cons
     case ForwardTensor::kLogitSlices:
       return tp * n_out * s.vocab_stride * s.size;
     case ForwardTensor::kWholeIn:
-      return tp * n_rows * std::max(c.n_heads * c.head_dim, c.n_ff);
+      return tp * n_rows * std::max(c.n_heads * c.head_dim, c.is_moe() ? 0 : c.n_ff);
     case ForwardTensor::kOutRows:
       return tp * n_rows * widest_part(embd_parts_);
     case ForwardTensor::kGathered:
       return tp * n_rows * s.size *
-             std::max({widest_part(q_parts_), widest_part(ff_parts_), widest_part(embd_parts_)});
+             std::max({widest_part(q_parts_), c.is_moe() ? 0 : widest_part(ff_parts_),
+                       widest_part(embd_parts_)});
+    // A mixture of experts' (none for a dense model).
+    case ForwardTensor::kRouterLogits:
+      return n_rows * c.n_experts;
+    case ForwardTensor::kRouteWeights:
+      return n_rows * c.n_experts_used;
+    case ForwardTensor::kExpertIn:
+    case ForwardTensor::kExpertOut:
+      return c.is_moe() ? n_rows * c.n_embd : 0;
+    case ForwardTensor::kPicks:
+      return n_rows * c.n_experts_used * c.n_embd;
   }
   DUET_ASSERT(false, "tensor {} is not a ForwardTensor", static_cast<int>(t));
   return 0;

@@ -5,9 +5,11 @@
 // kernels/cuda/). Every architecture LlamaModel loads runs through it: `llama`
 // (adjacent-pair RoPE, optional rope_freqs divisors), `qwen2` (Q/K/V
 // biases, NeoX RoPE), `qwen3` (NeoX RoPE, each Q and K head RMS-normed
-// before it) and `gemma3` (qwen3's heads, a scaled embedding, Q scaled
+// before it), `gemma3` (qwen3's heads, a scaled embedding, Q scaled
 // before unscaled scores, norms after each block, gated GELU, and
-// sliding-window layers with their own RoPE).
+// sliding-window layers with their own RoPE) and the mixtures of experts
+// (`qwen3moe`, Mixtral's `llama`: a router and gated experts in place of the
+// feed-forward).
 //
 // All rows of the batch go through each weight matrix together (one product
 // per weight); attention runs per sequence over its blocks of the paged cache.
@@ -41,7 +43,11 @@ AttentionShape attention_shape(const ModelConfig& config, const TpShard& shard,
 // layer by layer:
 //   x (n, n_embd) residual stream, norm (n, n_embd) attn_norm's then ffn_norm's,
 //   q (n, n_heads*head_dim), k/v (n, n_kv_heads*head_dim), attn (n, n_heads*head_dim),
-//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff), head_in (n_out, n_embd).
+//   attn_out/ffn_out (n, n_embd), gate/up (n, n_ff; an expert's rows: n_ff_exp),
+//   head_in (n_out, n_embd).
+// A mixture of experts': router_logits (n, n_experts), route_weights (n, n_used),
+// expert_in/expert_out (n, n_embd) an expert's rows, picks (n, n_used, n_embd) every
+// (row, pick)'s weighted expert output.
 // The last five are tensor parallelism's: this rank's logit slice (n_out,
 // vocab_stride) and every rank's, in rank order; the gathered whole input of O
 // or down (n, k); this rank's rows of its output; an all-gather's result
@@ -63,8 +69,13 @@ enum class ForwardTensor {
   kWholeIn,
   kOutRows,
   kGathered,
+  kRouterLogits,
+  kRouteWeights,
+  kExpertIn,
+  kExpertOut,
+  kPicks,
 };
-inline constexpr int kForwardTensors = static_cast<int>(ForwardTensor::kGathered) + 1;
+inline constexpr int kForwardTensors = static_cast<int>(ForwardTensor::kPicks) + 1;
 
 // Storage of every named tensor, indexed by ForwardTensor.
 template <typename Buffer>
@@ -142,6 +153,13 @@ class ForwardPlan {
   //   synchronize()         the host sees every op queued so far
   //   add_in_place(x, y, n), silu_mul(gate, up, out, n_rows, width),
   //   gelu_mul(gate, up, out, n_rows, width)   llama.cpp's GEGLU (ggml_vec_geglu_f32)
+  //   route(logits, n_rows, RouterShape, weights)   each row's picks (RouterShape),
+  //                         their weights into weights (n_rows, n_used); returns
+  //                         the picked experts (n_rows * n_used) in host memory
+  //   gather_rows(x, width, rows, out)   out[i] = x[rows[i]], rows of width
+  //   scatter_weighted(y, width, slots, weights, out)   out[slots[i]] = y[i] * weights[slots[i]]
+  //   zero(x, n), sum_picks(picks, n_rows, n_used, width, out)   out[r] = the sum of
+  //                         r's n_used rows of picks, left to right
   //   all_reduce(data, n), all_gather(mine, n_per_rank, all)
   //                         over the instance's ranks (tensor parallelism
   //                         only); a gather sends n_per_rank floats of `mine`,
@@ -157,6 +175,13 @@ class ForwardPlan {
  private:
   template <typename Ops>
   void head(Ops& ops, const float* x) const;
+  // gate (n_rows, width) = act(gate) * up, the model's gated activation.
+  template <typename Ops>
+  void gated_activation(Ops& ops, float* gate, const float* up, int64_t n_rows,
+                        int64_t width) const;
+  // out (n, n_embd) = the mixture of experts of layer weights `w` on `in` (n, n_embd).
+  template <typename Ops, typename Layer>
+  void mixture_of_experts(Ops& ops, const Layer& w, const float* in, float* out) const;
   // out (n, n_embd) = O or down of the input `mine` (n, this rank's part of
   // `parts`); the whole input and the output rows are gathered over the
   // ranks when the model is a shard.
@@ -237,19 +262,88 @@ void ForwardPlan::run(Ops& ops, const ModelForward::LayerStored& layer_stored) c
     }
     ops.add_in_place(x, attn_out, n * c.n_embd);
 
-    // Feed-forward block (gated: SwiGLU or GEGLU).
+    // Feed-forward block (gated: SwiGLU or GEGLU), or a mixture of such experts.
     ops.rms_norm(x, w.ffn_norm, norm, n, c.n_embd, c.rms_eps);
-    ops.matmul(norm, n, WeightProduct{w.w_gate, gate, n_ff}, WeightProduct{w.w_up, up, n_ff});
-    if (c.ffn_activation == FfnActivation::kGeluTanh) {
-      ops.gelu_mul(gate, up, gate, n, n_ff);
+    if (c.is_moe()) {
+      mixture_of_experts(ops, w, norm, ffn_out);
     } else {
-      ops.silu_mul(gate, up, gate, n, n_ff);
+      ops.matmul(norm, n, WeightProduct{w.w_gate, gate, n_ff}, WeightProduct{w.w_up, up, n_ff});
+      gated_activation(ops, gate, up, n, n_ff);
+      split_product(ops, w.w_down, gate, ff_parts_, ffn_out);
     }
-    split_product(ops, w.w_down, gate, ff_parts_, ffn_out);
     if (c.post_norms) ops.rms_norm(ffn_out, w.ffn_post_norm, ffn_out, n, c.n_embd, c.rms_eps);
     ops.add_in_place(x, ffn_out, n * c.n_embd);
   }
   head(ops, x);
+}
+
+template <typename Ops, typename Layer>
+void ForwardPlan::mixture_of_experts(Ops& ops, const Layer& w, const float* in, float* out) const {
+  const ModelConfig& c = model_.config();
+  const TpShard& shard = model_.shard();
+  const int64_t n = step_.n_rows;
+  const int64_t n_used = c.n_experts_used;
+  float* logits = ops.tensor(ForwardTensor::kRouterLogits);
+  float* weights = ops.tensor(ForwardTensor::kRouteWeights);
+  ops.matmul(in, n, WeightProduct{w.router, logits, c.n_experts});
+  const std::span<const int32_t> picked =
+      ops.route(logits, n, RouterShape{c.n_experts, n_used}, weights);
+
+  // This rank's experts' picks, expert by expert, each in row order: the rows an expert reads
+  // and the (row, pick) slots it writes.
+  const int64_t n_mine = shard.n_experts();
+  std::vector<int32_t> starts(static_cast<size_t>(n_mine) + 1, 0);
+  for (const int32_t e : picked) {
+    if (e >= shard.expert_begin && e < shard.expert_end) ++starts[e - shard.expert_begin + 1];
+  }
+  for (int64_t e = 0; e < n_mine; ++e) starts[e + 1] += starts[e];
+  std::vector<int32_t> rows(static_cast<size_t>(starts.back()));
+  std::vector<int32_t> slots(rows.size());
+  std::vector<int32_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t slot = 0; slot < n * n_used; ++slot) {
+    const int32_t e = picked[static_cast<size_t>(slot)];
+    if (e < shard.expert_begin || e >= shard.expert_end) continue;
+    const auto at = static_cast<size_t>(next[e - shard.expert_begin]++);
+    rows[at] = static_cast<int32_t>(slot / n_used);
+    slots[at] = static_cast<int32_t>(slot);
+  }
+
+  // Each (row, pick) is computed whole by the rank holding the expert; the others hold zeros
+  // there, so the all-reduce completes every slot exactly.
+  float* picks = ops.tensor(ForwardTensor::kPicks);
+  const int64_t n_picks = n * n_used * c.n_embd;
+  if (!shard.whole()) ops.zero(picks, n_picks);
+  float* expert_in = ops.tensor(ForwardTensor::kExpertIn);
+  float* expert_out = ops.tensor(ForwardTensor::kExpertOut);
+  float* gate = ops.tensor(ForwardTensor::kGate);
+  float* up = ops.tensor(ForwardTensor::kUp);
+  for (int64_t e = 0; e < n_mine; ++e) {
+    const int32_t begin = starts[e];
+    const int64_t m = starts[e + 1] - begin;
+    if (m == 0) continue;
+    const auto& expert = w.experts[static_cast<size_t>(e)];
+    const std::span<const int32_t> expert_rows(rows.data() + begin, static_cast<size_t>(m));
+    ops.gather_rows(in, c.n_embd, expert_rows, expert_in);
+    ops.matmul(expert_in, m, WeightProduct{expert.gate, gate, c.n_ff_exp},
+               WeightProduct{expert.up, up, c.n_ff_exp});
+    gated_activation(ops, gate, up, m, c.n_ff_exp);
+    ops.matmul(gate, m, WeightProduct{expert.down, expert_out, c.n_embd});
+    ops.scatter_weighted(expert_out, c.n_embd,
+                         std::span<const int32_t>(slots.data() + begin, static_cast<size_t>(m)),
+                         weights, picks);
+  }
+  if (!shard.whole()) ops.all_reduce(picks, n_picks);
+  ops.sum_picks(picks, n, n_used, c.n_embd, out);
+}
+
+template <typename Ops>
+void ForwardPlan::gated_activation(Ops& ops, float* gate, const float* up, int64_t n_rows,
+                                   int64_t width) const {
+  if (model_.config().ffn_activation == FfnActivation::kGeluTanh) {
+    ops.gelu_mul(gate, up, gate, n_rows, width);
+  } else {
+    ops.silu_mul(gate, up, gate, n_rows, width);
+  }
 }
 
 template <typename Ops>

@@ -40,9 +40,18 @@ LlamaModel::LlamaModel(GgufFile file, TpPlacement placement, const cpu::KernelTa
     l.wv = rows(p + "attn_v.weight", c.n_embd, kv_dim, kv0, kv1);
     l.wo = rows(p + "attn_output.weight", q_dim, c.n_embd, s.embd_begin, s.embd_end);
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
-    l.w_gate = rows(p + "ffn_gate.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
-    l.w_up = rows(p + "ffn_up.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
-    l.w_down = rows(p + "ffn_down.weight", c.n_ff, c.n_embd, s.embd_begin, s.embd_end);
+    if (c.is_moe()) {
+      l.router = matrix(p + "ffn_gate_inp.weight", c.n_embd, c.n_experts);
+      for (int64_t e = s.expert_begin; e < s.expert_end; ++e) {
+        l.experts.push_back({expert(p + "ffn_gate_exps.weight", c.n_embd, c.n_ff_exp, e),
+                             expert(p + "ffn_up_exps.weight", c.n_embd, c.n_ff_exp, e),
+                             expert(p + "ffn_down_exps.weight", c.n_ff_exp, c.n_embd, e)});
+      }
+    } else {
+      l.w_gate = rows(p + "ffn_gate.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
+      l.w_up = rows(p + "ffn_up.weight", c.n_embd, c.n_ff, s.ff_begin, s.ff_end);
+      l.w_down = rows(p + "ffn_down.weight", c.n_ff, c.n_embd, s.embd_begin, s.embd_end);
+    }
     // Optional for both architectures, as in llama.cpp (Qwen2 files have them); absent means zero.
     l.bq = slice(optional_vector(p + "attn_q.bias", q_dim), q0, q1);
     l.bk = slice(optional_vector(p + "attn_k.bias", kv_dim), kv0, kv1);
@@ -101,6 +110,14 @@ std::vector<float> LlamaModel::slice(std::vector<float> whole, int64_t begin, in
   return std::vector<float>(whole.begin() + begin, whole.begin() + end);
 }
 
+void LlamaModel::require_weight_type(const GgufTensorInfo& t) const {
+  if (dtype_is_supported_weight(t.type)) return;
+  throw Error(ErrorKind::kUnsupported,
+              duet::format("{}: tensor {} has weight type {}, which is not supported "
+                           "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)",
+                           file_.name(), t.name, dtype_name(t.type)));
+}
+
 cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t n_out,
                                      int64_t row0, int64_t row1, int64_t col0, int64_t col1,
                                      bool for_kernels) {
@@ -111,12 +128,7 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
                 duet::format("{}: tensor {} has shape [{}], expected [{}, {}]", file_.name(), name,
                              duet::join(t.ne, ", "), k, n_out));
   }
-  if (!dtype_is_supported_weight(t.type)) {
-    throw Error(ErrorKind::kUnsupported,
-                duet::format("{}: tensor {} has weight type {}, which is not supported "
-                             "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)",
-                             file_.name(), name, dtype_name(t.type)));
-  }
+  require_weight_type(t);
   used_tensors_.insert(name);
   if (row0 == 0 && row1 == n_out && col0 == 0 && col1 == k) {
     weight_bytes_ += t.n_bytes;
@@ -148,6 +160,25 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
     return w;
   }
   return interleaved(w, nullptr);  // the shard's copy goes when `owned` does
+}
+
+cpu::WeightMatrix LlamaModel::expert(const std::string& name, int64_t k, int64_t n_out, int64_t e) {
+  const GgufTensorInfo& t = file_.tensor(name);
+  const int64_t n_experts = config_.n_experts;
+  if (t.ne.size() != 3 || t.ne[0] != k || t.ne[1] != n_out || t.ne[2] != n_experts) {
+    throw Error(ErrorKind::kCorruptFile,
+                duet::format("{}: tensor {} has shape [{}], expected [{}, {}, {}]", file_.name(),
+                             name, duet::join(t.ne, ", "), k, n_out, n_experts));
+  }
+  require_weight_type(t);
+  used_tensors_.insert(name);
+  // An expert is whole rows, so a shard views the mapping as a whole model does.
+  const size_t bytes = dtype_row_bytes(t.type, k) * static_cast<size_t>(n_out);
+  weight_bytes_ += bytes;
+  const cpu::WeightMatrix view = cpu::make_weight_matrix(
+      t.type, static_cast<const uint8_t*>(t.data) + bytes * static_cast<size_t>(e), k, n_out);
+  if (kernels_ == nullptr || !cpu::prefers_interleaved(*kernels_, view)) return view;
+  return interleaved(view, &file_);
 }
 
 cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w, const GgufFile* source) {

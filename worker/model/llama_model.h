@@ -24,6 +24,13 @@
 
 namespace duet {
 
+// One expert of a mixture: a gated feed-forward of n_ff_exp hidden units.
+struct ExpertWeights {
+  cpu::WeightMatrix gate;  // n_ff_exp rows of n_embd
+  cpu::WeightMatrix up;    // n_ff_exp rows of n_embd
+  cpu::WeightMatrix down;  // n_embd rows of n_ff_exp
+};
+
 // Shapes are the shard's: n_heads, n_kv_heads and n_ff are the rank's own
 // (TpShard), the whole model's when tp is 1.
 struct LlamaLayerWeights {
@@ -47,6 +54,12 @@ struct LlamaLayerWeights {
   cpu::WeightMatrix w_gate;     // n_ff rows of n_embd
   cpu::WeightMatrix w_up;       // n_ff rows of n_embd
   cpu::WeightMatrix w_down;     // n_embd rows of n_ff, all hidden units
+  // A mixture of experts in place of w_gate, w_up and w_down (ModelConfig::is_moe): the router
+  // (ffn_gate_inp: n_experts rows of n_embd, every expert's, on every rank) and this rank's
+  // experts, [expert_begin, expert_end) of the shard, each a view of its slice of the file's
+  // 3-D ffn_{gate,up,down}_exps (or laid out anew for the kernels).
+  cpu::WeightMatrix router;
+  std::vector<ExpertWeights> experts;
 };
 
 // Which rank of how many tensor-parallel ranks loads the model.
@@ -117,6 +130,8 @@ class LlamaModel final {
   // `w` interleaved into memory of this model's own; `source`: the file whose
   // mapping `w` views (its pages are dropped), or null for a copy.
   cpu::WeightMatrix interleaved(const cpu::WeightMatrix& w, const GgufFile* source);
+  // Expert `e` of the 3-D tensor `name` ([k, n_out, n_experts]): its n_out rows of k.
+  cpu::WeightMatrix expert(const std::string& name, int64_t k, int64_t n_out, int64_t e);
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out) {
     return matrix(name, k, n_out, 0, n_out, 0, k);
   }
@@ -131,6 +146,8 @@ class LlamaModel final {
   // vector(name, n) when the file has the tensor, else empty.
   std::vector<float> optional_vector(const std::string& name, int64_t n);
   void refuse_unused_tensors() const;
+  // Throws kUnsupported for a matrix of a type the kernels do not take.
+  void require_weight_type(const GgufTensorInfo& t) const;
 
   GgufFile file_;
   ModelConfig config_;

@@ -24,6 +24,12 @@ TpShard make_tp_shard(const ModelConfig& c, int rank, int size) {
                              "the model's {} KV heads",
                              size, c.n_kv_heads));
   }
+  if (c.is_moe() && size > c.n_experts) {
+    throw Error(ErrorKind::kUnsupported,
+                duet::format("expert parallelism gives each rank whole experts: tp {} is more "
+                             "than the model's {} experts",
+                             size, c.n_experts));
+  }
   TpShard s;
   s.rank = rank;
   s.size = size;
@@ -41,6 +47,7 @@ TpShard make_tp_shard(const ModelConfig& c, int rank, int size) {
                              c.n_ff));
   }
   std::tie(s.embd_begin, s.embd_end) = split_evenly(c.n_embd, rank, size);
+  if (c.is_moe()) std::tie(s.expert_begin, s.expert_end) = split_evenly(c.n_experts, rank, size);
   s.vocab_stride = (c.n_vocab + size - 1) / size;
   s.vocab_begin = std::min(c.n_vocab, rank * s.vocab_stride);
   s.vocab_end = std::min(c.n_vocab, (rank + 1) * s.vocab_stride);

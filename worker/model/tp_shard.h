@@ -8,6 +8,10 @@
 //   (SwiGLU's SIMD width, so a slice takes the same vector code as a whole row).
 // - O and down by output rows: every rank gathers the whole input, multiplies it by
 //   its rows [embd_begin, embd_end), and the outputs are gathered.
+// - A mixture of experts by whole experts (expert parallelism on the same ranks: EP = TP):
+//   a rank holds experts [expert_begin, expert_end) and computes every token's use of them
+//   whole; the router is replicated. The ranks' outputs, each (token, pick) from one rank and
+//   zeros from the others, are completed by an all-reduce (exact), then summed in pick order.
 // - Embeddings and the output head by vocabulary: an all-reduce completes the
 //   embeddings (the other ranks add zeros: exact), an all-gather the logits.
 //   Norm weights are replicated.
@@ -39,6 +43,7 @@ struct TpShard {
   int64_t ff_begin = 0, ff_end = 0;            // feed-forward hidden units owned
   int64_t vocab_begin = 0, vocab_end = 0;      // embedding and output rows owned
   int64_t embd_begin = 0, embd_end = 0;        // output rows of O and down owned
+  int64_t expert_begin = 0, expert_end = 0;    // experts owned (mixture of experts)
   // Vocabulary rows per rank in the logits gather: ceil(n_vocab / size); the
   // last rank's slice may be shorter, padded to this.
   int64_t vocab_stride = 0;
@@ -48,11 +53,13 @@ struct TpShard {
   int64_t n_ff() const { return ff_end - ff_begin; }
   int64_t n_vocab() const { return vocab_end - vocab_begin; }
   int64_t n_embd() const { return embd_end - embd_begin; }
+  int64_t n_experts() const { return expert_end - expert_begin; }
   bool whole() const { return size == 1; }
 };
 
 // Rank `rank` of `size` (0 of 1: the whole model). Throws duet::Error
-// (kUnsupported) when the model cannot be split so: more ranks than KV heads.
+// (kUnsupported) when the model cannot be split so: more ranks than KV heads
+// or experts.
 TpShard make_tp_shard(const ModelConfig& config, int rank, int size);
 
 // The parts of a (rows, sum of parts) matrix that the ranks of an instance

@@ -1,6 +1,7 @@
 // The Llama family's other shapes: qwen2 (Q/K/V biases, NeoX RoPE), qwen3 (a head
 // size of its own, RMS norm of each Q and K head), gemma3 (qwen3's heads,
-// post-norms, GEGLU, a scaled embedding, a sliding-window layer), Llama 3.1's
+// post-norms, GEGLU, a scaled embedding, a sliding-window layer), the
+// mixtures of experts (qwen3moe, Mixtral's llama), Llama 3.1's
 // rope_freqs, linear RoPE scaling, large vocabularies, and the refusals (Mistral's
 // sliding window, YaRN, other architectures, tensors the forward pass would not
 // use). Logits of tiny random models against llama.cpp's
@@ -86,6 +87,10 @@ TEST(TinyShapes, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
       const bool windowed = c.sliding_window > 0 && m["swa_layers"][il].get<bool>();
       EXPECT_EQ(c.is_swa(il), windowed) << file << " layer " << il;
     }
+    EXPECT_EQ(c.n_experts, m.value("n_experts", int64_t{0})) << file;
+    EXPECT_EQ(c.n_experts_used, m.value("n_experts_used", int64_t{0})) << file;
+    EXPECT_EQ(c.n_ff_exp, m.value("n_ff_exp", int64_t{0})) << file;
+    EXPECT_EQ(model->layer(0).experts.size(), static_cast<size_t>(c.n_experts)) << file;
 
     const auto ids = m["ids"].get<std::vector<int32_t>>();
     for (const auto& [feature, effect] : m["feature_effect"].items()) {
@@ -318,7 +323,7 @@ TEST(TinyShapes, HeadSizeComesFromKeyLengthAndQwen3NormsEachHead) {
   std::filesystem::remove(extra);
 }
 
-TEST(TinyShapes, SlidingWindowYarnAndExpertsAreRefused) {
+TEST(TinyShapes, SlidingWindowYarnAndOtherExpertsAreRefused) {
   struct Case {
     GgufBuilder builder;
     std::string expected;
@@ -332,7 +337,7 @@ TEST(TinyShapes, SlidingWindowYarnAndExpertsAreRefused) {
                    "'yarn'"});
   cases.push_back(
       {tiny_model("qwen2", 8).str("qwen2.rope.scaling.type", "longrope"), "'longrope'"});
-  cases.push_back({tiny_model("llama", 8).u32("llama.expert_count", 8), "mixture-of-experts"});
+  cases.push_back({tiny_model("qwen2", 8).u32("qwen2.expert_count", 8), "no mixture of experts"});
   for (const Case& c : cases) {
     const auto [kind, message] = error_of([&] { config_of(c.builder); });
     EXPECT_EQ(kind, ErrorKind::kUnsupported) << message;
