@@ -71,7 +71,19 @@ ClusterSpec serving_spec(const ClusterFlags& flags, int world_size, const std::s
                          : parse_cluster_flags(0, world_size - 1, 1, ClusterMode::kColocated);
   spec.validate(world_size);
   const ModelConfig config = ModelConfig::from_gguf(GgufFile::open(model));
+  if (flags.any_ep() && !config.is_moe()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                fmt::format("--ep spreads a mixture of experts over an instance's ranks; {} has "
+                            "no experts (use --tp)",
+                            config.name));
+  }
   for (const InstanceSpec& instance : spec.instances) {
+    if (config.is_moe() && instance.tp > config.n_experts) {
+      throw Error(ErrorKind::kUnsupported,
+                  fmt::format("instance {} has ep {}, more than the model's {} experts (each "
+                              "rank holds whole experts)",
+                              instance.id, instance.tp, config.n_experts));
+    }
     if (instance.tp > config.n_kv_heads) {
       throw Error(ErrorKind::kUnsupported,
                   fmt::format("instance {} has tp {}, more than the model's {} KV heads "

@@ -133,6 +133,15 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->group(group);
   cmd->add_option("--decode-tp", args.cluster.decode_tp, "Ranks per decode instance (--tp)")
       ->group(group);
+  cmd->add_option("--ep", args.cluster.ep,
+                  "Expert parallelism for a mixture-of-experts model: each instance's experts "
+                  "spread whole over its ranks. It shares the tensor-parallel ranks (EP = TP): "
+                  "the same as --tp E, which it must equal if both are given")
+      ->group(group);
+  cmd->add_option("--prefill-ep", args.cluster.prefill_ep, "Ranks per prefill instance (--ep)")
+      ->group(group);
+  cmd->add_option("--decode-ep", args.cluster.decode_ep, "Ranks per decode instance (--ep)")
+      ->group(group);
   cmd->add_option("--cluster", args.cluster.file,
                   "A cluster spec (JSON) instead of --mode/--prefill/--decode/--tp...")
       ->group(group);

@@ -302,23 +302,36 @@ std::optional<int> instances_filling(int n_ranks, int tp) {
   return n_ranks / tp;
 }
 
+// One instance size from its --*-tp and --*-ep flags (EP = TP: equal when both are given).
+std::optional<int> ranks_per_instance(const std::optional<int>& tp, const std::optional<int>& ep,
+                                      std::string_view prefix) {
+  DUET_REQUIRE(!tp || !ep || *tp == *ep,
+               "{}--{}ep {} and --{}tp {} differ: expert parallelism spreads the experts over "
+               "the instance's tensor-parallel ranks (EP = TP)",
+               kPrefix, prefix, *ep, prefix, *tp);
+  return tp ? tp : ep;
+}
+
 }  // namespace
 
 ClusterSpec cluster_spec_from_flags(const ClusterFlags& flags, int world_size) {
   DUET_ASSERT(flags.any());
   if (flags.file) {
     DUET_REQUIRE(!flags.prefill && !flags.decode && !flags.tp && !flags.prefill_tp &&
-                     !flags.decode_tp && !flags.mode,
-                 "{}--cluster FILE and --prefill/--decode/--tp/--prefill-tp/--decode-tp/--mode "
-                 "are exclusive: the file names the whole layout",
+                     !flags.decode_tp && !flags.any_ep() && !flags.mode,
+                 "{}--cluster FILE and --prefill/--decode/--tp/--prefill-tp/--decode-tp/--ep/"
+                 "--mode are exclusive: the file names the whole layout",
                  kPrefix);
     return parse_cluster_file(*flags.file);
   }
   const ClusterMode mode =
       flags.mode ? parse_cluster_mode(*flags.mode) : ClusterMode::kDisaggregated;
-  const int tp = flags.tp.value_or(1);
+  const int tp = ranks_per_instance(flags.tp, flags.ep, "").value_or(1);
   DUET_REQUIRE(tp >= 1, "{}--tp must be at least 1, got {}", kPrefix, tp);
-  const int prefill_tp = flags.prefill_tp.value_or(tp), decode_tp = flags.decode_tp.value_or(tp);
+  const int prefill_tp =
+      ranks_per_instance(flags.prefill_tp, flags.prefill_ep, "prefill-").value_or(tp);
+  const int decode_tp =
+      ranks_per_instance(flags.decode_tp, flags.decode_ep, "decode-").value_or(tp);
   DUET_REQUIRE(prefill_tp >= 1 && decode_tp >= 1, "{}--{}-tp must be at least 1, got {}", kPrefix,
                prefill_tp < 1 ? "prefill" : "decode", std::min(prefill_tp, decode_tp));
   const int n_ranks = world_size - 1;  // every rank but the coordinator's

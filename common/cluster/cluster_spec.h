@@ -81,16 +81,26 @@ struct ClusterSpec {
 
 // The cluster flags of `duet serve`. Unset optionals were not given.
 struct ClusterFlags {
-  std::optional<int> prefill;       // --prefill P
-  std::optional<int> decode;        // --decode D
-  std::optional<int> tp;            // --tp T (default 1)
-  std::optional<int> prefill_tp;    // --prefill-tp T (default --tp)
-  std::optional<int> decode_tp;     // --decode-tp T (default --tp)
+  std::optional<int> prefill;     // --prefill P
+  std::optional<int> decode;      // --decode D
+  std::optional<int> tp;          // --tp T (default 1)
+  std::optional<int> prefill_tp;  // --prefill-tp T (default --tp)
+  std::optional<int> decode_tp;   // --decode-tp T (default --tp)
+  // Expert parallelism shares the instance's ranks (EP = TP): --ep E sizes instances as --tp E
+  // does, and names the intent (a mixture of experts spread whole over them); given with --tp
+  // it must be equal.
+  std::optional<int> ep;            // --ep E
+  std::optional<int> prefill_ep;    // --prefill-ep E
+  std::optional<int> decode_ep;     // --decode-ep E
   std::optional<std::string> mode;  // --mode disaggregated|colocated
   std::optional<std::string> file;  // --cluster FILE
 
   // Whether any cluster flag was given (a serve without one is single-process).
-  bool any() const { return prefill || decode || tp || prefill_tp || decode_tp || mode || file; }
+  bool any() const {
+    return prefill || decode || tp || prefill_tp || decode_tp || ep || prefill_ep || decode_ep ||
+           mode || file;
+  }
+  bool any_ep() const { return ep || prefill_ep || decode_ep; }
 };
 
 ClusterMode parse_cluster_mode(std::string_view name);    // throws on an unknown name

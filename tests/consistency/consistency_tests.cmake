@@ -13,13 +13,19 @@ set_tests_properties(consistency_doors_test PROPERTIES
 
 # The same doors for each model family Duet added to Llama's, on its tiny
 # fixture (text prompts only: the fixtures carry no chat template). gemma3's
-# window of 8 is crossed by every prompt but the shortest.
-foreach(family qwen3_gqa gemma3_swa)
-  string(REGEX REPLACE "_.*" "" name ${family})
+# window of 8 is crossed by every prompt but the shortest; the mixtures of
+# experts add the door of a disaggregated cluster whose two sides split the
+# experts differently.
+foreach(fixture qwen3_gqa_tied gemma3_swa_tied qwen3moe_tied mixtral_untied)
+  string(REGEX REPLACE "_.*" "" name ${fixture})
+  set(expert_parallel 0)
+  if(name MATCHES "moe|mixtral")
+    set(expert_parallel 1)
+  endif()
   add_test(NAME consistency_${name}_doors_test
     COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_doors.py)
   set_tests_properties(consistency_${name}_doors_test PROPERTIES
-    ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/tests/fixtures/tiny_shapes/tiny_${family}_tied.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE};DUET_CONSISTENCY_PROMPTS=${CMAKE_CURRENT_LIST_DIR}/family_prompts.json"
+    ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/tests/fixtures/tiny_shapes/tiny_${fixture}.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE};DUET_CONSISTENCY_PROMPTS=${CMAKE_CURRENT_LIST_DIR}/family_prompts.json;DUET_EXPERT_PARALLEL=${expert_parallel}"
     LABELS "consistency;mpi"
     SKIP_RETURN_CODE 77
     TIMEOUT 300)

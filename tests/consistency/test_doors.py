@@ -10,7 +10,12 @@ match it id for id, end-of-generation token included:
   http      `duet serve`, one process, over HTTP with "return_token_ids";
   capnp     the same server over Cap'n Proto with includeTokenIds;
   cluster   `mpirun -np 3 duet serve --prefill 1 --decode 1`, over HTTP;
-  tp2       `mpirun -np 3 duet serve --mode colocated --tp 2`, over HTTP.
+  tp2       `mpirun -np 3 duet serve --mode colocated --tp 2`, over HTTP (for a
+            mixture of experts: EP=2, the experts split over the two ranks);
+  ep        for a mixture of experts (DUET_EXPERT_PARALLEL=1): `mpirun -np 4 duet
+            serve --prefill 1 --decode 1 --prefill-ep 1 --decode-ep 2`, a prefill
+            instance holding every expert shipping KV to a decode instance of two
+            ranks that hold half each, over HTTP.
 
 And the reference's greedy ids equal llama.cpp's `llama-server` (one slot,
 `-np 1 -fa off --no-repack`, default batch sizes, no prompt cache), recorded
@@ -317,6 +322,14 @@ class DoorsTest(unittest.TestCase):
     def test_4_tensor_parallel_instance(self):
         with MpirunServe(3, ["--mode", "colocated", "--tp", "2", *ENGINE]) as cluster:
             self.check("tp2", "mpirun: one colocated TP=2 instance, HTTP",
+                       lambda: http_ids(cluster))
+
+    def test_5_expert_parallel_disaggregated(self):
+        if os.environ.get("DUET_EXPERT_PARALLEL") != "1":
+            self.skipTest("not a mixture-of-experts model")
+        with MpirunServe(4, ["--prefill", "1", "--decode", "1", "--prefill-ep", "1",
+                             "--decode-ep", "2", *ENGINE]) as cluster:
+            self.check("ep", "mpirun: 1 prefill (EP=1) + 1 decode (EP=2) instance, HTTP",
                        lambda: http_ids(cluster))
 
 

@@ -9,3 +9,12 @@ target_link_libraries(tp_forward_test PRIVATE duet_worker duet_parallel_mpi duet
 target_compile_definitions(tp_forward_test PRIVATE DUET_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 add_test(NAME mpi_tp_forward_test COMMAND ${DUET_MPIRUN} -np 6 $<TARGET_FILE:tp_forward_test>)
 set_tests_properties(mpi_tp_forward_test PROPERTIES LABELS mpi TIMEOUT 300 SKIP_RETURN_CODE 77)
+
+# Expert parallelism on the tiny mixture-of-experts fixtures: the whole model
+# (rank 0) and EP=2 (ranks 1-2) give the same logits bit for bit, in one
+# prefill and in chunks then decode steps (tests/mpi/ep_forward_main.cpp).
+add_executable(ep_forward_test ${CMAKE_CURRENT_LIST_DIR}/ep_forward_main.cpp)
+target_link_libraries(ep_forward_test PRIVATE duet_worker duet_parallel_mpi nlohmann_json::nlohmann_json duet_warnings)
+target_compile_definitions(ep_forward_test PRIVATE DUET_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+add_test(NAME mpi_ep_forward_test COMMAND ${DUET_MPIRUN} -np 3 $<TARGET_FILE:ep_forward_test>)
+set_tests_properties(mpi_ep_forward_test PROPERTIES LABELS mpi TIMEOUT 120)

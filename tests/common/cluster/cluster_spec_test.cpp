@@ -72,6 +72,32 @@ TEST(ClusterSpec, PrefillAndDecodeInstancesTakeTheirOwnTpSizes) {
             "cluster spec: --prefill-tp must be at least 1, got 0");
 }
 
+// Expert parallelism shares the tensor-parallel ranks: --ep sizes instances as --tp does, and
+// the two must agree when both are given.
+TEST(ClusterSpec, EpFlagsSizeInstancesAsTpDoes) {
+  ClusterFlags flags;
+  flags.prefill = 1;
+  flags.decode = 1;
+  flags.prefill_ep = 1;
+  flags.decode_ep = 2;
+  const ClusterSpec spec = cluster_spec_from_flags(flags, 4);
+  ASSERT_EQ(spec.instances.size(), 2u);
+  EXPECT_EQ(spec.instances[0].tp, 1);
+  EXPECT_EQ(spec.instances[1].tp, 2);
+  EXPECT_EQ(spec.instances[1].ranks, ranks({2, 3}));
+  EXPECT_TRUE(flags.any_ep());
+
+  ClusterFlags both;
+  both.ep = 2;
+  both.tp = 2;
+  both.mode = "colocated";
+  EXPECT_EQ(cluster_spec_from_flags(both, 3).instances[0].tp, 2);
+  both.tp = 1;
+  EXPECT_EQ(error_of([&] { cluster_spec_from_flags(both, 3); }),
+            "cluster spec: --ep 2 and --tp 1 differ: expert parallelism spreads the experts over "
+            "the instance's tensor-parallel ranks (EP = TP)");
+}
+
 TEST(ClusterSpec, ColocatedFlagsMakeEveryInstanceDoBoth) {
   const ClusterSpec spec = parse_cluster_flags(1, 1, 1, ClusterMode::kColocated);
   ASSERT_EQ(spec.instances.size(), 2u);
@@ -236,7 +262,7 @@ TEST(ClusterSpec, FileAndFlagsAreExclusive) {
   flags.decode = 1;
   EXPECT_EQ(error_of([&] { cluster_spec_from_flags(flags, 6); }),
             "cluster spec: --cluster FILE and --prefill/--decode/--tp/--prefill-tp/--decode-tp/"
-            "--mode are exclusive: the file names the whole layout");
+            "--ep/--mode are exclusive: the file names the whole layout");
   std::remove(path.c_str());
 
   ClusterFlags missing;
