@@ -20,6 +20,7 @@ holds the pool over and over, so an 8B model takes the disk's time.
     synthetic_model.py --shape llama3.2-1b --type q4_k_m --layers 2 --out small.gguf
     synthetic_model.py --shape smollm2-135m --type q8_0 --layers 2 --out small.gguf
     synthetic_model.py --shape qwen3-8b --type q4_0 --layers 4 --out qwen3-4-layers.gguf
+    synthetic_model.py --shape qwen3moe-30b-a3b --type q4_0 --layers 8 --out moe.gguf
 
 Types: q4_0, q4_1, q8_0, q4_k and q6_k put every matrix in that type (as
 `llama-quantize --pure` would); q4_k_m is the mix llama.cpp's quantizer makes
@@ -74,10 +75,20 @@ class Shape:
     qk_norm: bool = False  # attn_q_norm/attn_k_norm (F32, head_dim) in every layer, as Qwen3 has
     post_norms: bool = False  # post_attention_norm/post_ffw_norm (F32, n_embd), as Gemma 3 has
     sliding_window: int = 0  # attention.sliding_window (Gemma 3: 5 layers in 6 windowed)
+    # A mixture of experts in every layer (qwen3moe, Mixtral's llama): ffn_gate_inp (the router,
+    # F32 as llama.cpp's quantizer leaves it) and ffn_{gate,up,down}_exps of n_experts experts
+    # of n_ff_exp hidden units (0: n_ff), n_experts_used of them per token.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def head_size(self):
         return self.head_dim or self.n_embd // self.n_heads
+
+    @property
+    def expert_ff(self):
+        return self.n_ff_exp or self.n_ff
 
 
 SHAPES = {
@@ -102,6 +113,13 @@ SHAPES = {
     "gemma3-1b": Shape(1152, 26, 4, 1, 6912, 262144, 32768, 1000000.0, True, "default",
                        architecture="gemma3", rms_eps=1e-6, head_dim=256, qk_norm=True,
                        post_norms=True, sliding_window=512),
+    # Qwen3-30B-A3B (config.json: 128 experts of 768 hidden units, 8 per token, heads of 128).
+    "qwen3moe-30b-a3b": Shape(2048, 48, 32, 4, 6144, 151936, 40960, 1000000.0, False, "qwen2",
+                              architecture="qwen3moe", rms_eps=1e-6, head_dim=128, qk_norm=True,
+                              n_experts=128, n_experts_used=8, n_ff_exp=768),
+    # Mixtral-8x7B (8 experts of Mistral-7B's feed-forward, 2 per token).
+    "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32000, 32768, 1000000.0, False, "default",
+                          n_experts=8, n_experts_used=2),
 }
 
 
@@ -219,10 +237,21 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
             (p + "attn_v.weight", (shape.n_embd, kv_dim), shape.n_embd, None),
             (p + "attn_output.weight", (q_dim, shape.n_embd), q_dim, None),
             (p + "ffn_norm.weight", (shape.n_embd,), None, "norm"),
-            (p + "ffn_gate.weight", (shape.n_embd, shape.n_ff), shape.n_embd, None),
-            (p + "ffn_up.weight", (shape.n_embd, shape.n_ff), shape.n_embd, None),
-            (p + "ffn_down.weight", (shape.n_ff, shape.n_embd), shape.n_ff, None),
         ]
+        if shape.n_experts:
+            n_exp, ff = shape.n_experts, shape.expert_ff
+            layer += [
+                (p + "ffn_gate_inp.weight", (shape.n_embd, n_exp), shape.n_embd, "router"),
+                (p + "ffn_gate_exps.weight", (shape.n_embd, ff, n_exp), shape.n_embd, None),
+                (p + "ffn_down_exps.weight", (ff, shape.n_embd, n_exp), ff, None),
+                (p + "ffn_up_exps.weight", (shape.n_embd, ff, n_exp), shape.n_embd, None),
+            ]
+        else:
+            layer += [
+                (p + "ffn_gate.weight", (shape.n_embd, shape.n_ff), shape.n_embd, None),
+                (p + "ffn_up.weight", (shape.n_embd, shape.n_ff), shape.n_embd, None),
+                (p + "ffn_down.weight", (shape.n_ff, shape.n_embd), shape.n_ff, None),
+            ]
         if shape.qkv_bias:
             layer[2:2] = [(p + "attn_q.bias", (q_dim,), None, "bias")]
             layer[4:4] = [(p + "attn_k.bias", (kv_dim,), None, "bias")]
@@ -240,9 +269,14 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
     if not shape.tied:
         entries.append(("output.weight", (shape.n_embd, shape.n_vocab), shape.n_embd, None))
     plans = []
+    if shape.n_experts and ftype.q4_k_m_mix:
+        raise ValueError(f"--type {ftype.name}: the quantizer's mix for experts is not modelled; "
+                         f"shape {shape_name} takes a single type (q4_0, q4_1, q8_0, q4_k, q6_k)")
     for index, (name, ne, fan_in, vector) in enumerate(entries):
         if fan_in is None:
             t, pool = F32_TYPE, (vector,)
+        elif vector == "router":
+            t, pool = F32_TYPE, (F32_TYPE.ggml_type, fan_in)
         else:
             t = matrix_type(ftype, name, n_layers, ne[0], shape.tied, shape_name)
             pool = (t.ggml_type, fan_in)
@@ -328,7 +362,9 @@ def make_pool(key):
     blocks = []
     for _ in range(POOL_BLOCKS):
         jitter = 0.75 + 0.5 * rng.random()
-        if ggml_type == Q4_0.ggml_type:  # d * (q - 8), q uniform in 0..15: sd 4.6 d
+        if ggml_type == F32_TYPE.ggml_type:  # a matrix of floats (a router)
+            blocks.append(struct.pack("<f", sigma * rng.gauss(0.0, 1.0)))
+        elif ggml_type == Q4_0.ggml_type:  # d * (q - 8), q uniform in 0..15: sd 4.6 d
             blocks.append(half(sigma / 4.6 * jitter) + rng.randbytes(16))
         elif ggml_type == Q4_1.ggml_type:  # d * q + m, centred by m = -7.5 d
             d = sigma / 4.6 * jitter
@@ -458,6 +494,12 @@ def metadata(shape_name, shape, type_name, n_layers):
     heads = [(a + "attention.key_length", U32, shape.head_dim),
              (a + "attention.value_length", U32, shape.head_dim)] if shape.head_dim else []
     window = [(a + "attention.sliding_window", U32, shape.sliding_window)] if shape.sliding_window else []
+    experts = []
+    if shape.n_experts:
+        experts = [(a + "expert_count", U32, shape.n_experts),
+                   (a + "expert_used_count", U32, shape.n_experts_used)]
+        if shape.n_ff_exp:
+            experts.append((a + "expert_feed_forward_length", U32, shape.n_ff_exp))
     return [
         ("general.architecture", STRING, shape.architecture),
         ("general.name", STRING, f"synthetic {shape_name} {type_name}"),
@@ -471,6 +513,7 @@ def metadata(shape_name, shape, type_name, n_layers):
         (a + "attention.head_count_kv", U32, shape.n_kv_heads),
         *heads,
         *window,
+        *experts,
         (a + "rope.dimension_count", U32, shape.head_size),
         (a + "rope.freq_base", F32, shape.rope_freq_base),
         (a + "attention.layer_norm_rms_epsilon", F32, shape.rms_eps),
