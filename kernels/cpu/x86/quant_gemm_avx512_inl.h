@@ -21,6 +21,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/model/quant_blocks.h"
 #include "kernels/cpu/interleave.h"
@@ -33,11 +34,15 @@ namespace gemm512 {
 constexpr int kWeightRows = 4;  // weight rows per register tile (two weight pairs)
 constexpr int kActRows = 8;     // activation rows per register tile (four pairs)
 constexpr int kActPairs = kActRows / 2;
-// Rows of up to this many blocks (k <= 4096) take this path; the panels live on
-// the stack (at most about 190 KB). TODO(perf): longer rows fall back to
-// QuantTile; they would need the panels in chunks of k.
-constexpr int64_t kMaxBlocks = 128;
-// Activation tiles x blocks prepared at once (bounds the stack).
+// A weight group's panel holds this many blocks at a time (k in chunks of
+// 4096); a tile carries its accumulators from chunk to chunk, so a row adds
+// its blocks in order whatever the chunks (the contract above).
+constexpr int64_t kChunkBlocks = 128;
+// Rows of up to this many blocks (k <= 32768) take this path; longer ones
+// fall back to QuantTile.
+constexpr int64_t kMaxBlocks = 1024;
+// Activation tiles x blocks prepared at once (one tile's whole row when
+// longer).
 constexpr int64_t kActPanelBlocks = 256;
 
 struct Q4_1Gemm {
@@ -136,22 +141,24 @@ struct GroupRows<Q4_0x8Gemm> {
   uint32_t scale_bits(int j, int64_t b) const { return blocks[b].d[row0 + j]; }
 };
 
+// Blocks [b0, b0 + n_blocks) of the group of rows [j0, j0 + n_j) of a matrix
+// of nb blocks per row, into panel[0, n_blocks).
 template <typename Format>
 void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_j, int64_t nb,
-                       PanelBlock<Format>* panel) {
+                       int64_t b0, int64_t n_blocks, PanelBlock<Format>* panel) {
   const GroupRows<Format> rows(w, w_stride, j0, Format::kInterleaved ? nb : n_j);
   const __m512i repeat = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m256i d_pattern = _mm256_set_epi32(6, 6, 4, 4, 2, 2, 0, 0);
   const __m256i m_pattern = _mm256_set_epi32(7, 7, 5, 5, 3, 3, 1, 1);
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
     PanelBlock<Format>& out = panel[b];
     uint32_t scales[kWeightRows];
     for (int j = 0; j < kWeightRows; ++j) {
       __m512i q = _mm512_setzero_si512();
       scales[j] = 0;
       if (j < n_j) {
-        q = _mm512_permutexvar_epi32(repeat, _mm512_zextsi256_si512(rows.weights(j, b)));
-        scales[j] = rows.scale_bits(j, b);
+        q = _mm512_permutexvar_epi32(repeat, _mm512_zextsi256_si512(rows.weights(j, b0 + b)));
+        scales[j] = rows.scale_bits(j, b0 + b);
       }
       _mm512_store_si512(&out.q[j], q);
       if constexpr (Format::kOffsetActivations) {
@@ -269,16 +276,29 @@ alignas(64) constexpr std::array<int32_t, 32> kRowMajorIndex = [] {
 // activation row 2p + h), where the tile's final lane sums land too; they are
 // computed before the block loop, one multiply and one FMA per 16 pairs and
 // block: an eighth of the loop's work, which the numerics leave no way around.
+// A tile's accumulators between two chunks of k.
+struct TileCarry {
+  __m512 acc[kWeightRows][kActPairs];
+  __m512 mins[2];
+};
+
 template <typename Format, int NX>
 struct Tile {
   static constexpr int kPairs = (NX + 1) / 2;
 
+  // The blocks [0, nb) of panel and act (nb <= kChunkBlocks), a chunk of the
+  // rows' k: continued from `carry` unless `first`; left in it unless `last`,
+  // which writes y.
   static void run(const PanelBlock<Format>* panel, const ActPanelBlock* act, int64_t nb, float* y,
-                  int64_t ldy, int64_t n_j) {
+                  int64_t ldy, int64_t n_j, TileCarry& carry, bool first, bool last) {
     // Per block and weight pair, the 16 scale products in E order (as doubles:
     // element 2p + q is the pair of lanes 4p + 2q, 4p + 2q + 1).
-    alignas(64) double scales[kMaxBlocks][2][8];
+    alignas(64) double scales[kChunkBlocks][2][8];
     __m512 mins[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (!first) {
+      mins[0] = carry.mins[0];
+      mins[1] = carry.mins[1];
+    }
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 dx = _mm512_load_ps(act[b].d);
       for (int jp = 0; jp < 2; ++jp) {
@@ -292,8 +312,8 @@ struct Tile {
     }
 
     __m512 acc[kWeightRows][kPairs];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int j = 0; j < kWeightRows; ++j)
+      for (int p = 0; p < kPairs; ++p) acc[j][p] = first ? _mm512_setzero_ps() : carry.acc[j][p];
     for (int64_t b = 0; b < nb; ++b) {
       __m512i xv[kPairs];
       for (int p = 0; p < kPairs; ++p) xv[p] = _mm512_load_si512(&act[b].x[p]);
@@ -312,6 +332,13 @@ struct Tile {
       }
     }
 
+    if (!last) {
+      for (int j = 0; j < kWeightRows; ++j)
+        for (int p = 0; p < kPairs; ++p) carry.acc[j][p] = acc[j][p];
+      carry.mins[0] = mins[0];
+      carry.mins[1] = mins[1];
+      return;
+    }
     __m512 out[2];
     for (int jp = 0; jp < 2; ++jp) {
       __m512 a[2][4];
@@ -335,10 +362,10 @@ struct Tile {
 
 template <typename Format, int NX = kActRows>
 void run_tile(int64_t n_rows, const PanelBlock<Format>* panel, const ActPanelBlock* act, int64_t nb,
-              float* y, int64_t ldy, int64_t n_j) {
+              float* y, int64_t ldy, int64_t n_j, TileCarry& carry, bool first, bool last) {
   if constexpr (NX > 0) {
-    if (n_rows == NX) return Tile<Format, NX>::run(panel, act, nb, y, ldy, n_j);
-    run_tile<Format, NX - 1>(n_rows, panel, act, nb, y, ldy, n_j);
+    if (n_rows == NX) return Tile<Format, NX>::run(panel, act, nb, y, ldy, n_j, carry, first, last);
+    run_tile<Format, NX - 1>(n_rows, panel, act, nb, y, ldy, n_j, carry, first, last);
   }
 }
 
@@ -348,8 +375,13 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
           int64_t n_x, int64_t k, float* y, int64_t ldy) {
   const int64_t nb = k / kQuantBlock;
   const int64_t tiles_per_chunk = std::max<int64_t>(1, kActPanelBlocks / nb);
-  alignas(64) ActPanelBlock act[kActPanelBlocks];
-  alignas(64) PanelBlock<Format> panel[kMaxBlocks];
+  const int64_t n_chunks = (nb + kChunkBlocks - 1) / kChunkBlocks;
+  // Rows of several chunks are longer than kActPanelBlocks / 2 blocks: one tile at a time.
+  thread_local std::vector<ActPanelBlock> act_storage;
+  act_storage.resize(static_cast<size_t>(std::max(kActPanelBlocks, nb)));
+  ActPanelBlock* act = act_storage.data();
+  alignas(64) PanelBlock<Format> panel[kChunkBlocks];
+  TileCarry carry;
   for (int64_t i0 = 0; i0 < n_x; i0 += tiles_per_chunk * kActRows) {
     const int64_t n_i = std::min(n_x - i0, tiles_per_chunk * kActRows);
     const int64_t n_tiles = (n_i + kActRows - 1) / kActRows;
@@ -359,7 +391,6 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
     }
     for (int64_t j0 = 0; j0 < n_w; j0 += kWeightRows) {
       const int64_t n_j = std::min<int64_t>(kWeightRows, n_w - j0);
-      pack_weight_group<Format>(w, w_stride, j0, n_j, nb, panel);
       // The next group's rows, fetched while this group's tiles compute (a
       // large matrix, such as the output head, does not stay in cache). An
       // interleaved group of 8 rows is read whole by its first 4: fetch 8 on.
@@ -375,10 +406,15 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
         for (int64_t i = i0; i < i0 + n_i; ++i)
           _mm_prefetch(reinterpret_cast<const char*>(y + i * ldy + j0 + 16), _MM_HINT_T0);
       }
-      for (int64_t t = 0; t < n_tiles; ++t) {
-        const int64_t i = i0 + t * kActRows;
-        run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb, nb,
-                         y + i * ldy + j0, ldy, n_j);
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const int64_t b0 = c * kChunkBlocks;
+        const int64_t n_blocks = std::min(kChunkBlocks, nb - b0);
+        pack_weight_group<Format>(w, w_stride, j0, n_j, nb, b0, n_blocks, panel);
+        for (int64_t t = 0; t < n_tiles; ++t) {
+          const int64_t i = i0 + t * kActRows;
+          run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb + b0, n_blocks,
+                           y + i * ldy + j0, ldy, n_j, carry, c == 0, c + 1 == n_chunks);
+        }
       }
     }
   }
