@@ -10,16 +10,19 @@
 // holding the expert, so the split changes nothing.
 //
 // With a model path (and a step count) as arguments it measures instead: a
-// 128-token prefill then that many decode steps on each instance, reporting the
-// decode step time and the share of it the EP instance spends in its
-// collectives (the all-reduce that completes the experts' outputs, and the
-// attention's gathers).
+// 128-token prefill then that many decode steps on each instance in turn,
+// reporting the decode step time and the share of it each EP rank spends in
+// its collectives (the attention's and the head's gathers, and the
+// all-reduces: one per layer completes the experts' outputs, one per step the
+// embedding):
+//   mpirun -np 3 ep_forward_test MODEL.gguf [STEPS]
 #include <mpi.h>
 
 #include <chrono>
 #include <cstdio>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/control_plane/mpi_runtime.h"
@@ -50,8 +53,7 @@ Instance instance_of(int world_rank) {
 // One sequence fed in steps of `chunks` sizes (then one token per step) into a
 // fresh cache; the logits of every row.
 std::vector<float> run_sequence(const LlamaModel& model, CpuForward& forward,
-                                std::span<const int32_t> ids, std::span<const int64_t> chunks,
-                                bool all_rows = true) {
+                                std::span<const int32_t> ids, std::span<const int64_t> chunks) {
   const auto n = static_cast<int64_t>(ids.size());
   const int64_t n_vocab = model.config().n_vocab;
   const int64_t n_blocks = (n + KvLayout::kDefaultBlockSize - 1) / KvLayout::kDefaultBlockSize;
@@ -62,11 +64,11 @@ std::vector<float> run_sequence(const LlamaModel& model, CpuForward& forward,
   int64_t pos = 0;
   for (size_t step = 0; pos < n; ++step) {
     const int64_t size = std::min(step < chunks.size() ? chunks[step] : 1, n - pos);
-    std::vector<int64_t> rows(static_cast<size_t>(all_rows ? size : 1));
-    std::iota(rows.begin(), rows.end(), all_rows ? 0 : size - 1);
+    std::vector<int64_t> rows(static_cast<size_t>(size));
+    std::iota(rows.begin(), rows.end(), 0);
     const ForwardSequence seq{table, pos, size, pos + size - 1};
     forward.run(ids.subspan(static_cast<size_t>(pos), static_cast<size_t>(size)), {&seq, 1}, cache,
-                rows, logits.data() + (all_rows ? pos : pos + size - 1) * n_vocab);
+                rows, logits.data() + pos * n_vocab);
     pos += size;
   }
   return logits;
@@ -125,33 +127,72 @@ std::vector<std::string> check_fixtures(const MpiRuntime& mpi, const Instance& p
   return failures;
 }
 
-// The measurement mode: a prefill of 128 tokens and `steps` decode steps.
+// MPI_Ibarrier on the world, waited for sleeping, so that a waiting rank
+// leaves the cores to the instance being measured.
+void sleeping_barrier() {
+  MPI_Request request;
+  DUET_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &request));
+  for (int done = 0; !done;) {
+    DUET_MPI_CHECK(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// The measurement mode: the whole model, then the EP instance (the other
+// ranks asleep), each a 128-token prefill then `steps` decode steps.
 void measure(const MpiRuntime& mpi, const Instance& place, const std::filesystem::path& path,
              int steps) {
-  const auto model = LlamaModel::load(path, TpPlacement{place.rank, place.size},
-                                      &cpu::kernel_table(cpu::isa_from_environment()));
+  const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
+  const auto model = LlamaModel::load(path, TpPlacement{place.rank, place.size}, &kernels);
   std::vector<Rank> ranks;
   for (int r = 0; r < place.size; ++r) ranks.push_back(Rank{place.first + r});
   MpiCollective collective(mpi, ranks, place.first);
   cpu::ThreadPool pool(1);
-  CpuForward forward(*model, cpu::kernel_table(cpu::isa_from_environment()), pool,
-                     place.size == 1 ? nullptr : &collective);
-  std::vector<int32_t> ids(static_cast<size_t>(128 + steps));
+  CpuForward forward(*model, kernels, pool, place.size == 1 ? nullptr : &collective);
+  const int64_t n_prompt = 128;
+  const int64_t n = n_prompt + steps;
+  std::vector<int32_t> ids(static_cast<size_t>(n));
   for (size_t i = 0; i < ids.size(); ++i) {
     ids[i] = static_cast<int32_t>((i * 7919 + 13) % static_cast<size_t>(model->config().n_vocab));
   }
-  const int64_t prompt[] = {128};
-  const auto before = forward.collective_time();
-  const auto start = std::chrono::steady_clock::now();
-  run_sequence(*model, forward, ids, prompt, /*all_rows=*/false);
-  const double total =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const auto after = forward.collective_time();
-  std::printf(
-      "  world rank %d (EP=%d): prefill+%d decode steps %.3f s, collectives %.3f s "
-      "(%lld calls)\n",
-      mpi.rank().value, place.size, steps, total, after.seconds - before.seconds,
-      static_cast<long long>(after.calls - before.calls));
+  const int64_t n_blocks = (n + KvLayout::kDefaultBlockSize - 1) / KvLayout::kDefaultBlockSize;
+  KvCache cache(model->kv_layout(n_blocks));
+  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  std::vector<float> logits(static_cast<size_t>(model->config().n_vocab));
+  auto step = [&](int64_t pos, int64_t size) {
+    const int64_t last = size - 1;
+    const ForwardSequence seq{table, pos, size, pos + last};
+    forward.run(
+        std::span<const int32_t>(ids).subspan(static_cast<size_t>(pos), static_cast<size_t>(size)),
+        {&seq, 1}, cache, {&last, 1}, logits.data());
+  };
+  using Clock = std::chrono::steady_clock;
+  for (int turn = 0; turn < 2; ++turn) {
+    sleeping_barrier();
+    if ((turn == 0) != (place.size == 1)) continue;
+    const auto start = Clock::now();
+    step(0, n_prompt);
+    const auto decode_start = Clock::now();
+    const CpuForward::CollectiveTime before = forward.collective_time();
+    for (int64_t pos = n_prompt; pos < n; ++pos) step(pos, 1);
+    const double decode = std::chrono::duration<double>(Clock::now() - decode_start).count();
+    const CpuForward::CollectiveTime after = forward.collective_time();
+    const double collective = after.seconds - before.seconds;
+    const double reduce = after.all_reduce_seconds - before.all_reduce_seconds;
+    std::printf(
+        "  world rank %d (EP=%d): prefill of %lld %.3f s; decode %.2f ms/step, of it "
+        "collectives %.2f ms (%.1f%%, %.0f calls/step), all-reduces %.2f ms (%.1f%%, "
+        "%.0f calls/step)\n",
+        mpi.rank().value, place.size, static_cast<long long>(n_prompt),
+        std::chrono::duration<double>(decode_start - start).count(), 1e3 * decode / steps,
+        1e3 * collective / steps, 100.0 * collective / decode,
+        static_cast<double>(after.calls - before.calls) / steps, 1e3 * reduce / steps,
+        100.0 * reduce / decode,
+        static_cast<double>(after.all_reduce_calls - before.all_reduce_calls) / steps);
+    std::fflush(stdout);
+  }
+  sleeping_barrier();
 }
 
 int run(int argc, char** argv) {

@@ -130,7 +130,10 @@ class CpuForward::Ops {
   }
 
   void all_reduce(float* data, int64_t n) {
-    timed([&] { f_.collective_->all_reduce_sum(std::span<float>(data, static_cast<size_t>(n))); });
+    const double seconds = timed(
+        [&] { f_.collective_->all_reduce_sum(std::span<float>(data, static_cast<size_t>(n))); });
+    ++f_.collective_time_.all_reduce_calls;
+    f_.collective_time_.all_reduce_seconds += seconds;
   }
 
   void all_gather(const float* mine, int64_t n_per_rank, float* all) {
@@ -160,14 +163,16 @@ class CpuForward::Ops {
   }
 
  private:
-  // Runs a collective and counts its time in collective_time().
+  // Runs a collective and counts its time in collective_time(); returns the time.
   template <typename Collect>
-  void timed(Collect&& collect) {
+  double timed(Collect&& collect) {
     const auto start = std::chrono::steady_clock::now();
     collect();
-    ++f_.collective_time_.calls;
-    f_.collective_time_.seconds +=
+    const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++f_.collective_time_.calls;
+    f_.collective_time_.seconds += seconds;
+    return seconds;
   }
 
   CpuForward& f_;

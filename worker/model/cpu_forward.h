@@ -34,10 +34,13 @@ class CpuForward final : public ModelForward {
   CpuForward(const LlamaModel& model, const cpu::KernelTable& kernels, cpu::ThreadPool& pool,
              Collective* collective = nullptr);
 
-  // Time spent in the collectives since construction (tensor parallelism).
+  // Time spent in the collectives since construction (tensor parallelism), and the part of
+  // it in all-reduces (the embedding's, one a step, and a mixture of experts', one a layer).
   struct CollectiveTime {
     int64_t calls = 0;
     double seconds = 0;
+    int64_t all_reduce_calls = 0;
+    double all_reduce_seconds = 0;
   };
   CollectiveTime collective_time() const { return collective_time_; }
 
