@@ -147,6 +147,17 @@ struct ModelShape {
   double n_params = 0;            // weights, as a count
   double weight_bytes = 0;        // weights as stored (quantized or not)
   double kv_bytes_per_token = 0;  // K and V of every layer, one position
+  // A mixture of experts (0: dense): n_experts experts of n_ff_exp hidden units in every
+  // layer, n_experts_used of them per token; expert_bytes, the part of weight_bytes they hold.
+  int64_t n_experts = 0;
+  int64_t n_experts_used = 0;
+  int64_t n_ff_exp = 0;
+  double expert_bytes = 0;
+
+  // The share of the experts' weights a step of n_tokens reads: each expert is
+  // read when some token picks it, n_tokens picking n_experts_used each,
+  // uniformly: 1 - (1 - used / experts)^n_tokens. 1 for a dense model.
+  double experts_read(int64_t n_tokens) const;
 };
 
 // A stated accelerator (or CPU) for a roofline profile.

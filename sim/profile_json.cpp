@@ -4,10 +4,10 @@
 #include <cmath>
 #include <fstream>
 
+#include "common/error.h"
 #include "sim/json_fields.h"
 #include "sim/profile.h"
 #include "sim/roofline.h"
-#include "common/error.h"
 
 namespace duet::sim {
 namespace {
@@ -135,12 +135,17 @@ nlohmann::json model_json(const ModelShape& m) {
           {"n_ctx", m.n_ctx},
           {"n_params", json_number(m.n_params)},
           {"weight_bytes", json_number(m.weight_bytes)},
-          {"kv_bytes_per_token", json_number(m.kv_bytes_per_token)}};
+          {"kv_bytes_per_token", json_number(m.kv_bytes_per_token)},
+          {"n_experts", m.n_experts},
+          {"n_experts_used", m.n_experts_used},
+          {"n_ff_exp", m.n_ff_exp},
+          {"expert_bytes", json_number(m.expert_bytes)}};
 }
 
 ModelShape read_model(const JsonFields& f) {
   f.only({"name", "n_layers", "n_embd", "n_heads", "n_kv_heads", "head_dim", "n_ff", "n_vocab",
-          "n_ctx", "n_params", "weight_bytes", "kv_bytes_per_token"});
+          "n_ctx", "n_params", "weight_bytes", "kv_bytes_per_token", "n_experts", "n_experts_used",
+          "n_ff_exp", "expert_bytes"});
   ModelShape m;
   m.name = f.string("name");
   m.n_layers = f.integer("n_layers");
@@ -154,6 +159,13 @@ ModelShape read_model(const JsonFields& f) {
   m.n_params = f.number("n_params");
   m.weight_bytes = f.number("weight_bytes");
   m.kv_bytes_per_token = f.number("kv_bytes_per_token");
+  // A mixture of experts' (older profiles have none: dense).
+  if (f.has("n_experts")) {
+    m.n_experts = f.integer("n_experts");
+    m.n_experts_used = f.integer("n_experts_used");
+    m.n_ff_exp = f.integer("n_ff_exp");
+    m.expert_bytes = f.number("expert_bytes");
+  }
   return m;
 }
 

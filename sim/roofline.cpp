@@ -4,8 +4,8 @@
 #include <array>
 #include <cmath>
 
-#include "sim/json_fields.h"
 #include "common/error.h"
+#include "sim/json_fields.h"
 #include "worker/kv/kv_cache.h"
 
 namespace duet::sim {
@@ -96,11 +96,14 @@ void require_hardware(const HardwareSpec& hw, const std::string& where) {
   share(hw.kv_memory_fraction, "kv_memory_fraction");
 }
 
-// Weights a row multiplies through the layers (the head is per_logit_row's).
+// Weights a row multiplies through the layers (the head is per_logit_row's):
+// a mixture of experts' router and the experts a token picks.
 double layer_matmul_params(const ModelShape& m) {
   const double q_o = 2.0 * m.n_embd * m.n_heads * m.head_dim;
   const double k_v = 2.0 * m.n_embd * m.n_kv_heads * m.head_dim;
-  const double ffn = 3.0 * m.n_embd * m.n_ff;
+  const double ffn = m.n_experts > 0 ? static_cast<double>(m.n_embd) *
+                                           (3.0 * m.n_ff_exp * m.n_experts_used + m.n_experts)
+                                     : 3.0 * m.n_embd * m.n_ff;
   return m.n_layers * (q_o + k_v + ffn);
 }
 
@@ -109,17 +112,29 @@ double compute_rate(const HardwareSpec& hw) { return hw.flops_per_s * hw.compute
 
 }  // namespace
 
+double ModelShape::experts_read(int64_t n_tokens) const {
+  if (n_experts == 0) return 1.0;
+  const double miss = 1.0 - static_cast<double>(n_experts_used) / static_cast<double>(n_experts);
+  return 1.0 - std::pow(miss, static_cast<double>(n_tokens));
+}
+
+double expert_parameter_count(const ModelConfig& c) {
+  return static_cast<double>(c.n_layers) * 3.0 * static_cast<double>(c.n_embd) *
+         static_cast<double>(c.n_ff_exp) * static_cast<double>(c.n_experts);
+}
+
 double parameter_count(const ModelConfig& c) {
   const double e = static_cast<double>(c.n_embd);
   const double q = static_cast<double>(c.n_heads * c.head_dim);
   const double kv = static_cast<double>(c.n_kv_heads * c.head_dim);
-  double layer = e * q + 2 * e * kv + q * e             // q, k, v, o
-                 + 3 * e * static_cast<double>(c.n_ff)  // gate, up, down
-                 + 2 * e;                               // attention and FFN norms
-  if (c.architecture == "qwen2") layer += q + 2 * kv;   // q, k, v biases
+  const double ffn = c.is_moe() ? e * static_cast<double>(c.n_experts)  // the router
+                                : 3 * e * static_cast<double>(c.n_ff);  // gate, up, down
+  double layer = e * q + 2 * e * kv + q * e                             // q, k, v, o
+                 + ffn + 2 * e;                        // the feed-forward, attention and FFN norms
+  if (c.architecture == "qwen2") layer += q + 2 * kv;  // q, k, v biases
   const double embedding = static_cast<double>(c.n_vocab) * e;
   return embedding + static_cast<double>(c.n_layers) * layer + e  // final norm
-         + (c.tied_embeddings ? 0.0 : embedding);
+         + (c.tied_embeddings ? 0.0 : embedding) + expert_parameter_count(c);
 }
 
 ModelShape model_shape(const ModelConfig& config, double weight_bytes, std::string name) {
@@ -145,13 +160,33 @@ ModelShape model_shape(const ModelConfig& config, double weight_bytes, std::stri
   m.n_params = parameter_count(config);
   m.weight_bytes = weight_bytes;
   m.kv_bytes_per_token = static_cast<double>(make_kv_layout(config, 1).bytes_per_token());
+  if (config.is_moe()) {
+    m.n_experts = config.n_experts;
+    m.n_experts_used = config.n_experts_used;
+    m.n_ff_exp = config.n_ff_exp;
+    // The experts' share of the bytes, as of the parameters (one weight type throughout).
+    m.expert_bytes = weight_bytes * expert_parameter_count(config) / m.n_params;
+  }
   return m;
 }
 
+// A mixture of experts on a llama3() body (config.json's shapes).
+ModelConfig moe(ModelConfig c, int64_t n_kv_heads, int64_t n_vocab, int64_t n_experts,
+                int64_t n_used, int64_t n_ff_exp) {
+  c.n_kv_heads = n_kv_heads;
+  c.n_vocab = n_vocab;
+  c.n_experts = n_experts;
+  c.n_experts_used = n_used;
+  c.n_ff_exp = n_ff_exp;
+  return c;
+}
+
 ModelShape named_model_shape(std::string_view name) {
-  const std::array<ModelConfig, 2> known = {
+  const std::array<ModelConfig, 4> known = {
       llama3("llama-3-8b", 32, 4096, 32, 14336),
       llama3("llama-3-70b", 80, 8192, 64, 28672),
+      moe(llama3("qwen3-30b-a3b", 48, 2048, 32, 6144), 4, 151936, 128, 8, 768),
+      moe(llama3("mixtral-8x7b", 32, 4096, 32, 14336), 8, 32000, 8, 2, 14336),
   };
   std::vector<std::string> names;
   for (const ModelConfig& config : known) {
@@ -217,13 +252,22 @@ double roofline_weights_seconds(const HardwareSpec& hw, const ModelShape& model,
                                 int64_t n_tokens) {
   DUET_REQUIRE(tp >= 1, "tp {}", tp);
   const double n = static_cast<double>(n_tokens);
-  const double read = model.weight_bytes / tp / memory_rate(hw);
+  // A mixture of experts reads the experts some token picked.
+  const double bytes_read =
+      model.weight_bytes - model.expert_bytes + model.expert_bytes * model.experts_read(n_tokens);
+  const double read = bytes_read / tp / memory_rate(hw);
   const double compute = 2 * layer_matmul_params(model) * n / tp / compute_rate(hw);
   double all_reduce = 0;
   if (tp > 1) {
     const double bytes = n * static_cast<double>(model.n_embd) * kBf16Bytes;
     all_reduce = static_cast<double>(kAllReducesPerLayer * model.n_layers) *
                  ring_all_reduce_cost(hw, tp).seconds(bytes);
+    // Expert parallelism: each layer's picks, completed by one more all-reduce.
+    if (model.n_experts > 0) {
+      all_reduce +=
+          static_cast<double>(model.n_layers) *
+          ring_all_reduce_cost(hw, tp).seconds(bytes * static_cast<double>(model.n_experts_used));
+    }
   }
   return hw.step_overhead_s + std::max(read, compute) + all_reduce;
 }

@@ -3,10 +3,11 @@
 // the KV capacity).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 
-#include "sim/roofline.h"
 #include "common/error.h"
+#include "sim/roofline.h"
 #include "worker/kv/kv_cache.h"
 
 namespace duet::sim {
@@ -37,6 +38,36 @@ TEST(RooflineModelTest, BuiltInLlamaShapes) {
 
   const std::string message = error_of([] { named_model_shape("gpt-2"); });
   EXPECT_NE(message.find("llama-3-8b, llama-3-70b"), std::string::npos) << message;
+}
+
+// Qwen3-30B-A3B: 30.5B weights, 3.3B of them read by one token (config.json's shapes).
+TEST(RooflineModelTest, MixtureOfExpertsCountsEveryExpertAndReadsThePickedOnes) {
+  const ModelShape moe = named_model_shape("qwen3-30b-a3b");
+  EXPECT_NEAR(moe.n_params, 30.5e9, 0.1e9);
+  EXPECT_EQ(moe.n_experts, 128);
+  EXPECT_EQ(moe.n_experts_used, 8);
+  const double experts = 48.0 * 3 * 2048 * 768 * 128;
+  EXPECT_NEAR(moe.expert_bytes, 2 * experts, 1.0);
+  // One token reads 8 of 128 experts; 64 tokens almost all of them.
+  EXPECT_DOUBLE_EQ(moe.experts_read(1), 8.0 / 128);
+  EXPECT_NEAR(moe.experts_read(64), 1 - std::pow(120.0 / 128, 64), 1e-12);
+  EXPECT_GT(moe.experts_read(64), 0.98);
+  EXPECT_EQ(named_model_shape("llama-3-8b").experts_read(1), 1.0);
+
+  // A decode step of one token reads the dense part and 1/16 of the experts: far less than a
+  // step of 64 tokens, which reads them nearly all (on an H200, memory-bound at both).
+  const HardwareSpec hw = named_hardware("h200");
+  const double one = roofline_weights_seconds(hw, moe, 1, 1) - hw.step_overhead_s;
+  const double many = roofline_weights_seconds(hw, moe, 1, 64) - hw.step_overhead_s;
+  const double dense_bytes = moe.weight_bytes - moe.expert_bytes;
+  EXPECT_NEAR(one, (dense_bytes + moe.expert_bytes / 16) / (4.8e12 * 0.8), 1e-12);
+  EXPECT_GT(many, 5 * one);
+  // The profile keeps the mixture through its JSON.
+  const std::vector<int> tps = {1};
+  const Profile profile = profile_from_json(profile_json(roofline_profile(hw, moe, tps)));
+  EXPECT_EQ(profile.model.n_experts, 128);
+  EXPECT_EQ(profile.model.n_ff_exp, 768);
+  EXPECT_EQ(profile.model.expert_bytes, moe.expert_bytes);
 }
 
 TEST(RooflineModelTest, ShapeOfAConfigCountsTiedHeadsOnceAndUsesTheKvLayout) {
