@@ -104,8 +104,8 @@ class GgufReader:
 
     def floats(self, name):
         ne, ggml_type, offset = self.tensors[name]
-        assert ggml_type == F32 and len(ne) == 1, (name, ne, ggml_type)
-        return struct.unpack_from(f"<{ne[0]}f", self.data, self.data_offset + offset)
+        assert ggml_type == F32, (name, ne, ggml_type)
+        return struct.unpack_from(f"<{math.prod(ne)}f", self.data, self.data_offset + offset)
 
 
 def f16(block, offset):
@@ -236,7 +236,8 @@ class SyntheticModelTest(unittest.TestCase):
         self.assertEqual(m["tokenizer.ggml.merges"], ["\u0120 t"])
         self.assertTrue({"\u0120", "t", "\u0120t"} <= set(tokens))
 
-        n_per_layer = 9 + (3 if shape.qkv_bias else 0) + (2 if shape.qk_norm else 0)
+        n_per_layer = (9 + (3 if shape.qkv_bias else 0) + (2 if shape.qk_norm else 0)
+                       + (1 if shape.n_experts else 0))  # the router, and 3-D experts
         self.assertEqual(len(gguf.tensors), 2 + n_per_layer * n_layers + (0 if shape.tied else 1))
         self.assertEqual("output.weight" in gguf.tensors, not shape.tied)
         for i in range(n_layers):
@@ -247,6 +248,9 @@ class SyntheticModelTest(unittest.TestCase):
         self.assertEqual(m.get(arch + ".attention.key_length"), shape.head_dim or None)
         self.assertEqual(m.get(arch + ".attention.value_length"), shape.head_dim or None)
         self.assertEqual(m[arch + ".rope.dimension_count"], shape.head_size)
+        self.assertEqual(m.get(arch + ".expert_count"), shape.n_experts or None)
+        self.assertEqual(m.get(arch + ".expert_used_count"), shape.n_experts_used or None)
+        self.assertEqual(m.get(arch + ".expert_feed_forward_length"), shape.n_ff_exp or None)
         self.assertEqual(gguf.tensors["blk.0.attn_q.weight"][0][1], shape.n_heads * shape.head_size)
         plans = sm.tensor_plans(shape, sm.TYPES[type_name], n_layers)
         self.assertEqual(sorted(gguf.tensors), sorted(p.name for p in plans))
@@ -256,11 +260,12 @@ class SyntheticModelTest(unittest.TestCase):
             ne, ggml_type, offset = gguf.tensors[plan.name]
             self.assertEqual(ne, plan.ne, plan.name)
             self.assertEqual(ggml_type, plan.qtype.ggml_type, plan.name)
-            self.assertEqual(ggml_type == F32, len(ne) == 1, plan.name)
+            # F32: the vectors, and a mixture's router.
+            self.assertEqual(ggml_type == F32, len(ne) == 1 or "gate_inp" in plan.name, plan.name)
             self.assertEqual(offset % 32, 0, plan.name)
             elements, block_bytes = BLOCK_BYTES[ggml_type]
             self.assertEqual(ne[0] % elements, 0, plan.name)
-            n_blocks = ne[0] * (ne[1] if len(ne) > 1 else 1) // elements
+            n_blocks = math.prod(ne) // elements
             end = max(end, gguf.data_offset + offset + n_blocks * block_bytes)
             for i in sample_blocks(n_blocks):
                 self.assertEqual(gguf.block(plan.name, i), sm.expected_block(pools, plan, i),
@@ -426,6 +431,23 @@ class SyntheticModelTest(unittest.TestCase):
         self.assertEqual(len(gguf.floats("blk.0.attn_q_norm.weight")), 128)
         self.run_duet(path, "qwen3-0.6b")
 
+    def test_mixtures_of_experts_one_layer(self):
+        for shape_name in ("qwen3moe-30b-a3b", "mixtral-8x7b"):
+            shape = sm.SHAPES[shape_name]
+            path = self.generate(shape_name, "q4_0", 1)
+            gguf = self.check_file(path, shape_name, "q4_0", 1)
+            ne, ggml_type, _ = gguf.tensors["blk.0.ffn_down_exps.weight"]
+            self.assertEqual(ne, (shape.expert_ff, shape.n_embd, shape.n_experts))
+            self.assertEqual(gguf.tensors["blk.0.ffn_gate_inp.weight"][:2],
+                             ((shape.n_embd, shape.n_experts), F32))
+            router = gguf.floats("blk.0.ffn_gate_inp.weight")
+            self.assertTrue(0.1 < max(abs(x) for x in router) * math.sqrt(shape.n_embd) < 10)
+            self.run_duet(path, shape_name)
+            os.remove(path)
+        done = self.run_generator("qwen3moe-30b-a3b", "q4_k_m", 1, "-mix")[1]
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("mix for experts is not modelled", done.stderr)
+
     def test_token_rows_never_repeat(self):
         """No two tokens share a row of token_embd (tied here): a pool read straight through
         would repeat every POOL_BLOCKS rows, giving tokens t and t + 4,099 the same logit."""
@@ -454,9 +476,11 @@ class SyntheticModelTest(unittest.TestCase):
                                                  ("llama3.2-1b", 1235814400, 146),
                                                  ("qwen2.5-7b", 7615616512, 339),
                                                  ("qwen3-0.6b", 596049920, 310),
-                                                 ("qwen3-8b", 8190735360, 399)):
+                                                 ("qwen3-8b", 8190735360, 399),
+                                                 ("qwen3moe-30b-a3b", 30532122624, 579),
+                                                 ("mixtral-8x7b", 46702792704, 323)):
             shape = sm.SHAPES[shape_name]
-            for type_name in ("q4_0", "q4_k_m"):
+            for type_name in ("q4_0",) if shape.n_experts else ("q4_0", "q4_k_m"):
                 plans = sm.tensor_plans(shape, sm.TYPES[type_name], shape.n_layers)
                 self.assertEqual(sum(math.prod(p.ne) for p in plans), n_weights, shape_name)
                 self.assertEqual(len(plans), n_tensors, shape_name)
