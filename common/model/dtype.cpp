@@ -97,6 +97,7 @@ bool dtype_is_supported_weight(DType type) {
     case DType::kQ5_0:
     case DType::kQ8_0:
     case DType::kQ4_K:
+    case DType::kQ5_K:
     case DType::kQ6_K:
       return true;
     default:

@@ -58,6 +58,17 @@ struct BlockQ4_K {
   uint8_t qs[kSuperBlock / 2];
 };
 
+// Q4_K's layout (scales, mins and low nibbles alike) and a fifth bit per
+// element: bit s of qh[l] is the top bit (value 16) of element 32s + l, so
+// q in 0..31 and value = d * sc[s] * q - dmin * m[s].
+struct BlockQ5_K {
+  uint16_t d;     // half: scale of the sub-block scales
+  uint16_t dmin;  // half: scale of the sub-block mins
+  uint8_t scales[12];
+  uint8_t qh[kSuperBlock / 8];
+  uint8_t qs[kSuperBlock / 2];
+};
+
 // 16 sub-blocks of 16, value = d * scales[e / 16] * (q - 32), q in 0..63. In
 // each half h (128 elements) byte l < 32 of ql[64h..] holds the low 4 bits of
 // element 128h + l (low nibble) and 128h + 64 + l (high nibble), byte 32 + l
@@ -97,6 +108,7 @@ static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);
 static_assert(sizeof(BlockQ4_K) == 144);
+static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
 

@@ -40,6 +40,11 @@ using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 //    sub-block s, added as mins[t] = fma(-d_x * dmin_w, float(t), mins[t]).
 //    Result: hsum(acc) + ((mins[0] + mins[2]) + (mins[1] + mins[3])), hsum
 //    being (l, l+4), then (0+2)+(1+3).
+//  - Q5_K x Q8_K (llama.cpp's AVX2 ggml_vec_dot_q5_K_q8_K): Q4_K's int32
+//    lanes and acc over the 5-bit q; the mins summed exactly into one int32
+//    t = sum over s of m[s] * ys[s], then one float per row, sm =
+//    fma(-d_x * dmin_w, float(t), sm) (llama.cpp's `summs += dmin * t`, which
+//    its FMA builds contract). Result: hsum(acc) + sm.
 //  - Q6_K x Q8_K (ggml_vec_dot_q6_K_q8_K): per 256-block, 8 int32 lanes,
 //    lane l = sum over 32-element chunks c of sc[2c + l / 4] * (the dot of
 //    the unsigned 6-bit q with x over elements 32c + 4l .. 32c + 4l + 3),
@@ -106,6 +111,7 @@ struct KernelTable {
   DotTileFn dot_q5_0;  // Q5_0 weights, Q8_0 activations
   DotTileFn dot_bf16;  // BF16 weights, BF16 activations
   DotTileFn dot_q4_k;  // Q4_K weights, Q8_K activations
+  DotTileFn dot_q5_k;  // Q5_K weights, Q8_K activations
   DotTileFn dot_q6_k;  // Q6_K weights, Q8_K activations
   // Q4_0 weights interleaved by 8 rows (interleave.h), Q8_0 activations.
   DotTileFn dot_q4_0x8;

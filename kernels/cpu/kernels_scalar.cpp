@@ -136,6 +136,13 @@ inline int32_t q4_k_at(const BlockQ4_K& b, int e) {
   return r < 32 ? (b.qs[32 * g + r] & 0x0f) : (b.qs[32 * g + r - 32] >> 4);
 }
 
+// The 5-bit value (0..31) of Q5_K element e: Q4_K's nibble and bit e / 32 of qh[e % 32].
+inline int32_t q5_k_at(const BlockQ5_K& b, int e) {
+  const int g = e / 64, r = e % 64;
+  const int32_t low = r < 32 ? (b.qs[32 * g + r] & 0x0f) : (b.qs[32 * g + r - 32] >> 4);
+  return low | (((b.qh[e % 32] >> (e / 32)) & 1) << 4);
+}
+
 // Q6_K element e as stored, unsigned (0..63).
 inline int32_t q6_k_at(const BlockQ6_K& b, int e) {
   const int h = e / 128, part = (e % 128) / 32, l = e % 32;
@@ -168,6 +175,30 @@ float dot_row_q4_k(const uint8_t* w, const uint8_t* x, int64_t k) {
     }
   }
   return sum_lanes8(acc) + ((mins[0] + mins[2]) + (mins[1] + mins[3]));
+}
+
+// ggml_vec_dot_q5_K_q8_K's AVX2 order (kernel_table.h).
+float dot_row_q5_k(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const BlockQ5_K*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
+  float acc[8] = {}, mins = 0.0f;
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    const float d = xb[b].d * fp16_to_fp32(wb[b].d);
+    const float dmin = -xb[b].d * fp16_to_fp32(wb[b].dmin);
+    uint8_t sc[8], m[8];
+    for (int s = 0; s < 8; ++s) q4_k_scale_min(wb[b].scales, s, &sc[s], &m[s]);
+    int32_t term = 0;
+    for (int s = 0; s < 8; ++s) term += m[s] * (xb[b].bsums[2 * s] + xb[b].bsums[2 * s + 1]);
+    mins = std::fma(dmin, static_cast<float>(term), mins);
+    for (int l = 0; l < 8; ++l) {
+      int32_t lane = 0;
+      for (int s = 0; s < 8; ++s) {
+        lane += sc[s] * lane_dot([&](int e) { return q5_k_at(wb[b], e); }, xb[b].qs, s, l);
+      }
+      acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
+    }
+  }
+  return sum_lanes8(acc) + mins;
 }
 
 // ggml_vec_dot_q6_K_q8_K's AVX2 order (kernel_table.h).
@@ -279,6 +310,7 @@ constexpr KernelTable kScalarTable = {
     .dot_q5_0 = dot_tile<dot_row_q5_0>,
     .dot_bf16 = dot_tile<dot_row_bf16>,
     .dot_q4_k = dot_tile<dot_row_q4_k>,
+    .dot_q5_k = dot_tile<dot_row_q5_k>,
     .dot_q6_k = dot_tile<dot_row_q6_k>,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = false,

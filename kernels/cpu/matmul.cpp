@@ -65,6 +65,8 @@ DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type) {
       return kernels.dot_bf16;
     case DType::kQ4_K:
       return kernels.dot_q4_k;
+    case DType::kQ5_K:
+      return kernels.dot_q5_k;
     case DType::kQ6_K:
       return kernels.dot_q6_k;
     default:
@@ -131,6 +133,7 @@ DType activation_type(DType weight_type) {
     case DType::kBF16:
       return DType::kBF16;
     case DType::kQ4_K:
+    case DType::kQ5_K:
     case DType::kQ6_K:
       return DType::kQ8_K;
     default:

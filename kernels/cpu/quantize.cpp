@@ -168,6 +168,54 @@ void quantize_row_q4_k(const float* x, void* out, int64_t n) {
   }
 }
 
+// Q4_K's simplified quantizer (above) with 31 levels: each sub-block of 32
+// takes scale (max - min) / 31; the fifth bit of each q goes to qh.
+void quantize_row_q5_k(const float* x, void* out, int64_t n) {
+  DUET_ASSERT(n % kSuperBlock == 0);
+  auto* blocks = static_cast<BlockQ5_K*>(out);
+  for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+    const float* xb = x + b * kSuperBlock;
+    BlockQ5_K& y = blocks[b];
+    y = BlockQ5_K{};
+    float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
+    for (int s = 0; s < 8; ++s) {
+      const auto [lo_it, hi_it] = std::minmax_element(xb + 32 * s, xb + 32 * s + 32);
+      const float lo = std::min(0.0f, *lo_it);
+      scales[s] = (*hi_it - lo) / 31.0f;
+      mins[s] = -lo;
+      max_scale = std::max(max_scale, scales[s]);
+      max_min = std::max(max_min, mins[s]);
+    }
+    const float inv_scale = max_scale > 0.0f ? 63.0f / max_scale : 0.0f;
+    const float inv_min = max_min > 0.0f ? 63.0f / max_min : 0.0f;
+    uint8_t ls[8], lm[8];
+    for (int s = 0; s < 8; ++s) {
+      ls[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_scale * scales[s])));
+      lm[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_min * mins[s])));
+    }
+    pack_q4_k_scales(ls, lm, y.scales);
+    y.d = fp32_to_fp16(max_scale / 63.0f);
+    y.dmin = fp32_to_fp16(max_min / 63.0f);
+    uint8_t q[kSuperBlock] = {};
+    for (int s = 0; s < 8; ++s) {
+      uint8_t sc = 0, m = 0;
+      q4_k_scale_min(y.scales, s, &sc, &m);
+      const float d = fp16_to_fp32(y.d) * sc;
+      if (d == 0.0f) continue;
+      const float dm = fp16_to_fp32(y.dmin) * m;
+      for (int e = 32 * s; e < 32 * s + 32; ++e) {
+        q[e] = static_cast<uint8_t>(std::clamp(nearest_int((xb[e] + dm) / d), 0, 31));
+      }
+    }
+    for (int e = 0; e < kSuperBlock; ++e) {
+      const int g = e / 64, r = e % 64;
+      const auto low = static_cast<uint8_t>(q[e] & 15);
+      y.qs[32 * g + r % 32] |= r < 32 ? low : static_cast<uint8_t>(low << 4);
+      y.qh[e % 32] |= static_cast<uint8_t>((q[e] >> 4) << (e / 32));
+    }
+  }
+}
+
 // ggml's quantize_row_q6_K_ref with the plain rounding of make_qx_quants
 // (rmse_type 0) per sub-block of 16: the element of largest magnitude maps
 // to -32; the sub-block scales are quantized to int8 against the largest.
@@ -320,6 +368,33 @@ void dequantize_row(DType type, const void* row, float* out, int64_t n) {
       }
       return;
     }
+    case DType::kQ5_K: {  // ggml's dequantize_row_q5_K
+      const auto* blocks = static_cast<const BlockQ5_K*>(row);
+      for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+        const float d = fp16_to_fp32(blocks[b].d);
+        const float min = fp16_to_fp32(blocks[b].dmin);
+        const uint8_t* qh = blocks[b].qh;
+        float* o = out + b * kSuperBlock;
+        for (int g = 0; g < 4; ++g) {
+          const uint8_t* q = blocks[b].qs + 32 * g;
+          uint8_t sc = 0, m = 0;
+          q4_k_scale_min(blocks[b].scales, 2 * g, &sc, &m);
+          const float d1 = d * sc, m1 = min * m;
+          q4_k_scale_min(blocks[b].scales, 2 * g + 1, &sc, &m);
+          const float d2 = d * sc, m2 = min * m;
+          const int lo_bit = 2 * g, hi_bit = 2 * g + 1;
+          for (int l = 0; l < 32; ++l) {
+            const int value = (q[l] & 15) + (((qh[l] >> lo_bit) & 1) << 4);
+            o[64 * g + l] = d1 * static_cast<float>(value) - m1;
+          }
+          for (int l = 0; l < 32; ++l) {
+            const int value = (q[l] >> 4) + (((qh[l] >> hi_bit) & 1) << 4);
+            o[64 * g + 32 + l] = d2 * static_cast<float>(value) - m2;
+          }
+        }
+      }
+      return;
+    }
     case DType::kQ6_K: {  // ggml's dequantize_row_q6_K
       const auto* blocks = static_cast<const BlockQ6_K*>(row);
       for (int64_t b = 0; b < n / kSuperBlock; ++b) {
@@ -387,6 +462,9 @@ void quantize_row(DType type, const float* x, void* out, int64_t n) {
       return;
     case DType::kQ4_K:
       quantize_row_q4_k(x, out, n);
+      return;
+    case DType::kQ5_K:
+      quantize_row_q5_k(x, out, n);
       return;
     case DType::kQ6_K:
       quantize_row_q6_k(x, out, n);

@@ -25,13 +25,14 @@ void quantize_row_q4_1(const float* x, void* out, int64_t n);
 // Simple K-quant weight quantizers for tests (n a multiple of 256): valid
 // blocks that dequantize close to x, not ggml's error-minimizing search.
 void quantize_row_q4_k(const float* x, void* out, int64_t n);
+void quantize_row_q5_k(const float* x, void* out, int64_t n);
 void quantize_row_q6_k(const float* x, void* out, int64_t n);
 
 void convert_row_f16(const float* x, void* out, int64_t n);
 void convert_row_bf16(const float* x, void* out, int64_t n);
 
 // Any row of a supported stored type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0,
-// Q8_1, Q4_K, Q6_K, Q8_K) to floats.
+// Q8_1, Q4_K, Q5_K, Q6_K, Q8_K) to floats.
 void dequantize_row(DType type, const void* row, float* out, int64_t n);
 
 // Quantizes a row of any of those types (test helper).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Make tiny random Llama GGUF models with BF16, Q4_K, Q6_K and Q5_0 weights and their llama.cpp logits.
+"""Make tiny random Llama GGUF models with BF16, Q4_K, Q5_K, Q6_K and Q5_0 weights and their llama.cpp logits.
 
 Writes tests/fixtures/tiny_kquant/tiny_*.gguf and tests/golden/tiny_kquant_models.json.
 
@@ -19,6 +19,9 @@ BF16 takes 2 bytes a weight and needs no multiple of 256, so its model is smalle
                                                           ffn_gate/ffn_up Q4_K, ffn_down Q6_K
     tiny_q5_0_gqa_untied   256    512  2         separate Q5_0 everywhere (Gemma 3's type, and
                                                           Q4_K's fallback for rows not of 256)
+    tiny_q5_k_gqa_untied   256    512  2         separate Q5_K everywhere (Q5_K_M's main type;
+                                                          token_embd and output named, as
+                                                          llama-quantize's Q5_K_S would not)
 
 All: n_layer 1, n_head 4, context_length 256, rope base 10000, rms eps 1e-5, norm
 weights F32. Weights are drawn as in make_tiny_models.py (seed [20240, 100 + model
@@ -75,8 +78,8 @@ N_LAYER = 1
 SEED_BASE = 100  # weights seed [20240, SEED_BASE + model index], apart from make_tiny_models.py's
 
 # llama_ftype values (llama.h) and ggml types (gguf.GGMLQuantizationType numbering).
-FTYPE_Q5_0, FTYPE_Q4_K_S, FTYPE_Q6_K, FTYPE_BF16 = 8, 14, 18, 32
-GGML = {"F32": 0, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
+FTYPE_Q5_0, FTYPE_Q4_K_S, FTYPE_Q5_K_S, FTYPE_Q6_K, FTYPE_BF16 = 8, 14, 16, 18, 32
+GGML = {"F32": 0, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 
 # (name, n_embd, n_ff, n_head_kv, tied, ftype, token_embd type or None, [(regex, type)])
 MODELS = [
@@ -86,6 +89,7 @@ MODELS = [
     ("tiny_mixed_gqa_tied", 256, 512, 2, True, FTYPE_Q4_K_S, "Q6_K",
      [("attn_k", "BF16"), ("attn_v", "Q6_K"), ("attn_output", "Q8_0"), ("ffn_down", "Q6_K")]),
     ("tiny_q5_0_gqa_untied", 256, 512, 2, False, FTYPE_Q5_0, None, []),
+    ("tiny_q5_k_gqa_untied", 256, 512, 2, False, FTYPE_Q5_K_S, "Q5_K", [("output", "Q5_K")]),
 ]
 
 

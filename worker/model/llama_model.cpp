@@ -114,7 +114,7 @@ void LlamaModel::require_weight_type(const GgufTensorInfo& t) const {
   if (dtype_is_supported_weight(t.type)) return;
   throw Error(ErrorKind::kUnsupported,
               duet::format("{}: tensor {} has weight type {}, which is not supported "
-                           "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)",
+                           "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K)",
                            file_.name(), t.name, dtype_name(t.type)));
 }
 

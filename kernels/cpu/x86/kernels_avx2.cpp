@@ -263,6 +263,7 @@ constexpr KernelTable kAvx2Table = {
     .dot_q5_0 = dot_q5_0,
     .dot_bf16 = dot_bf16_x86,
     .dot_q4_k = dot_q4_k_x86,
+    .dot_q5_k = dot_q5_k_x86,
     .dot_q6_k = dot_q6_k_x86,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = true,

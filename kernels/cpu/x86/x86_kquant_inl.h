@@ -1,4 +1,4 @@
-// BF16 and K-quant (Q4_K, Q6_K) dot products for the x86 paths, in the orders
+// BF16 and K-quant (Q4_K, Q5_K, Q6_K) dot products for the x86 paths, in the orders
 // kernel_table.h fixes. Included into the AVX2 and the AVX-512 translation
 // units (internal linkage), each compiling it with its own instruction set:
 //  - BF16 keeps its 16 float lanes in two 256-bit registers under AVX2 and in
@@ -187,7 +187,15 @@ struct Q4KFormat {
   static Acc zero() { return {_mm256_setzero_ps(), _mm_setzero_ps()}; }
 
   static void unpack(const WeightBlock& b, Unpacked* u) {
-    // ggml's unpacking of the 6-bit scales (bytes 0-7) and mins (bytes 8-15).
+    __m256i q[8];
+    unpack_nibbles(b.qs, q);
+    unpack_scales(b, q, u);
+  }
+
+  // Q4_K's and Q5_K's scales and mins (ggml's unpacking of the 6-bit scales,
+  // bytes 0-7, and mins, bytes 8-15), with the chunks' weights q.
+  template <typename Block, typename Out>
+  static void unpack_scales(const Block& b, const __m256i* q, Out* u) {
     constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     uint32_t utmp[4];
     std::memcpy(utmp, b.scales, 12);
@@ -199,13 +207,7 @@ struct Q4KFormat {
     uint8_t sc_m[16];
     std::memcpy(sc_m, utmp, 16);
     u->mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc_m + 8)));
-    __m256i q[8], scale[8];
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int g = 0; g < 4; ++g) {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * g));
-      q[2 * g] = _mm256_and_si256(bits, m4);
-      q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-    }
+    __m256i scale[8];
     for (int c = 0; c < 8; ++c) scale[c] = _mm256_set1_epi16(sc_m[c]);
     pack_chunks(q, u->q);
     pack_chunks(scale, u->scale);
@@ -213,13 +215,28 @@ struct Q4KFormat {
     u->dmin = half_to_float(b.dmin);
   }
 
-  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
-    const __m256i lanes = sum_chunks(w.q, w.scale, x);
-    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
+  // The low nibbles of chunks 2g (low halves of bytes) and 2g + 1 (high halves).
+  static void unpack_nibbles(const uint8_t* qs, __m256i* q) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int g = 0; g < 4; ++g) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g));
+      q[2 * g] = _mm256_and_si256(bits, m4);
+      q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+    }
+  }
+
+  // The 8 sub-blocks' mins times the Q8_K sub-block sums: 4 exact int32 pairs.
+  static __m128i min_products(const __m128i& mins, const BlockQ8_K& x) {
     const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums));
     const __m128i sums32 =
         _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-    const __m128i prod = _mm_madd_epi16(w.mins, sums32);
+    return _mm_madd_epi16(mins, sums32);
+  }
+
+  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
+    const __m256i lanes = sum_chunks(w.q, w.scale, x);
+    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
+    const __m128i prod = min_products(w.mins, x);
     acc->m = _mm_fmadd_ps(_mm_set1_ps(-x.d * w.dmin), _mm_cvtepi32_ps(prod), acc->m);
   }
 
@@ -228,6 +245,42 @@ struct Q4KFormat {
     m = _mm_add_ss(m, _mm_movehdup_ps(m));
     return hsum_ps(acc.v) + _mm_cvtss_f32(m);
   }
+};
+
+// Q5_K: Q4_K's chunks with each element's fifth bit (bit c of qh[l] for
+// chunk c) added as 16; the mins' products summed exactly, then one float per
+// row adds d_min times their sum by an FMA (kernel_table.h).
+struct Q5KFormat {
+  using WeightBlock = BlockQ5_K;
+  using Unpacked = Q4KFormat::Unpacked;
+  struct Acc {
+    __m256 v;
+    float m;
+  };
+  static Acc zero() { return {_mm256_setzero_ps(), 0.0f}; }
+
+  static void unpack(const WeightBlock& b, Unpacked* u) {
+    __m256i q[8];
+    Q4KFormat::unpack_nibbles(b.qs, q);
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int c = 0; c < 8; ++c) {
+      const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, c), one);
+      q[c] = _mm256_or_si256(q[c], _mm256_slli_epi16(bit, 4));
+    }
+    Q4KFormat::unpack_scales(b, q, u);
+  }
+
+  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
+    const __m256i lanes = sum_chunks(w.q, w.scale, x);
+    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
+    __m128i prod = Q4KFormat::min_products(w.mins, x);
+    prod = _mm_add_epi32(prod, _mm_unpackhi_epi64(prod, prod));
+    prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 1));
+    acc->m = std::fma(-x.d * w.dmin, static_cast<float>(_mm_cvtsi128_si32(prod)), acc->m);
+  }
+
+  static float finish(const Acc& acc) { return hsum_ps(acc.v) + acc.m; }
 };
 
 // Q6_K: chunk c covers sub-blocks 2c (lanes 0-3) and 2c + 1 (lanes 4-7); the
@@ -309,6 +362,8 @@ struct KQuantTile {
 
 template <int NX>
 using Q4KTile = KQuantTile<Q4KFormat>::Tile<NX>;
+template <int NX>
+using Q5KTile = KQuantTile<Q5KFormat>::Tile<NX>;
 template <int NX>
 using Q6KTile = KQuantTile<Q6KFormat>::Tile<NX>;
 
@@ -396,6 +451,11 @@ void dot_kquant(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
 void dot_q4_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                   int64_t n_x, int64_t k, float* y, int64_t ldy) {
   dot_kquant<Q4KFormat, Q4KTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+void dot_q5_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_kquant<Q5KFormat, Q5KTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q6_k_x86(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,

@@ -1,4 +1,4 @@
-// BF16, Q4_K and Q6_K weights (and their activation types BF16 and Q8_K):
+// BF16, Q4_K, Q5_K and Q6_K weights (and their activation types BF16 and Q8_K):
 // the block layouts against hand-built blocks and hand-computed values, the
 // Q8_K quantizer against llama.cpp's rounding, matmul on every ISA path
 // against a double reference computed from the dequantized inputs, every
@@ -181,7 +181,7 @@ TEST(KQuantBlocks, SimpleQuantizersStayClose) {
   std::mt19937 rng(12);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t n = 2 * kSuperBlock;
-  for (DType type : {DType::kQ4_K, DType::kQ6_K}) {
+  for (DType type : {DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
     for (float offset : {0.0f, 0.5f, -0.5f}) {
       std::vector<float> x(n), back(n);
       for (float& v : x) v = normal(rng) + offset;
@@ -193,9 +193,9 @@ TEST(KQuantBlocks, SimpleQuantizersStayClose) {
         err += (x[i] - back[i]) * (x[i] - back[i]);
         norm += x[i] * x[i];
       }
-      // Relative RMS error of a 4-bit (6-bit) format with 6-bit (8-bit) scales.
-      EXPECT_LT(std::sqrt(err / norm), type == DType::kQ4_K ? 0.12 : 0.03)
-          << dtype_name(type) << " offset " << offset;
+      // Relative RMS error of a 4-bit (5-bit, 6-bit) format with 6-bit (6-bit, 8-bit) scales.
+      const double bound = type == DType::kQ4_K ? 0.12 : type == DType::kQ5_K ? 0.06 : 0.03;
+      EXPECT_LT(std::sqrt(err / norm), bound) << dtype_name(type) << " offset " << offset;
     }
     std::vector<float> zeros(n, 0.0f), back(n, 1.0f);
     std::vector<uint8_t> bytes(dtype_row_bytes(type, n));
@@ -342,6 +342,13 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
         std::memset(blk.scales, j % 2 ? 0xff : 0x3f,
                     sizeof(blk.scales));  // sc = m = 63 (or low bits)
         std::memset(blk.qs, j < 2 ? 0xff : 0x0f, sizeof(blk.qs));
+      } else if (type == DType::kQ5_K) {
+        auto& blk = reinterpret_cast<BlockQ5_K*>(row)[b];
+        blk.d = fp32_to_fp16(0.01f);
+        blk.dmin = fp32_to_fp16(0.02f);
+        std::memset(blk.scales, j % 2 ? 0xff : 0x3f, sizeof(blk.scales));
+        std::memset(blk.qs, j < 2 ? 0xff : 0x0f, sizeof(blk.qs));
+        std::memset(blk.qh, j < 2 ? 0xff : 0x00, sizeof(blk.qh));  // q = 31 or 15
       } else {
         auto& blk = reinterpret_cast<BlockQ6_K*>(row)[b];
         blk.d = fp32_to_fp16(0.01f);
@@ -378,7 +385,8 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
 }
 
 INSTANTIATE_TEST_SUITE_P(KQuantTypes, KQuantExtremeTest,
-                         ::testing::Values(DType::kQ4_K, DType::kQ6_K), dtype_param_name);
+                         ::testing::Values(DType::kQ4_K, DType::kQ5_K, DType::kQ6_K),
+                         dtype_param_name);
 
 // Row i of a batch is bitwise the row computed alone or in any smaller batch
 // at any position, with any thread count; any split of the weight rows gives
@@ -412,7 +420,7 @@ TEST_P(KQuantMatmulTest, DotTileSplitsAreBitIdentical) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WeightTypes, KQuantMatmulTest,
-                         ::testing::Values(DType::kBF16, DType::kQ4_K, DType::kQ6_K),
+                         ::testing::Values(DType::kBF16, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K),
                          dtype_param_name);
 
 TEST(KQuantMatmul, OnePackServesEveryWeightType) {
@@ -438,12 +446,13 @@ TEST(KQuantMatmul, OnePackServesEveryWeightType) {
 TEST(KQuantMatmul, TypesAreWired) {
   EXPECT_EQ(activation_type(DType::kBF16), DType::kBF16);
   EXPECT_EQ(activation_type(DType::kQ4_K), DType::kQ8_K);
+  EXPECT_EQ(activation_type(DType::kQ5_K), DType::kQ8_K);
   EXPECT_EQ(activation_type(DType::kQ6_K), DType::kQ8_K);
-  EXPECT_THROW(activation_type(DType::kQ5_K), std::exception);
-  for (DType type : {DType::kBF16, DType::kQ4_K, DType::kQ6_K}) {
+  EXPECT_THROW(activation_type(DType::kQ3_K), std::exception);
+  for (DType type : {DType::kBF16, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
     EXPECT_TRUE(dtype_is_supported_weight(type)) << dtype_name(type);
   }
-  for (DType type : {DType::kQ2_K, DType::kQ3_K, DType::kQ5_K, DType::kQ8_K}) {
+  for (DType type : {DType::kQ2_K, DType::kQ3_K, DType::kQ8_K}) {
     EXPECT_FALSE(dtype_is_supported_weight(type)) << dtype_name(type);
   }
 }

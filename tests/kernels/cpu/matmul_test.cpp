@@ -265,7 +265,8 @@ TEST(Matmul, ActivationTypes) {
   EXPECT_EQ(activation_type(DType::kQ4_K), DType::kQ8_K);
   EXPECT_EQ(activation_type(DType::kQ6_K), DType::kQ8_K);
   EXPECT_EQ(activation_type(DType::kBF16), DType::kBF16);
-  EXPECT_THROW(activation_type(DType::kQ5_K), std::exception);
+  EXPECT_EQ(activation_type(DType::kQ5_K), DType::kQ8_K);
+  EXPECT_THROW(activation_type(DType::kQ3_K), std::exception);
 }
 
 }  // namespace
