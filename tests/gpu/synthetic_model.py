@@ -22,7 +22,7 @@ holds the pool over and over, so an 8B model takes the disk's time.
     synthetic_model.py --shape qwen3-8b --type q4_0 --layers 4 --out qwen3-4-layers.gguf
     synthetic_model.py --shape qwen3moe-30b-a3b --type q4_0 --layers 8 --out moe.gguf
 
-Types: q4_0, q4_1, q8_0, q4_k and q6_k put every matrix in that type (as
+Types: q4_0, q4_1, q8_0, q4_k, q5_k and q6_k put every matrix in that type (as
 `llama-quantize --pure` would); q4_k_m is the mix llama.cpp's quantizer makes
 for Q4_K_M (see matrix_type). K-quants need rows that are multiples of 256:
 where a row is not, the type falls back as llama.cpp's does (Q6_K to Q8_0),
@@ -137,14 +137,16 @@ F32_TYPE = QuantType("F32", 0, 1, 4)
 Q4_0 = QuantType("Q4_0", 2, 32, 18)
 Q4_1 = QuantType("Q4_1", 3, 32, 20)
 Q5_0 = QuantType("Q5_0", 6, 32, 22)  # Q4_K's fallback
+Q5_1 = QuantType("Q5_1", 7, 32, 24)  # Q5_K's fallback (Duet does not read it)
 Q8_0 = QuantType("Q8_0", 8, 32, 34)
 Q4_K = QuantType("Q4_K", 12, 256, 144)
+Q5_K = QuantType("Q5_K", 13, 256, 176)
 Q6_K = QuantType("Q6_K", 14, 256, 210)
 
 # llama.cpp's tensor_type_fallback (src/llama-quant.cpp) for a row length
 # that is not a multiple of the type's block.
-FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
-READABLE_BY_DUET = {F32_TYPE, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K}
+FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
+READABLE_BY_DUET = {F32_TYPE, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K}
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ TYPES = {t.name: t for t in (
     FileType("q4_1", 3, Q4_1),  # LLAMA_FTYPE_MOSTLY_Q4_1
     FileType("q8_0", 7, Q8_0),  # LLAMA_FTYPE_MOSTLY_Q8_0
     FileType("q4_k", 14, Q4_K),  # LLAMA_FTYPE_MOSTLY_Q4_K_S, every matrix Q4_K
+    FileType("q5_k", 16, Q5_K),  # LLAMA_FTYPE_MOSTLY_Q5_K_S, every matrix Q5_K
     FileType("q6_k", 18, Q6_K),  # LLAMA_FTYPE_MOSTLY_Q6_K
     FileType("q4_k_m", 15, Q4_K, q4_k_m_mix=True),  # LLAMA_FTYPE_MOSTLY_Q4_K_M
 )}
@@ -321,6 +324,7 @@ def no_minus_128(raw):
 
 # Root mean squares of the K-quant codes drawn below (uniform integers).
 SD_4BIT = math.sqrt((16 ** 2 - 1) / 12)  # q - 7.5 for q in 0..15: 4.61
+SD_5BIT = math.sqrt((32 ** 2 - 1) / 12)  # q - 15.5 for q in 0..31: 9.23
 SD_6BIT = math.sqrt((64 ** 2 - 1) / 12 + 0.25)  # q - 32 for q in 0..63 (mean -0.5): 18.48
 Q4_K_SCALES = range(32, 64)  # 6-bit sub-block scales; rms 48.4
 Q6_K_SCALES = range(64, 128)  # int8 sub-block scale magnitudes; rms 97.3
@@ -381,6 +385,11 @@ def make_pool(key):
             sc = [rng.choice(Q4_K_SCALES) for _ in range(8)]
             blocks.append(half(d) + half(7.5 * d) + pack_q4_k_scales(sc, sc)
                           + rng.randbytes(128))
+        elif ggml_type == Q5_K.ggml_type:  # Q4_K's, with q in 0..31 (qh) centred by 15.5 d
+            d = sigma / (SD_5BIT * sc_rms) * jitter
+            sc = [rng.choice(Q4_K_SCALES) for _ in range(8)]
+            blocks.append(half(d) + half(15.5 * d) + pack_q4_k_scales(sc, sc)
+                          + rng.randbytes(32) + rng.randbytes(128))
         elif ggml_type == Q6_K.ggml_type:
             # d * scales[s] * (q - 32), q uniform in 0..63; scales of either sign.
             d = sigma / (SD_6BIT * q6_rms) * jitter

@@ -34,10 +34,11 @@ import synthetic_model as sm  # noqa: E402
 SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                   10: "<Q", 11: "<q", 12: "<d"}
 STRING_TYPE, ARRAY_TYPE = 8, 9
-F32, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 0, 2, 3, 6, 8, 12, 14  # ggml types
+F32, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 0, 2, 3, 6, 8, 12, 13, 14  # ggml types
 BLOCK_BYTES = {F32: (1, 4), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
-               Q4_K: (256, 144), Q6_K: (256, 210)}  # ggml type: elements, bytes
-FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q4_k_m": 15, "q6_k": 18}  # llama_ftype
+               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}  # ggml type: elements, bytes
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q4_k_m": 15, "q5_k": 16,
+              "q6_k": 18}  # llama_ftype
 
 
 class GgufReader:
@@ -143,6 +144,19 @@ def dequantize(ggml_type, block):
             q = qs[32 * j:32 * j + 32]
             y += [d * sc1 * (b & 15) - dmin * m1 for b in q]
             y += [d * sc2 * (b >> 4) - dmin * m2 for b in q]
+        return y
+    if ggml_type == Q5_K:  # Q4_K's, then qh[32] before qs[128]: bit s of qh[l] adds 16
+        d, dmin, scales = f16(block, 0), f16(block, 2), block[4:16]
+        qh, qs = block[16:48], block[48:176]
+        y = []
+        for j in range(4):
+            sc1, m1 = scale_min_k4(2 * j, scales)
+            sc2, m2 = scale_min_k4(2 * j + 1, scales)
+            q = qs[32 * j:32 * j + 32]
+            y += [d * sc1 * ((b & 15) | (qh[l] >> (2 * j) & 1) << 4) - dmin * m1
+                  for l, b in enumerate(q)]
+            y += [d * sc2 * ((b >> 4) | (qh[l] >> (2 * j + 1) & 1) << 4) - dmin * m2
+                  for l, b in enumerate(q)]
         return y
     if ggml_type == Q6_K:  # ql[128]; qh[64]; int8 scales[16]; half d (last)
         ql, qh = block[0:128], block[128:192]
@@ -324,16 +338,23 @@ class SyntheticModelTest(unittest.TestCase):
                 self.assertEqual(t, expected, name)
             self.run_duet(path, "smollm2-135m")
 
-    def test_q4_k_and_q6_k_plans(self):
-        """q4_k and q6_k put every matrix in their type where the rows allow it."""
+    def test_q4_k_q5_k_and_q6_k_plans(self):
+        """q4_k, q5_k and q6_k put every matrix in their type where the rows allow it."""
         for shape_name in ("llama3.2-1b", "qwen2.5-7b", "llama3-8b"):
             shape = sm.SHAPES[shape_name]
-            for type_name, ggml_type in (("q4_k", Q4_K), ("q6_k", Q6_K)):
+            for type_name, ggml_type in (("q4_k", Q4_K), ("q5_k", Q5_K), ("q6_k", Q6_K)):
                 keys = {k: v for k, _, v in sm.metadata(shape_name, shape, type_name, 2)}
                 self.assertEqual(keys["general.file_type"], FILE_TYPES[type_name])
                 for p in sm.tensor_plans(shape, sm.TYPES[type_name], 2):
                     self.assertEqual(p.qtype.ggml_type, F32 if len(p.ne) == 1 else ggml_type,
                                      (shape_name, p.name))
+
+    def test_llama3_2_1b_q5_k_one_layer(self):
+        path = self.generate("llama3.2-1b", "q5_k", 1)
+        gguf = self.check_file(path, "llama3.2-1b", "q5_k", 1)
+        for name, t in self.types(gguf).items():
+            self.assertEqual(t, F32 if "norm" in name else Q5_K, name)
+        self.run_duet(path, "llama3.2-1b")
 
     def test_llama3_2_1b_q4_k_m_two_layers(self):
         """Tied: token_embd is the output head, so Q6_K; attn_v and ffn_down Q6_K in layer 1."""
@@ -385,7 +406,7 @@ class SyntheticModelTest(unittest.TestCase):
 
     def test_block_statistics(self):
         """Each type's pool blocks decode to values of sd ~1/sqrt(fan_in), mean ~0, in range."""
-        for ggml_type in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K):
+        for ggml_type in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K):
             for fan_in in (2048, 18944):
                 pool = sm.Pools().pool((ggml_type, fan_in))
                 size = BLOCK_BYTES[ggml_type][1]
@@ -401,7 +422,7 @@ class SyntheticModelTest(unittest.TestCase):
                 bound = {Q4_0: 0.15, Q5_0: 0.08}.get(ggml_type, 0.05)
                 self.assertLess(abs(mean), bound * sigma, (ggml_type, fan_in, mean))
                 for b in blocks:
-                    if ggml_type == Q4_K:
+                    if ggml_type in (Q4_K, Q5_K):
                         self.assertGreater(f16(b, 0), 0)
                         self.assertGreater(f16(b, 2), 0)
                         for j in range(8):
