@@ -122,44 +122,54 @@ void pack_q4_k_scales(const uint8_t* ls, const uint8_t* lm, uint8_t* scales) {
 }  // namespace
 
 // ggml's quantize_row_q4_K_ref without its search for the best scale and min
-// per sub-block: each sub-block of 32 takes scale (max - min) / 15 and min
+// per sub-block: each sub-block of 32 takes scale (max - min) / max_q and min
 // min(0, smallest), then both are quantized to 6 bits against the largest.
+// Fills the block's d, dmin and scales and q (256 codes, 0..max_q).
+namespace {
+
+template <typename Block>
+void quantize_k_block(const float* xb, int max_q, Block& y, uint8_t* q) {
+  float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
+  for (int s = 0; s < 8; ++s) {
+    const auto [lo_it, hi_it] = std::minmax_element(xb + 32 * s, xb + 32 * s + 32);
+    const float lo = std::min(0.0f, *lo_it);
+    scales[s] = (*hi_it - lo) / static_cast<float>(max_q);
+    mins[s] = -lo;
+    max_scale = std::max(max_scale, scales[s]);
+    max_min = std::max(max_min, mins[s]);
+  }
+  const float inv_scale = max_scale > 0.0f ? 63.0f / max_scale : 0.0f;
+  const float inv_min = max_min > 0.0f ? 63.0f / max_min : 0.0f;
+  uint8_t ls[8], lm[8];
+  for (int s = 0; s < 8; ++s) {
+    ls[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_scale * scales[s])));
+    lm[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_min * mins[s])));
+  }
+  pack_q4_k_scales(ls, lm, y.scales);
+  y.d = fp32_to_fp16(max_scale / 63.0f);
+  y.dmin = fp32_to_fp16(max_min / 63.0f);
+  std::fill(q, q + kSuperBlock, uint8_t{0});
+  for (int s = 0; s < 8; ++s) {
+    uint8_t sc = 0, m = 0;
+    q4_k_scale_min(y.scales, s, &sc, &m);
+    const float d = fp16_to_fp32(y.d) * sc;
+    if (d == 0.0f) continue;
+    const float dm = fp16_to_fp32(y.dmin) * m;
+    for (int e = 32 * s; e < 32 * s + 32; ++e) {
+      q[e] = static_cast<uint8_t>(std::clamp(nearest_int((xb[e] + dm) / d), 0, max_q));
+    }
+  }
+}
+
+}  // namespace
+
 void quantize_row_q4_k(const float* x, void* out, int64_t n) {
   DUET_ASSERT(n % kSuperBlock == 0);
   auto* blocks = static_cast<BlockQ4_K*>(out);
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
-    const float* xb = x + b * kSuperBlock;
     BlockQ4_K& y = blocks[b];
-    float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
-    for (int s = 0; s < 8; ++s) {
-      const auto [lo_it, hi_it] = std::minmax_element(xb + 32 * s, xb + 32 * s + 32);
-      const float lo = std::min(0.0f, *lo_it);
-      scales[s] = (*hi_it - lo) / 15.0f;
-      mins[s] = -lo;
-      max_scale = std::max(max_scale, scales[s]);
-      max_min = std::max(max_min, mins[s]);
-    }
-    const float inv_scale = max_scale > 0.0f ? 63.0f / max_scale : 0.0f;
-    const float inv_min = max_min > 0.0f ? 63.0f / max_min : 0.0f;
-    uint8_t ls[8], lm[8];
-    for (int s = 0; s < 8; ++s) {
-      ls[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_scale * scales[s])));
-      lm[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_min * mins[s])));
-    }
-    pack_q4_k_scales(ls, lm, y.scales);
-    y.d = fp32_to_fp16(max_scale / 63.0f);
-    y.dmin = fp32_to_fp16(max_min / 63.0f);
-    uint8_t q[kSuperBlock] = {};
-    for (int s = 0; s < 8; ++s) {
-      uint8_t sc = 0, m = 0;
-      q4_k_scale_min(y.scales, s, &sc, &m);
-      const float d = fp16_to_fp32(y.d) * sc;
-      if (d == 0.0f) continue;
-      const float dm = fp16_to_fp32(y.dmin) * m;
-      for (int e = 32 * s; e < 32 * s + 32; ++e) {
-        q[e] = static_cast<uint8_t>(std::clamp(nearest_int((xb[e] + dm) / d), 0, 15));
-      }
-    }
+    uint8_t q[kSuperBlock];
+    quantize_k_block(x + b * kSuperBlock, 15, y, q);
     for (int g = 0; g < 4; ++g) {
       for (int l = 0; l < 32; ++l) {
         y.qs[32 * g + l] = static_cast<uint8_t>(q[64 * g + l] | (q[64 * g + 32 + l] << 4));
@@ -168,45 +178,15 @@ void quantize_row_q4_k(const float* x, void* out, int64_t n) {
   }
 }
 
-// Q4_K's simplified quantizer (above) with 31 levels: each sub-block of 32
-// takes scale (max - min) / 31; the fifth bit of each q goes to qh.
+// The same with 31 levels; the fifth bit of each q goes to qh.
 void quantize_row_q5_k(const float* x, void* out, int64_t n) {
   DUET_ASSERT(n % kSuperBlock == 0);
   auto* blocks = static_cast<BlockQ5_K*>(out);
   for (int64_t b = 0; b < n / kSuperBlock; ++b) {
-    const float* xb = x + b * kSuperBlock;
     BlockQ5_K& y = blocks[b];
     y = BlockQ5_K{};
-    float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
-    for (int s = 0; s < 8; ++s) {
-      const auto [lo_it, hi_it] = std::minmax_element(xb + 32 * s, xb + 32 * s + 32);
-      const float lo = std::min(0.0f, *lo_it);
-      scales[s] = (*hi_it - lo) / 31.0f;
-      mins[s] = -lo;
-      max_scale = std::max(max_scale, scales[s]);
-      max_min = std::max(max_min, mins[s]);
-    }
-    const float inv_scale = max_scale > 0.0f ? 63.0f / max_scale : 0.0f;
-    const float inv_min = max_min > 0.0f ? 63.0f / max_min : 0.0f;
-    uint8_t ls[8], lm[8];
-    for (int s = 0; s < 8; ++s) {
-      ls[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_scale * scales[s])));
-      lm[s] = static_cast<uint8_t>(std::min(63, nearest_int(inv_min * mins[s])));
-    }
-    pack_q4_k_scales(ls, lm, y.scales);
-    y.d = fp32_to_fp16(max_scale / 63.0f);
-    y.dmin = fp32_to_fp16(max_min / 63.0f);
-    uint8_t q[kSuperBlock] = {};
-    for (int s = 0; s < 8; ++s) {
-      uint8_t sc = 0, m = 0;
-      q4_k_scale_min(y.scales, s, &sc, &m);
-      const float d = fp16_to_fp32(y.d) * sc;
-      if (d == 0.0f) continue;
-      const float dm = fp16_to_fp32(y.dmin) * m;
-      for (int e = 32 * s; e < 32 * s + 32; ++e) {
-        q[e] = static_cast<uint8_t>(std::clamp(nearest_int((xb[e] + dm) / d), 0, 31));
-      }
-    }
+    uint8_t q[kSuperBlock];
+    quantize_k_block(x + b * kSuperBlock, 31, y, q);
     for (int e = 0; e < kSuperBlock; ++e) {
       const int g = e / 64, r = e % 64;
       const auto low = static_cast<uint8_t>(q[e] & 15);
