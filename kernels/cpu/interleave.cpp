@@ -1,6 +1,7 @@
 #include "kernels/cpu/interleave.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common/error.h"
@@ -60,18 +61,74 @@ void deinterleave_q4_0(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   }
 }
 
-void dot_interleaved_by_rows(DotTileFn dot_rows, const uint8_t* w, size_t w_stride, int64_t n_w,
-                             const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k, float* y,
-                             int64_t ldy) {
-  DUET_ASSERT(n_w % kInterleavedRows == 0, "interleaved weights in groups of 8 rows, got {}", n_w);
-  const auto fit = static_cast<int64_t>(kRowsBudgetBytes / w_stride) / kInterleavedRows;
-  const int64_t at_once =
-      std::clamp<int64_t>(fit * kInterleavedRows, kInterleavedRows, kMaxRowsAtOnce);
+void interleave_q4_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  DUET_ASSERT(can_interleave_q4_k(n_out) && k % kSuperBlock == 0,
+              "interleave_q4_k: {} rows of {} elements", n_out, k);
+  constexpr int kRows = kInterleavedRowsQ4_K;
+  const int64_t nb = k / kSuperBlock;
+  const auto* src = reinterpret_cast<const BlockQ4_K*>(rows);
+  auto* dst = reinterpret_cast<BlockQ4_Kx16*>(out);
+  for (int64_t g = 0; g < n_out / kRows; ++g) {
+    for (int64_t b = 0; b < nb; ++b) {
+      BlockQ4_Kx16& block = dst[g * nb + b];
+      for (int r = 0; r < kRows; ++r) {
+        const BlockQ4_K& from = src[(g * kRows + r) * nb + b];
+        block.d[r] = from.d;
+        block.dmin[r] = from.dmin;
+        for (int i = 0; i < 3; ++i) std::memcpy(&block.scales[i][r], from.scales + 4 * i, 4);
+        for (int q = 0; q < 4; ++q)
+          for (int m = 0; m < 8; ++m) std::memcpy(&block.qs[q][m][r], from.qs + 32 * q + 4 * m, 4);
+      }
+    }
+  }
+}
+
+void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows) {
+  constexpr int kRows = kInterleavedRowsQ4_K;
+  const int64_t nb = k / kSuperBlock;
+  auto* dst = reinterpret_cast<BlockQ4_K*>(rows);
+  for (int64_t row = row0; row < row0 + n_rows; ++row) {
+    const auto* src = reinterpret_cast<const BlockQ4_Kx16*>(interleaved) + row / kRows * nb;
+    const int64_t r = row % kRows;
+    for (int64_t b = 0; b < nb; ++b) {
+      BlockQ4_K& to = dst[(row - row0) * nb + b];
+      to.d = src[b].d[r];
+      to.dmin = src[b].dmin[r];
+      for (int i = 0; i < 3; ++i) std::memcpy(to.scales + 4 * i, &src[b].scales[i][r], 4);
+      for (int q = 0; q < 4; ++q)
+        for (int m = 0; m < 8; ++m) std::memcpy(to.qs + 32 * q + 4 * m, &src[b].qs[q][m][r], 4);
+    }
+  }
+}
+
+int64_t interleaved_group_rows(DType type) {
+  DUET_ASSERT(type == DType::kQ4_0 || type == DType::kQ4_K, "no interleaved layout for {}",
+              dtype_name(type));
+  return type == DType::kQ4_K ? kInterleavedRowsQ4_K : kInterleavedRows;
+}
+
+void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                  uint8_t* rows) {
+  if (interleaved_group_rows(type) == kInterleavedRowsQ4_K) {
+    deinterleave_q4_k(interleaved, k, row0, n_rows, rows);
+  } else {
+    deinterleave_q4_0(interleaved, k, row0, n_rows, rows);
+  }
+}
+
+void dot_interleaved_by_rows(DType type, DotTileFn dot_rows, const uint8_t* w, size_t w_stride,
+                             int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k,
+                             float* y, int64_t ldy) {
+  const int64_t group = interleaved_group_rows(type);
+  DUET_ASSERT(n_w % group == 0, "interleaved weights in groups of {} rows, got {}", group, n_w);
+  const auto fit = static_cast<int64_t>(kRowsBudgetBytes / w_stride) / group;
+  const int64_t at_once = std::clamp<int64_t>(fit * group, group, kMaxRowsAtOnce);
   thread_local std::vector<uint8_t> rows;
   rows.resize(static_cast<size_t>(at_once) * w_stride);
   for (int64_t j0 = 0; j0 < n_w; j0 += at_once) {
     const int64_t n_j = std::min(at_once, n_w - j0);
-    deinterleave_q4_0(w, k, j0, n_j, rows.data());
+    deinterleave(type, w, k, j0, n_j, rows.data());
     dot_rows(rows.data(), w_stride, n_j, x, x_stride, n_x, k, y + j0, ldy);
   }
 }

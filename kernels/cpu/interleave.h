@@ -1,4 +1,4 @@
-// Q4_0 matrices interleaved by 8 rows: the layout decode streams.
+// Q4_0 matrices interleaved by 8 rows, Q4_K by 16: the layouts decode streams.
 //
 // A decode step reads every weight once per token, and one row at a time
 // (GGUF's order) leaves the kernel one dependent FMA chain and scattered
@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/model/dtype.h"
 #include "common/model/quant_blocks.h"
 #include "kernels/cpu/kernel_table.h"
 
@@ -35,6 +36,20 @@ struct BlockQ4_0x8 {
 };
 static_assert(sizeof(BlockQ4_0x8) == kInterleavedRows * sizeof(BlockQ4_0));
 
+// Q4_K matrices interleaved by 16 rows: super-block b of rows 16g .. 16g + 15
+// holds their 16 scales d and mins dmin, then word i of each row's 12 packed
+// scale bytes (i < 3), then word m of each row's 32-byte nibble group q (q <
+// 4, m < 8), row after row: a 512-bit register's 16 int32 lanes are the 16
+// rows. The same bytes as 16 GGUF blocks (16 x 144 = 2304).
+constexpr int kInterleavedRowsQ4_K = 16;
+struct BlockQ4_Kx16 {
+  uint16_t d[kInterleavedRowsQ4_K];
+  uint16_t dmin[kInterleavedRowsQ4_K];
+  uint32_t scales[3][kInterleavedRowsQ4_K];
+  uint32_t qs[4][8][kInterleavedRowsQ4_K];
+};
+static_assert(sizeof(BlockQ4_Kx16) == kInterleavedRowsQ4_K * sizeof(BlockQ4_K));
+
 // Whether a Q4_0 matrix of n_out rows can be interleaved.
 inline bool can_interleave_q4_0(int64_t n_out) { return n_out % kInterleavedRows == 0; }
 
@@ -47,12 +62,24 @@ void interleave_q4_0(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
 void deinterleave_q4_0(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
 
-// The DotTileFn contract for interleaved Q4_0 weights (`w_stride` is a GGUF
-// row's bytes, n_w a multiple of 8, `w` at a group's start) by a kernel of
-// GGUF rows: groups are turned back into rows, a few dozen at a time, and
-// `dot_rows` runs on them. Results are those of `dot_rows`, bit for bit.
-void dot_interleaved_by_rows(DotTileFn dot_rows, const uint8_t* w, size_t w_stride, int64_t n_w,
-                             const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k, float* y,
-                             int64_t ldy);
+// The same for Q4_K (groups of 16 rows, k a multiple of 256).
+inline bool can_interleave_q4_k(int64_t n_out) { return n_out % kInterleavedRowsQ4_K == 0; }
+void interleave_q4_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
+void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows);
+
+// The rows of a group of `type` (Q4_0 or Q4_K), and its deinterleave.
+int64_t interleaved_group_rows(DType type);
+void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                  uint8_t* rows);
+
+// The DotTileFn contract for interleaved weights of `type` (`w_stride` is a
+// GGUF row's bytes, n_w a multiple of the group's rows, `w` at a group's
+// start) by a kernel of GGUF rows: groups are turned back into rows, a few
+// dozen at a time, and `dot_rows` runs on them. Results are those of
+// `dot_rows`, bit for bit.
+void dot_interleaved_by_rows(DType type, DotTileFn dot_rows, const uint8_t* w, size_t w_stride,
+                             int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k,
+                             float* y, int64_t ldy);
 
 }  // namespace duet::cpu

@@ -32,25 +32,21 @@ using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 //    rounding: an FMA). The lanes are summed by lane_tree_sum16, then the
 //    elements past the last whole chunk are added in order by FMA. Unlike
 //    vdpbf16ps, subnormal inputs and results are not flushed to zero.
-//  - Q4_K x Q8_K (llama.cpp's AVX2 ggml_vec_dot_q4_K_q8_K): per 256-block, 8
-//    int32 lanes, lane l = sum over sub-blocks s of sc[s] * (the dot of
-//    elements 32s + 4l .. 32s + 4l + 3), added to float lane l as
-//    acc[l] = fma(d_x * d_w, float(lane), acc[l]); and 4 int32 min lanes,
-//    t = m[2t] * ys[2t] + m[2t + 1] * ys[2t + 1] with ys[s] the Q8_K sum of
-//    sub-block s, added as mins[t] = fma(-d_x * dmin_w, float(t), mins[t]).
-//    Result: hsum(acc) + ((mins[0] + mins[2]) + (mins[1] + mins[3])), hsum
-//    being (l, l+4), then (0+2)+(1+3).
-//  - Q5_K x Q8_K (llama.cpp's AVX2 ggml_vec_dot_q5_K_q8_K): Q4_K's int32
-//    lanes and acc over the 5-bit q; the mins summed exactly into one int32
-//    t = sum over s of m[s] * ys[s], then one float per row, sm =
-//    fma(-d_x * dmin_w, float(t), sm) (llama.cpp's `summs += dmin * t`, which
-//    its FMA builds contract). Result: hsum(acc) + sm.
-//  - Q6_K x Q8_K (ggml_vec_dot_q6_K_q8_K): per 256-block, 8 int32 lanes,
-//    lane l = sum over 32-element chunks c of sc[2c + l / 4] * (the dot of
-//    the unsigned 6-bit q with x over elements 32c + 4l .. 32c + 4l + 3),
-//    minus 32 * (bsums[2l] * sc[2l] + bsums[2l + 1] * sc[2l + 1]); then
-//    acc[l] = fma(d_x * d_w, float(lane), acc[l]); result hsum(acc).
-//  Integer lanes are exact, so a path may compute them any way it likes.
+//  - Q4_K, Q5_K and Q6_K x Q8_K: one exact integer per 256-element super-block
+//    and pair, then three float steps (llama.cpp's tiled prefill order, in
+//    ggml-cpu/tiled, with its last multiply-add fused). For super-block b in
+//    order, y starting at 0:
+//      S = sum over sub-blocks s of sc[s] * (the dot of the sub-block's q with x)
+//      M = sum over sub-blocks s of m[s] * ys[s]           (Q4_K, Q5_K)
+//      r = float(S) * d_w;  r = fma(-dmin_w, float(M), r)  (the fma: Q4_K, Q5_K)
+//      y = fma(r, d_x, y)
+//    Sub-blocks: 8 of 32 elements with 6-bit sc and m (Q4_K; Q5_K's q has a
+//    fifth bit), 16 of 16 with signed 8-bit sc (Q6_K, whose q is the stored
+//    6-bit value minus 32). ys[s] is the Q8_K sum of x over sub-block s (its
+//    bsums). S and M are exact in int32, so a path may compute them any way
+//    it likes: the SIMD paths take Q6_K's unsigned q and subtract
+//    32 * sum sc[s] * ys[s].
+//  Integer lanes and sums are exact, so a path may compute them any way it likes.
 
 // Attention primitives. Their reduction orders are fixed by contract, so all
 // paths give bit-identical results, and they follow llama.cpp's CPU build for
@@ -118,6 +114,10 @@ struct KernelTable {
   // Whether Q4_0 weights run faster interleaved on this path (the model
   // loader lays them out so); every path computes both layouts alike.
   bool interleave_q4_0;
+  // Q4_K weights interleaved by 16 rows (interleave.h), Q8_K activations,
+  // and whether this path prefers them so.
+  DotTileFn dot_q4_kx16;
+  bool interleave_q4_k;
   KqScoresFn kq_scores;
   KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;

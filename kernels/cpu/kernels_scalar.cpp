@@ -122,11 +122,11 @@ float dot_row_bf16(const uint8_t* w, const uint8_t* x, int64_t k) {
   return sum;
 }
 
-// The 4-element integer dot of int32 lane l within 32-element chunk c.
+// The integer dot of q with x over elements [begin, end) of a super-block.
 template <typename WeightAt>
-int32_t lane_dot(WeightAt weight_at, const int8_t* x, int c, int l) {
+int32_t int_dot(WeightAt weight_at, const int8_t* x, int begin, int end) {
   int32_t dot = 0;
-  for (int e = 32 * c + 4 * l; e < 32 * c + 4 * l + 4; ++e) dot += weight_at(e) * x[e];
+  for (int e = begin; e < end; ++e) dot += weight_at(e) * x[e];
   return dot;
 }
 
@@ -143,84 +143,63 @@ inline int32_t q5_k_at(const BlockQ5_K& b, int e) {
   return low | (((b.qh[e % 32] >> (e / 32)) & 1) << 4);
 }
 
-// Q6_K element e as stored, unsigned (0..63).
+// Q6_K element e, signed (the stored 6-bit value minus 32).
 inline int32_t q6_k_at(const BlockQ6_K& b, int e) {
   const int h = e / 128, part = (e % 128) / 32, l = e % 32;
   const uint8_t low = b.ql[64 * h + 32 * (part & 1) + l];
   const int32_t low4 = part < 2 ? (low & 0x0f) : (low >> 4);
-  return low4 | (((b.qh[32 * h + l] >> (2 * part)) & 3) << 4);
+  return (low4 | (((b.qh[32 * h + l] >> (2 * part)) & 3) << 4)) - 32;
 }
 
-// ggml_vec_dot_q4_K_q8_K's AVX2 order (kernel_table.h).
+// The K-quants' float steps for one super-block (kernel_table.h).
+inline float kquant_step(int32_t s, int32_t m, float d_w, float dmin_w, float d_x, float y) {
+  float r = static_cast<float>(s) * d_w;
+  r = std::fma(-dmin_w, static_cast<float>(m), r);
+  return std::fma(r, d_x, y);
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins.
+template <typename Block, int32_t (*kAt)(const Block&, int)>
+float dot_row_q45_k(const uint8_t* w, const uint8_t* x, int64_t k) {
+  const auto* wb = reinterpret_cast<const Block*>(w);
+  const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
+  float y = 0.0f;
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    int32_t s_sum = 0, m_sum = 0;
+    for (int s = 0; s < 8; ++s) {
+      uint8_t sc, m;
+      q4_k_scale_min(wb[b].scales, s, &sc, &m);
+      s_sum += sc * int_dot([&](int e) { return kAt(wb[b], e); }, xb[b].qs, 32 * s, 32 * s + 32);
+      m_sum += m * (xb[b].bsums[2 * s] + xb[b].bsums[2 * s + 1]);
+    }
+    y = kquant_step(s_sum, m_sum, fp16_to_fp32(wb[b].d), fp16_to_fp32(wb[b].dmin), xb[b].d, y);
+  }
+  return y;
+}
+
 float dot_row_q4_k(const uint8_t* w, const uint8_t* x, int64_t k) {
-  const auto* wb = reinterpret_cast<const BlockQ4_K*>(w);
-  const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
-  float acc[8] = {}, mins[4] = {};
-  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
-    const float d = xb[b].d * fp16_to_fp32(wb[b].d);
-    const float dmin = -xb[b].d * fp16_to_fp32(wb[b].dmin);
-    uint8_t sc[8], m[8];
-    for (int s = 0; s < 8; ++s) q4_k_scale_min(wb[b].scales, s, &sc[s], &m[s]);
-    for (int t = 0; t < 4; ++t) {
-      const int16_t* bs = xb[b].bsums + 4 * t;
-      const int32_t term = m[2 * t] * (bs[0] + bs[1]) + m[2 * t + 1] * (bs[2] + bs[3]);
-      mins[t] = std::fma(dmin, static_cast<float>(term), mins[t]);
-    }
-    for (int l = 0; l < 8; ++l) {
-      int32_t lane = 0;
-      for (int s = 0; s < 8; ++s) {
-        lane += sc[s] * lane_dot([&](int e) { return q4_k_at(wb[b], e); }, xb[b].qs, s, l);
-      }
-      acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
-    }
-  }
-  return sum_lanes8(acc) + ((mins[0] + mins[2]) + (mins[1] + mins[3]));
+  return dot_row_q45_k<BlockQ4_K, q4_k_at>(w, x, k);
 }
 
-// ggml_vec_dot_q5_K_q8_K's AVX2 order (kernel_table.h).
 float dot_row_q5_k(const uint8_t* w, const uint8_t* x, int64_t k) {
-  const auto* wb = reinterpret_cast<const BlockQ5_K*>(w);
-  const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
-  float acc[8] = {}, mins = 0.0f;
-  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
-    const float d = xb[b].d * fp16_to_fp32(wb[b].d);
-    const float dmin = -xb[b].d * fp16_to_fp32(wb[b].dmin);
-    uint8_t sc[8], m[8];
-    for (int s = 0; s < 8; ++s) q4_k_scale_min(wb[b].scales, s, &sc[s], &m[s]);
-    int32_t term = 0;
-    for (int s = 0; s < 8; ++s) term += m[s] * (xb[b].bsums[2 * s] + xb[b].bsums[2 * s + 1]);
-    mins = std::fma(dmin, static_cast<float>(term), mins);
-    for (int l = 0; l < 8; ++l) {
-      int32_t lane = 0;
-      for (int s = 0; s < 8; ++s) {
-        lane += sc[s] * lane_dot([&](int e) { return q5_k_at(wb[b], e); }, xb[b].qs, s, l);
-      }
-      acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
-    }
-  }
-  return sum_lanes8(acc) + mins;
+  return dot_row_q45_k<BlockQ5_K, q5_k_at>(w, x, k);
 }
 
-// ggml_vec_dot_q6_K_q8_K's AVX2 order (kernel_table.h).
+// Q6_K: 16 sub-blocks of 16 with signed 8-bit scales, no mins.
 float dot_row_q6_k(const uint8_t* w, const uint8_t* x, int64_t k) {
   const auto* wb = reinterpret_cast<const BlockQ6_K*>(w);
   const auto* xb = reinterpret_cast<const BlockQ8_K*>(x);
-  float acc[8] = {};
+  float y = 0.0f;
   for (int64_t b = 0; b < k / kSuperBlock; ++b) {
-    const float d = xb[b].d * fp16_to_fp32(wb[b].d);
-    const int8_t* sc = wb[b].scales;
-    const int16_t* bs = xb[b].bsums;
-    for (int l = 0; l < 8; ++l) {
-      int32_t lane = 0;
-      for (int c = 0; c < 8; ++c) {
-        const int32_t dot = lane_dot([&](int e) { return q6_k_at(wb[b], e); }, xb[b].qs, c, l);
-        lane += sc[2 * c + l / 4] * dot;
-      }
-      lane -= 32 * (bs[2 * l] * sc[2 * l] + bs[2 * l + 1] * sc[2 * l + 1]);
-      acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
+    int32_t s_sum = 0;
+    for (int s = 0; s < 16; ++s) {
+      s_sum += wb[b].scales[s] *
+               int_dot([&](int e) { return q6_k_at(wb[b], e); }, xb[b].qs, 16 * s, 16 * s + 16);
     }
+    float r = static_cast<float>(s_sum) * fp16_to_fp32(wb[b].d);
+    y = std::fma(r, xb[b].d, y);
   }
-  return sum_lanes8(acc);
+  return y;
 }
 
 template <float (*kDot)(const uint8_t*, const uint8_t*, int64_t)>
@@ -233,7 +212,14 @@ void dot_tile(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 
 void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(dot_tile<dot_row_q4_0>, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ4_0, dot_tile<dot_row_q4_0>, w, w_stride, n_w, x, x_stride, n_x,
+                          k, y, ldy);
+}
+
+void dot_q4_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ4_K, dot_tile<dot_row_q4_k>, w, w_stride, n_w, x, x_stride, n_x,
+                          k, y, ldy);
 }
 
 // One query head against one key row, in kq_scores's order.
@@ -314,6 +300,8 @@ constexpr KernelTable kScalarTable = {
     .dot_q6_k = dot_tile<dot_row_q6_k>,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = false,
+    .dot_q4_kx16 = dot_q4_kx16,
+    .interleave_q4_k = false,
     .kq_scores = kq_scores,
     .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,

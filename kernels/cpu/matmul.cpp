@@ -12,8 +12,8 @@ namespace duet::cpu {
 namespace {
 
 constexpr int64_t kMinWeightRowsPerTask = 32;
-constexpr int64_t kWeightRowsMultiple = kInterleavedRows;  // tasks start on a group
-constexpr int64_t kTasksPerThread = 4;                     // enough to balance a noisy machine
+constexpr int64_t kWeightRowsMultiple = kInterleavedRowsQ4_K;  // tasks start on a group (16 or 8)
+constexpr int64_t kTasksPerThread = 4;                         // enough to balance a noisy machine
 constexpr int64_t kActivationRowsPerTask = 64;
 
 // Weight rows per task: few large tasks when there are few activation rows
@@ -86,19 +86,25 @@ WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t
 }
 
 bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
-  return kernels.interleave_q4_0 && w.type == DType::kQ4_0 && w.layout == WeightLayout::kRows &&
-         can_interleave_q4_0(w.n_out);
+  if (w.layout != WeightLayout::kRows) return false;
+  if (w.type == DType::kQ4_0) return kernels.interleave_q4_0 && can_interleave_q4_0(w.n_out);
+  if (w.type == DType::kQ4_K) return kernels.interleave_q4_k && can_interleave_q4_k(w.n_out);
+  return false;
 }
 
 WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
                         const std::function<void(const uint8_t*, size_t)>& read) {
-  DUET_ASSERT(w.type == DType::kQ4_0 && w.layout == WeightLayout::kRows,
-              "only Q4_0 rows interleave, not {}", dtype_name(w.type));
-  constexpr int64_t kRowsPerPiece = 1024;
+  DUET_ASSERT((w.type == DType::kQ4_0 || w.type == DType::kQ4_K) && w.layout == WeightLayout::kRows,
+              "only Q4_0 and Q4_K rows interleave, not {}", dtype_name(w.type));
+  constexpr int64_t kRowsPerPiece = 1024;  // whole groups of either type
   for (int64_t row0 = 0; row0 < w.n_out; row0 += kRowsPerPiece) {
     const int64_t n_rows = std::min(kRowsPerPiece, w.n_out - row0);
     const size_t offset = static_cast<size_t>(row0) * w.row_bytes;
-    interleave_q4_0(w.data + offset, n_rows, w.k, out + offset);
+    if (w.type == DType::kQ4_K) {
+      interleave_q4_k(w.data + offset, n_rows, w.k, out + offset);
+    } else {
+      interleave_q4_0(w.data + offset, n_rows, w.k, out + offset);
+    }
     if (read) read(w.data + offset, static_cast<size_t>(n_rows) * w.row_bytes);
   }
   WeightMatrix result = w;
@@ -114,7 +120,7 @@ void dequantize_weight_row(const WeightMatrix& w, int64_t row, float* out) {
   }
   thread_local std::vector<uint8_t> bytes;
   bytes.resize(w.row_bytes);
-  deinterleave_q4_0(w.data, w.k, row, 1, bytes.data());
+  deinterleave(w.type, w.data, w.k, row, 1, bytes.data());
   dequantize_row(w.type, bytes.data(), out, w.k);
 }
 
@@ -198,8 +204,9 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
             int64_t ldy, ThreadPool& pool) {
   DUET_ASSERT(w.k == x.k(), "matmul: weight rows have {} elements, activations {}", w.k, x.k());
   DUET_ASSERT(ldy >= w.n_out);
-  const DotTileFn dot =
-      w.layout == WeightLayout::kInterleaved ? kernels.dot_q4_0x8 : dot_tile_fn(kernels, w.type);
+  const DotTileFn dot = w.layout == WeightLayout::kRows ? dot_tile_fn(kernels, w.type)
+                        : w.type == DType::kQ4_K        ? kernels.dot_q4_kx16
+                                                        : kernels.dot_q4_0x8;
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
   const int64_t n_x = x.n_rows();

@@ -36,8 +36,10 @@ products of 8 or more activation rows with its own tiled kernels
 into an interleaved layout (ggml-cpu/repack.cpp); both accumulate in other
 orders than its vec_dot kernels. The primary logits therefore come from
 llama.cpp with both off (GGML_CPU_TILED_MM=0, use_extra_bufts = false), where
-every product is ggml_vec_dot_q4_K_q8_K / ggml_vec_dot_q6_K_q8_K (whose AVX2
-order Duet follows). BF16 products go through tinyBLAS's vdpbf16ps on this CPU
+every product is ggml_vec_dot_q4_K_q8_K / ggml_vec_dot_q6_K_q8_K. (Duet
+followed their AVX2 order until its K-quants took the tiled kernels' order:
+one exact integer per super-block; either order rounds well inside the
+logits' 5 decimals.) BF16 products go through tinyBLAS's vdpbf16ps on this CPU
 (Duet's order) where the weight has a multiple of 4 rows and there are 2 or
 more activation rows, else through ggml_vec_dot_bf16 (another order: the
 299-row output head of the BF16 model differs in the last bits). llama.cpp's
@@ -187,8 +189,21 @@ def default_logits(path, ids):
     return np.array(json.loads(out.stdout), dtype=np.float32)
 
 
-def print_default_logits(path, ids):
-    llm, _ = reference_llama(path)
+def tiled_logits(path, ids):
+    """Batch logits with every K-quant product in llama.cpp's tiled kernels (forced, no repacking),
+    whose order Duet follows, in a child process."""
+    env = dict(os.environ, GGML_CPU_TILED_MM="1", GGML_CPU_TILED_MM_FORCE="1")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--tiled-logits", path,
+                          ",".join(str(i) for i in ids)], env=env, check=True, capture_output=True, text=True)
+    return np.array(json.loads(out.stdout), dtype=np.float32)
+
+
+def print_default_logits(path, ids, repacking=True):
+    if repacking:
+        llm, _ = reference_llama(path)
+    else:
+        with no_repacking():
+            llm, _ = reference_llama(path)
     print(json.dumps(batch_logits(llm, ids).tolist()))
     llm.close()
 
@@ -198,9 +213,14 @@ def main():
     ap.add_argument("--out-dir", default="tests/fixtures/tiny_kquant")
     ap.add_argument("--golden", default="tests/golden/tiny_kquant_models.json")
     ap.add_argument("--default-logits", nargs=2, metavar=("MODEL", "IDS"), help=argparse.SUPPRESS)
+    ap.add_argument("--tiled-logits", nargs=2, metavar=("MODEL", "IDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.default_logits:
         print_default_logits(args.default_logits[0], [int(i) for i in args.default_logits[1].split(",")])
+        return
+    if args.tiled_logits:
+        print_default_logits(args.tiled_logits[0], [int(i) for i in args.tiled_logits[1].split(",")],
+                             repacking=False)
         return
     # Read once, at llama.cpp's first matrix product: set before any model runs here.
     os.environ["GGML_CPU_TILED_MM"] = "0"
@@ -234,6 +254,8 @@ def main():
 
             defaults = default_logits(path, ids)
             default_diff = float(np.max(np.abs(defaults - logits)))
+            kquant = any(t["type"] in ("Q4_K", "Q5_K", "Q6_K") for t in tensor_types(path))
+            tiled = tiled_logits(path, ids) if kquant else None
 
             srt = np.sort(logits, axis=1)
             margins = srt[:, -1] - srt[:, -2]
@@ -257,9 +279,13 @@ def main():
             }
             if default_diff > 0.0:
                 entry["logits_default"] = [round5(r) for r in defaults]
+            if tiled is not None:
+                entry["logits_tiled"] = [round5(r) for r in tiled]
+                entry["tiled_run_max_abs_logit_diff"] = round5([float(np.max(np.abs(tiled - logits)))])[0]
             models.append(entry)
             print(f"{fname}: {os.path.getsize(path)} bytes, min margin {margins.min():.4f}, "
-                  f"default run vs vec_dot run max|d| {default_diff:.2e}, greedy {greedy}", file=sys.stderr)
+                  f"default run vs vec_dot run max|d| {default_diff:.2e}, "
+                  f"tiled run {entry.get('tiled_run_max_abs_logit_diff', 0.0):.2e}, greedy {greedy}", file=sys.stderr)
 
     doc = {
         "format_version": FORMAT_VERSION,
@@ -269,7 +295,9 @@ def main():
         "settings": settings,
         "reference_note": ("logits and greedy: llama.cpp with GGML_CPU_TILED_MM=0 and "
                            "use_extra_bufts = false (its vec_dot kernels only); logits_default: "
-                           "its default run (tiled K-quant kernels, repacked Q4_K), where it differs"),
+                           "its default run (tiled K-quant kernels, repacked Q4_K), where it differs; "
+                           "logits_tiled: every K-quant product in its tiled kernels "
+                           "(GGML_CPU_TILED_MM_FORCE=1, use_extra_bufts = false), Duet's K-quant order"),
         "model_dir": args.out_dir,
         "hparams": {"n_head": tiny.N_HEAD, "context_length": tiny.N_CTX_TRAIN,
                     "rope_freq_base": tiny.ROPE_BASE, "rms_norm_eps": tiny.RMS_EPS,

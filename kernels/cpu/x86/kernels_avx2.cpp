@@ -153,8 +153,16 @@ void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
   } else if (n_x >= kGemmMinRowsSymmetric) {
     gemm256::gemm<gemm256::Q4_0x8Gemm>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
-    dot_interleaved_by_rows(dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    dot_interleaved_by_rows(DType::kQ4_0, dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   }
+}
+
+// Interleaved Q4_K (laid out so only for the AVX-512 path; this path runs it
+// when asked, by rows).
+void dot_q4_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ4_K, dot_q4_k_x86, w, w_stride, n_w, x, x_stride, n_x, k, y,
+                          ldy);
 }
 
 // The elementwise 16-lane tree over g[s] (lane_tree_sum16's order).
@@ -267,6 +275,8 @@ constexpr KernelTable kAvx2Table = {
     .dot_q6_k = dot_q6_k_x86,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = true,
+    .dot_q4_kx16 = dot_q4_kx16,
+    .interleave_q4_k = false,
     .kq_scores = kq_scores_avx,
     .kqv_sum = kqv_sum_avx2,
     .softmax_exp = softmax_exp_avx2,

@@ -20,6 +20,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86/attention_avx512_inl.h"
+#include "kernels/cpu/x86/q4k_x16_avx512_inl.h"
 #include "kernels/cpu/x86/quant_gemm_avx512_inl.h"
 #include "kernels/cpu/x86/quantize_rows_avx512_inl.h"
 #include "kernels/cpu/x86/x86_kernels_inl.h"
@@ -285,7 +286,7 @@ void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
   } else if (n_x >= kGemmMinRowsSymmetric && k / kQuantBlock <= gemm512::kMaxBlocks) {
     gemm512::gemm<gemm512::Q4_0x8Gemm>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
-    dot_interleaved_by_rows(dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    dot_interleaved_by_rows(DType::kQ4_0, dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   }
 }
 
@@ -355,6 +356,8 @@ constexpr KernelTable kAvx512Table = {
     .dot_q6_k = dot_q6_k_x86,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = true,
+    .dot_q4_kx16 = q4kx16::dot,
+    .interleave_q4_k = true,
     .kq_scores = attention512::kq_scores,
     .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,

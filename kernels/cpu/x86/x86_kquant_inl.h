@@ -3,12 +3,12 @@
 // units (internal linkage), each compiling it with its own instruction set:
 //  - BF16 keeps its 16 float lanes in two 256-bit registers under AVX2 and in
 //    one 512-bit register under AVX-512; every lane sees the same FMAs.
-//  - K-quants compute the exact int32 lanes of a block per 32-element chunk
+//  - K-quants compute a super-block's exact integers per 32-element chunk
 //    with maddubs + madd under AVX2, and two chunks per 512-bit register with
-//    maddubs + vpdpwssd under AVX-512 (the halves folded at the block's end).
-//    Integer sums are exact, so both give the same lanes; the float steps
-//    (one FMA per block into 8 lanes, the Q4_K min term, the final sums) are
-//    the same 256/128-bit operations in both.
+//    maddubs + vpdpwssd under AVX-512 (the halves folded at the block's end),
+//    then sum the lanes; the float steps per super-block are scalar, the same
+//    in both (kernel_table.h). Batched AVX-512 calls take the tiled VNNI GEMM
+//    (kquant_gemm_avx512_inl.h), which computes the same integers.
 // Tiles: each weight block is unpacked once and used for every activation row
 // of the tile, each row with its own accumulators, so a pair's operations do
 // not depend on the tile's row count (batch invariance).
@@ -132,6 +132,7 @@ inline IntVec join_chunks(__m256i lo, __m256i hi) {
 inline IntVec int_dot_add(IntVec acc, IntVec scale16, IntVec u, IntVec s) {
   return _mm512_dpwssd_epi32(acc, scale16, _mm512_maddubs_epi16(u, s));
 }
+inline IntVec int_add(IntVec a, IntVec b) { return _mm512_add_epi32(a, b); }
 inline __m256i fold(IntVec v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
@@ -147,6 +148,7 @@ inline IntVec load_x(const int8_t* p) {
 inline IntVec int_dot_add(IntVec acc, IntVec scale16, IntVec u, IntVec s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(u, s)));
 }
+inline IntVec int_add(IntVec a, IntVec b) { return _mm256_add_epi32(a, b); }
 inline __m256i fold(IntVec v) { return v; }
 constexpr int kKQuantRowTile = kRowTile;
 #endif
@@ -163,60 +165,108 @@ inline void pack_chunks(const __m256i* chunks, IntVec* out) {
   }
 }
 
+// Two chains of even and odd vectors: a super-block's integers end in a
+// horizontal sum and float steps, so a shorter chain lets the next block's
+// work overlap them (one weight row at a time, in decode).
 inline __m256i sum_chunks(const IntVec* w, const IntVec* scale, const BlockQ8_K& x) {
-  IntVec sumi = int_zero();
+  IntVec sum[2] = {int_zero(), int_zero()};
   for (int v = 0; v < kVecsPerBlock; ++v) {
-    sumi = int_dot_add(sumi, scale[v], w[v], load_x(x.qs + 32 * kChunksPerVec * v));
+    sum[v % 2] = int_dot_add(sum[v % 2], scale[v], w[v], load_x(x.qs + 32 * kChunksPerVec * v));
   }
-  return fold(sumi);
+  return fold(int_add(sum[0], sum[1]));
 }
 
-// Q4_K: chunk c is sub-block c; lane l sums sc[c] * (elements 4l .. 4l + 3).
+// The sum of 8 (or 4) int32 lanes, exact.
+inline int32_t hsum_epi32(__m128i v) {
+  v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 1));
+  return _mm_cvtsi128_si32(v);
+}
+inline int32_t hsum_epi32(__m256i v) {
+  return hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+// The K-quants' float steps for one super-block (kernel_table.h); dmin_w is
+// 0 for Q6_K, whose M is 0 (then the fma adds -0 and changes nothing).
+inline float kquant_step(int32_t s, int32_t m, float d_w, float dmin_w, float d_x, float y) {
+  float r = static_cast<float>(s) * d_w;
+  r = std::fma(-dmin_w, static_cast<float>(m), r);
+  return std::fma(r, d_x, y);
+}
+
+// Q4_K's and Q5_K's 6-bit scales (sc_m[0..7]) and mins (sc_m[8..15]),
+// ggml's unpacking of the 12 bytes.
+[[gnu::always_inline]] inline void q4_k_scales_mins(const uint8_t* scales, uint8_t* sc_m) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t utmp[4];
+  std::memcpy(utmp, scales, 12);
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;
+  std::memcpy(sc_m, utmp, 16);
+}
+
+// Each format: unpack_q gives a block's 8 chunks of 32 unsigned weights in
+// element order; unpack adds the scales the row kernels use; accumulate
+// takes one super-block's step.
+//
+// Q4_K: chunk c is sub-block c.
 struct Q4KFormat {
   using WeightBlock = BlockQ4_K;
+  static constexpr int kSubBlocks = 8;
+  static constexpr bool kHasMin = true;
   struct Unpacked {
     IntVec q[kVecsPerBlock];
     IntVec scale[kVecsPerBlock];
     __m128i mins;  // 8 int16
     float d, dmin;
   };
-  struct Acc {
-    __m256 v;
-    __m128 m;
-  };
-  static Acc zero() { return {_mm256_setzero_ps(), _mm_setzero_ps()}; }
+  using Acc = float;
+  static Acc zero() { return 0.0f; }
 
-  static void unpack(const WeightBlock& b, Unpacked* u) {
-    __m256i q[8];
+  [[gnu::always_inline]] static void unpack_q(const WeightBlock& b, __m256i* q) {
     unpack_nibbles(b.qs, q);
+  }
+
+  [[gnu::always_inline]] static void unpack(const WeightBlock& b, Unpacked* u) {
+    __m256i q[8];
+    unpack_q(b, q);
     unpack_scales(b, q, u);
   }
 
-  // Q4_K's and Q5_K's scales and mins (ggml's unpacking of the 6-bit scales,
-  // bytes 0-7, and mins, bytes 8-15), with the chunks' weights q.
+  // Q4_K's and Q5_K's scales and mins, with the chunks' weights q.
   template <typename Block, typename Out>
-  static void unpack_scales(const Block& b, const __m256i* q, Out* u) {
-    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    uint32_t utmp[4];
-    std::memcpy(utmp, b.scales, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
+  [[gnu::always_inline]] static void unpack_scales(const Block& b, const __m256i* q, Out* u) {
     uint8_t sc_m[16];
-    std::memcpy(sc_m, utmp, 16);
-    u->mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc_m + 8)));
-    __m256i scale[8];
-    for (int c = 0; c < 8; ++c) scale[c] = _mm256_set1_epi16(sc_m[c]);
+    q4_k_scales_mins(b.scales, sc_m);
+    const __m128i sc_m16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc_m));
+    u->mins = _mm_cvtepu8_epi16(_mm_srli_si128(sc_m16, 8));
     pack_chunks(q, u->q);
-    pack_chunks(scale, u->scale);
+#if DUET_X86_512
+    // Vector v: 16 words of sc[2v], then 16 of sc[2v + 1].
+    const __m512i scales16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sc_m16));
+    for (int v = 0; v < kVecsPerBlock; ++v) {
+      const __m512i index =
+          _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * v)),
+                             _mm256_set1_epi16(static_cast<int16_t>(2 * v + 1)), 1);
+      u->scale[v] = _mm512_permutexvar_epi16(index, scales16);
+    }
+#else
+    // Vector c: 16 words of sc[c] (bytes 2c, 2c + 1 of the words, repeated).
+    const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc_m16));
+    for (int c = 0; c < 8; ++c) {
+      const __m256i index = _mm256_set1_epi16(static_cast<int16_t>((2 * c + 1) << 8 | 2 * c));
+      u->scale[c] = _mm256_shuffle_epi8(scales16, index);
+    }
+#endif
     u->d = half_to_float(b.d);
     u->dmin = half_to_float(b.dmin);
   }
 
   // The low nibbles of chunks 2g (low halves of bytes) and 2g + 1 (high halves).
-  static void unpack_nibbles(const uint8_t* qs, __m256i* q) {
+  [[gnu::always_inline]] static void unpack_nibbles(const uint8_t* qs, __m256i* q) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int g = 0; g < 4; ++g) {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * g));
@@ -225,42 +275,29 @@ struct Q4KFormat {
     }
   }
 
-  // The 8 sub-blocks' mins times the Q8_K sub-block sums: 4 exact int32 pairs.
-  static __m128i min_products(const __m128i& mins, const BlockQ8_K& x) {
+  [[gnu::always_inline]] static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
+    // M's 4 lanes: the 8 sub-blocks' mins times the Q8_K sub-block sums.
     const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums));
     const __m128i sums32 =
         _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-    return _mm_madd_epi16(mins, sums32);
+    const __m128i m4 = _mm_madd_epi16(w.mins, sums32);
+    // S's 8 lanes folded to 4, then both summed at once: {S, M, S, M}.
+    const __m256i s8 = sum_chunks(w.q, w.scale, x);
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    __m128i sm = _mm_hadd_epi32(s4, m4);
+    sm = _mm_hadd_epi32(sm, sm);
+    *acc = kquant_step(_mm_cvtsi128_si32(sm), _mm_extract_epi32(sm, 1), w.d, w.dmin, x.d, *acc);
   }
 
-  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
-    const __m256i lanes = sum_chunks(w.q, w.scale, x);
-    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
-    const __m128i prod = min_products(w.mins, x);
-    acc->m = _mm_fmadd_ps(_mm_set1_ps(-x.d * w.dmin), _mm_cvtepi32_ps(prod), acc->m);
-  }
-
-  static float finish(const Acc& acc) {
-    __m128 m = _mm_add_ps(acc.m, _mm_movehl_ps(acc.m, acc.m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return hsum_ps(acc.v) + _mm_cvtss_f32(m);
-  }
+  static float finish(const Acc& acc) { return acc; }
 };
 
 // Q5_K: Q4_K's chunks with each element's fifth bit (bit c of qh[l] for
-// chunk c) added as 16; the mins' products summed exactly, then one float per
-// row adds d_min times their sum by an FMA (kernel_table.h).
-struct Q5KFormat {
+// chunk c) added as 16.
+struct Q5KFormat : Q4KFormat {
   using WeightBlock = BlockQ5_K;
-  using Unpacked = Q4KFormat::Unpacked;
-  struct Acc {
-    __m256 v;
-    float m;
-  };
-  static Acc zero() { return {_mm256_setzero_ps(), 0.0f}; }
 
-  static void unpack(const WeightBlock& b, Unpacked* u) {
-    __m256i q[8];
+  [[gnu::always_inline]] static void unpack_q(const WeightBlock& b, __m256i* q) {
     Q4KFormat::unpack_nibbles(b.qs, q);
     const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
     const __m256i one = _mm256_set1_epi8(1);
@@ -268,39 +305,32 @@ struct Q5KFormat {
       const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, c), one);
       q[c] = _mm256_or_si256(q[c], _mm256_slli_epi16(bit, 4));
     }
+  }
+
+  [[gnu::always_inline]] static void unpack(const WeightBlock& b, Unpacked* u) {
+    __m256i q[8];
+    unpack_q(b, q);
     Q4KFormat::unpack_scales(b, q, u);
   }
-
-  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
-    const __m256i lanes = sum_chunks(w.q, w.scale, x);
-    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
-    __m128i prod = Q4KFormat::min_products(w.mins, x);
-    prod = _mm_add_epi32(prod, _mm_unpackhi_epi64(prod, prod));
-    prod = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 1));
-    acc->m = std::fma(-x.d * w.dmin, static_cast<float>(_mm_cvtsi128_si32(prod)), acc->m);
-  }
-
-  static float finish(const Acc& acc) { return hsum_ps(acc.v) + acc.m; }
 };
 
 // Q6_K: chunk c covers sub-blocks 2c (lanes 0-3) and 2c + 1 (lanes 4-7); the
 // weights stay unsigned (0..63) and the -32 offset comes off through bsums.
 struct Q6KFormat {
   using WeightBlock = BlockQ6_K;
+  static constexpr int kSubBlocks = 16;
+  static constexpr bool kHasMin = false;
   struct Unpacked {
     IntVec q[kVecsPerBlock];
     IntVec scale[kVecsPerBlock];
     __m256i scales16;  // the 16 sub-block scales as int16
     float d;
   };
-  struct Acc {
-    __m256 v;
-  };
-  static Acc zero() { return {_mm256_setzero_ps()}; }
+  using Acc = float;
+  static Acc zero() { return 0.0f; }
 
-  static void unpack(const WeightBlock& b, Unpacked* u) {
+  [[gnu::always_inline]] static void unpack_q(const WeightBlock& b, __m256i* q) {
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    __m256i q[8], scale[8];
     for (int h = 0; h < 2; ++h) {
       const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
       const __m256i ql2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
@@ -314,24 +344,36 @@ struct Q6KFormat {
       q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15), h2);
       q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql2, 4), m15), h3);
     }
+  }
+
+  [[gnu::always_inline]] static void unpack(const WeightBlock& b, Unpacked* u) {
+    __m256i q[8], scale[8];
+    unpack_q(b, q);
+    u->scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    // Chunk c: words of sc[2c] in the low half, of sc[2c + 1] in the high half.
+    const __m256i halves[2] = {
+        _mm256_broadcastsi128_si256(_mm256_castsi256_si128(u->scales16)),
+        _mm256_broadcastsi128_si256(_mm256_extracti128_si256(u->scales16, 1))};
     for (int c = 0; c < 8; ++c) {
-      scale[c] =
-          _mm256_set_m128i(_mm_set1_epi16(b.scales[2 * c + 1]), _mm_set1_epi16(b.scales[2 * c]));
+      const int w = 2 * (c % 4);  // word of sc[2c] within its half
+      const __m256i index =
+          _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * w + 3) << 8 | (2 * w + 2))),
+                           _mm_set1_epi16(static_cast<int16_t>((2 * w + 1) << 8 | 2 * w)));
+      scale[c] = _mm256_shuffle_epi8(halves[c / 4], index);
     }
     pack_chunks(q, u->q);
     pack_chunks(scale, u->scale);
-    u->scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
     u->d = half_to_float(b.d);
   }
 
-  static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
+  [[gnu::always_inline]] static void accumulate(const Unpacked& w, const BlockQ8_K& x, Acc* acc) {
     const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums));
     const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, w.scales16), 5);
-    const __m256i lanes = _mm256_sub_epi32(sum_chunks(w.q, w.scale, x), offset);
-    acc->v = _mm256_fmadd_ps(_mm256_set1_ps(x.d * w.d), _mm256_cvtepi32_ps(lanes), acc->v);
+    const int32_t s = hsum_epi32(_mm256_sub_epi32(sum_chunks(w.q, w.scale, x), offset));
+    *acc = std::fma(static_cast<float>(s) * w.d, x.d, *acc);
   }
 
-  static float finish(const Acc& acc) { return hsum_ps(acc.v); }
+  static float finish(const Acc& acc) { return acc; }
 };
 
 template <typename Format>
@@ -367,7 +409,8 @@ using Q5KTile = KQuantTile<Q5KFormat>::Tile<NX>;
 template <int NX>
 using Q6KTile = KQuantTile<Q6KFormat>::Tile<NX>;
 
-// The batched K-quant path (prefill, batched decode): each weight row's
+// The AVX2 batched K-quant path (prefill, batched decode; AVX-512 takes the
+// tiled VNNI GEMM from kquant512::kMinRows rows on): each weight row's
 // blocks are unpacked once into a panel and used by a pass of up to 64
 // activation rows, where the row tiles unpack them again for every
 // kKQuantRowTile rows (the unpacking costs about one row's accumulation).
@@ -438,9 +481,25 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
 
 }  // namespace kquant_gemm
 
+}  // namespace
+}  // namespace duet::cpu
+
+#if DUET_X86_512
+#include "kernels/cpu/x86/kquant_gemm_avx512_inl.h"
+#endif
+
+namespace duet::cpu {
+namespace {
+
 template <typename Format, template <int> class Tile>
 void dot_kquant(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+#if DUET_X86_512
+  if (n_x >= kquant512::kMinRows) {
+    kquant512::gemm<Format>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    return;
+  }
+#endif
   if (n_x >= kquant_gemm::kMinRows && k / kSuperBlock <= kquant_gemm::kMaxBlocks) {
     kquant_gemm::gemm<Format>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {

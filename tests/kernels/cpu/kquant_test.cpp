@@ -18,6 +18,7 @@
 #include "common/model/dtype.h"
 #include "common/model/fp16.h"
 #include "common/model/quant_blocks.h"
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"
@@ -300,19 +301,34 @@ TEST_P(KQuantMatmulTest, MatchesReferenceAndScalarOnEveryIsa) {
   EXPECT_GT(n_cases, 0);
 }
 
-// The shapes where the batched K-quant path changes strategy: below and at
-// the activation rows it starts from, passes of rows sized by k (several, with
-// every tail), its longest rows (k = 32768) and the first it leaves to the row
-// tiles. Every path bit-identical to the scalar one.
+// The shapes where the batched K-quant paths change strategy: below and at
+// the activation rows they start from, passes of rows sized by k (several,
+// with every tail), the AVX2 panel's longest rows (k = 32768) and the first
+// it leaves to the row tiles; for the AVX-512 tiles, groups of 16 activation
+// rows and of 8 weight rows, whole and cut short. Every path bit-identical to
+// the scalar one.
 TEST_P(KQuantMatmulTest, BatchedShapeEdgesMatchScalar) {
   const DType type = GetParam();
   if (type == DType::kBF16) GTEST_SKIP() << "no batched K-quant path for BF16";
   std::mt19937 rng(static_cast<uint32_t>(type) + 700);
   ThreadPool pool(1);
-  for (int64_t k : {256, 8192, 32768, 33024}) {
-    const int64_t n_out = 5;
+  struct Shape {
+    int64_t k, n_out;
+    std::vector<int64_t> n_xs;
+  };
+  const std::vector<Shape> shapes = {
+      {256, 5, {7, 8, 15, 64, 65, 130}},
+      {8192, 5, {7, 8, 15, 64, 65, 130}},
+      {32768, 5, {7, 8, 15, 64, 65, 130}},
+      {33024, 5, {7, 8, 15, 64, 65, 130}},
+      {512, 21, {8, 16, 17, 31, 32, 47, 64}},
+      {768, 8, {9, 16, 48}},
+      {1024, 16, {24, 40}},
+  };
+  for (const Shape& shape : shapes) {
+    const int64_t k = shape.k, n_out = shape.n_out;
     const Weights w = make_weights(type, k, n_out, rng);
-    for (int64_t n_x : {7, 8, 15, 64, 65, 130}) {
+    for (int64_t n_x : shape.n_xs) {
       SCOPED_TRACE(shape_name(type, k, n_out, n_x));
       const std::vector<float> x = random_activations(n_x, k, rng);
       const std::vector<float> scalar = run_matmul(scalar_kernel_table(), w.matrix(), x, n_x, pool);
@@ -320,6 +336,20 @@ TEST_P(KQuantMatmulTest, BatchedShapeEdgesMatchScalar) {
         const std::vector<float> y = run_matmul(kernel_table(isa), w.matrix(), x, n_x, pool);
         EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size())) << isa_name(isa);
       }
+    }
+  }
+}
+
+// Q4_K interleaved by 16 rows: the layout gives back the file's rows, and
+// every path (AVX-512's lane-per-row kernel; the others by rows) is
+// bit-identical to the scalar path on the file's rows, for decode's one
+// activation row, every tail of the 8-row tiles, and threads splitting rows.
+TEST(KQuantInterleaved, Q4_KMatchesRowsOnEveryIsa) {
+  std::mt19937 rng(900);
+  for (int64_t k : {256, 4096, 14336}) {
+    for (int64_t n_out : {16, 48}) {
+      ASSERT_NO_FATAL_FAILURE(check_interleaved_matches_rows(
+          make_weights(DType::kQ4_K, k, n_out, rng), {1, 2, 7, 8, 9, 33, 64}, rng));
     }
   }
 }

@@ -12,10 +12,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "common/model/dtype.h"
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/matmul.h"
@@ -227,6 +229,39 @@ inline void expect_shared_pack_serves(Isa isa, const Weights& w, const PackedAct
   const std::vector<float> alone = run_matmul(kernels, w.matrix(), x, n_x, pool);
   EXPECT_TRUE(bitwise_equal(y.data(), alone.data(), y.size()))
       << isa_name(isa) << " " << dtype_name(w.type);
+}
+
+// w (Q4_0 or Q4_K rows) laid out interleaved: deinterleaving gives the rows
+// back, rows dequantize alike, and every ISA path, on 1 and 2 threads, gives
+// the scalar path's bits on the rows for each activation count in n_xs.
+inline void check_interleaved_matches_rows(const Weights& w, const std::vector<int64_t>& n_xs,
+                                           std::mt19937& rng) {
+  ThreadPool one(1), two(2);
+  const WeightMatrix rows = w.matrix();
+  std::vector<uint8_t> bytes(rows.row_bytes * static_cast<size_t>(w.n_out));
+  const WeightMatrix interleaved = interleave(rows, bytes.data());
+  ASSERT_EQ(interleaved.layout, WeightLayout::kInterleaved);
+  std::vector<uint8_t> back(bytes.size());
+  deinterleave(w.type, bytes.data(), w.k, 0, w.n_out, back.data());
+  EXPECT_EQ(0, std::memcmp(back.data(), rows.data, back.size()));
+  std::vector<float> row_a(static_cast<size_t>(w.k)), row_b(static_cast<size_t>(w.k));
+  for (int64_t j : {int64_t{0}, int64_t{5}, w.n_out - 1}) {
+    dequantize_weight_row(rows, j, row_a.data());
+    dequantize_weight_row(interleaved, j, row_b.data());
+    EXPECT_TRUE(bitwise_equal(row_a.data(), row_b.data(), row_a.size())) << "row " << j;
+  }
+  for (int64_t n_x : n_xs) {
+    SCOPED_TRACE(shape_name(w.type, w.k, w.n_out, n_x));
+    const std::vector<float> x = random_activations(n_x, w.k, rng);
+    const std::vector<float> scalar = run_matmul(scalar_kernel_table(), rows, x, n_x, one);
+    for (Isa isa : supported_isas()) {
+      for (ThreadPool* pool : {&one, &two}) {
+        const std::vector<float> y = run_matmul(kernel_table(isa), interleaved, x, n_x, *pool);
+        EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size()))
+            << isa_name(isa) << ", " << pool->size() << " threads";
+      }
+    }
+  }
 }
 
 }  // namespace duet::cpu::test_support

@@ -222,35 +222,10 @@ TEST(Matmul, BatchedShapeEdgesMatchScalar) {
 // threads split the rows; and the layout gives back the file's rows.
 TEST(Matmul, InterleavedQ4_0MatchesRowsOnEveryIsa) {
   std::mt19937 rng(700);
-  ThreadPool one(1), two(2);
   for (int64_t k : {32, 4096, 14336}) {
     for (int64_t n_out : {8, 136}) {
-      const Weights w = make_weights(DType::kQ4_0, k, n_out, rng);
-      const WeightMatrix rows = w.matrix();
-      std::vector<uint8_t> bytes(rows.row_bytes * static_cast<size_t>(n_out));
-      const WeightMatrix interleaved = interleave(rows, bytes.data());
-      ASSERT_EQ(interleaved.layout, WeightLayout::kInterleaved);
-      std::vector<uint8_t> back(bytes.size());
-      deinterleave_q4_0(bytes.data(), k, 0, n_out, back.data());
-      EXPECT_EQ(0, std::memcmp(back.data(), rows.data, back.size()));
-      std::vector<float> row_a(static_cast<size_t>(k)), row_b(static_cast<size_t>(k));
-      for (int64_t j : {int64_t{0}, int64_t{5}, n_out - 1}) {
-        dequantize_weight_row(rows, j, row_a.data());
-        dequantize_weight_row(interleaved, j, row_b.data());
-        EXPECT_TRUE(bitwise_equal(row_a.data(), row_b.data(), row_a.size())) << "row " << j;
-      }
-      for (int64_t n_x : {1, 2, 7, 33, 64}) {
-        SCOPED_TRACE(shape_name(DType::kQ4_0, k, n_out, n_x));
-        const std::vector<float> x = random_activations(n_x, k, rng);
-        const std::vector<float> scalar = run_matmul(scalar_kernel_table(), rows, x, n_x, one);
-        for (Isa isa : supported_isas()) {
-          for (ThreadPool* pool : {&one, &two}) {
-            const std::vector<float> y = run_matmul(kernel_table(isa), interleaved, x, n_x, *pool);
-            EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size()))
-                << isa_name(isa) << ", " << pool->size() << " threads";
-          }
-        }
-      }
+      ASSERT_NO_FATAL_FAILURE(check_interleaved_matches_rows(
+          make_weights(DType::kQ4_0, k, n_out, rng), {1, 2, 7, 33, 64}, rng));
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -59,6 +60,34 @@ inline std::vector<int32_t> greedy_continuation(Generator& generator, const nloh
           std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(prefix)),
           options, [](int32_t) { return true; }, [](int32_t) { return false; })
       .tokens;
+}
+
+// For every model and ISA path: logits with the models loaded for kernels
+// that `prefer` laid-out weights equal, bit for bit, those of the file's rows.
+// Returns how many loads laid out any matrix.
+template <typename Prefer>
+int expect_interleaving_changes_no_bit(const TinyModelGolden& golden, Prefer prefer) {
+  cpu::ThreadPool pool(2);
+  int n_interleaved = 0;
+  for (const auto& m : golden.json["models"]) {
+    const std::string file = m["file"];
+    const auto ids = m["ids"].get<std::vector<int32_t>>();
+    auto rows = LlamaModel::load(golden.model_dir / file);
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      const std::vector<float> expected =
+          Generator(*rows, cpu::kernel_table(isa), pool).logits_all(ids);
+      cpu::KernelTable kernels = cpu::kernel_table(isa);
+      prefer(kernels);
+      auto model = LlamaModel::load(golden.model_dir / file, {}, &kernels);
+      if (model->interleaved_weight_bytes() > 0) ++n_interleaved;
+      const std::vector<float> logits = Generator(*model, kernels, pool).logits_all(ids);
+      EXPECT_EQ(logits.size(), expected.size());
+      EXPECT_EQ(0, std::memcmp(logits.data(), expected.data(),
+                               std::min(logits.size(), expected.size()) * sizeof(float)))
+          << file << " on " << cpu::isa_name(isa);
+    }
+  }
+  return n_interleaved;
 }
 
 }  // namespace duet::testing

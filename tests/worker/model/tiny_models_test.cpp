@@ -38,26 +38,9 @@ TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
 // rows do on the same path, on every path: forced on where a path would not
 // ask for it.
 TEST(TinyModels, InterleavedWeightsChangeNoBit) {
-  const testing::TinyModelGolden golden = testing::read_tiny_model_golden("tiny_models.json");
-  cpu::ThreadPool pool(2);
-  int n_interleaved = 0;
-  for (const auto& m : golden.json["models"]) {
-    const std::string file = m["file"];
-    const auto ids = m["ids"].get<std::vector<int32_t>>();
-    auto rows = LlamaModel::load(golden.model_dir / file);
-    for (cpu::Isa isa : cpu::supported_isas()) {
-      const std::vector<float> expected =
-          Generator(*rows, cpu::kernel_table(isa), pool).logits_all(ids);
-      cpu::KernelTable kernels = cpu::kernel_table(isa);
-      kernels.interleave_q4_0 = true;
-      auto model = LlamaModel::load(golden.model_dir / file, {}, &kernels);
-      if (model->interleaved_weight_bytes() > 0) ++n_interleaved;
-      const std::vector<float> logits = Generator(*model, kernels, pool).logits_all(ids);
-      ASSERT_EQ(logits.size(), expected.size());
-      EXPECT_EQ(0, std::memcmp(logits.data(), expected.data(), logits.size() * sizeof(float)))
-          << file << " on " << cpu::isa_name(isa);
-    }
-  }
+  const int n_interleaved = testing::expect_interleaving_changes_no_bit(
+      testing::read_tiny_model_golden("tiny_models.json"),
+      [](cpu::KernelTable& kernels) { kernels.interleave_q4_0 = true; });
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_0 matrices to interleave";
 }
 
