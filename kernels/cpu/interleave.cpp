@@ -108,6 +108,14 @@ int64_t interleaved_group_rows(DType type) {
   return type == DType::kQ4_K ? kInterleavedRowsQ4_K : kInterleavedRows;
 }
 
+void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  if (interleaved_group_rows(type) == kInterleavedRowsQ4_K) {
+    interleave_q4_k(rows, n_out, k, out);
+  } else {
+    interleave_q4_0(rows, n_out, k, out);
+  }
+}
+
 void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                   uint8_t* rows) {
   if (interleaved_group_rows(type) == kInterleavedRowsQ4_K) {

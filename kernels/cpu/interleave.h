@@ -68,8 +68,9 @@ void interleave_q4_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
 void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
 
-// The rows of a group of `type` (Q4_0 or Q4_K), and its deinterleave.
+// The rows of a group of `type` (Q4_0 or Q4_K), and its interleave and deinterleave.
 int64_t interleaved_group_rows(DType type);
+void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
 void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                   uint8_t* rows);
 

@@ -100,11 +100,7 @@ WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
   for (int64_t row0 = 0; row0 < w.n_out; row0 += kRowsPerPiece) {
     const int64_t n_rows = std::min(kRowsPerPiece, w.n_out - row0);
     const size_t offset = static_cast<size_t>(row0) * w.row_bytes;
-    if (w.type == DType::kQ4_K) {
-      interleave_q4_k(w.data + offset, n_rows, w.k, out + offset);
-    } else {
-      interleave_q4_0(w.data + offset, n_rows, w.k, out + offset);
-    }
+    cpu::interleave(w.type, w.data + offset, n_rows, w.k, out + offset);
     if (read) read(w.data + offset, static_cast<size_t>(n_rows) * w.row_bytes);
   }
   WeightMatrix result = w;

@@ -256,6 +256,38 @@ void convert_row_bf16(const float* x, void* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = fp32_to_bf16(x[i]);
 }
 
+namespace {
+
+// Q4_K's and Q5_K's dequantization: each 64-element group g of a block takes
+// sub-blocks 2g (low nibbles) and 2g + 1 (high nibbles); `high(block, l, bit)`
+// is the value's fifth bit (Q5_K) as 16, or 0.
+template <typename Block, typename High>
+void dequantize_q45_k(const Block* blocks, int64_t n, float* out, High high) {
+  for (int64_t b = 0; b < n / kSuperBlock; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    const float min = fp16_to_fp32(blocks[b].dmin);
+    float* o = out + b * kSuperBlock;
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* q = blocks[b].qs + 32 * g;
+      uint8_t sc = 0, m = 0;
+      q4_k_scale_min(blocks[b].scales, 2 * g, &sc, &m);
+      const float d1 = d * sc, m1 = min * m;
+      q4_k_scale_min(blocks[b].scales, 2 * g + 1, &sc, &m);
+      const float d2 = d * sc, m2 = min * m;
+      for (int l = 0; l < 32; ++l) {
+        const int value = (q[l] & 15) + high(blocks[b], l, 2 * g);
+        o[64 * g + l] = d1 * static_cast<float>(value) - m1;
+      }
+      for (int l = 0; l < 32; ++l) {
+        const int value = (q[l] >> 4) + high(blocks[b], l, 2 * g + 1);
+        o[64 * g + 32 + l] = d2 * static_cast<float>(value) - m2;
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void dequantize_row(DType type, const void* row, float* out, int64_t n) {
   switch (type) {
     case DType::kF32: {
@@ -329,52 +361,16 @@ void dequantize_row(DType type, const void* row, float* out, int64_t n) {
       }
       return;
     }
-    case DType::kQ4_K: {  // ggml's dequantize_row_q4_K
-      const auto* blocks = static_cast<const BlockQ4_K*>(row);
-      for (int64_t b = 0; b < n / kSuperBlock; ++b) {
-        const float d = fp16_to_fp32(blocks[b].d);
-        const float min = fp16_to_fp32(blocks[b].dmin);
-        float* o = out + b * kSuperBlock;
-        for (int g = 0; g < 4; ++g) {
-          const uint8_t* q = blocks[b].qs + 32 * g;
-          uint8_t sc = 0, m = 0;
-          q4_k_scale_min(blocks[b].scales, 2 * g, &sc, &m);
-          const float d1 = d * sc, m1 = min * m;
-          q4_k_scale_min(blocks[b].scales, 2 * g + 1, &sc, &m);
-          const float d2 = d * sc, m2 = min * m;
-          for (int l = 0; l < 32; ++l) o[64 * g + l] = d1 * static_cast<float>(q[l] & 15) - m1;
-          for (int l = 0; l < 32; ++l) o[64 * g + 32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
-        }
-      }
+    case DType::kQ4_K:  // ggml's dequantize_row_q4_K
+      dequantize_q45_k(static_cast<const BlockQ4_K*>(row), n, out,
+                       [](const BlockQ4_K&, int, int) { return 0; });
       return;
-    }
-    case DType::kQ5_K: {  // ggml's dequantize_row_q5_K
-      const auto* blocks = static_cast<const BlockQ5_K*>(row);
-      for (int64_t b = 0; b < n / kSuperBlock; ++b) {
-        const float d = fp16_to_fp32(blocks[b].d);
-        const float min = fp16_to_fp32(blocks[b].dmin);
-        const uint8_t* qh = blocks[b].qh;
-        float* o = out + b * kSuperBlock;
-        for (int g = 0; g < 4; ++g) {
-          const uint8_t* q = blocks[b].qs + 32 * g;
-          uint8_t sc = 0, m = 0;
-          q4_k_scale_min(blocks[b].scales, 2 * g, &sc, &m);
-          const float d1 = d * sc, m1 = min * m;
-          q4_k_scale_min(blocks[b].scales, 2 * g + 1, &sc, &m);
-          const float d2 = d * sc, m2 = min * m;
-          const int lo_bit = 2 * g, hi_bit = 2 * g + 1;
-          for (int l = 0; l < 32; ++l) {
-            const int value = (q[l] & 15) + (((qh[l] >> lo_bit) & 1) << 4);
-            o[64 * g + l] = d1 * static_cast<float>(value) - m1;
-          }
-          for (int l = 0; l < 32; ++l) {
-            const int value = (q[l] >> 4) + (((qh[l] >> hi_bit) & 1) << 4);
-            o[64 * g + 32 + l] = d2 * static_cast<float>(value) - m2;
-          }
-        }
-      }
+    case DType::kQ5_K:  // ggml's dequantize_row_q5_K: the fifth bit, bit 2g (low) or 2g + 1 (high)
+                        // of qh[l]
+      dequantize_q45_k(
+          static_cast<const BlockQ5_K*>(row), n, out,
+          [](const BlockQ5_K& b, int l, int bit) { return ((b.qh[l] >> bit) & 1) << 4; });
       return;
-    }
     case DType::kQ6_K: {  // ggml's dequantize_row_q6_K
       const auto* blocks = static_cast<const BlockQ6_K*>(row);
       for (int64_t b = 0; b < n / kSuperBlock; ++b) {

@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/x86/quant_gemm_avx512_inl.h"
+
 namespace duet::cpu {
 namespace {
 namespace kquant512 {
@@ -155,13 +157,6 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t n_rows, int64_
   }
 }
 
-// A zero register by the zeroing idiom (gemm512's fresh_zero, for the same reason).
-inline __m512i zero_reg() {
-  __m512i r;
-  asm volatile("vpxord %0, %0, %0" : "=v"(r));
-  return r;
-}
-
 // Weight rows [0, 8) of the panel x the 16 activation rows of act, over nb
 // super-blocks; writes y[c * ldy + t] for c < n_cols, t < n_w.
 template <typename Format>
@@ -178,7 +173,7 @@ void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* 
     for (int t = 0; t < kTileRows; ++t) s_int[t] = _mm512_setzero_si512();
     for (int s = 0; s < kSub; ++s) {
       __m512i dot[kTileRows];
-      for (int t = 0; t < kTileRows; ++t) dot[t] = zero_reg();
+      for (int t = 0; t < kTileRows; ++t) dot[t] = gemm512::fresh_zero();
       for (int g = s * kGroupsPerSub; g < (s + 1) * kGroupsPerSub; ++g) {
         const __m512i codes = _mm512_load_si512(&a.codes[g]);
         for (int t = 0; t < kTileRows; ++t) {
