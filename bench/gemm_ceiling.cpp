@@ -4,8 +4,11 @@
 // (kernels/cpu/kernels_scalar.cpp defines it; every path matches it bit for
 // bit). On AVX2, without VNNI, that is per output and block:
 //
-//   signed (Q4_0, Q8_0):  sign, maddubs, madd, cvt, fma
+//   signed (Q8_0, Q5_0):  sign, maddubs, madd, cvt, fma
 //   unsigned (Q4_1):            maddubs, madd, cvt, fma
+//
+// (Q4_0 sums each block into one integer first, kernel_table.h: its float
+// step is one FMA per block for 8 outputs at once, so this does not bound it.)
 //
 // This runs exactly that sequence in the GEMM's 2 x 4 register tile on
 // operands that stay in L1 (16 blocks, aligned), with nothing else: no
@@ -36,8 +39,7 @@ struct alignas(32) Operands {
 };
 
 template <bool kSigned>
-__attribute__((target("avx2,fma"))) void run_tiles(const Operands& op, int64_t passes,
-                                                    float* out) {
+__attribute__((target("avx2,fma"))) void run_tiles(const Operands& op, int64_t passes, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kWeightRows][kActRows];
   for (auto& row : acc)
@@ -90,9 +92,9 @@ void bench_ceiling(benchmark::State& state, bool is_signed) {
     benchmark::DoNotOptimize(out);
   }
   const double flops_per_pass = 2.0 * 32 * kWeightRows * kActRows * kBlocks;
-  state.counters["FLOP"] = benchmark::Counter(
-      flops_per_pass * kPasses * static_cast<double>(state.iterations()),
-      benchmark::Counter::kIsRate);
+  state.counters["FLOP"] =
+      benchmark::Counter(flops_per_pass * kPasses * static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate);
 }
 
 }  // namespace
@@ -100,9 +102,9 @@ void bench_ceiling(benchmark::State& state, bool is_signed) {
 void register_gemm_ceiling_benchmarks() {
   if (!cpu_supports(Isa::kAvx2)) return;
   for (bool is_signed : {true, false}) {
-    benchmark::RegisterBenchmark(is_signed ? "ceiling/avx2/signed_tile_2x4"
-                                           : "ceiling/avx2/unsigned_tile_2x4",
-                                 bench_ceiling, is_signed)
+    benchmark::RegisterBenchmark(
+        is_signed ? "ceiling/avx2/signed_tile_2x4" : "ceiling/avx2/unsigned_tile_2x4",
+        bench_ceiling, is_signed)
         ->Unit(benchmark::kMicrosecond);
   }
 }

@@ -1,6 +1,7 @@
 // Throughput of the CPU matrix products, for each ISA path this CPU runs, 1
 // and 2 threads, decode (n_x = 1), batched decode (n_x = 8, 32: one row per
-// sequence) and prefill (n_x = 512), at two sets of shapes:
+// sequence; 2, 4 and 8 too at the 8B gate shape) and prefill (n_x = 512), at
+// two sets of shapes:
 // - the default model's (SmolLM2-135M: hidden 576, FFN 1536, vocabulary
 //   49152), whose weights stay in cache;
 // - Llama-3-8B's feed-forward (hidden 4096, FFN 14336), 33 MB a matrix at
@@ -104,8 +105,8 @@ void register_benchmarks() {
   const std::vector<DType> all_types = {DType::kQ4_0, DType::kQ4_1, DType::kQ8_0, DType::kQ4_K,
                                         DType::kQ6_K};
   const std::vector<Shape> shapes_8b = {
-      {4096, 14336, all_types, {1, 32, 512}},  // FFN gate and up
-      {14336, 4096, all_types, {1, 32, 512}},  // FFN down
+      {4096, 14336, all_types, {1, 2, 4, 8, 32, 512}},  // FFN gate and up
+      {14336, 4096, all_types, {1, 32, 512}},           // FFN down
   };
   auto register_shapes = [](const std::string& prefix, const std::vector<Shape>& set, Isa isa) {
     for (const Shape& shape : set) {

@@ -24,7 +24,12 @@ using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 
 // Reduction orders of the dot products. Every path computes exactly these, so
 // all paths agree bit for bit (the scalar path spells them out):
-//  - Q8_0, Q4_0, Q4_1, Q5_0: see x86_kernels_inl.h (llama.cpp's AVX2 order).
+//  - Q8_0, Q4_1, Q5_0: see x86_kernels_inl.h (llama.cpp's AVX2 order).
+//  - Q4_0 x Q8_0: one exact integer per 32-element block and pair, then one
+//    float step (the order of llama.cpp's repacked Q4_0 kernels, which it
+//    runs by default on AVX2 and AVX-512). For block b in order, y from 0:
+//      S = sum over e of (q[e] - 8) * x[e];  y = fma(float(S), d_w * d_x, y)
+//    d_w * d_x multiplies two halves, so it is exact in float.
 //  - BF16 x BF16: 16 float lanes over whole 32-element chunks; for chunk c,
 //    lane l adds the product of elements 32c + 2l + 1, then of 32c + 2l
 //    (what AVX512-BF16's vdpbf16ps computes, used by llama.cpp's tinyBLAS on

@@ -63,15 +63,18 @@ inline int32_t nibble(const uint8_t* qs, int e) {
   return e < kQuantBlock / 2 ? (qs[e] & 0x0f) : (qs[e - kQuantBlock / 2] >> 4);
 }
 
+// Q4_0 keeps one exact integer per block (kernel_table.h): y = fma(S, d_w d_x, y).
 float dot_row_q4_0(const uint8_t* w, const uint8_t* x, int64_t k) {
   const auto* wb = reinterpret_cast<const BlockQ4_0*>(w);
   const auto* xb = reinterpret_cast<const BlockQ8_0*>(x);
-  float acc[8] = {};
+  float y = 0.0f;
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    int32_t sum = 0;
+    for (int e = 0; e < kQuantBlock; ++e) sum += (nibble(wb[b].qs, e) - 8) * xb[b].qs[e];
     const float scale = fp16_to_fp32(wb[b].d) * fp16_to_fp32(xb[b].d);
-    accumulate_block([&](int e) { return nibble(wb[b].qs, e) - 8; }, xb[b].qs, scale, acc);
+    y = std::fma(static_cast<float>(sum), scale, y);
   }
-  return sum_lanes8(acc);
+  return y;
 }
 
 float dot_row_q5_0(const uint8_t* w, const uint8_t* x, int64_t k) {

@@ -13,10 +13,6 @@
 namespace duet::cpu {
 namespace {
 
-inline __m256i lane_dot(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
 template <typename Format>
 struct QuantTile {
   template <int NX>
@@ -42,7 +38,7 @@ struct QuantTile {
             const XB& xb = reinterpret_cast<const XB*>(x + r * x_stride)[b];
             __m256i u, s;
             Format::operands(wq, xb, &u, &s);
-            const __m256 p = _mm256_cvtepi32_ps(lane_dot(u, s));
+            const __m256 p = _mm256_cvtepi32_ps(lane_sums(u, s));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * half_to_float(xb.d)), p, acc[r]);
             if constexpr (Format::kHasMin) mins[r] += Format::min_term(wb[b], xb);
           }
@@ -56,7 +52,7 @@ struct QuantTile {
 template <int NX>
 using Q8_0Tile = QuantTile<Q8_0Format>::Tile<NX>;
 template <int NX>
-using Q4_0Tile = QuantTile<Q4_0Format>::Tile<NX>;
+using Q4_0Tile = Q4_0RowTile<NX>;
 template <int NX>
 using Q4_1Tile = QuantTile<Q4_1Format>::Tile<NX>;
 template <int NX>
@@ -103,57 +99,72 @@ void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 }
 
 // Decode on interleaved Q4_0 (interleave.h): the 8 rows of a group at once,
-// one sequential stream. Each row's int32 lanes are the row tile's, computed
-// as nibbles . x - 8 * (the 4 x bytes' sum) instead of |w| . (x with the sign
-// of w): the same integers (no operand saturates maddubs either way), with
-// two rows' weights per load and the correction shared by the 8 rows. The
-// float steps are the row tile's: acc = fma(d_w * d_x, float(lanes), acc)
-// block by block, then hsum_ps.
+// one sequential stream. Each row's integer is nibbles . x - 8 * (the sum of
+// x), the same as the row tiles' |w| . (x with the sign of w) (no operand
+// saturates maddubs either way), with two rows' weights per load; the 8
+// rows' totals land in the 8 lanes of one register, whose float step
+// (kernel_table.h) is one FMA per block for all 8.
 // Asking for every line (a block is 144 bytes: 3 lines) 4 KiB ahead lets it
 // stream at its in-cache speed, about 19.5 GB/s on a Zen 3 core (13 without).
 
-void gemv_q4_0x8(const uint8_t* w, int64_t n_w, const uint8_t* x, int64_t k, float* y) {
+// NX activation rows (NX <= 4) against every group: the weights unpacked
+// once per block for all of them.
+template <int NX>
+void gemv_q4_0x8(const uint8_t* w, int64_t n_w, const uint8_t* x, size_t x_stride, int64_t k,
+                 float* y, int64_t ldy) {
   const int64_t nb = k / kQuantBlock;
-  const auto* xb = reinterpret_cast<const BlockQ8_0*>(x);
+  const BlockQ8_0* xr[NX];
+  for (int r = 0; r < NX; ++r) xr[r] = reinterpret_cast<const BlockQ8_0*>(x + r * x_stride);
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
   const __m256i eights = _mm256_set1_epi8(8);
   for (int64_t g = 0; g < n_w / kInterleavedRows; ++g) {
     const auto* wb = reinterpret_cast<const BlockQ4_0x8*>(w) + g * nb;
-    __m256 acc[kInterleavedRows];
+    __m256 acc[NX];
     for (__m256& a : acc) a = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       prefetch_ahead(wb + b);
-      const __m256i xq = load_i8x32(xb[b].qs);
-      const __m256i correction = lane_dot(eights, xq);
-      alignas(32) float scales[kInterleavedRows];
-      _mm256_store_ps(
-          scales,
-          _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb[b].d))),
-                        _mm256_set1_ps(half_to_float(xb[b].d))));
+      __m256i q[kInterleavedRows];
       for (int p = 0; p < kInterleavedRows / 2; ++p) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b].qs[p]));
-        const __m256i even =
-            _mm256_sub_epi32(lane_dot(_mm256_and_si256(q, low_nibbles), xq), correction);
-        const __m256i odd = _mm256_sub_epi32(
-            lane_dot(_mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles), xq), correction);
-        acc[2 * p] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + 2 * p), _mm256_cvtepi32_ps(even),
-                                     acc[2 * p]);
-        acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(scales + 2 * p + 1),
-                                         _mm256_cvtepi32_ps(odd), acc[2 * p + 1]);
+        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[b].qs[p]));
+        q[2 * p] = _mm256_and_si256(both, low_nibbles);
+        q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low_nibbles);
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb[b].d)));
+      for (int r = 0; r < NX; ++r) {
+        const __m256i xq = load_i8x32(xr[r][b].qs);
+        const __m256i correction = lane_sums(eights, xq);
+        __m256i lanes[kInterleavedRows];
+        for (int i = 0; i < kInterleavedRows; ++i) {
+          lanes[i] = _mm256_sub_epi32(lane_sums(q[i], xq), correction);
+        }
+        const __m256 scales = _mm256_mul_ps(dw, _mm256_set1_ps(half_to_float(xr[r][b].d)));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(lanes)), scales, acc[r]);
       }
     }
-    for (int r = 0; r < kInterleavedRows; ++r) y[g * kInterleavedRows + r] = hsum_ps(acc[r]);
+    for (int r = 0; r < NX; ++r) _mm256_storeu_ps(y + r * ldy + g * kInterleavedRows, acc[r]);
+  }
+}
+
+constexpr int kGemvRows = 4;
+
+template <int NX = kGemvRows>
+void gemv_rows(int64_t n_rows, const uint8_t* w, int64_t n_w, const uint8_t* x, size_t x_stride,
+               int64_t k, float* y, int64_t ldy) {
+  if constexpr (NX > 0) {
+    if (n_rows == NX) return gemv_q4_0x8<NX>(w, n_w, x, x_stride, k, y, ldy);
+    gemv_rows<NX - 1>(n_rows, w, n_w, x, x_stride, k, y, ldy);
   }
 }
 
 void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  if (n_x == 1) {
-    gemv_q4_0x8(w, n_w, x, k, y);
-  } else if (n_x >= kGemmMinRowsSymmetric) {
+  if (n_x >= kGemmMinRowsSymmetric) {
     gemm256::gemm<gemm256::Q4_0x8Gemm>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
-  } else {
-    dot_interleaved_by_rows(DType::kQ4_0, dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    return;
+  }
+  for (int64_t i = 0; i < n_x; i += kGemvRows) {
+    gemv_rows(std::min<int64_t>(kGemvRows, n_x - i), w, n_w, x + i * x_stride, x_stride, k,
+              y + i * ldy, ldy);
   }
 }
 

@@ -20,6 +20,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86/attention_avx512_inl.h"
+#include "kernels/cpu/x86/q4_0_gemm_avx512_inl.h"
 #include "kernels/cpu/x86/q4k_x16_avx512_inl.h"
 #include "kernels/cpu/x86/quant_gemm_avx512_inl.h"
 #include "kernels/cpu/x86/quantize_rows_avx512_inl.h"
@@ -234,8 +235,6 @@ constexpr int64_t kGemmMinRowsSymmetric = 5;
 template <int NX>
 using Q8_0Tile = QuantTile<Q8_0Format>::Tile<NX>;
 template <int NX>
-using Q4_0Tile = QuantTile<Q4_0Format>::Tile<NX>;
-template <int NX>
 using Q4_1Tile = QuantTile<Q4_1Format>::Tile<NX>;
 template <int NX>
 using Q5_0Tile = QuantTile<Q5_0Format>::Tile<NX>;
@@ -257,9 +256,17 @@ void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   dot_quant<gemm512::Q8_0Gemm, Q8_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
+// Q4_0: the tiled VNNI GEMM (q4_0_gemm_avx512_inl.h) from kGemmMinRowsQ4_0
+// activation rows on, the shared 256-bit row tiles below.
+constexpr int64_t kGemmMinRowsQ4_0 = 7;
+
 void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_quant<gemm512::Q4_0Gemm, Q4_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  if (n_x >= kGemmMinRowsQ4_0) {
+    q40x512::gemm<false>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  } else {
+    run_row_tiles<Q4_0RowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  }
 }
 
 // Q5_0 (most of a Gemma 3 Q4_K_M file, and Q4_K's fallback type): the
@@ -277,16 +284,13 @@ void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 // Interleaved Q4_0: decode streams it with the AVX2 path's kernel (8 rows'
 // chains in one sequential stream, faster than this path's rows on Zen 4,
 // whose 512-bit units are two 256-bit halves; the contract's order makes its
-// bits this path's); the GEMM packs its panels straight from the groups; a
-// few rows, or rows too long for the GEMM, turn groups back into rows.
+// bits this path's); the GEMM packs its panels straight from the groups.
 void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  if (n_x == 1) {
-    avx2_kernel_table().dot_q4_0x8(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
-  } else if (n_x >= kGemmMinRowsSymmetric && k / kQuantBlock <= gemm512::kMaxBlocks) {
-    gemm512::gemm<gemm512::Q4_0x8Gemm>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  if (n_x >= kGemmMinRowsQ4_0) {
+    q40x512::gemm<true>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
-    dot_interleaved_by_rows(DType::kQ4_0, dot_q4_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    avx2_kernel_table().dot_q4_0x8(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   }
 }
 

@@ -13,6 +13,10 @@
 // Operands. Q4_1: the nibbles are the unsigned operand, the Q8_1 activations
 // the signed one. Q8_0 and Q4_0: |w| and x with the sign of w, as the row
 // tiles (an offset like the AVX-512 path's would saturate maddubs).
+//
+// Q4_0 (kBlockSum) keeps one integer per block and pair (kernel_table.h): the
+// tile's 8 pairs' lanes are reduced per block into one register in E order,
+// and one FMA does the 8 pairs' float steps.
 #pragma once
 
 #include <immintrin.h>
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common/model/quant_blocks.h"
@@ -50,6 +55,7 @@ struct Q4_1Gemm {
   static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = true;
   static constexpr bool kSigned = false;
+  static constexpr bool kBlockSum = false;
   static __m256i weights(const WeightBlock& b) { return unpack_nibbles(b.qs); }
   static float min(const WeightBlock& b) { return half_to_float(b.m); }
   static float act_sum(const ActBlock& b) { return half_to_float(b.s); }
@@ -62,6 +68,7 @@ struct SymmetricGemm {
   static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kSigned = true;
+  static constexpr bool kBlockSum = std::is_same_v<Block, BlockQ4_0>;
   static __m256i weights(const WeightBlock& b) { return SymmetricFormat<Block>::weights(b); }
   static float min(const WeightBlock&) { return 0.0f; }
   static float act_sum(const ActBlock&) { return 0.0f; }
@@ -208,10 +215,29 @@ inline __m256 reduce_tile(const __m256 (&a)[kWeightRows][kActRows]) {
                        _mm256_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// A register tile's accumulators between chunks of k.
+// The same sum of int32 lanes: lane L is the total of a[(L % 4) / 2][2 (L % 2) + L / 4]'s.
+inline __m256i reduce_tile_epi32(const __m256i (&a)[kWeightRows][kActRows]) {
+  const __m256i* v = &a[0][0];
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k) {
+    c[k] = _mm256_add_epi32(_mm256_permute2x128_si256(v[2 * k], v[2 * k + 1], 0x20),
+                            _mm256_permute2x128_si256(v[2 * k], v[2 * k + 1], 0x31));
+  }
+  __m256i d[2];
+  for (int k = 0; k < 2; ++k) {
+    d[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(c[2 * k], c[2 * k + 1]),
+                            _mm256_unpackhi_epi64(c[2 * k], c[2 * k + 1]));
+  }
+  const __m256 d0 = _mm256_castsi256_ps(d[0]), d1 = _mm256_castsi256_ps(d[1]);
+  return _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(d0, d1, _MM_SHUFFLE(2, 0, 2, 0))),
+                          _mm256_castps_si256(_mm256_shuffle_ps(d0, d1, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+// A register tile's accumulators between chunks of k (kBlockSum: `sums`, in E order).
 struct TileState {
   __m256 acc[kWeightRows][kActRows];
   __m256 mins;
+  __m256 sums;
 };
 
 // Register layout: one accumulator per (weight row j, activation row i), its
@@ -229,6 +255,50 @@ template <typename Format, int NX>
 struct Tile {
   static void run(const PanelBlock<Format>* panel, const ActBlock4* act, int64_t nb, bool first,
                   bool last, TileState& state, float* y, int64_t ldy, int64_t n_j) {
+    if constexpr (Format::kBlockSum) {
+      run_block_sums(panel, act, nb, first, last, state, y, ldy, n_j);
+    } else {
+      run_lanes(panel, act, nb, first, last, state, y, ldy, n_j);
+    }
+  }
+
+  // Q4_0: per block, the 8 pairs' integers in E order, one FMA with their scales.
+  static void run_block_sums(const PanelBlock<Format>* panel, const ActBlock4* act, int64_t nb,
+                             bool first, bool last, TileState& state, float* y, int64_t ldy,
+                             int64_t n_j) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 sums = first ? _mm256_setzero_ps() : state.sums;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i lanes[kWeightRows][kActRows];
+      for (int j = 0; j < kWeightRows; ++j) {
+        const __m256i u = _mm256_load_si256(&panel[b].u[j]);
+        const __m256i wq = _mm256_load_si256(&panel[b].w[j]);
+        for (int i = 0; i < kActRows; ++i) {
+          lanes[j][i] = _mm256_setzero_si256();
+          if (i < NX) {
+            const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(act[b].q[i]));
+            lanes[j][i] =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, wq)), ones);
+          }
+        }
+      }
+      const __m256 scales = _mm256_mul_ps(_mm256_load_ps(panel[b].d), _mm256_load_ps(act[b].d));
+      sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce_tile_epi32(lanes)), scales, sums);
+    }
+    if (!last) {
+      state.sums = sums;
+      return;
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, sums);
+    for (int i = 0; i < NX; ++i) {
+      for (int64_t j = 0; j < n_j; ++j) y[i * ldy + j] = out[2 * j + i / 2 + 4 * (i % 2)];
+    }
+  }
+
+  static void run_lanes(const PanelBlock<Format>* panel, const ActBlock4* act, int64_t nb,
+                        bool first, bool last, TileState& state, float* y, int64_t ldy,
+                        int64_t n_j) {
     __m256 acc[kWeightRows][kActRows];
     __m256 mins;
     if (first) {

@@ -1,4 +1,5 @@
-// Register-blocked GEMM for block-quantized weights (AVX-512 VNNI): tiles of
+// Register-blocked GEMM for Q8_0, Q5_0 and Q4_1 weights (AVX-512 VNNI; Q4_0's
+// order has a GEMM of its own, q4_0_gemm_avx512_inl.h): tiles of
 // 4 weight rows x 8 activation rows, for the batched shapes (several
 // activation rows per call: batched decode and prefill). Included into the
 // AVX-512 translation unit only.
@@ -24,7 +25,6 @@
 #include <vector>
 
 #include "common/model/quant_blocks.h"
-#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/x86/x86_kernels_inl.h"
 
 namespace duet::cpu {
@@ -48,7 +48,6 @@ constexpr int64_t kActPanelBlocks = 256;
 struct Q4_1Gemm {
   using WeightBlock = BlockQ4_1;
   using ActBlock = BlockQ8_1;
-  static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = true;
   static constexpr bool kOffsetActivations = false;
   static __m256i weights(const WeightBlock& b) { return unpack_nibbles(b.qs); }
@@ -61,7 +60,6 @@ template <typename Block>
 struct SymmetricGemm {
   using WeightBlock = Block;
   using ActBlock = BlockQ8_0;
-  static constexpr bool kInterleaved = false;
   static constexpr bool kHasMin = false;
   static constexpr bool kOffsetActivations = true;
   static __m256i weights(const WeightBlock& b) { return SymmetricFormat<Block>::weights(b); }
@@ -70,18 +68,10 @@ struct SymmetricGemm {
 };
 
 using Q8_0Gemm = SymmetricGemm<BlockQ8_0>;
-using Q4_0Gemm = SymmetricGemm<BlockQ4_0>;
 using Q5_0Gemm = SymmetricGemm<BlockQ5_0>;  // weights -16..15: no operand saturates
 
-// Q4_0 interleaved by 8 rows (interleave.h): a group of 4 weight rows is two
-// pairs of a BlockQ4_0x8, each row's nibbles in a half of each byte, in
-// element order. The panel holds the same weights and scales as Q4_0Gemm's.
-struct Q4_0x8Gemm : SymmetricGemm<BlockQ4_0> {
-  static constexpr bool kInterleaved = true;
-};
-
 // vpdpbusd multiplies unsigned by signed bytes. Q4_1: the nibbles (0..15) are
-// the unsigned operand, the Q8_1 activations the signed one. Q8_0 and Q4_0
+// the unsigned operand, the Q8_1 activations the signed one. Q8_0 and Q5_0
 // (offset formats): the activations + 128 are the unsigned operand, the
 // weights the signed one, and each lane starts from -128 * (the sum of its
 // 4-byte weight group), kept here in the lanes of q: the lane is exactly sum(w x).
@@ -124,29 +114,12 @@ struct GroupRows {
   uint32_t scale_bits(int j, int64_t b) const { return Format::scale_bits(rows[j][b]); }
 };
 
-// The same of an interleaved matrix (j0 a multiple of 4, n_j 4: groups of 8 rows are whole).
-template <>
-struct GroupRows<Q4_0x8Gemm> {
-  const BlockQ4_0x8* blocks;
-  int row0;  // the group's first row within its 8
-  GroupRows(const uint8_t* w, size_t /*w_stride*/, int64_t j0, int64_t nb)
-      : blocks(reinterpret_cast<const BlockQ4_0x8*>(w) + j0 / kInterleavedRows * nb),
-        row0(static_cast<int>(j0 % kInterleavedRows)) {}
-  __m256i weights(int j, int64_t b) const {
-    const int r = row0 + j;
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[b].qs[r / 2]));
-    const __m256i nibbles = r % 2 == 0 ? q : _mm256_srli_epi16(q, 4);
-    return _mm256_sub_epi8(_mm256_and_si256(nibbles, _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8));
-  }
-  uint32_t scale_bits(int j, int64_t b) const { return blocks[b].d[row0 + j]; }
-};
-
-// Blocks [b0, b0 + n_blocks) of the group of rows [j0, j0 + n_j) of a matrix
-// of nb blocks per row, into panel[0, n_blocks).
+// Blocks [b0, b0 + n_blocks) of the group of rows [j0, j0 + n_j) of a matrix,
+// into panel[0, n_blocks).
 template <typename Format>
-void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_j, int64_t nb,
-                       int64_t b0, int64_t n_blocks, PanelBlock<Format>* panel) {
-  const GroupRows<Format> rows(w, w_stride, j0, Format::kInterleaved ? nb : n_j);
+void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_j, int64_t b0,
+                       int64_t n_blocks, PanelBlock<Format>* panel) {
+  const GroupRows<Format> rows(w, w_stride, j0, n_j);
   const __m512i repeat = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m256i d_pattern = _mm256_set_epi32(6, 6, 4, 4, 2, 2, 0, 0);
   const __m256i m_pattern = _mm256_set_epi32(7, 7, 5, 5, 3, 3, 1, 1);
@@ -392,11 +365,9 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
     for (int64_t j0 = 0; j0 < n_w; j0 += kWeightRows) {
       const int64_t n_j = std::min<int64_t>(kWeightRows, n_w - j0);
       // The next group's rows, fetched while this group's tiles compute (a
-      // large matrix, such as the output head, does not stay in cache). An
-      // interleaved group of 8 rows is read whole by its first 4: fetch 8 on.
-      const int64_t ahead = Format::kInterleaved ? kInterleavedRows : kWeightRows;
-      if (j0 + ahead + kWeightRows <= n_w) {
-        const uint8_t* next = w + (j0 + ahead) * w_stride;
+      // large matrix, such as the output head, does not stay in cache).
+      if (j0 + 2 * kWeightRows <= n_w) {
+        const uint8_t* next = w + (j0 + kWeightRows) * w_stride;
         for (size_t offset = 0; offset < kWeightRows * w_stride; offset += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T0);
       }
@@ -409,7 +380,7 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
       for (int64_t c = 0; c < n_chunks; ++c) {
         const int64_t b0 = c * kChunkBlocks;
         const int64_t n_blocks = std::min(kChunkBlocks, nb - b0);
-        pack_weight_group<Format>(w, w_stride, j0, n_j, nb, b0, n_blocks, panel);
+        pack_weight_group<Format>(w, w_stride, j0, n_j, b0, n_blocks, panel);
         for (int64_t t = 0; t < n_tiles; ++t) {
           const int64_t i = i0 + t * kActRows;
           run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb + b0, n_blocks,

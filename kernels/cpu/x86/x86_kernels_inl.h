@@ -8,6 +8,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -59,7 +60,7 @@ inline __m256i load_i8x32(const int8_t* p) {
 // maddubs+madd and vpdpbusd compute identically (no operand here saturates).
 // Each block then adds scale * float(lanes) into 8 float lanes with one FMA,
 // and Q4_1 adds min * s separately: llama.cpp's AVX2 order, which every path
-// follows so that all paths agree bit for bit.
+// follows so that all paths agree bit for bit (Q4_0 sums each block first: below).
 struct Q4_1Format {
   using WeightBlock = BlockQ4_1;
   using ActBlock = BlockQ8_1;
@@ -109,6 +110,72 @@ struct SymmetricFormat {
 using Q8_0Format = SymmetricFormat<BlockQ8_0>;
 using Q4_0Format = SymmetricFormat<BlockQ4_0>;
 using Q5_0Format = SymmetricFormat<BlockQ5_0>;
+
+// Q4_0's order is its own (kernel_table.h): one exact integer per block and
+// pair, then y = fma(float(S), d_w * d_x, y). The integers come as 8 int32
+// lanes of 4 products each (maddubs + madd on |w| and x with the sign of w,
+// as above), whose totals several pairs reduce together.
+inline __m256i lane_sums(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Lane r of the result: the total of v_r's 8 lanes.
+inline __m128i sum_lanes4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// Lane r of the result: the total of v[r]'s 8 lanes.
+inline __m256i sum_lanes8(const __m256i (&v)[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Q4_0 row tiles of up to 4 activation rows: 4 / NX weight rows at a time,
+// whose pairs' integers are reduced together per block and whose float steps
+// are one 128-bit FMA (lane jj * NX + r: weight row jj, activation row r).
+template <int NX>
+struct Q4_0RowTile {
+  static_assert(NX >= 1 && NX <= 4);
+  static constexpr int kRows = 4 / NX;  // weight rows at a time
+  static void run(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                  int64_t k, float* y, int64_t ldy) {
+    const int64_t nb = k / kQuantBlock;
+    const BlockQ8_0* xr[NX];
+    for (int r = 0; r < NX; ++r) xr[r] = reinterpret_cast<const BlockQ8_0*>(x + r * x_stride);
+    for (int64_t j0 = 0; j0 < n_w; j0 += kRows) {
+      const int n_j = static_cast<int>(std::min<int64_t>(kRows, n_w - j0));
+      const BlockQ4_0* wb[kRows];
+      for (int jj = 0; jj < kRows; ++jj) {  // rows past the end repeat the last (never stored)
+        wb[jj] = reinterpret_cast<const BlockQ4_0*>(w + (j0 + std::min(jj, n_j - 1)) * w_stride);
+      }
+      __m128 acc = _mm_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256i lanes[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                            _mm256_setzero_si256()};
+        float scale[4] = {};
+        for (int jj = 0; jj < kRows; ++jj) {
+          prefetch_ahead(wb[jj] + b);
+          const __m256i wq = Q4_0Format::weights(wb[jj][b]);
+          const __m256i u = _mm256_sign_epi8(wq, wq);
+          const float dw = half_to_float(wb[jj][b].d);
+          for (int r = 0; r < NX; ++r) {
+            lanes[jj * NX + r] = lane_sums(u, _mm256_sign_epi8(load_i8x32(xr[r][b].qs), wq));
+            scale[jj * NX + r] = dw * half_to_float(xr[r][b].d);
+          }
+        }
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sum_lanes4(lanes[0], lanes[1], lanes[2], lanes[3])),
+                           _mm_setr_ps(scale[0], scale[1], scale[2], scale[3]), acc);
+      }
+      alignas(16) float out[4];
+      _mm_store_ps(out, acc);
+      for (int jj = 0; jj < n_j; ++jj)
+        for (int r = 0; r < NX; ++r) y[r * ldy + j0 + jj] = out[jj * NX + r];
+    }
+  }
+};
 
 // Runs Tile<kTile> over the activation rows in tiles of kTile rows, then one
 // smaller tile for the rest (Tile<r> for r < kTile computes each pair with
