@@ -257,8 +257,10 @@ void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 }
 
 // Q4_0: the tiled VNNI GEMM (q4_0_gemm_avx512_inl.h) from kGemmMinRowsQ4_0
-// activation rows on, the shared 256-bit row tiles below.
-constexpr int64_t kGemmMinRowsQ4_0 = 7;
+// activation rows on, the shared 256-bit row tiles (interleaved: AVX2's
+// 8-row kernel, 4 activation rows at a time) below; at 5 rows the two
+// are level (duet-matmul-bench, 8B gate shape, Zen 4).
+constexpr int64_t kGemmMinRowsQ4_0 = 5;
 
 void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
