@@ -9,7 +9,9 @@
 // activation quantizers have 512-bit versions of their own
 // (attention_avx512_inl.h, quantize_rows_avx512_inl.h); dense kernels are the
 // shared 256-bit ones, compiled here with AVX-512 encodings; BF16 and the
-// K-quants (x86_kquant_inl.h) use 512-bit registers for their lanes.
+// K-quants (x86_kquant_inl.h) use 512-bit registers for their lanes. Q4_0,
+// whose order keeps one integer per block, has a GEMM of its own
+// (q4_0_gemm_avx512_inl.h) and shares the AVX2 path's row tiles and decode.
 
 // GCC 12 reports the _mm512_undefined_*() inside its own AVX-512 intrinsics as
 // uninitialized once they are inlined (GCC bug 105593; the build already
