@@ -213,32 +213,53 @@ void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* 
     for (int64_t t = 0; t < n_w; ++t) y[c * ldy + t] = out[t][c];
 }
 
-// The DotTileFn contract (kernel_table.h) for n_x >= kMinRows.
-template <typename Format>
-void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
-          int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  const int64_t nb = k / kSuperBlock;
-  thread_local std::vector<ActBlock> act;
-  thread_local std::vector<WeightBlock> panel;
+// The passes of a GEMM whose panels hold 16 activation rows per group (Act)
+// and kTileRows weight rows (Weight), nb blocks of each: up to kPassRows
+// activation rows are packed once per pass (pack_act(x, n_rows, act)), each
+// group of kTileRows weight rows once per pass (pack_weights(j0, n_j,
+// panel)), and run(panel, act, y, n_cols, n_j) writes a group's outputs.
+template <typename Act, typename Weight, typename PackAct, typename PackWeights, typename Run>
+void run_passes(int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t nb, float* y,
+                int64_t ldy, PackAct pack_act, PackWeights pack_weights, Run run) {
+  thread_local std::vector<Act> act;
+  thread_local std::vector<Weight> panel;
   act.resize(static_cast<size_t>(kPassRows / kLanes * nb));
   panel.resize(static_cast<size_t>(nb));
   for (int64_t i0 = 0; i0 < n_x; i0 += kPassRows) {
     const int64_t n_i = std::min(kPassRows, n_x - i0);
     const int64_t n_groups = (n_i + kLanes - 1) / kLanes;
     for (int64_t g = 0; g < n_groups; ++g) {
-      pack_act_group(x + (i0 + g * kLanes) * x_stride, x_stride,
-                     std::min<int64_t>(kLanes, n_i - g * kLanes), nb, act.data() + g * nb);
+      pack_act(x + (i0 + g * kLanes) * x_stride, std::min<int64_t>(kLanes, n_i - g * kLanes),
+               act.data() + g * nb);
     }
     for (int64_t j0 = 0; j0 < n_w; j0 += kTileRows) {
       const int64_t n_j = std::min<int64_t>(kTileRows, n_w - j0);
-      pack_weight_group<Format>(w + j0 * w_stride, w_stride, n_j, nb, panel.data());
+      pack_weights(j0, n_j, panel.data());
       for (int64_t g = 0; g < n_groups; ++g) {
         const int64_t i = i0 + g * kLanes;
-        run_tile<Format>(panel.data(), act.data() + g * nb, nb, y + i * ldy + j0, ldy,
-                         std::min<int64_t>(kLanes, n_x - i), n_j);
+        run(panel.data(), act.data() + g * nb, y + i * ldy + j0, std::min<int64_t>(kLanes, n_x - i),
+            n_j);
       }
     }
   }
+}
+
+// The DotTileFn contract (kernel_table.h) for n_x >= kMinRows.
+template <typename Format>
+void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+          int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  const int64_t nb = k / kSuperBlock;
+  run_passes<ActBlock, WeightBlock>(
+      n_w, x, x_stride, n_x, nb, y, ldy,
+      [&](const uint8_t* rows, int64_t n_rows, ActBlock* out) {
+        pack_act_group(rows, x_stride, n_rows, nb, out);
+      },
+      [&](int64_t j0, int64_t n_j, WeightBlock* out) {
+        pack_weight_group<Format>(w + j0 * w_stride, w_stride, n_j, nb, out);
+      },
+      [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j) {
+        run_tile<Format>(panel, act, nb, out, ldy, n_cols, n_j);
+      });
 }
 
 }  // namespace kquant512

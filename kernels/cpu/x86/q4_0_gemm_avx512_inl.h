@@ -27,11 +27,9 @@ namespace duet::cpu {
 namespace {
 namespace q40x512 {
 
-constexpr int kLanes = 16;    // activation rows per zmm
-constexpr int kTileRows = 8;  // weight rows per register tile
+constexpr int kLanes = kquant512::kLanes;        // activation rows per zmm
+constexpr int kTileRows = kquant512::kTileRows;  // weight rows per register tile
 constexpr int kGroups = kQuantBlock / 4;
-// Activation rows per pass: the panel of a pass is read once per weight group.
-constexpr int64_t kPassRows = 64;
 
 // One block of 16 activation rows.
 struct alignas(64) ActBlock {
@@ -175,36 +173,26 @@ inline void run_tile8(const WeightBlock* panel, const ActBlock* act, int64_t nb,
 }
 
 // The DotTileFn contract (kernel_table.h); interleaved: n_w a multiple of 8,
-// `w` at a group's start.
+// `w` at a group's start. kquant512's passes, with this file's panels.
 template <bool kInterleaved>
 void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
           int64_t n_x, int64_t k, float* y, int64_t ldy) {
   const int64_t nb = k / kQuantBlock;
-  thread_local std::vector<ActBlock> act;
-  thread_local std::vector<WeightBlock> panel;
-  act.resize(static_cast<size_t>(kPassRows / kLanes * nb));
-  panel.resize(static_cast<size_t>(nb));
-  for (int64_t i0 = 0; i0 < n_x; i0 += kPassRows) {
-    const int64_t n_i = std::min(kPassRows, n_x - i0);
-    const int64_t n_groups = (n_i + kLanes - 1) / kLanes;
-    for (int64_t g = 0; g < n_groups; ++g) {
-      pack_act_group(x + (i0 + g * kLanes) * x_stride, x_stride,
-                     std::min<int64_t>(kLanes, n_i - g * kLanes), nb, act.data() + g * nb);
-    }
-    for (int64_t j0 = 0; j0 < n_w; j0 += kTileRows) {
-      const int64_t n_j = std::min<int64_t>(kTileRows, n_w - j0);
-      pack_weight_group<kInterleaved>(w, w_stride, j0, n_j, nb, panel.data());
-      for (int64_t g = 0; g < n_groups; ++g) {
-        const int64_t i = i0 + g * kLanes;
-        const int64_t n_cols = std::min<int64_t>(kLanes, n_x - i);
+  kquant512::run_passes<ActBlock, WeightBlock>(
+      n_w, x, x_stride, n_x, nb, y, ldy,
+      [&](const uint8_t* rows, int64_t n_rows, ActBlock* out) {
+        pack_act_group(rows, x_stride, n_rows, nb, out);
+      },
+      [&](int64_t j0, int64_t n_j, WeightBlock* out) {
+        pack_weight_group<kInterleaved>(w, w_stride, j0, n_j, nb, out);
+      },
+      [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j) {
         if (n_cols <= kLanes / 2) {
-          run_tile8(panel.data(), act.data() + g * nb, nb, y + i * ldy + j0, ldy, n_cols, n_j);
+          run_tile8(panel, act, nb, out, ldy, n_cols, n_j);
         } else {
-          run_tile(panel.data(), act.data() + g * nb, nb, y + i * ldy + j0, ldy, n_cols, n_j);
+          run_tile(panel, act, nb, out, ldy, n_cols, n_j);
         }
-      }
-    }
-  }
+      });
 }
 
 }  // namespace q40x512
