@@ -101,7 +101,8 @@ Connection::Connection(kj::AsyncIoContext& io, const Endpoint& endpoint,
     throw RpcError("connection", "cannot connect to " + address + ": " + e.getDescription().cStr());
   }
   rpc_ = kj::heap<capnp::TwoPartyClient>(*stream_);
-  auto gateway = rpc_->bootstrap().castAs<rpc::Gateway>();
+  gateway_ = rpc_->bootstrap().castAs<rpc::Gateway>();
+  rpc::Gateway::Client& gateway = gateway_;
 
   auto version = wait(io, gateway.versionRequest().send());
   if (version.getProtocolVersion() != rpc::PROTOCOL_VERSION) {

@@ -67,10 +67,13 @@ class Connection final {
 
   // The logged-in capability every call goes through.
   rpc::Inference::Client& inference() { return inference_; }
+  // The server's bootstrap capability (admin calls start there).
+  rpc::Gateway::Client& gateway() { return gateway_; }
 
  private:
   kj::Own<kj::AsyncIoStream> stream_;
   kj::Own<capnp::TwoPartyClient> rpc_;  // over stream_
+  rpc::Gateway::Client gateway_ = nullptr;
   rpc::Inference::Client inference_ = nullptr;
 };
 

@@ -148,6 +148,7 @@ struct InstanceState {
   draining @6 :Bool;    # leaving: no new work, finishing what it runs
   left @7 :Bool;        # gone after draining (not a loss)
   host @8 :Text;        # a joined instance's host
+  switchingTo @9 :Text; # changing role: the one it takes once its work is done ("" if not)
 }
 
 enum HealthStatus {
@@ -193,6 +194,34 @@ struct DetokenizeResult {
 interface Gateway {
   version @0 () -> (protocolVersion :UInt32, server :Text);
   login @1 (apiKey :Text) -> (result :LoginResult);
+  # Admin calls prove the cluster key (the server's --cluster-key file)
+  # without sending it: adminChallenge gives a fresh nonce, good for one
+  # answer on this connection, and admin takes HMAC-SHA256(key, "duet admin"
+  # || nonce) (common/net/admin_proof.h).
+  adminChallenge @2 () -> (nonce :Data);
+  admin @3 (proof :Data) -> (result :AdminResult);
+}
+
+struct AdminResult {
+  union {
+    admin @0 :Admin;
+    error @1 :Error;  # unauthenticated (wrong key, or no challenge first), or no admin here
+  }
+}
+
+# What an administrator may change in a running cluster.
+interface Admin {
+  # Instance `instance` (its index in Stats.instances) takes `role`
+  # ("prefill", "decode" or "both"): no new work of its old role, what it
+  # runs finishes, then work of the new one.
+  setRole @0 (instance :Int32, role :Text) -> (result :AdminReply);
+}
+
+struct AdminReply {
+  union {
+    done @0 :Text;    # what happens, in one line
+    error @1 :Error;  # refused, with the reason
+  }
 }
 
 struct LoginResult {

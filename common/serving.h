@@ -180,12 +180,13 @@ class InstanceClient {
     std::string role = "both";  // "prefill", "decode" or "both"
     int32_t leader = -1;        // its leader's rank (-1: in this process), or its member address
     bool lost = false;
-    uint64_t epoch = 0;     // the cluster epoch its loss made; 0 while alive
-    std::string reason;     // why it was lost, or why it left
-    bool joined = false;    // joined the running cluster (not started with it)
-    bool draining = false;  // leaving: gets no new work, finishes what it runs
-    bool left = false;      // gone after draining (not a loss)
-    std::string host;       // a joined instance's host, as it said
+    uint64_t epoch = 0;        // the cluster epoch its loss made; 0 while alive
+    std::string reason;        // why it was lost, or why it left
+    bool joined = false;       // joined the running cluster (not started with it)
+    bool draining = false;     // leaving: gets no new work, finishes what it runs
+    bool left = false;         // gone after draining (not a loss)
+    std::string host;          // a joined instance's host, as it said
+    std::string switching_to;  // changing role: the one it takes once its work is done
   };
   struct Health {
     std::vector<InstanceState> instances;  // each instance behind the client, in order
@@ -196,6 +197,7 @@ class InstanceClient {
     int64_t failed_after_retries = 0;  // requests ended kUnavailable by losses
     int64_t joins = 0;                 // instances that joined while the cluster served
     int64_t leaves = 0;                // instances that left after draining
+    int64_t role_changes = 0;          // instances that took another role while serving
     // Instances taking new work, and how many the cluster started with: a
     // loss made up for (a replacement or a rejoin joined) is no longer a
     // degradation. -1: not counted (one instance in this process).

@@ -189,6 +189,9 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   scalar(out, "duet_instances_left_total", "counter",
          "Joined instances that left after draining (SIGTERM); not losses.",
          static_cast<double>(h.leaves));
+  scalar(out, "duet_instance_role_changes_total", "counter",
+         "Instances that took another role while the cluster served (duet-client set-role).",
+         static_cast<double>(h.role_changes));
   scalar(out, "duet_request_reruns_total", "counter",
          "Requests re-run on another instance after the one they were on was lost.",
          static_cast<double>(h.reruns));

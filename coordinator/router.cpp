@@ -14,11 +14,11 @@ namespace duet {
 namespace {
 
 // The most free KV blocks, then the fewest sequences, then the lowest index,
-// among the instances of `role`.
-std::optional<size_t> roomiest(std::span<const InstanceLoad> loads, InstanceRole role) {
+// among the instances that take whole requests (decode or colocated).
+std::optional<size_t> roomiest(std::span<const InstanceLoad> loads) {
   std::optional<size_t> best;
   for (size_t i = 0; i < loads.size(); ++i) {
-    if (loads[i].role != role) continue;
+    if (loads[i].role == InstanceRole::kPrefill) continue;
     if (!best) {
       best = i;
       continue;
@@ -43,14 +43,16 @@ int64_t tokens_per_block(const InstanceStats& stats) {
 }  // namespace
 
 Route ColocatedPolicy::pick(std::span<const InstanceLoad> loads, const InstanceRequest&) const {
-  const std::optional<size_t> target = roomiest(loads, InstanceRole::kBoth);
-  DUET_ASSERT(target.has_value(), "a colocated policy picks among colocated instances");
+  const std::optional<size_t> target = roomiest(loads);
+  DUET_ASSERT(target.has_value() && loads[*target].role == InstanceRole::kBoth,
+              "a colocated policy picks among colocated instances");
   return {*target, std::nullopt};
 }
 
 Route DisaggregatedPolicy::pick(std::span<const InstanceLoad> loads, const InstanceRequest&) const {
-  const std::optional<size_t> decode = roomiest(loads, InstanceRole::kDecode);
+  const std::optional<size_t> decode = roomiest(loads);
   DUET_ASSERT(decode.has_value(), "a disaggregated policy needs a decode instance");
+  if (loads[*decode].role == InstanceRole::kBoth) return {*decode, std::nullopt};
   std::optional<size_t> prefill;
   for (size_t i = 0; i < loads.size(); ++i) {
     if (loads[i].role != InstanceRole::kPrefill) continue;
@@ -134,33 +136,11 @@ void RoutedInstances::book_new_instance() {
   lost_.push_back(false);
   lost_why_.emplace_back();
   membership_.emplace_back();
+  switching_to_.emplace_back();
   // Keyed by the engine's own block size, which an instance reports from its start.
   prefixes_.emplace_back(tokens_per_block(instances_[i].client->stats()));
   instances_[i].client->set_event_handler(
       [this, i](std::span<const InstanceEvent> events) { on_events(i, events); });
-}
-
-size_t RoutedInstances::add_instance(RoutedInstance instance, std::string host) {
-  std::lock_guard lock(mutex_);
-  const size_t index = instances_.size();
-  // The same model, and a capacity that every request placed since fits.
-  const int64_t capacity = info_.kv_capacity_tokens;
-  check_same_model(index, instance.client->info());
-  DUET_REQUIRE(info_.kv_capacity_tokens == capacity,
-               "instance {} holds {} tokens per sequence, fewer than the cluster's {}; start it "
-               "with at least as much KV cache",
-               index, instance.client->info().kv_capacity_tokens, capacity);
-  instances_.push_back(instance);
-  book_new_instance();
-  membership_.back() = {true, false, false, std::move(host)};
-  ++joins_;
-  return index;
-}
-
-void RoutedInstances::drain_instance(size_t instance) {
-  std::lock_guard lock(mutex_);
-  DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
-  membership_[instance].draining = true;
 }
 
 void RoutedInstances::handed_over(Placement& placement) {
@@ -204,7 +184,7 @@ std::optional<RoutedInstances::Attempt> RoutedInstances::place(
   size_t n_prefill = 0;
   // (An instance that joined since `stats` was taken waits for the next request.)
   for (size_t i = 0; i < std::min(instances_.size(), stats.size()); ++i) {
-    if (lost_[i] || membership_[i].draining) continue;
+    if (lost_[i] || membership_[i].draining || switching_to_[i]) continue;
     InstanceLoad load;
     load.role = instances_[i].role;
     load.kv_blocks_free = stats[i].kv_blocks_free - pending_blocks_[i];
@@ -401,102 +381,6 @@ void RoutedInstances::submit_reruns(std::vector<Attempt>& reruns,
   }
 }
 
-void RoutedInstances::remove_instance(size_t instance,
-                                      std::vector<std::pair<InstanceClient*, RequestId>>& withdrawn,
-                                      std::vector<Attempt>& reruns,
-                                      std::vector<InstanceEvent>& ended,
-                                      std::span<const InstanceStats> stats) {
-  lost_[instance] = true;
-  sequences_[instance] = 0;  // its counters start again (it gets no work)
-  pending_blocks_[instance] = 0;
-  queued_prompt_[instance] = 0;
-  // Its requests, and those whose prompt it was computing, by arrival.
-  std::vector<std::pair<uint64_t, RequestId>> hit;
-  for (const auto& [id, placement] : placements_) {
-    if (placement.instance == instance || placement.prefill == instance)
-      hit.emplace_back(placement.arrival, id);
-  }
-  std::sort(hit.begin(), hit.end());
-  for (const auto& [arrival, id] : hit) {
-    Placement& placement = placements_.at(id);
-    if (placement.instance != instance)
-      withdrawn.emplace_back(instances_[placement.instance].client, placement.attempt);
-    unbook(placement);
-    again(id, std::nullopt, stats, reruns, ended);
-  }
-}
-
-void RoutedInstances::instance_lost(size_t instance, uint64_t epoch, std::string reason) {
-  take_out(instance, [&] { lost_why_[instance] = {epoch, std::move(reason)}; });
-}
-
-void RoutedInstances::instance_left(size_t instance, std::string reason) {
-  take_out(instance, [&] {
-    lost_why_[instance] = {0, std::move(reason)};
-    membership_[instance].draining = false;
-    membership_[instance].left = true;
-    ++leaves_;
-  });
-}
-
-void RoutedInstances::take_out(size_t instance, const std::function<void()>& record) {
-  const std::vector<InstanceStats> stats = all_stats();
-  std::vector<std::pair<InstanceClient*, RequestId>> withdrawn;  // old attempts elsewhere
-  std::vector<Attempt> reruns;
-  std::vector<InstanceEvent> ended;
-  EventHandler handler;
-  {
-    std::lock_guard lock(mutex_);
-    DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());
-    if (lost_[instance]) return;
-    record();
-    remove_instance(instance, withdrawn, reruns, ended, stats);
-    handler = handler_;
-  }
-  for (const auto& [client, attempt] : withdrawn) client->cancel(attempt);
-  submit_reruns(reruns, ended);
-  if (handler && !ended.empty()) handler(ended);
-}
-
-bool RoutedInstances::lost(size_t instance) const {
-  std::lock_guard lock(mutex_);
-  return lost_[instance];
-}
-
-RoutedInstances::FailoverCounters RoutedInstances::failover_counters() const {
-  std::lock_guard lock(mutex_);
-  return failover_;
-}
-
-InstanceClient::Health RoutedInstances::health() const {
-  std::lock_guard lock(mutex_);
-  Health health;
-  health.n_instances = static_cast<int>(instances_.size());
-  bool target = false;  // an instance that can take a request (decode or colocated)
-  for (size_t i = 0; i < instances_.size(); ++i) {
-    const Membership& member = membership_[i];
-    health.instances.push_back({std::string(instance_role_name(instances_[i].role)),
-                                instances_[i].peer, lost_[i] && !member.left, lost_why_[i].first,
-                                lost_why_[i].second, member.joined, member.draining, member.left,
-                                member.host});
-    if (lost_[i]) {
-      if (!member.left) ++health.n_lost;
-      continue;
-    }
-    target = target || instances_[i].role != InstanceRole::kPrefill;
-  }
-  health.serving = target;
-  health.reruns = failover_.reruns;
-  health.failed_after_retries = failover_.failed_after_retries;
-  health.joins = joins_;
-  health.leaves = leaves_;
-  health.n_started = static_cast<int>(n_started_);
-  health.n_live = 0;
-  for (size_t i = 0; i < instances_.size(); ++i)
-    health.n_live += !lost_[i] && !membership_[i].draining ? 1 : 0;
-  return health;
-}
-
 void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> events) {
   EventHandler handler;
   std::vector<InstanceEvent> out;
@@ -545,6 +429,7 @@ void RoutedInstances::on_events(size_t instance, std::span<const InstanceEvent> 
       out.push_back(std::move(translated));
     }
     for (RequestId id : retry) again(id, instance, stats, reruns, out);
+    finish_role_changes();
     handler = handler_;
   }
   submit_reruns(reruns, out);

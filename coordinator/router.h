@@ -15,6 +15,13 @@
 // prefill has its old attempt cancelled on its decode instance first. After
 // max_retries re-runs, or with no live instance that can take it, it ends
 // kUnavailable. An old attempt's events are dropped.
+//
+// Roles are the router's alone: an engine runs what it is sent (a whole
+// request, a prompt to ship, or a request whose KV comes from a peer), so an
+// instance with KV links (a disaggregated cluster's) can change role while it
+// serves (change_role): no new work of the old role, what it runs finishes,
+// then work of the new role. A disaggregated cluster may so hold colocated
+// instances beside prefill and decode ones.
 #pragma once
 
 #include <cstddef>
@@ -31,6 +38,7 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
+#include "coordinator/cluster_admin.h"
 #include "coordinator/prefix_memory.h"
 
 namespace duet {
@@ -74,7 +82,9 @@ class ColocatedPolicy final : public RoutingPolicy {
 
 // Prefill and decode instances. Prefill: the fewest queued prompt tokens,
 // then the longest likely prefix-cache hit, then the lowest index. Decode:
-// the most free KV blocks, then the fewest sequences, then the lowest index.
+// the most free KV blocks, then the fewest sequences, then the lowest index,
+// among the decode and the colocated instances (which a role change may
+// leave in the cluster); a colocated one computes the prompt itself.
 class DisaggregatedPolicy final : public RoutingPolicy {
  public:
   std::string_view name() const override { return "disaggregated"; }
@@ -90,9 +100,12 @@ struct RoutedInstance {
   InstanceClient* client = nullptr;
   InstanceRole role = InstanceRole::kBoth;
   int32_t peer = -1;  // its transfer address (leader's MPI rank), for prefill instances
+  // It can ship a prompt's KV and receive one (a disaggregated cluster's
+  // instance): it may change to any role. Without, only colocated.
+  bool kv_links = false;
 };
 
-class RoutedInstances final : public InstanceClient {
+class RoutedInstances final : public InstanceClient, public ClusterAdmin {
  public:
   // The instances outlive the router; they must agree on the model (name,
   // context, vocabulary, end-of-generation ids), else duet::Error
@@ -136,6 +149,16 @@ class RoutedInstances final : public InstanceClient {
   // `epoch` and `reason` are reported in health().
   void instance_lost(size_t instance, uint64_t epoch = 0, std::string reason = {});
   bool lost(size_t instance) const;
+
+  // ClusterAdmin. Refused: an instance out of range, lost, leaving or left;
+  // prefill or decode for an instance without KV links; a change that would
+  // leave no live instance to decode (decode or colocated). Asked while the
+  // instance still finishes its old role's work, the new role replaces the
+  // one it waits for (its current role: it stays). Logged, counted in
+  // health() (role_changes), and shown there while it waits (switching_to).
+  std::string change_role(int64_t instance, InstanceRole role) override;
+  // Instance `instance`'s role now (what it takes new work as).
+  InstanceRole role(size_t instance) const;
 
   struct FailoverCounters {
     int64_t reruns = 0;                // attempts submitted again after a loss
@@ -191,6 +214,9 @@ class RoutedInstances final : public InstanceClient {
   // `instance` lost or left: `record` (under mutex_) says which, then it
   // gets no more work and its requests go again (outside mutex_).
   void take_out(size_t instance, const std::function<void()>& record);
+  // Under mutex_: each instance waiting to change role whose old work is
+  // done takes its new role.
+  void finish_role_changes();
   // Under mutex_: `instance` gets no more work; its requests go again.
   void remove_instance(size_t instance,
                        std::vector<std::pair<InstanceClient*, RequestId>>& withdrawn,
@@ -219,7 +245,10 @@ class RoutedInstances final : public InstanceClient {
     std::string host;
   };
   std::vector<Membership> membership_;  // per instance
-  int64_t joins_ = 0, leaves_ = 0;
+  int64_t joins_ = 0, leaves_ = 0, role_changes_ = 0;
+  // Per instance: the role it takes once what it runs is done (a change_role
+  // in progress: it gets no new work meanwhile).
+  std::vector<std::optional<InstanceRole>> switching_to_;
   size_t n_started_ = 0;                                    // instances given to the constructor
   std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
   uint64_t next_arrival_ = 0;

@@ -5,7 +5,8 @@
 //
 //   duet-client --connect HOST:PORT [--api-key KEY] generate --prompt TEXT [-n N] ...
 //   duet-client --connect HOST:PORT chat      (one user message per line; EOF ends)
-//   duet-client --connect HOST:PORT stats | info
+//   duet-client --connect HOST:PORT stats | info | health
+//   duet-client --connect HOST:PORT set-role --instance N --role decode --cluster-key FILE
 //
 // Errors print one line on stderr naming their kind; exit code 1 when the
 // server cannot be reached, 2 for a refused request or bad flags, 130 after
@@ -32,6 +33,12 @@ struct GenerateFlags {
   bool chat = false;  // send the prompt as a user message
   std::string system;
   GenerateOptions options;
+};
+
+struct SetRoleFlags {
+  int instance = -1;
+  std::string role;
+  std::string key_file;
 };
 
 void add_sampling_flags(CLI::App& cmd, GenerateOptions& options) {
@@ -201,12 +208,14 @@ int run_stats(Session& session) {
                         : instance.getLeft()     ? "left"
                         : instance.getDraining() ? "draining"
                                                  : "live";
-    std::printf("instance %u %s rank %d %s epoch %llu%s%s%s%s\n", i++, instance.getRole().cStr(),
-                instance.getLeaderRank(), state,
+    const bool switching = instance.getSwitchingTo().size() > 0;
+    std::printf("instance %u %s rank %d %s epoch %llu%s%s%s%s%s%s\n", i++,
+                instance.getRole().cStr(), instance.getLeaderRank(), state,
                 static_cast<unsigned long long>(instance.getEpoch()),
                 instance.getLost() || instance.getLeft() ? ": " : "", instance.getReason().cStr(),
                 instance.getJoined() ? " joined from " : "",
-                instance.getJoined() ? instance.getHost().cStr() : "");
+                instance.getJoined() ? instance.getHost().cStr() : "",
+                switching ? " switching to " : "", instance.getSwitchingTo().cStr());
   }
   return 0;
 }
@@ -232,6 +241,13 @@ int run_health(Session& session) {
   }
   std::printf("%s\n", word);
   return status == rpc::HealthStatus::SERVING || status == rpc::HealthStatus::DEGRADED ? 0 : 1;
+}
+
+// Proves the cluster key (read from `key_file`) and asks the coordinator to
+// turn one instance into another role; prints what will happen.
+int run_set_role(Session& session, const SetRoleFlags& flags) {
+  std::printf("%s\n", session.set_role(flags.key_file, flags.instance, flags.role).c_str());
+  return 0;
 }
 
 int run_info(Session& session) {
@@ -277,6 +293,22 @@ int main(int argc, char** argv) {
                      "Print the server's health: ok, degraded, draining or unavailable (exit 0 "
                      "while it takes new requests, else 1)");
 
+  SetRoleFlags set_role_flags;
+  CLI::App* set_role = app.add_subcommand(
+      "set-role",
+      "Turn a cluster's instance into prefill, decode or both while it serves (it finishes what "
+      "it runs first); proves the cluster key");
+  set_role->add_option("--instance", set_role_flags.instance, "The instance's index (see stats)")
+      ->required()
+      ->check(CLI::NonNegativeNumber);
+  set_role->add_option("--role", set_role_flags.role, "Its new role")
+      ->required()
+      ->check(CLI::IsMember({"prefill", "decode", "both"}));
+  set_role
+      ->add_option("--cluster-key", set_role_flags.key_file,
+                   "The cluster's key file (the coordinator's --cluster-key)")
+      ->required();
+
   if (const auto exit_code = duet::tools::parse_command_line(app, argc, argv, "duet-client",
                                                              "invalid_argument", kExitRefused)) {
     return *exit_code;
@@ -294,6 +326,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("stats")) return run_stats(session);
     if (app.got_subcommand("info")) return run_info(session);
     if (app.got_subcommand("health")) return run_health(session);
+    if (app.got_subcommand("set-role")) return run_set_role(session, set_role_flags);
   } catch (const ClientError& e) {
     std::fprintf(stderr, "duet-client: %s: %s\n", e.kind().c_str(), e.what());
     return e.exit_code();

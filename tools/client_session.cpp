@@ -1,7 +1,11 @@
 #include "tools/client_session.h"
 
 #include <csignal>
+#include <optional>
+#include <span>
 #include <utility>
+
+#include "common/net/admin_proof.h"
 
 namespace duet::client {
 namespace {
@@ -91,6 +95,37 @@ capnp::Response<rpc::Inference::ModelInfoResults> Session::model_info() {
 
 rpc::HealthStatus Session::health() {
   return wait(connection_.inference().healthRequest().send()).getStatus();
+}
+
+std::string Session::set_role(const std::string& key_file, int instance, const std::string& role) {
+  std::optional<ClusterKey> key;
+  try {
+    key = ClusterKey::from_file(key_file);
+  } catch (const std::exception& e) {
+    throw ClientError(kExitRefused, "invalid_argument", e.what());
+  }
+  rpc::Gateway::Client& gateway = connection_.gateway();
+  auto challenge = wait(gateway.adminChallengeRequest().send());
+  const auto nonce = challenge.getNonce();
+  const AdminProof proof = admin_proof(*key, std::as_bytes(std::span(nonce.begin(), nonce.size())));
+  auto open = gateway.adminRequest();
+  open.setProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
+  auto opened = wait(open.send());
+  const auto door = opened.getResult();
+  if (door.isError()) {
+    throw RpcError(std::string(error_kind_name(door.getError().getKind())),
+                   door.getError().getMessage().cStr());
+  }
+  auto call = door.getAdmin().setRoleRequest();
+  call.setInstance(instance);
+  call.setRole(role);
+  auto reply = wait(call.send());
+  const auto result = reply.getResult();
+  if (result.isError()) {
+    throw RpcError(std::string(error_kind_name(result.getError().getKind())),
+                   result.getError().getMessage().cStr());
+  }
+  return result.getDone().cStr();
 }
 
 }  // namespace duet::client

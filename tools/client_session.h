@@ -62,6 +62,11 @@ class Session {
   capnp::Response<rpc::Inference::StatsResults> stats();
   capnp::Response<rpc::Inference::ModelInfoResults> model_info();
   rpc::HealthStatus health();
+  // Proves the cluster key of `key_file` (common/net/admin_proof.h) and asks
+  // for `instance` to take `role`; returns the coordinator's one line. Throws
+  // RpcError with the server's kind when it refuses, ClientError
+  // (invalid_argument, exit 2) for a key file that cannot be read.
+  std::string set_role(const std::string& key_file, int instance, const std::string& role);
 
   kj::WaitScope& wait_scope() { return io_.waitScope; }
   kj::UnixEventPort& event_port() { return io_.unixEventPort; }

@@ -117,24 +117,26 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   options.close_timeout = kCloseTimeout;
   options.instance_lease = serve::instance_lease(args);
   options.max_retries = args.max_retries;
-  if (args.join_port >= 0) {
-    options.join_port = static_cast<uint16_t>(args.join_port);
-    if (args.cluster_key_file.empty()) {
-      abort_cluster(channel, spec, "--join-port needs --cluster-key FILE", kCloseTimeout);
-      throw Error(ErrorKind::kInvalidArgument, "--join-port needs --cluster-key FILE");
-    }
+  if (args.join_port >= 0 && args.cluster_key_file.empty()) {
+    abort_cluster(channel, spec, "--join-port needs --cluster-key FILE", kCloseTimeout);
+    throw Error(ErrorKind::kInvalidArgument, "--join-port needs --cluster-key FILE");
+  }
+  // The key guards joins and admin calls (duet-client set-role) alike.
+  if (!args.cluster_key_file.empty()) {
     try {
       options.cluster_key = ClusterKey::from_file(args.cluster_key_file);
-      options.model_fingerprint = model_fingerprint(args.model);
+      if (args.join_port >= 0) options.model_fingerprint = model_fingerprint(args.model);
     } catch (const std::exception& e) {
       abort_cluster(channel, spec, e.what(), kCloseTimeout);
       throw;
     }
   }
+  if (args.join_port >= 0) options.join_port = static_cast<uint16_t>(args.join_port);
   ClusterCoordinator cluster(channel, spec, options);
   Service service(cluster.router(), *tokenizer, chat, serve::model_name(args),
                   serve::service_limits(args));
-  serve::run_fronts_until_signal(service, args, signals, split_reasoning);
+  serve::run_fronts_until_signal(service, args, signals, split_reasoning, &cluster.router(),
+                                 options.cluster_key);
   if (!cluster.shut_down("the coordinator is shutting down", kCloseTimeout)) {
     spdlog::error("not every rank closed the control channel in time");
     return 1;

@@ -179,9 +179,10 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->capture_default_str()
       ->group(group);
   cmd->add_option("--cluster-key", args.cluster_key_file,
-                  "With --join or --join-port: the file holding the cluster's shared key (at "
-                  "least 32 bytes, mode 600; `head -c 32 /dev/urandom | base64 > FILE`); never "
-                  "sent, both ends prove they hold it")
+                  "With --join or --join-port, and for admin calls on a cluster's coordinator "
+                  "(duet-client set-role): the file holding the cluster's shared key (at least 32 "
+                  "bytes, mode 600; `head -c 32 /dev/urandom | base64 > FILE`); never sent, both "
+                  "ends prove they hold it")
       ->group(group);
   cmd->add_option("--kv-same-host", args.kv_same_host,
                   "How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl "
@@ -315,7 +316,8 @@ ServiceLimits service_limits(const ServeArgs& args) {
 }
 
 void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals,
-                             bool split_reasoning) {
+                             bool split_reasoning, ClusterAdmin* admin,
+                             std::optional<ClusterKey> admin_key) {
   auto milliseconds = [](double seconds) {
     return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
   };
@@ -323,7 +325,9 @@ void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigs
                           .port = static_cast<uint16_t>(args.rpc_port),
                           .api_key = args.api_key,
                           .max_connections = args.max_connections,
-                          .idle_timeout = milliseconds(args.rpc_idle_timeout_s)});
+                          .idle_timeout = milliseconds(args.rpc_idle_timeout_s),
+                          .admin = admin,
+                          .admin_key = std::move(admin_key)});
   HttpServer http(service, {.host = args.host,
                             .port = static_cast<uint16_t>(args.http_port),
                             .api_key = args.api_key,

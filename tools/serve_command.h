@@ -16,7 +16,9 @@
 
 #include "common/cluster/cluster_spec.h"
 #include "common/model/gguf.h"
+#include "common/net/cluster_auth.h"
 #include "common/text/chat_template.h"
+#include "coordinator/cluster_admin.h"
 #include "coordinator/service.h"
 #include "worker/engine.h"
 #include "worker/model/llama_model.h"
@@ -120,8 +122,11 @@ ServiceLimits service_limits(const ServeArgs& args);
 std::string resolve_api_key(const ServeArgs& args);
 // Starts both fronts over `service`, prints their `... listening on` lines,
 // waits for a signal in `signals`, then drains (drain()) and stops the fronts.
+// `admin` (a cluster's, outliving the fronts) takes the RPC front's admin
+// calls from clients that prove `admin_key`.
 void run_fronts_until_signal(Service& service, const ServeArgs& args, const sigset_t& signals,
-                             bool split_reasoning);
+                             bool split_reasoning, ClusterAdmin* admin = nullptr,
+                             std::optional<ClusterKey> admin_key = std::nullopt);
 // The drain after the first stop signal: new requests are refused (503,
 // `unavailable`) while the running ones finish, for up to `timeout`; those
 // still running then, or when a second signal of `signals` comes, end with an

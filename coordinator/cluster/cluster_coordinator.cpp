@@ -23,13 +23,15 @@ std::vector<InstanceReady> await_ready(ControlChannel& channel, const ClusterSpe
 }
 
 // The cluster's instances as the router places over them: each with its
-// role and its leader's rank (its transfer address).
+// role and its leader's rank (its transfer address); a disaggregated
+// cluster's all have KV links, so any may change role.
 std::vector<RoutedInstance> routed_instances(const RemoteCluster& cluster,
                                              const ClusterSpec& spec) {
   std::vector<RoutedInstance> instances;
   const std::vector<InstanceClient*> clients = cluster.instances();
   for (size_t i = 0; i < spec.instances.size(); ++i) {
-    instances.push_back({clients[i], spec.instances[i].role, spec.instances[i].leader().value});
+    instances.push_back({clients[i], spec.instances[i].role, spec.instances[i].leader().value,
+                         spec.mode == ClusterMode::kDisaggregated});
   }
   return instances;
 }
@@ -59,7 +61,7 @@ ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpe
                              const std::string& host) {
     // Its address on the channel is its transfer address too (unused: a
     // joined instance is colocated).
-    const size_t index = routed_.add_instance({client, role, -1}, host);
+    const size_t index = routed_.add_instance({client, role, -1, false}, host);
     std::lock_guard lock(mutex_);
     routed_index_[id] = index;
   };

@@ -13,11 +13,13 @@ Answer answer(std::string_view path, const Service::Health& health) {
   const int status = path == "/health/live" || ready ? 200 : 503;
   const InstanceClient::Health& instances = health.instances;
   // Once the membership changed, how: instances that joined, and that left
-  // after draining (their count stays in "instances").
-  const std::string membership =
+  // after draining (their count stays in "instances"); then role changes.
+  std::string membership =
       instances.joins > 0 || instances.leaves > 0
           ? fmt::format(R"(,"joined":{},"left":{})", instances.joins, instances.leaves)
           : std::string();
+  if (instances.role_changes > 0)
+    membership += fmt::format(R"(,"role_changes":{})", instances.role_changes);
   if (health.state == Service::HealthState::kOk) {
     if (membership.empty()) return {status, R"({"status":"ok"})"};
     return {status, fmt::format(R"({{"status":"ok","lost_instances":{},"instances":{}{}}})",

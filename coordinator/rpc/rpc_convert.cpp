@@ -130,6 +130,7 @@ void fill_stats(rpc::Stats::Builder out, const ServiceStats& stats) {
     state.setDraining(states[i].draining);
     state.setLeft(states[i].left);
     state.setHost(states[i].host);
+    state.setSwitchingTo(states[i].switching_to);
   }
 }
 

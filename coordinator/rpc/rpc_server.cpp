@@ -14,6 +14,7 @@
 #include "common/duet.capnp.h"
 #include "common/error.h"
 #include "common/text/unicode.h"
+#include "coordinator/rpc/rpc_admin.h"
 #include "coordinator/rpc/rpc_convert.h"
 #include "coordinator/rpc/rpc_streams.h"
 
@@ -218,8 +219,8 @@ class InferenceImpl final : public rpc::Inference::Server {
 
 class GatewayImpl final : public rpc::Gateway::Server {
  public:
-  GatewayImpl(Front front, std::string api_key)
-      : front_(kj::mv(front)), api_key_(std::move(api_key)) {}
+  GatewayImpl(Front front, std::string api_key, AdminDoor admin)
+      : front_(kj::mv(front)), api_key_(std::move(api_key)), admin_(admin) {}
 
  protected:
   kj::Promise<void> version(VersionContext context) override {
@@ -243,6 +244,18 @@ class GatewayImpl final : public rpc::Gateway::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> adminChallenge(AdminChallengeContext context) override {
+    front_.connection->touch();
+    admin_.challenge(context.getResults());
+    return kj::READY_NOW;
+  }
+
+  kj::Promise<void> admin(AdminContext context) override {
+    front_.connection->touch();
+    admin_.open(context.getParams().getProof(), context.getResults().initResult());
+    return kj::READY_NOW;
+  }
+
  private:
   // Compares in time independent of where the keys differ.
   static bool keys_equal(std::string_view given, std::string_view expected) {
@@ -255,6 +268,7 @@ class GatewayImpl final : public rpc::Gateway::Server {
 
   Front front_;
   std::string api_key_;
+  AdminDoor admin_;
 };
 
 }  // namespace
@@ -348,7 +362,8 @@ kj::Promise<void> RpcServer::Impl::accept(kj::ConnectionReceiver& listener, kj::
         ++n_connections;
         auto activity = kj::refcounted<ConnectionActivity>(timer);
         auto gateway = kj::heap<GatewayImpl>(
-            Front{service, relay, kj::addRef(*table), kj::addRef(*activity)}, options.api_key);
+            Front{service, relay, kj::addRef(*table), kj::addRef(*activity)}, options.api_key,
+            AdminDoor(options.admin, options.admin_key ? &*options.admin_key : nullptr));
         auto connection =
             kj::heap<RpcConnection>(kj::mv(socket), kj::mv(gateway), reader, kj::addRef(*activity));
         kj::Promise<void> ends = connection->network.onDisconnect();

@@ -22,8 +22,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "common/net/cluster_auth.h"
+#include "coordinator/cluster_admin.h"
 #include "coordinator/service.h"
 
 namespace duet {
@@ -38,6 +41,11 @@ struct RpcServerOptions {
   // A connection with no stream running and no call for this long is closed;
   // 0: never.
   std::chrono::milliseconds idle_timeout{300'000};
+  // Admin calls (coordinator/rpc/rpc_admin.h): the cluster they change
+  // (outlives the server), and the key a client must prove. Without either,
+  // every admin call is refused with the reason.
+  ClusterAdmin* admin = nullptr;
+  std::optional<ClusterKey> admin_key;
 };
 
 // The Cap'n Proto reader limits of every incoming message, sized to the

@@ -228,6 +228,17 @@ set_tests_properties(mpi_join_test PROPERTIES
   LABELS mpi
   TIMEOUT 600)
 
+# Instances that change role while serving (tests/mpi/test_role_change.py):
+# `duet-client set-role` proves the cluster key; prefill, decode and
+# colocated instances swap roles under load, every answer equal to
+# `duet generate`, no block left held; refusals are one line.
+add_test(NAME mpi_role_change_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_role_change.py)
+set_tests_properties(mpi_role_change_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)
+
 # launch/local.sh keeps its instance count (tests/mpi/test_replacement.py): a
 # colocated instance SIGKILLed mid-stream costs no token, and the launcher's
 # replacement joins and serves.

@@ -256,6 +256,43 @@ def expect_serving(server, prompt):
         raise AssertionError(f"{prompt!r}: {r}")
 
 
+def write_key(path, text):
+    """A cluster key file holding `text`, open to no one else (as the coordinator requires)."""
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+
+
+def end_module(cluster, workdir):
+    """A test module's tearDownModule: every rank exits 0 (unless a test stopped it), then
+    the module's temporary folder goes."""
+    try:
+        if cluster is not None and cluster.process.poll() is None:
+            stop_every_rank(cluster, timeout=60)
+    finally:
+        workdir.cleanup()
+
+
+def start_sse(server, bodies):
+    """One started SseStream per body (each streamed: "stream": true is added)."""
+    streams = [SseStream("127.0.0.1", server.http_port, {**body, "stream": True})
+               for body in bodies]
+    for s in streams:
+        s.start()
+    return streams
+
+
+def check_texts(test, streams, expected, timeout=180):
+    """Each SseStream ended whole ("length") with expected[its prompt]."""
+    for s in streams:
+        s.join(timeout)
+        test.assertFalse(s.is_alive(), f"a stream hung: {s.body['prompt']!r}")
+        test.assertIsNone(s.failure, s.failure)
+        test.assertIsNone(s.error)
+        test.assertEqual(s.finish, "length")
+        test.assertEqual(s.text, expected[s.body["prompt"]], s.body["prompt"])
+
+
 def wait_until(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -32,8 +32,9 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MPIRUN_FLAGS, SseStream, complete, http_request,  # noqa: E402
-                          metrics, rank_pids, start_cluster, stop_every_rank, wait_until)
+from mpirun_serve import (MPIRUN_FLAGS, check_texts, complete, end_module,  # noqa: E402
+                          http_request, metrics, rank_pids, start_cluster,
+                          start_sse, wait_until, write_key)
 from test_failover import generate  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
@@ -48,12 +49,6 @@ workdir = None
 key_file = None
 join_address = None
 expected = {}
-
-
-def write_key(path, text):
-    with open(path, "w") as f:
-        f.write(text + "\n")
-    os.chmod(path, 0o600)
 
 
 def setUpModule():
@@ -82,11 +77,7 @@ def setUpModule():
 
 
 def tearDownModule():
-    try:
-        if cluster is not None and cluster.process.poll() is None:
-            stop_every_rank(cluster, timeout=60)
-    finally:
-        workdir.cleanup()
+    end_module(cluster, workdir)
 
 
 class Joiner:
@@ -145,21 +136,11 @@ def greedy(prompt):
 
 
 def run_streams(n):
-    streams = [SseStream("127.0.0.1", cluster.http_port,
-                         {**greedy(PROMPTS[i % len(PROMPTS)]), "stream": True})
-               for i in range(n)]
-    for s in streams:
-        s.start()
-    return streams
+    return start_sse(cluster, [greedy(PROMPTS[i % len(PROMPTS)]) for i in range(n)])
 
 
 def check_streams(test, streams, timeout=180):
-    for s in streams:
-        s.join(timeout)
-        test.assertIsNone(s.failure, s.failure)
-        test.assertIsNone(s.error)
-        test.assertEqual(s.finish, "length")
-        test.assertEqual(s.text, expected[s.body["prompt"]], s.body["prompt"])
+    check_texts(test, streams, expected, timeout)
 
 
 class JoinTest(unittest.TestCase):

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -92,6 +93,25 @@ class ClientCliTest(unittest.TestCase):
         self.assertEqual(run.stderr.count("\n"), 1, run.stderr)
         self.assertIn("invalid_argument", run.stderr)
         self.assertEqual(run.stdout, "")
+
+    def test_set_role_needs_a_cluster_and_its_key(self):
+        # A single-process server has no cluster key: the admin call is refused in one line.
+        with tempfile.TemporaryDirectory() as tmp:
+            key = os.path.join(tmp, "cluster.key")
+            with open(key, "w") as f:
+                f.write("a-test-cluster-key-of-at-least-32-bytes-0123456789\n")
+            os.chmod(key, 0o600)
+            run = client("set-role", "--instance", "0", "--role", "decode", "--cluster-key", key)
+            self.assertEqual(run.returncode, 2, run.stderr)
+            self.assertEqual(run.stderr, "duet-client: unauthenticated: this server takes no admin "
+                                         "calls: it was started without --cluster-key FILE\n")
+            os.chmod(key, 0o644)  # open to others: refused before anything is sent
+            run = client("set-role", "--instance", "0", "--role", "decode", "--cluster-key", key)
+            self.assertEqual(run.returncode, 2, run.stderr)
+            self.assertIn("invalid_argument", run.stderr)
+        run = client("set-role", "--instance", "0", "--role", "router", "--cluster-key", "k")
+        self.assertEqual(run.returncode, 2)
+        self.assertEqual(run.stderr.count("\n"), 1, run.stderr)
 
     def test_bad_flags_exit_2(self):
         run = client("generate", "--prompt", "x", "--no-such-flag")
