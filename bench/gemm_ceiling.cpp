@@ -16,6 +16,13 @@
 // real kernel (quant_gemm_avx2_inl.h) can reach on this CPU, which is how
 // docs/BENCHMARKS.md tells a missed prefill target from a slow kernel.
 //
+// With AVX-512 VNNI the same order (Q8_0, Q5_0 and Q4_1 keep it: llama.cpp's
+// own on x86) costs per output pair and block at least vpdpbusd, cvt and fma
+// on 8 lanes; the AVX-512 GEMM (quant_gemm_avx512_inl.h) puts two pairs in a
+// register. `ceiling/avx512/lanes_tile_4x8` runs those three instructions in
+// its 4 x 8 register tile (16 accumulators, a broadcast scale each) and
+// nothing else.
+//
 //   duet-matmul-bench --benchmark_filter=ceiling
 #include "bench/gemm_ceiling.h"
 
@@ -68,6 +75,68 @@ __attribute__((target("avx2,fma"))) void run_tiles(const Operands& op, int64_t p
   _mm256_storeu_ps(out, sum);
 }
 
+// 4 weight rows x 4 activation pairs of zmm accumulators (two pairs each).
+// GCC 12's _mm512_cvtepi32_ps passes _mm512_undefined_ps(), which it then
+// reports as uninitialized inside a target("avx512f") function.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles_512(const Operands& op,
+                                                                          int64_t passes,
+                                                                          float* out) {
+  constexpr int kRows = 4, kPairs = 4;
+  __m512 acc[kRows][kPairs];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  const auto* w = reinterpret_cast<const __m512i*>(op.w);  // 2 x 16 x 64 bytes: 8 blocks' rows
+  const auto* x = reinterpret_cast<const __m512i*>(op.x);
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    for (int b = 0; b < kBlocks / 2; ++b) {
+      __m512i xv[kPairs];
+      for (int p = 0; p < kPairs; ++p) xv[p] = _mm512_load_si512(x + (b * kPairs + p) % 32);
+      for (int j = 0; j < kRows; ++j) {
+        const __m512i wv = _mm512_load_si512(w + (b * kRows + j) % 16);
+        for (int p = 0; p < kPairs; ++p) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xv[p], wv);
+          acc[j][p] = _mm512_fmadd_ps(_mm512_set1_ps(op.scales[b][(j + p) % 8]),
+                                      _mm512_cvtepi32_ps(dot), acc[j][p]);
+        }
+      }
+    }
+  }
+  __m512 sum = _mm512_setzero_ps();
+  for (auto& row : acc)
+    for (auto& a : row) sum = _mm512_add_ps(sum, a);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  for (int i = 0; i < 8; ++i) out[i] = lanes[i] + lanes[i + 8];
+}
+#pragma GCC diagnostic pop
+
+void bench_ceiling_512(benchmark::State& state) {
+  Operands op{};
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> act(-127, 127);
+  for (auto& block : op.w)
+    for (auto& row : block)
+      for (int8_t& v : row) v = static_cast<int8_t>(act(rng));
+  for (auto& block : op.x)
+    for (auto& row : block)
+      for (int8_t& v : row) v = static_cast<int8_t>(act(rng));
+  for (auto& block : op.scales)
+    for (float& v : block) v = 1e-3f;
+  constexpr int64_t kPasses = 4096;
+  alignas(32) float out[8];
+  for (auto _ : state) {
+    run_tiles_512(op, kPasses, out);
+    benchmark::DoNotOptimize(out);
+  }
+  // Per block: 4 weight rows x 8 activation rows x 32 elements.
+  const double flops_per_pass = 2.0 * 32 * 4 * 8 * (kBlocks / 2);
+  state.counters["FLOP"] =
+      benchmark::Counter(flops_per_pass * kPasses * static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate);
+}
+
 void bench_ceiling(benchmark::State& state, bool is_signed) {
   Operands op{};
   std::mt19937 rng(7);
@@ -100,6 +169,10 @@ void bench_ceiling(benchmark::State& state, bool is_signed) {
 }  // namespace
 
 void register_gemm_ceiling_benchmarks() {
+  if (cpu_supports(Isa::kAvx512)) {
+    benchmark::RegisterBenchmark("ceiling/avx512/lanes_tile_4x8", bench_ceiling_512)
+        ->Unit(benchmark::kMicrosecond);
+  }
   if (!cpu_supports(Isa::kAvx2)) return;
   for (bool is_signed : {true, false}) {
     benchmark::RegisterBenchmark(

@@ -35,15 +35,21 @@ constexpr int kWeightRows = 4;  // weight rows per register tile (two weight pai
 constexpr int kActRows = 8;     // activation rows per register tile (four pairs)
 constexpr int kActPairs = kActRows / 2;
 // A weight group's panel holds this many blocks at a time (k in chunks of
-// 4096); a tile carries its accumulators from chunk to chunk, so a row adds
-// its blocks in order whatever the chunks (the contract above).
-constexpr int64_t kChunkBlocks = 128;
+// 1024): with a tile's slice of the activation panel, 30 KiB that stay in L1
+// while the tiles take turns (128 blocks, 120 KiB, ran 5-7% slower on Zen 4).
+// A tile carries its accumulators from chunk to chunk, so a row adds its
+// blocks in order whatever the chunks (the contract above).
+constexpr int64_t kChunkBlocks = 32;
 // Rows of up to this many blocks (k <= 32768) take this path; longer ones
 // fall back to QuantTile.
 constexpr int64_t kMaxBlocks = 1024;
 // Activation tiles x blocks prepared at once (one tile's whole row when
-// longer).
-constexpr int64_t kActPanelBlocks = 256;
+// longer): 1.5 MiB of panels, so that each weight group, packed once per
+// chunk, serves up to 32 tiles (256 rows at k = 4096, 72 at k = 14336).
+// At 256 blocks it served 2 tiles at the 8B shapes, and packing the weights
+// again every 16 rows held Q8_0 to 74-88 GFLOP/s a thread on Zen 4 (143-147
+// now, with the chunks above; duet-matmul-bench matmul8b, n_x 512).
+constexpr int64_t kActPanelBlocks = 4096;
 
 struct Q4_1Gemm {
   using WeightBlock = BlockQ4_1;
@@ -349,12 +355,13 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
   const int64_t nb = k / kQuantBlock;
   const int64_t tiles_per_chunk = std::max<int64_t>(1, kActPanelBlocks / nb);
   const int64_t n_chunks = (nb + kChunkBlocks - 1) / kChunkBlocks;
-  // Rows of several chunks are longer than kActPanelBlocks / 2 blocks: one tile at a time.
   thread_local std::vector<ActPanelBlock> act_storage;
   act_storage.resize(static_cast<size_t>(std::max(kActPanelBlocks, nb)));
   ActPanelBlock* act = act_storage.data();
   alignas(64) PanelBlock<Format> panel[kChunkBlocks];
-  TileCarry carry;
+  // Each tile's accumulators between chunks (the tiles of a pass take turns).
+  thread_local std::vector<TileCarry> carries;
+  carries.resize(static_cast<size_t>(tiles_per_chunk));
   for (int64_t i0 = 0; i0 < n_x; i0 += tiles_per_chunk * kActRows) {
     const int64_t n_i = std::min(n_x - i0, tiles_per_chunk * kActRows);
     const int64_t n_tiles = (n_i + kActRows - 1) / kActRows;
@@ -384,7 +391,8 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
         for (int64_t t = 0; t < n_tiles; ++t) {
           const int64_t i = i0 + t * kActRows;
           run_tile<Format>(std::min<int64_t>(kActRows, n_x - i), panel, act + t * nb + b0, n_blocks,
-                           y + i * ldy + j0, ldy, n_j, carry, c == 0, c + 1 == n_chunks);
+                           y + i * ldy + j0, ldy, n_j, carries[static_cast<size_t>(t)], c == 0,
+                           c + 1 == n_chunks);
         }
       }
     }

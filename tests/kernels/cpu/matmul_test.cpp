@@ -189,9 +189,10 @@ TEST(Matmul, ReusedPackMatchesFreshPack) {
 
 // The shapes where the batched kernels change strategy: weight rows that do
 // not fill a group of 4, activation rows in several chunks with every tail,
-// the AVX-512 GEMM's rows in chunks of 4096 (one chunk, 4 and a block, the 8B
-// shape's ffn_down, 8) up to the longest it takes (k = 32768) and the first it
-// leaves to the row tiles; the AVX2 GEMM's rows in chunks of 4096 (a last chunk of
+// the AVX-512 GEMM's rows in chunks of 1024 (one chunk, 4 and a block, the 8B
+// shape's ffn_down, 32), each of several activation tiles carrying its own
+// accumulators from chunk to chunk, up to the longest it takes (k = 32768)
+// and the first it leaves to the row tiles; the AVX2 GEMM's rows in chunks of 4096 (a last chunk of
 // one block, the 8B shape's ffn_down) over more than one block of 16 weight
 // groups, and activation rows in one pass or two. Every path bit-identical to
 // the scalar one.
