@@ -11,6 +11,9 @@ namespace duet {
 namespace {
 
 constexpr auto kRateWindow = std::chrono::seconds(10);
+// The finished requests kept for recent_latency: the last minute's, at most this many.
+constexpr auto kRecentWindow = std::chrono::seconds(60);
+constexpr size_t kRecentFinished = 4096;
 
 std::vector<double> latency_bounds() {  // seconds: queue, TTFT, E2E
   return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
@@ -68,6 +71,7 @@ Metrics::Metrics()
         ServeErrorKind::kInternal})
     outcomes_.emplace(fmt::format("refused_{}", serve_error_kind_name(k)), 0);
   for (std::string_view front : {"http", "rpc"}) connections_refused_.emplace(front, 0);
+  for (std::string_view role : {"prefill", "decode"}) rebalances_.emplace(role, 0);
 }
 
 void Metrics::record_finished(ServeFinish finish, const RequestTimings& t) {
@@ -82,6 +86,32 @@ void Metrics::record_finished(ServeFinish finish, const RequestTimings& t) {
     ttft_.observe(t.ttft_s);
   }
   if (t.completion_tokens > 1) tpot_.observe(t.tpot_s);
+  if (finish == ServeFinish::kStop || finish == ServeFinish::kLength) {
+    const Clock::time_point now = Clock::now();
+    recent_finished_.push_back({now, t.completion_tokens > 0 ? t.ttft_s : -1.0,
+                                t.completion_tokens > 1 ? t.tpot_s : -1.0});
+    while (!recent_finished_.empty() && (now - recent_finished_.front().at > kRecentWindow ||
+                                         recent_finished_.size() > kRecentFinished))
+      recent_finished_.pop_front();
+  }
+}
+
+Metrics::RecentLatency Metrics::recent_latency(Clock::time_point since) const {
+  std::lock_guard lock(mutex_);
+  RecentLatency recent;
+  for (const Finished& f : recent_finished_) {
+    if (f.at < since) continue;
+    if (f.ttft_s >= 0) recent.ttft_s.push_back(f.ttft_s);
+    if (f.tpot_s >= 0) recent.tpot_s.push_back(f.tpot_s);
+  }
+  return recent;
+}
+
+void Metrics::record_rebalance(std::string_view role) {
+  std::lock_guard lock(mutex_);
+  auto it = rebalances_.find(role);
+  if (it == rebalances_.end()) it = rebalances_.emplace(role, 0).first;
+  ++it->second;
 }
 
 void Metrics::record_refused(ServeErrorKind kind) {
@@ -135,6 +165,11 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   for (const auto& [front, n] : connections_refused_)
     fmt::format_to(std::back_inserter(out), "duet_connections_refused_total{{front=\"{}\"}} {}\n",
                    front, n);
+  header(out, "duet_rebalance_decisions_total", "counter",
+         "Instances the rebalancer (--rebalance auto) moved, by the role it gave them.");
+  for (const auto& [role, n] : rebalances_)
+    fmt::format_to(std::back_inserter(out), "duet_rebalance_decisions_total{{to=\"{}\"}} {}\n",
+                   role, n);
   histogram(out, "duet_queue_time_seconds", "Arrival to first compute.", queue_);
   histogram(out, "duet_time_to_first_token_seconds", "Arrival to first token.", ttft_);
   histogram(out, "duet_time_per_output_token_seconds", "Mean gap between later tokens.", tpot_);

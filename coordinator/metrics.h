@@ -58,6 +58,17 @@ class Metrics final {
 
   int64_t requests_with_outcome(std::string_view outcome) const;
 
+  // The TTFT (requests with a token) and TPOT (with two) of the requests that
+  // finished well (stop or length) at `since` or later, within the last
+  // minute: the rebalancer's signals (coordinator/rebalancer.h).
+  struct RecentLatency {
+    std::vector<double> ttft_s;
+    std::vector<double> tpot_s;
+  };
+  RecentLatency recent_latency(Clock::time_point since) const;
+  // The rebalancer moved an instance to `role` ("prefill", "decode").
+  void record_rebalance(std::string_view role);
+
  private:
   double tokens_per_second(Clock::time_point now) const;  // mutex_ held
 
@@ -75,6 +86,12 @@ class Metrics final {
   std::map<std::string, int64_t, std::less<>> connections_refused_;  // by front
   std::deque<std::pair<Clock::time_point, int64_t>> recent_tokens_;  // the last window's steps
   Clock::time_point first_tokens_{};  // of the first record_tokens (the rate's window starts there)
+  struct Finished {
+    Clock::time_point at;
+    double ttft_s = -1, tpot_s = -1;  // -1: not measured
+  };
+  std::deque<Finished> recent_finished_;  // the last minute's, at most kRecentFinished
+  std::map<std::string, int64_t, std::less<>> rebalances_;  // by the role given
 };
 
 }  // namespace duet

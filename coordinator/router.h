@@ -160,6 +160,17 @@ class RoutedInstances final : public InstanceClient, public ClusterAdmin {
   // Instance `instance`'s role now (what it takes new work as).
   InstanceRole role(size_t instance) const;
 
+  // Each instance as a rebalancer weighs it (coordinator/rebalancer.h), in order.
+  struct RoleView {
+    InstanceRole role = InstanceRole::kBoth;
+    bool taking_work = false;  // live, not leaving, not changing role
+    bool switching = false;    // changing role: waits for its work to end
+    bool kv_links = false;
+    int64_t sequences = 0;             // requests on it (decoded, or run whole)
+    int64_t queued_prompt_tokens = 0;  // prompts it computes for others, not handed over
+  };
+  std::vector<RoleView> role_views() const;
+
   struct FailoverCounters {
     int64_t reruns = 0;                // attempts submitted again after a loss
     int64_t failed_after_retries = 0;  // ended kUnavailable: out of retries or of instances

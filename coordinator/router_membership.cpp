@@ -206,6 +206,17 @@ void RoutedInstances::finish_role_changes() {
   }
 }
 
+std::vector<RoutedInstances::RoleView> RoutedInstances::role_views() const {
+  std::lock_guard lock(mutex_);
+  std::vector<RoleView> views;
+  for (size_t i = 0; i < instances_.size(); ++i) {
+    views.push_back({instances_[i].role, !lost_[i] && !membership_[i].draining && !switching_to_[i],
+                     switching_to_[i].has_value(), instances_[i].kv_links, sequences_[i],
+                     queued_prompt_[i]});
+  }
+  return views;
+}
+
 InstanceRole RoutedInstances::role(size_t instance) const {
   std::lock_guard lock(mutex_);
   DUET_ASSERT(instance < instances_.size(), "instance {} of {}", instance, instances_.size());

@@ -173,6 +173,8 @@ class Service final {
   void record_connection_refused(std::string_view front) {
     metrics_.record_connection_refused(front);
   }
+  // Counts an instance the rebalancer moved to `role` (coordinator/rebalancer.h).
+  void record_rebalance(std::string_view role) { metrics_.record_rebalance(role); }
   // Draining: refuses every later start with kUnavailable ("the server is
   // shutting down") and lets the running requests finish as they would.
   void begin_drain();

@@ -37,6 +37,7 @@
 #include "common/error.h"
 #include "common/text/tokenizer_gguf.h"
 #include "coordinator/cluster/cluster_coordinator.h"
+#include "coordinator/rebalancer.h"
 #include "tools/serve_command.h"
 #include "worker/cluster_instance.h"
 #include "worker/parallel/mpi_collective.h"
@@ -117,6 +118,23 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   options.close_timeout = kCloseTimeout;
   options.instance_lease = serve::instance_lease(args);
   options.max_retries = args.max_retries;
+  // Rebalancing: checked before any instance is waited for.
+  std::optional<SloTargets> slo;
+  if (args.rebalance == "auto") {
+    try {
+      if (spec.mode != ClusterMode::kDisaggregated) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    "--rebalance auto needs a disaggregated cluster (--prefill and --decode): "
+                    "it moves instances between the two");
+      }
+      if (args.slo.empty())
+        throw Error(ErrorKind::kInvalidArgument, "--rebalance auto needs --slo ttft=MS,tpot=MS");
+      slo = parse_slo(args.slo);
+    } catch (const std::exception& e) {
+      abort_cluster(channel, spec, e.what(), kCloseTimeout);
+      throw;
+    }
+  }
   if (args.join_port >= 0 && args.cluster_key_file.empty()) {
     abort_cluster(channel, spec, "--join-port needs --cluster-key FILE", kCloseTimeout);
     throw Error(ErrorKind::kInvalidArgument, "--join-port needs --cluster-key FILE");
@@ -135,8 +153,11 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   ClusterCoordinator cluster(channel, spec, options);
   Service service(cluster.router(), *tokenizer, chat, serve::model_name(args),
                   serve::service_limits(args));
+  std::optional<Rebalancer> rebalancer;
+  if (slo) rebalancer.emplace(cluster.router(), service, RebalancerOptions{.slo = *slo});
   serve::run_fronts_until_signal(service, args, signals, split_reasoning, &cluster.router(),
                                  options.cluster_key);
+  rebalancer.reset();  // no role changes while the cluster ends
   if (!cluster.shut_down("the coordinator is shutting down", kCloseTimeout)) {
     spdlog::error("not every rank closed the control channel in time");
     return 1;

@@ -184,6 +184,17 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
                   "bytes, mode 600; `head -c 32 /dev/urandom | base64 > FILE`); never sent, both "
                   "ends prove they hold it")
       ->group(group);
+  cmd->add_option("--rebalance", args.rebalance,
+                  "The coordinator of a disaggregated cluster: auto moves instances between "
+                  "prefill and decode while serving, one at a time, when the latency of recent "
+                  "requests misses --slo on one side and not the other")
+      ->check(CLI::IsMember({"off", "auto"}))
+      ->capture_default_str()
+      ->group(group);
+  cmd->add_option("--slo", args.slo,
+                  "With --rebalance auto: the 90th-percentile targets, ttft=MS,tpot=MS (either "
+                  "alone judges that side only)")
+      ->group(group);
   cmd->add_option("--kv-same-host", args.kv_same_host,
                   "How KV moves between two GPUs of one host: ipc (CUDA IPC) or nccl "
                   "(one GPU shared by two ranks is always ipc; other hosts nccl)")
@@ -434,6 +445,11 @@ int run_serve(const ServeArgs& given) {
     throw Error(ErrorKind::kInvalidArgument,
                 "--join-port needs a cluster (mpirun, or the cluster flags): instances join its "
                 "coordinator");
+  }
+  if (args.rebalance != "off") {
+    throw Error(ErrorKind::kInvalidArgument,
+                "--rebalance auto needs a disaggregated cluster (mpirun with --prefill and "
+                "--decode): it moves instances between the two");
   }
 
   const int n_threads = serve::compute_threads(args);

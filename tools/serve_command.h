@@ -80,6 +80,11 @@ struct ServeArgs {
   std::string join;
   std::string role = "both";
   std::string cluster_key_file;
+  // Online rebalancing of a disaggregated cluster's roles
+  // (coordinator/rebalancer.h): "off" or "auto", against `slo`
+  // ("ttft=MS,tpot=MS").
+  std::string rebalance = "off";
+  std::string slo;
 };
 
 void add_serve_command(CLI::App& app, ServeArgs& args);

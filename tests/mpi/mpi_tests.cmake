@@ -239,6 +239,16 @@ set_tests_properties(mpi_role_change_test PROPERTIES
   LABELS mpi
   TIMEOUT 600)
 
+# Online rebalancing (tests/mpi/test_rebalance.py): bad --rebalance/--slo
+# end the start with one line; bursts of long prompts over a TTFT target move
+# one decode instance to prefill, every answer equal to `duet generate`.
+add_test(NAME mpi_rebalance_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_rebalance.py)
+set_tests_properties(mpi_rebalance_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)
+
 # launch/local.sh keeps its instance count (tests/mpi/test_replacement.py): a
 # colocated instance SIGKILLed mid-stream costs no token, and the launcher's
 # replacement joins and serves.

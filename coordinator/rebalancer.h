@@ -1,0 +1,106 @@
+// Online rebalancing of a disaggregated cluster (`duet serve --rebalance auto
+// --slo ttft=MS,tpot=MS`): a thread of the coordinator that watches the
+// latency of the requests that finished lately against the SLO and moves one
+// instance at a time between prefill and decode (RoutedInstances::change_role).
+//
+// The rule (decide_rebalance): over the requests finished in the last window
+// (and since the last change took effect), when the 90th percentile of TTFT
+// is over its target while TPOT's is below 80% of its own, prompts wait for
+// prefill capacity: the decode instance with the fewest requests becomes
+// prefill, if another instance still decodes. The mirror image moves the
+// prefill instance with the fewest queued prompt tokens to decode, if another
+// prefill instance remains. Both over target is a cluster too small for its
+// load, not a split to change: nothing moves (it is logged). A side without
+// a target (or without samples: fewer than min_samples) counts as within it.
+// After a change, nothing moves until it took effect and a cooldown passed,
+// and only requests finished since count, so one burst moves one instance.
+//
+// Decisions are logged with their reason and counted in /metrics
+// (duet_rebalance_decisions_total{to=...}).
+//
+// Threads: its own; the router and the service are thread-safe.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include "coordinator/router.h"
+#include "coordinator/service.h"
+
+namespace duet {
+
+// Targets in seconds; 0: that side is not judged.
+struct SloTargets {
+  double ttft_s = 0;
+  double tpot_s = 0;
+};
+
+// "ttft=MS,tpot=MS" (milliseconds; either may be left out, not both). Throws
+// duet::Error (kInvalidArgument) naming what is wrong.
+SloTargets parse_slo(std::string_view text);
+
+// The 90th percentiles of the requests finished lately, and how many there were.
+struct RebalanceSignals {
+  double ttft_p90_s = 0;
+  double tpot_p90_s = 0;
+  int64_t n_ttft = 0;
+  int64_t n_tpot = 0;
+};
+
+struct RebalanceDecision {
+  size_t instance = 0;
+  InstanceRole to = InstanceRole::kPrefill;
+  std::string why;  // one line, for the log
+};
+
+// The change to make now, if any (the rule above). `instances` in router order.
+std::optional<RebalanceDecision> decide_rebalance(
+    std::span<const RoutedInstances::RoleView> instances, const RebalanceSignals& signals,
+    const SloTargets& slo, int64_t min_samples);
+
+// The 90th percentile (nearest rank) of `values`, 0 when empty; sorts them.
+double percentile90(std::vector<double>& values);
+
+struct RebalancerOptions {
+  SloTargets slo;
+  std::chrono::milliseconds interval{1000};   // how often it looks
+  std::chrono::milliseconds window{10000};    // the requests it looks at: finished this recently
+  std::chrono::milliseconds cooldown{10000};  // after a change took effect
+  int64_t min_samples = 4;
+};
+
+class Rebalancer final {
+ public:
+  // Both outlive it. Starts its thread.
+  Rebalancer(RoutedInstances& router, Service& service, RebalancerOptions options);
+  ~Rebalancer();  // stops and joins the thread
+  Rebalancer(const Rebalancer&) = delete;
+  Rebalancer& operator=(const Rebalancer&) = delete;
+
+ private:
+  void run();
+  void look(std::chrono::steady_clock::time_point now);
+
+  RoutedInstances& router_;
+  Service& service_;
+  const RebalancerOptions options_;
+  // The thread's: when the last change took effect (requests before it do
+  // not count), and until when nothing moves.
+  std::chrono::steady_clock::time_point counted_from_{};
+  std::chrono::steady_clock::time_point quiet_until_{};
+  bool waiting_for_change_ = false;
+  std::string last_note_;  // the last "nothing moves" line logged, not repeated
+  std::mutex mutex_;       // guards stopping_
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+}  // namespace duet
