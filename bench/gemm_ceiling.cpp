@@ -80,6 +80,7 @@ __attribute__((target("avx2,fma"))) void run_tiles(const Operands& op, int64_t p
 // reports as uninitialized inside a target("avx512f") function.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles_512(const Operands& op,
                                                                           int64_t passes,
                                                                           float* out) {
@@ -112,35 +113,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles_512(const 
 }
 #pragma GCC diagnostic pop
 
-void bench_ceiling_512(benchmark::State& state) {
+// Operands of the tile: weights drawn from [w_lo, w_hi], activations from
+// [-127, 127], every scale 1e-3.
+Operands random_operands(int w_lo, int w_hi) {
   Operands op{};
   std::mt19937 rng(7);
-  std::uniform_int_distribution<int> act(-127, 127);
-  for (auto& block : op.w)
-    for (auto& row : block)
-      for (int8_t& v : row) v = static_cast<int8_t>(act(rng));
-  for (auto& block : op.x)
-    for (auto& row : block)
-      for (int8_t& v : row) v = static_cast<int8_t>(act(rng));
-  for (auto& block : op.scales)
-    for (float& v : block) v = 1e-3f;
-  constexpr int64_t kPasses = 4096;
-  alignas(32) float out[8];
-  for (auto _ : state) {
-    run_tiles_512(op, kPasses, out);
-    benchmark::DoNotOptimize(out);
-  }
-  // Per block: 4 weight rows x 8 activation rows x 32 elements.
-  const double flops_per_pass = 2.0 * 32 * 4 * 8 * (kBlocks / 2);
-  state.counters["FLOP"] =
-      benchmark::Counter(flops_per_pass * kPasses * static_cast<double>(state.iterations()),
-                         benchmark::Counter::kIsRate);
-}
-
-void bench_ceiling(benchmark::State& state, bool is_signed) {
-  Operands op{};
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int> weight(is_signed ? -8 : 0, is_signed ? 7 : 15);
+  std::uniform_int_distribution<int> weight(w_lo, w_hi);
   std::uniform_int_distribution<int> act(-127, 127);
   for (auto& block : op.w)
     for (auto& row : block)
@@ -150,20 +128,33 @@ void bench_ceiling(benchmark::State& state, bool is_signed) {
       for (int8_t& v : row) v = static_cast<int8_t>(act(rng));
   for (auto& block : op.scales)
     for (float& v : block) v = 1e-3f;
+  return op;
+}
+
+using RunTiles = void (*)(const Operands&, int64_t, float*);
+
+// Times `run` over `op`, reporting FLOP/s from `flops_per_pass`.
+void time_tiles(benchmark::State& state, const Operands& op, RunTiles run, double flops_per_pass) {
   constexpr int64_t kPasses = 4096;
   alignas(32) float out[8];
   for (auto _ : state) {
-    if (is_signed) {
-      run_tiles<true>(op, kPasses, out);
-    } else {
-      run_tiles<false>(op, kPasses, out);
-    }
+    run(op, kPasses, out);
     benchmark::DoNotOptimize(out);
   }
-  const double flops_per_pass = 2.0 * 32 * kWeightRows * kActRows * kBlocks;
   state.counters["FLOP"] =
       benchmark::Counter(flops_per_pass * kPasses * static_cast<double>(state.iterations()),
                          benchmark::Counter::kIsRate);
+}
+
+void bench_ceiling_512(benchmark::State& state) {
+  // Per pass: 4 weight rows x 8 activation rows x 32 elements, kBlocks / 2 blocks.
+  time_tiles(state, random_operands(-127, 127), run_tiles_512, 2.0 * 32 * 4 * 8 * (kBlocks / 2));
+}
+
+void bench_ceiling(benchmark::State& state, bool is_signed) {
+  time_tiles(state, is_signed ? random_operands(-8, 7) : random_operands(0, 15),
+             is_signed ? run_tiles<true> : run_tiles<false>,
+             2.0 * 32 * kWeightRows * kActRows * kBlocks);
 }
 
 }  // namespace

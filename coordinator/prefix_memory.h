@@ -42,6 +42,11 @@ class PrefixMemory final {
   // Records the whole blocks of `prompt`, which the instance will compute
   // and cache; past `capacity` blocks, forgets the oldest.
   void remember(std::span<const int32_t> prompt);
+  // Forgets every block (the instance's cache is no longer a guess to go by).
+  void forget_all() {
+    blocks_.clear();
+    order_.clear();
+  }
 
  private:
   int64_t block_size_;

@@ -199,7 +199,7 @@ void RoutedInstances::finish_role_changes() {
     instances_[i].role = *switching_to_[i];
     switching_to_[i].reset();
     // What it cached as a prefill instance before is only a guess now.
-    prefixes_[i] = PrefixMemory(prefixes_[i].block_size());
+    prefixes_[i].forget_all();
     ++role_changes_;
     spdlog::info("instance {}: now {} (was {})", i, instance_role_name(instances_[i].role),
                  instance_role_name(from));
