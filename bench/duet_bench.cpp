@@ -7,6 +7,7 @@
 //   duet-bench --rate 2,4,8 -n 200 --input-len uniform:64:512 --output-len 128
 //              --slo ttft=500,tpot=50 --json out.json --plot out.png
 //   duet-bench --http http://127.0.0.1:8080 --concurrency 16 --trace chat.csv
+//   duet-bench make-trace --phases chat:60:0.75,pages:90:0.4,chat:60:0.75 -o shift.csv
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -67,14 +68,19 @@ struct MakeTraceFlags {
   int64_t n = 1000;
   double rate = 1;
   uint64_t seed = 0;
+  std::string phases;
   std::string output;
 };
 
 int make_trace_command(const MakeTraceFlags& flags) {
-  const std::vector<PlannedRequest> trace = make_trace(flags.mix, flags.n, flags.rate, flags.seed);
+  const std::vector<PlannedRequest> trace =
+      flags.phases.empty() ? make_trace(flags.mix, flags.n, flags.rate, flags.seed)
+                           : make_phased_trace(parse_trace_phases(flags.phases), flags.seed);
   write_trace(flags.output, trace);
-  std::cerr << "duet-bench: wrote " << trace.size() << " requests (" << flags.mix << ", "
-            << flags.rate << " req/s) to " << flags.output << "\n";
+  std::cerr << "duet-bench: wrote " << trace.size() << " requests ("
+            << (flags.phases.empty() ? fmt::format("{}, {} req/s", flags.mix, flags.rate)
+                                     : flags.phases)
+            << ") to " << flags.output << "\n";
   return 0;
 }
 
@@ -238,10 +244,18 @@ int main(int argc, char** argv) {
 
   MakeTraceFlags trace_flags;
   CLI::App* make_trace_cmd = app.add_subcommand("make-trace", "Write a synthetic trace file");
-  make_trace_cmd->add_option("--mix", trace_flags.mix, "chat, long or mixed")
-      ->capture_default_str();
-  make_trace_cmd->add_option("-n", trace_flags.n, "Requests")->capture_default_str();
-  make_trace_cmd->add_option("--rate", trace_flags.rate, "Mean requests/s")->capture_default_str();
+  CLI::Option* mix =
+      make_trace_cmd->add_option("--mix", trace_flags.mix, "chat, long, mixed or pages")
+          ->capture_default_str();
+  CLI::Option* n =
+      make_trace_cmd->add_option("-n", trace_flags.n, "Requests")->capture_default_str();
+  CLI::Option* rate = make_trace_cmd->add_option("--rate", trace_flags.rate, "Mean requests/s")
+                          ->capture_default_str();
+  make_trace_cmd
+      ->add_option("--phases", trace_flags.phases,
+                   "A shifting load instead: MIX:SECONDS:RATE,... one after another "
+                   "(e.g. chat:60:0.75,pages:90:0.4,chat:60:0.75)")
+      ->excludes(mix, n, rate);
   make_trace_cmd->add_option("--seed", trace_flags.seed, "Seed")->capture_default_str();
   make_trace_cmd->add_option("-o,--output", trace_flags.output, "Trace file to write")->required();
   app.require_subcommand(0, 1);

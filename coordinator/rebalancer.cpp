@@ -129,11 +129,53 @@ std::optional<RebalanceDecision> decide_rebalance(
   return std::nullopt;
 }
 
+std::optional<RebalanceDecision> RebalanceLoop::look(
+    double now, std::span<const RoutedInstances::RoleView> instances, const Recent& recent) {
+  const bool switching =
+      std::any_of(instances.begin(), instances.end(),
+                  [](const RoutedInstances::RoleView& v) { return v.switching; });
+  if (switching) return std::nullopt;  // a change still waits for its instance's work
+  const auto seconds = [](std::chrono::milliseconds d) {
+    return static_cast<double>(d.count()) / 1e3;
+  };
+  if (waiting_for_change_) {
+    // The change took effect now: only what finishes from here on counts.
+    waiting_for_change_ = false;
+    counted_from_ = now;
+    quiet_until_ = now + seconds(options_.cooldown);
+  }
+  if (now < quiet_until_) return std::nullopt;
+  Metrics::RecentLatency samples = recent(std::max(counted_from_, now - seconds(options_.window)));
+  RebalanceSignals signals;
+  signals.n_ttft = static_cast<int64_t>(samples.ttft_s.size());
+  signals.n_tpot = static_cast<int64_t>(samples.tpot_s.size());
+  signals.ttft_p90_s = percentile90(samples.ttft_s);
+  signals.tpot_p90_s = percentile90(samples.tpot_s);
+  std::optional<RebalanceDecision> decision =
+      decide_rebalance(instances, signals, options_.slo, options_.min_samples);
+  const SloTargets& slo = options_.slo;
+  const bool both_over = !decision && slo.ttft_s > 0 && slo.tpot_s > 0 &&
+                         signals.n_ttft >= options_.min_samples &&
+                         signals.n_tpot >= options_.min_samples &&
+                         signals.ttft_p90_s > slo.ttft_s && signals.tpot_p90_s > slo.tpot_s;
+  if (both_over && !both_over_) {
+    spdlog::warn(
+        "rebalancer: TTFT p90 {} and TPOT p90 {} both over the SLO: the cluster needs more "
+        "instances, not another split; nothing moves",
+        ms(signals.ttft_p90_s), ms(signals.tpot_p90_s));
+  }
+  both_over_ = both_over;
+  if (decision) waiting_for_change_ = true;
+  return decision;
+}
+
 Rebalancer::Rebalancer(RoutedInstances& router, Service& service, RebalancerOptions options)
-    : router_(router), service_(service), options_(options), thread_([this] { run(); }) {
+    : router_(router), service_(service), origin_(Clock::now()), loop_(options), thread_([this] {
+        run();
+      }) {
   spdlog::info("rebalancer: TTFT p90 target {}, TPOT p90 target {}, over the last {} ms",
-               options_.slo.ttft_s > 0 ? ms(options_.slo.ttft_s) : "none",
-               options_.slo.tpot_s > 0 ? ms(options_.slo.tpot_s) : "none", options_.window.count());
+               options.slo.ttft_s > 0 ? ms(options.slo.ttft_s) : "none",
+               options.slo.tpot_s > 0 ? ms(options.slo.tpot_s) : "none", options.window.count());
 }
 
 Rebalancer::~Rebalancer() {
@@ -147,10 +189,10 @@ Rebalancer::~Rebalancer() {
 
 void Rebalancer::run() {
   std::unique_lock lock(mutex_);
-  while (!wake_.wait_for(lock, options_.interval, [this] { return stopping_; })) {
+  while (!wake_.wait_for(lock, loop_.options().interval, [this] { return stopping_; })) {
     lock.unlock();
     try {
-      look(Clock::now());
+      look();
     } catch (const std::exception& e) {
       spdlog::error("rebalancer: {}", e.what());
     }
@@ -158,52 +200,22 @@ void Rebalancer::run() {
   }
 }
 
-void Rebalancer::look(Clock::time_point now) {
+void Rebalancer::look() {
   const std::vector<RoutedInstances::RoleView> instances = router_.role_views();
-  const bool switching =
-      std::any_of(instances.begin(), instances.end(),
-                  [](const RoutedInstances::RoleView& v) { return v.switching; });
-  if (switching) return;  // a change still waits for its instance's work
-  if (waiting_for_change_) {
-    // The change took effect now: only what finishes from here on counts.
-    waiting_for_change_ = false;
-    counted_from_ = now;
-    quiet_until_ = now + options_.cooldown;
-  }
-  if (now < quiet_until_) return;
-  Metrics::RecentLatency recent =
-      service_.metrics().recent_latency(std::max(counted_from_, now - options_.window));
-  RebalanceSignals signals;
-  signals.n_ttft = static_cast<int64_t>(recent.ttft_s.size());
-  signals.n_tpot = static_cast<int64_t>(recent.tpot_s.size());
-  signals.ttft_p90_s = percentile90(recent.ttft_s);
-  signals.tpot_p90_s = percentile90(recent.tpot_s);
+  const double now = std::chrono::duration<double>(Clock::now() - origin_).count();
   const std::optional<RebalanceDecision> decision =
-      decide_rebalance(instances, signals, options_.slo, options_.min_samples);
-  if (!decision) {
-    const SloTargets& slo = options_.slo;
-    const bool both_over = slo.ttft_s > 0 && slo.tpot_s > 0 &&
-                           signals.n_ttft >= options_.min_samples &&
-                           signals.n_tpot >= options_.min_samples &&
-                           signals.ttft_p90_s > slo.ttft_s && signals.tpot_p90_s > slo.tpot_s;
-    const std::string note =
-        both_over ? fmt::format(
-                        "TTFT p90 {} and TPOT p90 {} both over the SLO: the cluster needs "
-                        "more instances, not another split; nothing moves",
-                        ms(signals.ttft_p90_s), ms(signals.tpot_p90_s))
-                  : std::string();
-    if (!note.empty() && note != last_note_) spdlog::warn("rebalancer: {}", note);
-    last_note_ = note;
-    return;
-  }
+      loop_.look(now, instances, [this](double since) {
+        return service_.metrics().recent_latency(
+            origin_ +
+            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(since)));
+      });
+  if (!decision) return;
   const InstanceRole from = instances[decision->instance].role;
   const std::string said =
       router_.change_role(static_cast<int64_t>(decision->instance), decision->to);
   service_.record_rebalance(instance_role_name(decision->to));
   spdlog::info("rebalancer: instance {} {} -> {}: {}; {}", decision->instance,
                instance_role_name(from), instance_role_name(decision->to), decision->why, said);
-  waiting_for_change_ = true;
-  last_note_.clear();
 }
 
 }  // namespace duet

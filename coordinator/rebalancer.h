@@ -24,12 +24,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "coordinator/router.h"
 #include "coordinator/service.h"
@@ -76,6 +78,37 @@ struct RebalancerOptions {
   int64_t min_samples = 4;
 };
 
+// The rule through time, on any clock (seconds from any origin): what
+// happened since the last change, the cooldown, the "nothing moves" notes.
+// Rebalancer drives it from the steady clock; the simulator (sim/simulator.h)
+// from simulated time, so a plan can try the very rule `duet serve` runs.
+// The caller makes the change it returns (RoutedInstances::change_role) and
+// logs it. One thread.
+class RebalanceLoop final {
+ public:
+  // The requests that finished at or after `since` (seconds, the loop's clock).
+  using Recent = std::function<Metrics::RecentLatency(double since)>;
+
+  explicit RebalanceLoop(RebalancerOptions options) : options_(options) {}
+
+  // One look at time `now`: the change to make, if any. Logs (warn) once
+  // when both sides go over their targets, again only after they did not.
+  std::optional<RebalanceDecision> look(double now,
+                                        std::span<const RoutedInstances::RoleView> instances,
+                                        const Recent& recent);
+
+  const RebalancerOptions& options() const { return options_; }
+
+ private:
+  const RebalancerOptions options_;
+  // When the last change took effect (requests before it do not count), and
+  // until when nothing moves.
+  double counted_from_ = 0;
+  double quiet_until_ = 0;
+  bool waiting_for_change_ = false;
+  bool both_over_ = false;  // the last look found both sides over: said once
+};
+
 class Rebalancer final {
  public:
   // Both outlive it. Starts its thread.
@@ -86,18 +119,13 @@ class Rebalancer final {
 
  private:
   void run();
-  void look(std::chrono::steady_clock::time_point now);
+  void look();
 
   RoutedInstances& router_;
   Service& service_;
-  const RebalancerOptions options_;
-  // The thread's: when the last change took effect (requests before it do
-  // not count), and until when nothing moves.
-  std::chrono::steady_clock::time_point counted_from_{};
-  std::chrono::steady_clock::time_point quiet_until_{};
-  bool waiting_for_change_ = false;
-  std::string last_note_;  // the last "nothing moves" line logged, not repeated
-  std::mutex mutex_;       // guards stopping_
+  const std::chrono::steady_clock::time_point origin_;  // the loop's time 0
+  RebalanceLoop loop_;                                  // the thread's
+  std::mutex mutex_;                                    // guards stopping_
   std::condition_variable wake_;
   bool stopping_ = false;
   std::thread thread_;  // last: starts after everything above exists

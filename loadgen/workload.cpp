@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "loadgen/command_line.h"
 
 namespace duet::loadgen {
 namespace {
@@ -345,11 +346,15 @@ std::vector<PlannedRequest> make_trace(const std::string& mix, int64_t n, double
   const LengthSpec chat_output{LengthSpec::Kind::kNormal, 150, 80};
   const LengthSpec long_prompt{LengthSpec::Kind::kUniform, 1500, 3500};
   const LengthSpec long_output{LengthSpec::Kind::kUniform, 50, 200};
+  const LengthSpec pages_prompt{LengthSpec::Kind::kUniform, 600, 1400};
+  const LengthSpec pages_output{LengthSpec::Kind::kUniform, 8, 32};
   constexpr double kMixedLongFraction = 0.2;
   constexpr double kMixedBurstiness = 0.3;
 
-  const bool is_chat = mix == "chat", is_long = mix == "long", is_mixed = mix == "mixed";
-  DUET_REQUIRE(is_chat || is_long || is_mixed, "unknown trace mix '{}' (chat, long, mixed)", mix);
+  const bool is_chat = mix == "chat", is_long = mix == "long", is_mixed = mix == "mixed",
+             is_pages = mix == "pages";
+  DUET_REQUIRE(is_chat || is_long || is_mixed || is_pages,
+               "unknown trace mix '{}' (chat, long, mixed, pages)", mix);
   std::mt19937_64 rng(seed);
   const std::vector<double> times = arrival_times(n, rate, is_mixed ? kMixedBurstiness : 1.0, rng);
   std::bernoulli_distribution pick_long(kMixedLongFraction);
@@ -359,9 +364,56 @@ std::vector<PlannedRequest> make_trace(const std::string& mix, int64_t n, double
     const bool long_one = is_long || (is_mixed && pick_long(rng));
     PlannedRequest r;
     r.at = at;
-    r.prompt_tokens = draw_length(long_one ? long_prompt : chat_prompt, rng);
-    r.output_tokens = draw_length(long_one ? long_output : chat_output, rng);
+    r.prompt_tokens = draw_length(is_pages   ? pages_prompt
+                                  : long_one ? long_prompt
+                                             : chat_prompt,
+                                  rng);
+    r.output_tokens = draw_length(is_pages   ? pages_output
+                                  : long_one ? long_output
+                                             : chat_output,
+                                  rng);
     trace.push_back(r);
+  }
+  return trace;
+}
+
+std::vector<TracePhase> parse_trace_phases(std::string_view text) {
+  std::vector<TracePhase> phases;
+  for (const std::string& part : split(std::string(text), ',')) {
+    const std::vector<std::string> fields = split(part, ':');
+    DUET_REQUIRE(fields.size() == 3, "trace phase '{}' is not MIX:SECONDS:RATE (e.g. chat:60:1)",
+                 part);
+    TracePhase phase{fields[0], parse_number(fields[1], "a phase's seconds"),
+                     parse_number(fields[2], "a phase's rate")};
+    DUET_REQUIRE(phase.seconds > 0 && phase.rate > 0 && std::isfinite(phase.seconds) &&
+                     std::isfinite(phase.rate),
+                 "trace phase '{}': seconds and rate must be positive", part);
+    phases.push_back(std::move(phase));
+  }
+  DUET_REQUIRE(!phases.empty(), "no trace phases in '{}'", text);
+  return phases;
+}
+
+std::vector<PlannedRequest> make_phased_trace(std::span<const TracePhase> phases, uint64_t seed) {
+  std::vector<PlannedRequest> trace;
+  double start = 0;
+  for (size_t i = 0; i < phases.size(); ++i) {
+    const TracePhase& phase = phases[i];
+    // Enough draws to pass the phase's end (the mean count and 5 standard
+    // deviations, almost always), then cut there.
+    const double mean = phase.seconds * phase.rate;
+    auto n = static_cast<int64_t>(std::ceil(mean + 5 * std::sqrt(mean))) + 16;
+    std::vector<PlannedRequest> drawn = make_trace(phase.mix, n, phase.rate, seed + i);
+    while (drawn.back().at < phase.seconds) {
+      n *= 2;
+      drawn = make_trace(phase.mix, n, phase.rate, seed + i);
+    }
+    for (PlannedRequest r : drawn) {
+      if (r.at >= phase.seconds) break;
+      r.at += start;
+      trace.push_back(r);
+    }
+    start += phase.seconds;
   }
   return trace;
 }

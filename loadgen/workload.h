@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace duet::loadgen {
@@ -55,8 +57,22 @@ std::vector<PlannedRequest> scale_trace(std::vector<PlannedRequest> trace, doubl
 //   chat   short prompts (~normal 200±100), short answers (~normal 150±80), Poisson
 //   long   long documents (uniform 1500..3500), short answers (uniform 50..200), Poisson
 //   mixed  80% chat, 20% long, with bursts (gamma arrivals, burstiness 0.3)
+//   pages  a page or two to read (uniform 600..1400), brief answers (uniform 8..32), Poisson
 // Throws duet::Error for an unknown name.
 std::vector<PlannedRequest> make_trace(const std::string& mix, int64_t n, double rate,
                                        uint64_t seed);
+
+// One stretch of a shifting load: `mix` at `rate` requests/s for `seconds`.
+struct TracePhase {
+  std::string mix;
+  double seconds = 0;
+  double rate = 0;
+};
+// "MIX:SECONDS:RATE[,MIX:SECONDS:RATE...]", e.g. "chat:60:0.75,pages:90:0.4,chat:60:0.75".
+// Throws duet::Error (kInvalidArgument) naming the bad part.
+std::vector<TracePhase> parse_trace_phases(std::string_view text);
+// The phases one after another: phase i is make_trace(mix, ..., rate, seed + i)
+// cut at its `seconds` and shifted to start where the one before ended.
+std::vector<PlannedRequest> make_phased_trace(std::span<const TracePhase> phases, uint64_t seed);
 
 }  // namespace duet::loadgen

@@ -7,6 +7,8 @@
 //            --slo ttft=3000,tpot=150 --json sim.json
 //   duet-sim --profile h200.json --cluster 4P@tp2+4D@tp4 --rate 10,20 -n 5000
 //            --input-len normal:1000:300 --output-len normal:200:80
+//   duet-sim --profile cpu.json --cluster 1P+2D --trace bench/traces/shift.csv
+//            --slo ttft=2000,tpot=200 --rebalance auto
 //   duet-sim plan --profile h200.json --mix chat --slo ttft=1000,tpot=50 --gpus 8,64,512
 #include <fmt/format.h>
 #include <unistd.h>
@@ -53,6 +55,7 @@ struct Flags {
   double time_scale = 1;
   uint64_t seed = 0;
   std::string slo;
+  std::string rebalance = "off";
   std::string json;
   std::string plot;
   EngineFlags engine;
@@ -85,6 +88,18 @@ nlohmann::json instances_json(const sim::SimResult& result) {
   return out;
 }
 
+nlohmann::json role_changes_json(const sim::SimResult& result) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const sim::RoleChange& c : result.role_changes) {
+    out.push_back({{"at_s", c.at},
+                   {"instance", c.instance},
+                   {"from", instance_role_name(c.from)},
+                   {"to", instance_role_name(c.to)},
+                   {"why", c.why}});
+  }
+  return out;
+}
+
 int run_command(const Flags& flags) {
   const sim::Profile profile = sim::read_profile(flags.profile);
   const Slo slo = parse_slo(flags.slo);
@@ -95,6 +110,10 @@ int run_command(const Flags& flags) {
   options.host_cores = flags.host_cores;
   if (flags.neighbour_slowdown > 0) options.neighbour_slowdown = flags.neighbour_slowdown;
   options.seed = flags.seed;
+  if (flags.rebalance == "auto") {
+    DUET_REQUIRE(slo.ttft || slo.tpot, "--rebalance auto needs --slo ttft=MS,tpot=MS");
+    options.rebalance = RebalancerOptions{.slo = {slo.ttft.value_or(0), slo.tpot.value_or(0)}};
+  }
 
   const bool from_trace = !flags.trace.empty();
   std::vector<double> rates = parse_rates(flags.rates);
@@ -121,11 +140,17 @@ int run_command(const Flags& flags) {
     print_run(std::cout, run, slo);
     std::cout << fmt::format("{:<24}{:.1f} s simulated in {:.2f} s ({} events)\n", "simulation",
                              sim.simulated_s, sim.wall_s, sim.events);
+    for (const sim::RoleChange& c : sim.role_changes) {
+      std::cout << fmt::format("{:<24}at {:.1f} s instance {} {} -> {}: {}\n", "role change", c.at,
+                               c.instance, instance_role_name(c.from), instance_role_name(c.to),
+                               c.why);
+    }
     simulations.push_back({{"label", run.label},
                            {"simulated_s", sim.simulated_s},
                            {"wall_s", sim.wall_s},
                            {"events", sim.events},
-                           {"instances", instances_json(sim)}});
+                           {"instances", instances_json(sim)},
+                           {"role_changes", role_changes_json(sim)}});
     results.push_back(std::move(run));
   }
   if (results.size() > 1) print_sweep(std::cout, results);
@@ -150,7 +175,8 @@ int run_command(const Flags& flags) {
       {"output_len", from_trace ? "trace" : flags.output_len},
       {"trace", flags.trace},
       {"time_scale", flags.time_scale},
-      {"seed", flags.seed}};
+      {"seed", flags.seed},
+      {"rebalance", flags.rebalance}};
   std::string json_path = flags.json;
   if (json_path.empty() && !flags.plot.empty())
     json_path = (std::filesystem::temp_directory_path() /
@@ -213,6 +239,11 @@ int main(int argc, char** argv) {
   app.add_option("--seed", flags.seed, "Seed of lengths, arrivals and prompt ids")
       ->capture_default_str();
   app.add_option("--slo", flags.slo, "Goodput's bounds, ttft=MS,tpot=MS");
+  app.add_option("--rebalance", flags.rebalance,
+                 "auto: move instances between prefill and decode as `duet serve --rebalance "
+                 "auto` does, toward --slo's 90th percentiles")
+      ->check(CLI::IsMember({"off", "auto"}))
+      ->capture_default_str();
   app.add_option("--json", flags.json, "Write the report (duet-bench's layout) here");
   app.add_option("--plot", flags.plot, "Write latency CDFs (and sweep curves) to this PNG");
   add_engine_flags(app, flags.engine);

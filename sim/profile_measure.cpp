@@ -10,8 +10,8 @@
 #include <random>
 #include <thread>
 
-#include "sim/roofline.h"
 #include "common/error.h"
+#include "sim/roofline.h"
 
 namespace duet::sim {
 namespace {

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "sim/profile.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
+#include "sim/profile.h"
 #include "worker/engine.h"
 #include "worker/model/llama_model.h"
 

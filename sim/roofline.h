@@ -13,8 +13,8 @@
 #include <string>
 #include <string_view>
 
-#include "sim/profile.h"
 #include "common/model/model_config.h"
+#include "sim/profile.h"
 
 namespace duet::sim {
 

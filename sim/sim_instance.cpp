@@ -57,9 +57,9 @@ class SimInstance::LinkPeers final : public InstancePeers {
   void send_handoff(int32_t decode_peer, const KvHandoff& handoff) override {
     SimInstance* decode = find(decode_peer);
     if (handoff.error) {
-      clock_.after(transfer_.link.latency_s, [decode, failed = ImportFailed{handoff.id, *handoff.error}] {
-        decode->post(failed);
-      });
+      clock_.after(
+          transfer_.link.latency_s,
+          [decode, failed = ImportFailed{handoff.id, *handoff.error}] { decode->post(failed); });
       return;
     }
     handoffs_.push_back({decode, handoff, rows_this_step_[handoff.id]});
@@ -72,9 +72,8 @@ class SimInstance::LinkPeers final : public InstancePeers {
       const double tail =
           std::max(transfer_.link.seconds(bytes / static_cast<double>(transfer_.n_layers)),
                    transfer_.link.seconds(bytes) - seconds);
-      clock_.after(std::max(0.0, tail), [decode = handoff.decode, done = ImportDone{
-                                                                    handoff.handoff.id,
-                                                                    handoff.handoff}] {
+      clock_.after(std::max(0.0, tail), [decode = handoff.decode,
+                                         done = ImportDone{handoff.handoff.id, handoff.handoff}] {
         decode->post(done);
       });
     }
@@ -104,12 +103,10 @@ class SimInstance::LinkPeers final : public InstancePeers {
   std::vector<Handoff> handoffs_;                // exports the running step finished
 };
 
-SimInstance::SimInstance(EventQueue& clock, InstanceRole role, int tp, const StepCost& cost,
-                         EngineConfig config, InstanceInfo info, const ModelShape& model,
-                         SimTransfer transfer, int32_t address, PeerLookup peers,
-                         SharedCores& cores)
+SimInstance::SimInstance(EventQueue& clock, int tp, const StepCost& cost, EngineConfig config,
+                         InstanceInfo info, const ModelShape& model, SimTransfer transfer,
+                         int32_t address, PeerLookup peers, SharedCores& cores)
     : clock_(clock),
-      role_(role),
       tp_(tp),
       info_(std::move(info)),
       link_peers_(std::make_unique<LinkPeers>(clock, transfer, tp, address, std::move(peers))),

@@ -20,10 +20,10 @@
 #include <memory>
 #include <vector>
 
-#include "sim/event_queue.h"
-#include "sim/profile.h"
 #include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
+#include "sim/event_queue.h"
+#include "sim/profile.h"
 #include "worker/engine.h"
 #include "worker/instance_core.h"
 
@@ -71,9 +71,9 @@ class SimInstance final : public InstanceClient {
   // `clock`, `cores` and what `peers` returns outlive the instance. `tp`
   // divides the bytes each transfer moves (every rank ships its KV heads in
   // parallel). `address`: this instance's, as `peers` finds it.
-  SimInstance(EventQueue& clock, InstanceRole role, int tp, const StepCost& cost,
-              EngineConfig config, InstanceInfo info, const ModelShape& model, SimTransfer transfer,
-              int32_t address, PeerLookup peers, SharedCores& cores);
+  SimInstance(EventQueue& clock, int tp, const StepCost& cost, EngineConfig config,
+              InstanceInfo info, const ModelShape& model, SimTransfer transfer, int32_t address,
+              PeerLookup peers, SharedCores& cores);
   ~SimInstance() override;
   SimInstance(const SimInstance&) = delete;
   SimInstance& operator=(const SimInstance&) = delete;
@@ -84,7 +84,6 @@ class SimInstance final : public InstanceClient {
   void cancel(RequestId id) override;
   InstanceStats stats() const override { return stats_; }
 
-  InstanceRole role() const { return role_; }
   int tp() const { return tp_; }
   // Simulated seconds spent in steps.
   double busy_seconds() const { return busy_seconds_; }
@@ -101,7 +100,6 @@ class SimInstance final : public InstanceClient {
   void publish();
 
   EventQueue& clock_;
-  const InstanceRole role_;
   const int tp_;
   InstanceInfo info_;
   StepTimeForward* forward_ = nullptr;  // owned by the core's engine

@@ -8,9 +8,9 @@
 #include <random>
 #include <sstream>
 
-#include "sim/sim_instance.h"
 #include "common/error.h"
 #include "coordinator/router.h"
+#include "sim/sim_instance.h"
 
 namespace duet::sim {
 namespace {
@@ -139,15 +139,15 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
                       config.n_kv_blocks * KvLayout::kDefaultBlockSize, config.end_of_generation};
     const int32_t peer = spec.id;  // an instance's transfer address: its index
     instances.push_back(std::make_unique<SimInstance>(
-        clock, spec.role, spec.tp, costs.step, std::move(config), std::move(info), model, transfer,
-        peer,
+        clock, spec.tp, costs.step, std::move(config), std::move(info), model, transfer, peer,
         [&by_address](int32_t p) -> SimInstance* {
           auto it = by_address.find(p);
           return it == by_address.end() ? nullptr : it->second;
         },
         cores));
     by_address.emplace(peer, instances.back().get());
-    routed.push_back({instances.back().get(), spec.role, peer});
+    routed.push_back(
+        {instances.back().get(), spec.role, peer, cluster.mode == ClusterMode::kDisaggregated});
   }
   RoutedInstances router(std::move(routed), make_routing_policy(cluster.mode), options.max_retries);
 
@@ -202,17 +202,50 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
     router.submit(std::move(request));
     if (i + 1 < trace.size()) clock.at(trace[i + 1].at, [&arrive, i] { arrive(i + 1); });
   };
+  // The rebalancer's looks, each scheduling the next while anything else is pending.
+  std::optional<RebalanceLoop> rebalancer;
+  if (options.rebalance) {
+    DUET_REQUIRE(cluster.mode == ClusterMode::kDisaggregated,
+                 "rebalancing needs a disaggregated cluster (P and D instances)");
+    rebalancer.emplace(*options.rebalance);
+  }
+  const double look_every =
+      options.rebalance ? static_cast<double>(options.rebalance->interval.count()) / 1e3 : 0;
+  DUET_REQUIRE(!options.rebalance || look_every > 0, "the rebalancer's interval must be positive");
+  const auto finished_since = [&](double since) {
+    Metrics::RecentLatency recent;
+    for (const loadgen::RequestRecord& r : result.records) {
+      if (!r.ok || !r.first_token || r.finished < since) continue;
+      recent.ttft_s.push_back(*r.first_token - r.sent);
+      if (r.received_tokens > 1)
+        recent.tpot_s.push_back((r.finished - *r.first_token) /
+                                static_cast<double>(r.received_tokens - 1));
+    }
+    return recent;
+  };
+  std::function<void()> look = [&] {
+    const std::vector<RoutedInstances::RoleView> views = router.role_views();
+    if (std::optional<RebalanceDecision> d = rebalancer->look(clock.now(), views, finished_since)) {
+      result.role_changes.push_back(
+          {clock.now(), d->instance, views[d->instance].role, d->to, std::move(d->why)});
+      router.change_role(static_cast<int64_t>(d->instance), d->to);
+    }
+    if (!clock.empty()) clock.after(look_every, look);
+  };
+
   if (!trace.empty()) {
     for (size_t i = 1; i < trace.size(); ++i)
       DUET_REQUIRE(trace[i].at >= trace[i - 1].at, "the trace is not in time order (row {})", i);
     clock.at(trace.front().at, [&arrive] { arrive(0); });
+    if (rebalancer) clock.at(trace.front().at + look_every, look);
   }
   clock.run();
 
   const std::vector<int64_t> counts = router.routed_counts();
+  const std::vector<RoutedInstances::RoleView> roles = router.role_views();
   for (size_t i = 0; i < instances.size(); ++i) {
     const SimInstance& instance = *instances[i];
-    result.instances.push_back({instance.role(), instance.tp(), counts[i], instance.steps(),
+    result.instances.push_back({roles[i].role, instance.tp(), counts[i], instance.steps(),
                                 instance.busy_seconds(), instance.stats().preemptions});
   }
   result.simulated_s = clock.now();

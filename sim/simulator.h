@@ -19,10 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "common/cluster/cluster_spec.h"
+#include "coordinator/rebalancer.h"
 #include "loadgen/record.h"
 #include "loadgen/workload.h"
 #include "sim/profile.h"
-#include "common/cluster/cluster_spec.h"
 #include "worker/engine.h"
 
 namespace duet::sim {
@@ -43,10 +44,24 @@ struct SimOptions {
   // With host_cores: a step's slowdown beside another running step; unset:
   // the profile's (HostSharing).
   std::optional<double> neighbour_slowdown;
+  // Online rebalancing of a disaggregated cluster, the rule `duet serve
+  // --rebalance auto` runs (coordinator/rebalancer.h RebalanceLoop), looking
+  // every `interval` of simulated time at the requests finished lately;
+  // unset: roles stay as the cluster names them.
+  std::optional<RebalancerOptions> rebalance;
+};
+
+// One role change the rebalancer made.
+struct RoleChange {
+  double at = 0;  // simulated seconds
+  size_t instance = 0;
+  InstanceRole from = InstanceRole::kBoth;
+  InstanceRole to = InstanceRole::kBoth;
+  std::string why;
 };
 
 struct InstanceReport {
-  InstanceRole role = InstanceRole::kBoth;
+  InstanceRole role = InstanceRole::kBoth;  // at the end (the rebalancer may change it)
   int tp = 1;
   int64_t routed = 0;  // requests the router sent there (decode or colocated)
   int64_t steps = 0;
@@ -57,6 +72,7 @@ struct InstanceReport {
 struct SimResult {
   std::vector<loadgen::RequestRecord> records;  // in trace order
   std::vector<InstanceReport> instances;        // in cluster order
+  std::vector<RoleChange> role_changes;         // in time order
   double simulated_s = 0;                       // the last event's time
   double wall_s = 0;                            // what simulating took
   int64_t events = 0;

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "loadgen/prompts.h"
 #include "loadgen/record.h"
 #include "loadgen/stats.h"
 #include "loadgen/workload.h"
-#include "common/error.h"
 
 namespace duet::loadgen {
 namespace {
@@ -462,7 +462,7 @@ TEST(MakeTraceTest, DeterministicPerSeed) {
                     a.output_tokens == b.output_tokens;
            });
   };
-  for (const char* mix : {"chat", "long", "mixed"}) {
+  for (const char* mix : {"chat", "long", "mixed", "pages"}) {
     EXPECT_TRUE(same(make_trace(mix, 300, 4.0, 42), make_trace(mix, 300, 4.0, 42))) << mix;
     EXPECT_FALSE(same(make_trace(mix, 300, 4.0, 42), make_trace(mix, 300, 4.0, 43))) << mix;
   }
@@ -506,6 +506,42 @@ TEST(MakeTraceTest, MixShapes) {
   const GapStats g = gap_stats(times(mixed));
   EXPECT_NEAR(g.rate, 10.0, 10.0 * 0.05);
   EXPECT_GT(g.cv, 1.5);  // burstiness 0.3: 1 / sqrt(0.3) = 1.83
+}
+
+TEST(MakeTraceTest, PhasesFollowOneAnother) {
+  const std::vector<TracePhase> phases = parse_trace_phases("chat:100:4,pages:200:0.5,chat:50:8");
+  ASSERT_EQ(phases.size(), 3u);
+  EXPECT_EQ(phases[1].mix, "pages");
+  EXPECT_EQ(phases[1].seconds, 200);
+  EXPECT_EQ(phases[1].rate, 0.5);
+  const std::vector<PlannedRequest> trace = make_phased_trace(phases, 9);
+  size_t i = 0;
+  std::vector<int64_t> count(3);
+  for (; i < trace.size() && trace[i].at < 100; ++i, ++count[0])
+    ASSERT_LE(trace[i].prompt_tokens, 600);
+  for (; i < trace.size() && trace[i].at < 300; ++i, ++count[1]) {
+    ASSERT_GE(trace[i].prompt_tokens, 600);
+    ASSERT_LE(trace[i].prompt_tokens, 1400);
+    ASSERT_GE(trace[i].output_tokens, 8);
+    ASSERT_LE(trace[i].output_tokens, 32);
+  }
+  for (; i < trace.size(); ++i, ++count[2]) {
+    ASSERT_GE(trace[i].at, 300);
+    ASSERT_LT(trace[i].at, 350);
+  }
+  // Poisson counts: 400 +- 60, 100 +- 30, 400 +- 60.
+  EXPECT_NEAR(static_cast<double>(count[0]), 400, 60);
+  EXPECT_NEAR(static_cast<double>(count[1]), 100, 30);
+  EXPECT_NEAR(static_cast<double>(count[2]), 400, 60);
+  // The phases' draws are the one-phase mixes' own, seeded seed + i.
+  EXPECT_EQ(trace[0].prompt_tokens, make_trace("chat", 516, 4, 9)[0].prompt_tokens);
+  const std::vector<PlannedRequest> again = make_phased_trace(phases, 9);
+  ASSERT_EQ(again.size(), trace.size());
+  EXPECT_EQ(again.back().at, trace.back().at);
+
+  for (const char* bad : {"", "chat:60", "chat:0:1", "chat:60:-1", "chat:x:1", "chat:60:1:2"})
+    EXPECT_THROW(parse_trace_phases(bad), Error) << bad;
+  EXPECT_THROW(make_phased_trace(parse_trace_phases("sharegpt:60:1"), 1), Error);
 }
 
 TEST(MakeTraceTest, CommittedExampleIsTheMixedMix) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """duet-sim as its users run it: a roofline profile from `duet profile`, a
 trace through a disaggregated cluster twice (the same report both times, in
-duet-bench's layout), a small plan, and bad input refused with a message.
+duet-bench's layout), the shifting trace with the rebalancer on, a small
+plan, and bad input refused with a message.
 
     duet_sim_cli_test.py DUET DUET_SIM TRACE
 """
@@ -49,6 +50,20 @@ def main():
         roles = [i["role"] for i in first["simulation"][0]["instances"]]
         assert roles == ["prefill", "decode", "decode"], roles
 
+        # Prompts crowd the one prefill instance: the rebalancer (the rule
+        # `duet serve --rebalance auto` runs) turns a decode instance to prefill.
+        shift = pathlib.Path(trace).parent / "shift.csv"
+        moved = tmp / "moved.json"
+        result = run(sim, "--profile", str(profile), "--cluster", "1P+2D", "--trace", str(shift),
+                     "-n", "1000", "--time-scale", "200", "--slo", "ttft=200,tpot=10",
+                     "--rebalance", "auto", "--json", str(moved))
+        assert "role change" in result.stdout and "decode -> prefill" in result.stdout, result.stdout
+        simulation = json.loads(moved.read_text())["simulation"][0]
+        changes = simulation["role_changes"]
+        assert [(c["from"], c["to"]) for c in changes] == [("decode", "prefill")], changes
+        roles = sorted(i["role"] for i in simulation["instances"])
+        assert roles == ["decode", "prefill", "prefill"], roles
+
         plan = tmp / "plan.json"
         result = run(sim, "plan", "--profile", str(profile), "--slo", "ttft=1000,tpot=50",
                      "--gpus", "4", "--tp", "1", "--span", "5", "--min-requests", "100",
@@ -59,7 +74,10 @@ def main():
 
         for bad, words in ((["--cluster", "3X"], "is not P, D or C"),
                            (["--cluster", "1P@tp4+1D"], "tp"),
-                           (["--transfer", "carrier-pigeon", "--cluster", "1P+1D"], "carrier-pigeon")):
+                           (["--transfer", "carrier-pigeon", "--cluster", "1P+1D"], "carrier-pigeon"),
+                           (["--rebalance", "auto", "--cluster", "1P+2D"], "needs --slo"),
+                           (["--rebalance", "auto", "--cluster", "2C", "--slo", "ttft=100"],
+                            "needs a disaggregated cluster")):
             result = run(sim, "--profile", str(profile), "--trace", trace, *bad, ok=False)
             assert result.returncode == 2 and words in result.stderr, (bad, result.stderr)
     print("duet-sim CLI: ok")

@@ -213,7 +213,7 @@ TEST_F(InstanceTwins, ColocatedGiveTheSameEventsInTheSameOrder) {
   sim::EventQueue clock;
   sim::SharedCores cores;
   sim::SimInstance simulated(
-      clock, InstanceRole::kBoth, 1, cost_, config, info(config), shape_,
+      clock, 1, cost_, config, info(config), shape_,
       {{}, shape_.kv_bytes_per_token, shape_.n_layers}, 0,
       [](int32_t) -> sim::SimInstance* { return nullptr; }, cores);
   Door sim_door{[&](InstanceRequest r) { simulated.submit(std::move(r)); },
@@ -315,10 +315,10 @@ TEST_F(InstanceTwins, DisaggregatedGiveEachRequestTheSameEvents) {
   const sim::SimTransfer link{{0.0005, 1e9}, shape_.kv_bytes_per_token, shape_.n_layers};
   std::map<int32_t, sim::SimInstance*> by_address;
   auto lookup = [&](int32_t address) { return by_address.at(address); };
-  sim::SimInstance prefill(clock, InstanceRole::kPrefill, 1, cost_, prefill_config,
-                           info(prefill_config), shape_, link, 0, lookup, cores);
-  sim::SimInstance decode(clock, InstanceRole::kDecode, 1, cost_, decode_config,
-                          info(decode_config), shape_, link, 1, lookup, cores);
+  sim::SimInstance prefill(clock, 1, cost_, prefill_config, info(prefill_config), shape_, link, 0,
+                           lookup, cores);
+  sim::SimInstance decode(clock, 1, cost_, decode_config, info(decode_config), shape_, link, 1,
+                          lookup, cores);
   by_address = {{0, &prefill}, {1, &decode}};
   Script script = disaggregated_script(0);
   Door door{[&](InstanceRequest r) { decode.submit(std::move(r)); },

@@ -1,16 +1,16 @@
 // The cluster simulator: layouts, determinism, a queue with a known answer
 // (M/D/1), disaggregated requests through the real router and engine, and
-// prefix caching from a trace's token ids.
+// prefix caching from a trace's token ids, the rebalancer on a traffic shift.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 
+#include "common/error.h"
 #include "loadgen/stats.h"
 #include "sim/planner.h"
 #include "sim/sim_instance.h"
 #include "sim/simulator.h"
-#include "common/error.h"
 
 namespace duet::sim {
 namespace {
@@ -245,6 +245,71 @@ TEST(Simulator, RefusesWhatTheProfileCannotCost) {
   EXPECT_THROW(simulate(profile, options, {}), Error);
 }
 
+// Long prompts with short answers (prefill-bound: one prefill instance
+// falls behind), then short prompts with long answers (decode-bound: one
+// decode instance's batch makes every token slow).
+std::vector<loadgen::PlannedRequest> shifting_trace() {
+  std::vector<loadgen::PlannedRequest> trace = poisson(120, 3.0, 2000, 8, 3);
+  const double shift = trace.back().at + 1;
+  for (loadgen::PlannedRequest r : poisson(640, 16.0, 64, 200, 4)) {
+    r.at += shift;
+    trace.push_back(r);
+  }
+  return trace;
+}
+
+int64_t met(const SimResult& result, const loadgen::Slo& slo) {
+  return std::count_if(result.records.begin(), result.records.end(),
+                       [&](const loadgen::RequestRecord& r) { return loadgen::meets_slo(r, slo); });
+}
+
+TEST(Simulator, TheRebalancerFollowsATrafficShiftAndBeatsEitherFixedSplit) {
+  // 4 ms a step and 0.2 ms a row: a 2000-token prompt takes 0.42 s (3 a
+  // second keep one prefill instance 125% busy, two 63%); 16 requests a
+  // second of 200 tokens keep 36 rows on one decode instance (11 ms a step,
+  // over the 10 ms TPOT target), 9 rows each on two (6 ms).
+  StepCost cost;
+  cost.token_knots = {1, 512};
+  cost.knot_seconds = {0.004, 0.004 + 511 * 2e-4};
+  const Profile profile = stated_profile(cost);
+  const std::vector<loadgen::PlannedRequest> trace = shifting_trace();
+  const loadgen::Slo slo{1.0, 0.010};
+  SimOptions options;
+  options.cluster = parse_cluster_layout("1P+2D");
+  options.rebalance = RebalancerOptions{.slo = {1.0, 0.010}};
+  const SimResult moved = simulate(profile, options, trace);
+  ASSERT_EQ(moved.role_changes.size(), 2u);
+  // Prompts wait first: a decode instance turns prefill; then tokens crowd
+  // and a prefill instance turns decode.
+  EXPECT_EQ(moved.role_changes[0].from, InstanceRole::kDecode);
+  EXPECT_EQ(moved.role_changes[0].to, InstanceRole::kPrefill);
+  EXPECT_LT(moved.role_changes[0].at, trace[119].at);
+  EXPECT_EQ(moved.role_changes[1].from, InstanceRole::kPrefill);
+  EXPECT_EQ(moved.role_changes[1].to, InstanceRole::kDecode);
+  EXPECT_GT(moved.role_changes[1].at, trace[120].at);
+  EXPECT_GE(moved.role_changes[1].at, moved.role_changes[0].at + 10.0);  // the cooldown
+  for (size_t i = 0; i < trace.size(); ++i) {
+    ASSERT_TRUE(moved.records[i].ok) << i << ": " << moved.records[i].error_message;
+    EXPECT_EQ(moved.records[i].received_tokens, trace[i].output_tokens);
+  }
+  // The same trace again gives the same changes.
+  const SimResult again = simulate(profile, options, trace);
+  ASSERT_EQ(again.role_changes.size(), 2u);
+  EXPECT_EQ(again.role_changes[1].at, moved.role_changes[1].at);
+
+  options.rebalance.reset();
+  const SimResult chat_split = simulate(profile, options, trace);
+  options.cluster = parse_cluster_layout("2P+1D");
+  const SimResult document_split = simulate(profile, options, trace);
+  EXPECT_TRUE(chat_split.role_changes.empty());
+  EXPECT_GT(met(moved, slo), met(chat_split, slo));
+  EXPECT_GT(met(moved, slo), met(document_split, slo));
+
+  options.cluster = parse_cluster_layout("2C");
+  options.rebalance = RebalancerOptions{.slo = {1.0, 0.010}};
+  EXPECT_THROW(simulate(profile, options, trace), Error);  // colocated: no roles to move
+}
+
 TEST(SimInstance, ACancelledImportEndsAndItsOrderIsWithdrawn) {
   // Two requests from one decode instance to one prefill instance: the first
   // keeps the prefill busy for a 512-token step while the second's order
@@ -260,10 +325,10 @@ TEST(SimInstance, ACancelledImportEndsAndItsOrderIsWithdrawn) {
   const InstanceInfo info{"test", profile.model.n_ctx, profile.model.n_vocab, 128 * 16, {}};
   SimInstance* decode_address = nullptr;
   SimInstance prefill(
-      clock, InstanceRole::kPrefill, 1, simple_cost(), config, info, profile.model, transfer, 0,
+      clock, 1, simple_cost(), config, info, profile.model, transfer, 0,
       [&](int32_t p) { return p == 1 ? decode_address : nullptr; }, cores);
   SimInstance decode(
-      clock, InstanceRole::kDecode, 1, simple_cost(), config, info, profile.model, transfer, 1,
+      clock, 1, simple_cost(), config, info, profile.model, transfer, 1,
       [&](int32_t p) { return p == 0 ? &prefill : nullptr; }, cores);
   decode_address = &decode;
   std::vector<InstanceEvent> events;
