@@ -107,6 +107,11 @@ Metrics::RecentLatency Metrics::recent_latency(Clock::time_point since) const {
   return recent;
 }
 
+void Metrics::set_instances_wanted(int64_t n) {
+  std::lock_guard lock(mutex_);
+  instances_wanted_ = n;
+}
+
 void Metrics::record_rebalance(std::string_view role) {
   std::lock_guard lock(mutex_);
   auto it = rebalances_.find(role);
@@ -170,6 +175,14 @@ std::string Metrics::render(const ServiceStats& stats, Clock::time_point now) co
   for (const auto& [role, n] : rebalances_)
     fmt::format_to(std::back_inserter(out), "duet_rebalance_decisions_total{{to=\"{}\"}} {}\n",
                    role, n);
+  if (instances_wanted_ > 0) {
+    scalar(out, "duet_cluster_instances_wanted", "gauge",
+           "Live instances the rebalancer finds the load wants (--rebalance auto): one more "
+           "when a side misses the SLO and no role change helps, one fewer when every side is "
+           "under half its target or idle; launch/local.sh starts or stops joined instances "
+           "to match.",
+           static_cast<double>(instances_wanted_));
+  }
   histogram(out, "duet_queue_time_seconds", "Arrival to first compute.", queue_);
   histogram(out, "duet_time_to_first_token_seconds", "Arrival to first token.", ttft_);
   histogram(out, "duet_time_per_output_token_seconds", "Mean gap between later tokens.", tpot_);

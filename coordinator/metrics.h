@@ -68,6 +68,8 @@ class Metrics final {
   RecentLatency recent_latency(Clock::time_point since) const;
   // The rebalancer moved an instance to `role` ("prefill", "decode").
   void record_rebalance(std::string_view role);
+  // The live instances the rebalancer finds the load wants; rendered once set.
+  void set_instances_wanted(int64_t n);
 
  private:
   double tokens_per_second(Clock::time_point now) const;  // mutex_ held
@@ -92,6 +94,7 @@ class Metrics final {
   };
   std::deque<Finished> recent_finished_;  // the last minute's, at most kRecentFinished
   std::map<std::string, int64_t, std::less<>> rebalances_;  // by the role given
+  int64_t instances_wanted_ = 0;                            // 0: not set
 };
 
 }  // namespace duet

@@ -19,6 +19,8 @@ using Clock = std::chrono::steady_clock;
 // A side's percentile counts as over its target only with enough samples,
 // and as comfortably under it below this share of the target.
 constexpr double kComfortable = 0.8;
+// Below this share of every target the cluster has an instance to spare.
+constexpr double kSpare = 0.5;
 
 double parse_ms(std::string_view name, std::string_view value) {
   double ms = 0;
@@ -129,21 +131,43 @@ std::optional<RebalanceDecision> decide_rebalance(
   return std::nullopt;
 }
 
+CapacityCall judge_capacity(const RebalanceSignals& signals, const SloTargets& slo,
+                            int64_t min_samples, bool change, bool idle) {
+  const bool ttft_known = slo.ttft_s > 0 && signals.n_ttft >= min_samples;
+  const bool tpot_known = slo.tpot_s > 0 && signals.n_tpot >= min_samples;
+  const bool over = (ttft_known && signals.ttft_p90_s > slo.ttft_s) ||
+                    (tpot_known && signals.tpot_p90_s > slo.tpot_s);
+  if (over) return change ? CapacityCall::kKeep : CapacityCall::kMore;
+  if (idle) return CapacityCall::kFewer;
+  // Spare room: every side with a target judged, and under half of it.
+  const bool ttft_spare =
+      slo.ttft_s == 0 || (ttft_known && signals.ttft_p90_s < kSpare * slo.ttft_s);
+  const bool tpot_spare =
+      slo.tpot_s == 0 || (tpot_known && signals.tpot_p90_s < kSpare * slo.tpot_s);
+  return ttft_spare && tpot_spare ? CapacityCall::kFewer : CapacityCall::kKeep;
+}
+
 std::optional<RebalanceDecision> RebalanceLoop::look(
     double now, std::span<const RoutedInstances::RoleView> instances, const Recent& recent) {
+  const auto seconds = [](std::chrono::milliseconds d) {
+    return static_cast<double>(d.count()) / 1e3;
+  };
+  const auto live = static_cast<int64_t>(std::count_if(
+      instances.begin(), instances.end(),
+      [](const RoutedInstances::RoleView& v) { return v.taking_work || v.switching; }));
+  instances_wanted_ = live;  // no opinion until judged below
   const bool switching =
       std::any_of(instances.begin(), instances.end(),
                   [](const RoutedInstances::RoleView& v) { return v.switching; });
   if (switching) return std::nullopt;  // a change still waits for its instance's work
-  const auto seconds = [](std::chrono::milliseconds d) {
-    return static_cast<double>(d.count()) / 1e3;
-  };
-  if (waiting_for_change_) {
-    // The change took effect now: only what finishes from here on counts.
+  if (waiting_for_change_ || (live_ >= 0 && live != live_)) {
+    // A change took effect now (a role, or the count): only what finishes
+    // from here on counts.
     waiting_for_change_ = false;
     counted_from_ = now;
     quiet_until_ = now + seconds(options_.cooldown);
   }
+  live_ = live;
   if (now < quiet_until_) return std::nullopt;
   Metrics::RecentLatency samples = recent(std::max(counted_from_, now - seconds(options_.window)));
   RebalanceSignals signals;
@@ -166,6 +190,22 @@ std::optional<RebalanceDecision> RebalanceLoop::look(
   }
   both_over_ = both_over;
   if (decision) waiting_for_change_ = true;
+  // Idle: nothing finished over a whole window and nothing runs.
+  const bool idle =
+      signals.n_ttft == 0 && now - counted_from_ >= seconds(options_.window) &&
+      std::all_of(instances.begin(), instances.end(), [](const RoutedInstances::RoleView& v) {
+        return v.sequences == 0 && v.queued_prompt_tokens == 0;
+      });
+  switch (judge_capacity(signals, slo, options_.min_samples, decision.has_value(), idle)) {
+    case CapacityCall::kMore:
+      instances_wanted_ = live + 1;
+      break;
+    case CapacityCall::kFewer:
+      instances_wanted_ = std::max<int64_t>(1, live - 1);
+      break;
+    case CapacityCall::kKeep:
+      break;
+  }
   return decision;
 }
 
@@ -209,6 +249,7 @@ void Rebalancer::look() {
             origin_ +
             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(since)));
       });
+  service_.set_instances_wanted(loop_.instances_wanted());
   if (!decision) return;
   const InstanceRole from = instances[decision->instance].role;
   const std::string said =

@@ -18,6 +18,11 @@
 // Decisions are logged with their reason and counted in /metrics
 // (duet_rebalance_decisions_total{to=...}).
 //
+// The same look judges the cluster's size (judge_capacity): how many live
+// instances the load wants, published as duet_cluster_instances_wanted for
+// a launcher that adds joined instances or asks them to leave
+// (launch/local.sh, DUET_MAX_EXTRA). In a colocated cluster that is all it does.
+//
 // Threads: its own; the router and the service are thread-safe.
 #pragma once
 
@@ -67,6 +72,17 @@ std::optional<RebalanceDecision> decide_rebalance(
     std::span<const RoutedInstances::RoleView> instances, const RebalanceSignals& signals,
     const SloTargets& slo, int64_t min_samples);
 
+// Whether the cluster has the instances its load needs, for a launcher that
+// adds joined instances or asks them to leave (launch/local.sh reads it from
+// duet_cluster_instances_wanted): kMore when a side misses its target and no
+// role change helps (`change` is empty: both sides over, one instance left
+// on the other side, or a colocated cluster, which has no split to change);
+// kFewer when every side with a target is under half of it (with enough
+// samples), or when nothing finished lately and nothing runs (`idle`).
+enum class CapacityCall { kKeep, kMore, kFewer };
+CapacityCall judge_capacity(const RebalanceSignals& signals, const SloTargets& slo,
+                            int64_t min_samples, bool change, bool idle);
+
 // The 90th percentile (nearest rank) of `values`, 0 when empty; sorts them.
 double percentile90(std::vector<double>& values);
 
@@ -93,9 +109,16 @@ class RebalanceLoop final {
 
   // One look at time `now`: the change to make, if any. Logs (warn) once
   // when both sides go over their targets, again only after they did not.
+  // A change in the number of live instances (a join, a leave, a loss)
+  // counts as a change taking effect: fresh samples, then the cooldown.
   std::optional<RebalanceDecision> look(double now,
                                         std::span<const RoutedInstances::RoleView> instances,
                                         const Recent& recent);
+
+  // The live instances the load wants, as of the last look: their count,
+  // one more or one fewer (judge_capacity); their count while a change
+  // waits or cools down. 0 before the first look.
+  int64_t instances_wanted() const { return instances_wanted_; }
 
   const RebalancerOptions& options() const { return options_; }
 
@@ -107,6 +130,8 @@ class RebalanceLoop final {
   double quiet_until_ = 0;
   bool waiting_for_change_ = false;
   bool both_over_ = false;  // the last look found both sides over: said once
+  int64_t live_ = -1;       // live instances at the last look
+  int64_t instances_wanted_ = 0;
 };
 
 class Rebalancer final {

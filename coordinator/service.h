@@ -175,6 +175,8 @@ class Service final {
   }
   // Counts an instance the rebalancer moved to `role` (coordinator/rebalancer.h).
   void record_rebalance(std::string_view role) { metrics_.record_rebalance(role); }
+  // The rebalancer's call on the cluster's size (RebalanceLoop::instances_wanted).
+  void set_instances_wanted(int64_t n) { metrics_.set_instances_wanted(n); }
   // Draining: refuses every later start with kUnavailable ("the server is
   // shutting down") and lets the running requests finish as they would.
   void begin_drain();

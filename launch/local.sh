@@ -30,6 +30,15 @@
 # Disaggregated or tensor-parallel clusters are not mended yet: a joined
 # instance is colocated and of one rank.
 #
+# Counts that follow the load (DUET_MAX_EXTRA=N, with `--rebalance auto
+# --slo ...` among the arguments, same clusters): the coordinator publishes
+# how many instances its load wants (duet_cluster_instances_wanted: one more
+# while a latency target is missed, one fewer while every one is under half
+# its target or nothing runs), and this script starts joined instances up
+# to P + D + N to match, and asks the newest one it started to leave
+# (SIGTERM: it drains, then goes) when the load wants fewer, never going
+# below P + D.
+#
 # Usage: launch/local.sh P D [duet serve arguments...]
 #   e.g. launch/local.sh 1 1
 #        launch/local.sh 1 2 --mode colocated --kv-cache-mem 512MiB
@@ -50,6 +59,7 @@
 #                       one every rank runs here, oversubscribing the cores
 #   DUET_REPLACE        1 (default): replace lost instances (colocated, tp 1); 0: do not
 #   DUET_JOIN_PORT      the coordinator's join port for replacements (default 0: a free one)
+#   DUET_MAX_EXTRA      joined instances beyond P + D the load may ask for (default 0)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -244,21 +254,25 @@ rank_host() {
 # port; its log goes to stderr. Called every half second while the cluster serves.
 replacements=0
 served=0  # replacements that said they serve
-declare -A starting=()  # replacement pid -> "host when-the-loss-was-seen log-file"
+declare -A starting=()  # pid -> "host when-the-need-was-seen log-file loss|load"
 lost_since=""
+leaving=""  # the joined instance asked to leave, until it exits
 keep_counts() {
   [ "$replace" = 1 ] && [ "$stopping" -eq 0 ] && [ -s "$work/join_port" ] || return 0
   local metrics up joined pid host lost_at log n_starting=0
   metrics=$(curl -s --max-time 2 "http://$http/metrics") || return 0
   up=$(awk '/^duet_instance_up\{/ { n += $NF } END { print n + 0 }' <<<"$metrics")
   joined=$(awk '/^duet_instances_joined_total / { print $2 + 0 }' <<<"$metrics")
+  local why
   for pid in "${!starting[@]}"; do
-    read -r host lost_at log <<<"${starting[$pid]}"
+    read -r host lost_at log why <<<"${starting[$pid]}"
+    local what=replacement since="the loss was seen"
+    [ "$why" = load ] && what="joined instance" since="the load asked for it"
     if ! kill -0 "$pid" 2>/dev/null; then
-      say "replacement (pid $pid, $host) exited before it served"
+      say "$what (pid $pid, $host) exited before it served"
       unset "starting[$pid]"
     elif grep -q "joined): serving" "$log" 2>/dev/null; then
-      say "replacement (pid $pid, $host) serves: $((SECONDS - lost_at)) s after the loss was seen"
+      say "$what (pid $pid, $host) serves: $((SECONDS - lost_at)) s after $since"
       unset "starting[$pid]"
       served=$((served + 1))
     else
@@ -268,7 +282,25 @@ keep_counts() {
   # A replacement that serves but that the coordinator has not counted yet
   # (its join still being applied) is not missing.
   [ "${joined:-0}" -ge "$served" ] || n_starting=$((n_starting + served - ${joined:-0}))
-  local want=$((prefill + decode))
+  local want=$((prefill + decode)) wanted
+  wanted=$(awk '/^duet_cluster_instances_wanted / { print int($2) }' <<<"$metrics")
+  if [ "${DUET_MAX_EXTRA:-0}" -gt 0 ] && [ -n "$wanted" ] && [ "$wanted" -gt "$want" ]; then
+    want=$((wanted < want + DUET_MAX_EXTRA ? wanted : want + DUET_MAX_EXTRA))
+  fi
+  [ -z "$leaving" ] || kill -0 "$leaving" 2>/dev/null || leaving=""
+  if [ "$up" -gt "$want" ] && [ -z "$leaving" ] && [ "${#starting[@]}" -eq 0 ] &&
+    [ "${DUET_MAX_EXTRA:-0}" -gt 0 ]; then
+    # The load wants fewer: the newest joined instance still running leaves.
+    local i
+    for ((i = ${#all_replacements[@]} - 1; i >= 0; i--)); do
+      pid=${all_replacements[i]}
+      kill -0 "$pid" 2>/dev/null || continue
+      say "the load wants $want instances ($up up): joined instance (pid $pid) asked to leave"
+      kill -TERM "$pid" 2>/dev/null || true
+      leaving=$pid
+      break
+    done
+  fi
   if [ "$up" -ge "$want" ]; then
     lost_since=""
     return 0
@@ -298,8 +330,13 @@ keep_counts() {
     "${replacement[@]}" </dev/null > >(tee -a "$log" | sed -u "s/^/[replacement] /" >&2) 2>&1 &
     pid=$!
     all_replacements+=("$pid")
-    starting[$pid]="$host $lost_since $log"
-    say "an instance is down ($up of $want up): replacement $replacements (pid $pid) starting on $host"
+    if [ $((up + n_starting)) -ge $((prefill + decode)) ]; then
+      starting[$pid]="$host $lost_since $log load"
+      say "the load wants $want instances ($up up): joined instance $replacements (pid $pid) starting on $host"
+    else
+      starting[$pid]="$host $lost_since $log loss"
+      say "an instance is down ($up of $want up): replacement $replacements (pid $pid) starting on $host"
+    fi
     n_starting=$((n_starting + 1))
   done
 }

@@ -122,11 +122,6 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   std::optional<SloTargets> slo;
   if (args.rebalance == "auto") {
     try {
-      if (spec.mode != ClusterMode::kDisaggregated) {
-        throw Error(ErrorKind::kInvalidArgument,
-                    "--rebalance auto needs a disaggregated cluster (--prefill and --decode): "
-                    "it moves instances between the two");
-      }
       if (args.slo.empty())
         throw Error(ErrorKind::kInvalidArgument, "--rebalance auto needs --slo ttft=MS,tpot=MS");
       slo = parse_slo(args.slo);

@@ -185,9 +185,10 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
                   "ends prove they hold it")
       ->group(group);
   cmd->add_option("--rebalance", args.rebalance,
-                  "The coordinator of a disaggregated cluster: auto moves instances between "
-                  "prefill and decode while serving, one at a time, when the latency of recent "
-                  "requests misses --slo on one side and not the other")
+                  "A cluster's coordinator: auto moves instances between prefill and decode "
+                  "while serving, one at a time, when the latency of recent requests misses "
+                  "--slo on one side and not the other, and publishes how many instances the "
+                  "load wants (duet_cluster_instances_wanted, which launch/local.sh follows)")
       ->check(CLI::IsMember({"off", "auto"}))
       ->capture_default_str()
       ->group(group);
@@ -448,8 +449,8 @@ int run_serve(const ServeArgs& given) {
   }
   if (args.rebalance != "off") {
     throw Error(ErrorKind::kInvalidArgument,
-                "--rebalance auto needs a disaggregated cluster (mpirun with --prefill and "
-                "--decode): it moves instances between the two");
+                "--rebalance auto needs a cluster (mpirun): it moves instances between prefill "
+                "and decode, and tells a launcher how many instances the load wants");
   }
 
   const int n_threads = serve::compute_threads(args);

@@ -1,8 +1,9 @@
 // The rebalancer's rule (coordinator/rebalancer.h) on hand-made signals: which
 // side misses its SLO decides the direction, the instance moved is the one
 // with the least work, a side is never emptied of what it needs, and both
-// sides over target (or too few samples) move nothing. Also --slo's parsing
-// and the percentile. The thread itself runs under mpirun:
+// sides over target (or too few samples) move nothing; the call on the
+// cluster's size, and the loop through time. Also --slo's parsing and the
+// percentile. The thread itself runs under mpirun:
 // tests/mpi/test_rebalance.py.
 #include "coordinator/rebalancer.h"
 
@@ -110,6 +111,64 @@ TEST(DecideRebalance, ASideWithoutATargetIsNotJudged) {
   EXPECT_TRUE(decide_rebalance(cluster, signals(3.0, 9.0), ttft_only, 4));
   const SloTargets tpot_only{0, 0.1};
   EXPECT_FALSE(decide_rebalance(cluster, signals(30.0, 0.05), tpot_only, 4));
+}
+
+TEST(JudgeCapacity, MoreWhenATargetIsMissedAndNoRoleChangeHelps) {
+  // A colocated cluster (no change possible) over either target.
+  EXPECT_EQ(judge_capacity(signals(3.0, 0.05), kSlo, 4, false, false), CapacityCall::kMore);
+  EXPECT_EQ(judge_capacity(signals(1.0, 0.2), kSlo, 4, false, false), CapacityCall::kMore);
+  // A role change is on its way: it gets its chance first.
+  EXPECT_EQ(judge_capacity(signals(3.0, 0.05), kSlo, 4, true, false), CapacityCall::kKeep);
+  // Too few samples judge nothing.
+  EXPECT_EQ(judge_capacity(signals(3.0, 0.2, 3), kSlo, 4, false, false), CapacityCall::kKeep);
+}
+
+TEST(JudgeCapacity, FewerUnderHalfOfEveryTargetOrIdle) {
+  EXPECT_EQ(judge_capacity(signals(0.9, 0.04), kSlo, 4, false, false), CapacityCall::kFewer);
+  EXPECT_EQ(judge_capacity(signals(1.1, 0.04), kSlo, 4, false, false), CapacityCall::kKeep);
+  EXPECT_EQ(judge_capacity(signals(0.9, 0.06), kSlo, 4, false, false), CapacityCall::kKeep);
+  // A side without a target does not hold it back; one without samples does.
+  EXPECT_EQ(judge_capacity(signals(0.9, 5.0), SloTargets{2.0, 0}, 4, false, false),
+            CapacityCall::kFewer);
+  EXPECT_EQ(judge_capacity(signals(0, 0, 0), kSlo, 4, false, false), CapacityCall::kKeep);
+  EXPECT_EQ(judge_capacity(signals(0, 0, 0), kSlo, 4, false, true), CapacityCall::kFewer);
+}
+
+// The loop over time on a colocated cluster: what it wants, and a change of
+// the count restarting the samples and the cooldown.
+TEST(RebalanceLoop, WantsOneMoreThenWaitsForTheNewInstanceThenOneFewerOnceIdle) {
+  RebalanceLoop loop(RebalancerOptions{.slo = kSlo});
+  std::vector<View> cluster{instance(kBoth, 4)};
+  double finished_at = 0;  // every sample "finished" then
+  RebalanceSignals now_signals = signals(3.0, 0.05);
+  const auto recent = [&](double since) {
+    Metrics::RecentLatency r;
+    if (finished_at >= since)
+      r = {std::vector<double>(10, now_signals.ttft_p90_s),
+           std::vector<double>(10, now_signals.tpot_p90_s)};
+    return r;
+  };
+  finished_at = 1;
+  EXPECT_FALSE(loop.look(1, cluster, recent));
+  EXPECT_EQ(loop.instances_wanted(), 2);
+  // The launcher's instance joins at 5 s: fresh samples and a cooldown.
+  cluster.push_back(instance(kBoth, 1));
+  loop.look(5, cluster, recent);
+  EXPECT_EQ(loop.instances_wanted(), 2);
+  finished_at = 10;  // still slow, but finished during the cooldown (until 15 s)
+  loop.look(10, cluster, recent);
+  EXPECT_EQ(loop.instances_wanted(), 2);
+  finished_at = 16;
+  now_signals = signals(0.5, 0.02);  // comfortable: under half of both targets
+  loop.look(16, cluster, recent);
+  EXPECT_EQ(loop.instances_wanted(), 1);
+  // Nothing finished for a whole window and nothing runs: fewer, never below 1.
+  cluster = {instance(kBoth)};
+  loop.look(17, cluster, recent);  // the count changed: cooldown until 27 s
+  EXPECT_EQ(loop.instances_wanted(), 1);
+  finished_at = -1;
+  loop.look(30, cluster, recent);
+  EXPECT_EQ(loop.instances_wanted(), 1);
 }
 
 }  // namespace

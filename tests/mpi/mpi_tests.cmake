@@ -251,13 +251,14 @@ set_tests_properties(mpi_rebalance_test PROPERTIES
 
 # launch/local.sh keeps its instance count (tests/mpi/test_replacement.py): a
 # colocated instance SIGKILLed mid-stream costs no token, and the launcher's
-# replacement joins and serves.
+# replacement joins and serves; with --rebalance auto and DUET_MAX_EXTRA=1 a
+# joined instance comes for the load and leaves once it is gone.
 add_test(NAME mpi_replacement_test
   COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_replacement.py)
 set_tests_properties(mpi_replacement_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
-  TIMEOUT 300)
+  TIMEOUT 600)
 
 # Stopping a cluster with SIGTERM to mpirun (tests/mpi/test_drain.py): the
 # streams in flight finish whole, new requests get 503 while it drains,

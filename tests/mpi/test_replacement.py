@@ -1,4 +1,5 @@
-"""launch/local.sh keeps its instance count: a lost instance is replaced.
+"""launch/local.sh keeps its instance count: a lost instance is replaced;
+with --rebalance auto and DUET_MAX_EXTRA the count follows the load.
 
 `launch/local.sh 0 2 --mode colocated` (the coordinator and two colocated
 instances under mpirun --enable-recovery, the default lease) serves; rank 1
@@ -9,6 +10,11 @@ the lost instance held); the launcher starts a replacement that joins
 them joined. The time from the kill to the replacement serving is printed
 (the README's figure). SIGTERM to the launcher then drains and stops the
 cluster, the replacement included, with exit code 0.
+
+test_b_counts_follow_the_load: one colocated instance misses a 100 ms TTFT
+target under load; the coordinator publishes that it wants two, the
+launcher starts a joined instance, answers stay `duet generate`'s; once idle
+the coordinator wants one, and the joined instance is asked to leave.
 
 Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
 DUET_MPIEXEC set.
@@ -55,12 +61,12 @@ def tagged(tag, rank):
 class Cluster:
     """launch/local.sh as a subprocess: its stdout's listening lines, its stderr kept."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, env=None):
         binary, model = serve_environment()
         self.tag = uuid.uuid4().hex
         env = {**os.environ, "DUET_SKIP_SETUP": "1", "DUET_SKIP_BUILD": "1",
                "DUET_BINARY": binary, "DUET_MODEL": model, "DUET_TEST_TAG": self.tag,
-               "DUET_MPIRUN": os.environ.get("DUET_MPIEXEC", "mpirun")}
+               "DUET_MPIRUN": os.environ.get("DUET_MPIEXEC", "mpirun"), **(env or {})}
         self.process = subprocess.Popen(["bash", os.path.join(ROOT, "launch", "local.sh"), *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, errors="replace", env=env)
@@ -131,6 +137,70 @@ class ReplacementTest(unittest.TestCase):
                 r = complete(cluster, {"prompt": p, "max_tokens": 24, "temperature": 0,
                                        "ignore_eos": True})
                 self.assertEqual(r["choices"][0]["text"], expected[p])
+        finally:
+            code = cluster.stop()
+        self.assertEqual(code, 0, "\n".join(cluster.log[-60:]))
+
+    def test_b_counts_follow_the_load(self):
+        # Prompts of a few hundred tokens, back to back from 4 clients, miss a
+        # 100 ms TTFT target on one instance: the coordinator wants one more
+        # (duet_cluster_instances_wanted) and the launcher starts it. Once
+        # nothing runs, the coordinator wants one fewer and the joined
+        # instance is asked to leave, and drains.
+        prompts = [p + " " + " ".join([p] * 40) for p in PROMPTS]
+
+        def body(p):
+            return {"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        expected = {p: generate(body(p)) for p in prompts}
+        cluster = Cluster("0", "1", "--mode", "colocated", "--kv-cache-mem", "64MiB",
+                          "--rebalance", "auto", "--slo", "ttft=100", env={"DUET_MAX_EXTRA": "1"})
+
+        def up():
+            m = metrics(cluster)
+            return sum(v for k, v in m.items() if k.startswith("duet_instance_up{"))
+
+        try:
+            failures, stop = [], threading.Event()
+
+            def client(k):
+                i = k
+                while not stop.is_set():
+                    p = prompts[i % len(prompts)]
+                    i += 1
+                    try:
+                        text = complete(cluster, body(p))["choices"][0]["text"]
+                    except AssertionError as e:
+                        failures.append(str(e))
+                        continue
+                    if text != expected[p]:
+                        failures.append(f"{p[:30]!r}: {text!r} != {expected[p]!r}")
+
+            clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+            for c in clients:
+                c.start()
+            try:
+                wait_until(lambda: up() >= 2, 180, "a joined instance for the load")
+                wait_until(lambda: any("joined instance" in l and "serves:" in l
+                                       for l in cluster.log), 30, "the launcher to say it serves")
+                time.sleep(3)  # requests on both
+            except AssertionError:
+                print("\n".join(cluster.log[-80:]), flush=True)
+                raise
+            finally:
+                stop.set()
+                for c in clients:
+                    c.join(300)
+            self.assertEqual(failures, [])
+            m = metrics(cluster)
+            self.assertEqual(m["duet_instances_joined_total"], 1)
+            self.assertEqual(up(), 2)  # DUET_MAX_EXTRA=1: no third one
+            wait_until(lambda: any("asked to leave" in l for l in cluster.log), 90,
+                       "the launcher to ask the joined instance to leave once idle")
+            wait_until(lambda: up() == 1 and metrics(cluster)["duet_instances_left_total"] == 1,
+                       60, "the joined instance to leave")
+            r = complete(cluster, body(prompts[0]))
+            self.assertEqual(r["choices"][0]["text"], expected[prompts[0]])
         finally:
             code = cluster.stop()
         self.assertEqual(code, 0, "\n".join(cluster.log[-60:]))
