@@ -102,11 +102,11 @@ void register_benchmarks() {
       // computes them for every sequence.
       {576, 49152, {DType::kQ8_0}, {1, 32}},
   };
-  const std::vector<DType> all_types = {DType::kQ4_0, DType::kQ4_1, DType::kQ8_0, DType::kQ4_K,
-                                        DType::kQ6_K};
+  const std::vector<DType> all_types = {DType::kQ4_0, DType::kQ4_1, DType::kQ5_0,
+                                        DType::kQ8_0, DType::kQ4_K, DType::kQ6_K};
   const std::vector<Shape> shapes_8b = {
-      {4096, 14336, all_types, {1, 2, 4, 8, 32, 512}},  // FFN gate and up
-      {14336, 4096, all_types, {1, 32, 512}},           // FFN down
+      {4096, 14336, all_types, {1, 2, 4, 8, 16, 32, 512}},  // FFN gate and up
+      {14336, 4096, all_types, {1, 32, 512}},               // FFN down
   };
   auto register_shapes = [](const std::string& prefix, const std::vector<Shape>& set, Isa isa) {
     for (const Shape& shape : set) {
