@@ -163,7 +163,8 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
 // This rank's part of its instance, with the serve flags as its options.
 int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
                    Collective& collective, const ClusterSpec& spec,
-                   std::span<const RankPlacement> placements, const ServeArgs& args, int device) {
+                   std::span<const RankPlacement> placements, const ServeArgs& args, int device,
+                   const sigset_t& signals) {
   ClusterInstanceOptions options;
   options.model_path = args.model;
   options.model_name = serve::model_name(args);
@@ -175,6 +176,21 @@ int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* 
   options.engine_config = [&](const LlamaModel& shard, std::vector<int32_t> end_of_generation) {
     return serve::engine_config(args, shard, std::move(end_of_generation), device);
   };
+  // Rejoin: a colocated cluster whose coordinator opened a known join port
+  // (--join-port N, not 0: every rank reads the same flags) with a key.
+  if (spec.mode == ClusterMode::kColocated && args.join_port > 0 &&
+      !args.cluster_key_file.empty() && device < 0) {
+    const std::string& coordinator_host = placements[kCoordinatorRank.value].host;
+    const bool one_host =
+        std::all_of(placements.begin(), placements.end(),
+                    [&](const RankPlacement& p) { return p.host == coordinator_host; });
+    const std::string address =
+        fmt::format("{}:{}", one_host ? "127.0.0.1" : coordinator_host, args.join_port);
+    options.rejoin = [&args, address, &signals](const LlamaModel& model,
+                                                const EngineConfig& config) {
+      return rejoin_as_member(args, address, model, config, signals);
+    };
+  }
   return serve_cluster_instance(mpi, channel, transfer, collective, spec, placements, options);
 }
 
@@ -267,7 +283,7 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
     const int code = mpi.rank() == kCoordinatorRank
                          ? serve_coordinator(channel, spec, args, signals)
                          : serve_instance(mpi, channel, transfer.get(), collective, spec,
-                                          placements, args, placement.device);
+                                          placements, args, placement.device, signals);
     // After a loss MPI_Finalize could wait on a dead rank forever.
     if (channel.forgot_any()) mpi.leave_without_finalize();
     spdlog::info("rank {}: exiting with code {}{}", mpi.rank().value, code,

@@ -166,7 +166,8 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->group(group);
   cmd->add_option("--join-port", args.join_port,
                   "The coordinator (rank 0): instances may join the running cluster on this TCP "
-                  "port (0: any free port, logged), proving --cluster-key")
+                  "port (0: any free port, logged), proving --cluster-key; with a port number, "
+                  "a colocated one-rank instance's rank that wakes after its loss rejoins there")
       ->check(CLI::Range(0, 65535))
       ->group(group);
   cmd->add_option("--join", args.join,

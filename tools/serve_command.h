@@ -149,4 +149,12 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals);
 // An instance that joins a running cluster (tools/serve_join.cpp).
 int run_join_serve(const ServeArgs& args, const sigset_t& signals);
 
+// A rank of the mpirun job whose colocated one-rank instance was counted
+// lost while it lives: joins the cluster at `address` (the coordinator's
+// join port, with --cluster-key) as a new member with `model`, trying for
+// up to a minute, and serves as members do (tools/serve_join.cpp). Returns
+// the exit code.
+int rejoin_as_member(const ServeArgs& args, const std::string& address, const LlamaModel& model,
+                     const EngineConfig& config, const sigset_t& signals);
+
 }  // namespace duet::tools

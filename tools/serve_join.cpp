@@ -167,13 +167,13 @@ bool stop_signal_pending(const sigset_t& signals) {
 // busy with the loss may not answer at once); nullopt when a stop signal
 // came meanwhile. The first join is tried once (window 0): its errors are
 // the user's to read.
-std::optional<JoinVerdict> join(const ServeArgs& args, const ClusterKey& key,
+std::optional<JoinVerdict> join(const std::string& address, const ClusterKey& key,
                                 const JoinRequest& request, std::chrono::milliseconds window,
                                 const sigset_t& signals, int& socket) {
   const auto deadline = Clock::now() + window;
   for (;;) {
     try {
-      return join_cluster(args.join, key, request, kHandshakeTimeout, socket);
+      return join_cluster(address, key, request, kHandshakeTimeout, socket);
     } catch (const Error& e) {
       if (Clock::now() + kRejoinPause >= deadline) throw;
       spdlog::warn("rejoin: {}; trying again in {} ms", e.what(), kRejoinPause.count());
@@ -195,16 +195,10 @@ Membership serve_member(const ServeArgs& args, const LlamaModel& model,
   const InstanceSpec self{verdict.instance_id, role, 1, {verdict.member}};
   // Lost (stalled past the lease, or cut off): the server stops, the
   // instance and its KV go, and the caller joins again as a new member.
-  std::mutex mutex;
-  bool lost = false;
-  InstanceServer* serving = nullptr;
-  auto on_lost = [&](const std::string& why) {
-    std::lock_guard lock(mutex);
-    lost = true;
-    if (serving != nullptr) serving->stop(format("lost: {}", why));
-  };
+  LossLatch latch;
   RankLiveness liveness(channel, nullptr, nullptr, self,
-                        std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms), on_lost);
+                        std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms),
+                        [&latch](const std::string& why) { latch.lost(why); });
   InstanceStats stats;
   std::string reason;
   {
@@ -215,30 +209,62 @@ Membership serve_member(const ServeArgs& args, const LlamaModel& model,
     Leaver leaver(channel, instance, server, verdict.instance_id, signals,
                   std::chrono::milliseconds(static_cast<int64_t>(args.drain_timeout_s * 1000)));
     server.on_leave_accepted([&leaver] { leaver.accepted(); });
-    {
-      std::lock_guard lock(mutex);
-      serving = &server;
-      if (lost) server.stop("lost before it served");
-    }
+    latch.serving(&server);
     spdlog::info("instance {} ({}, joined): serving {} with {} compute threads",
                  verdict.instance_id, instance_role_name(role), serve::model_name(args),
                  pool.size());
     reason = server.serve();
-    {
-      std::lock_guard lock(mutex);
-      serving = nullptr;
-    }
+    latch.serving(nullptr);
     stats = instance.stats();
     liveness.watch({});
   }  // the engine has stopped: what it held is dropped with it
   spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
                stats.steps, stats.generated_tokens);
   const bool closed = channel.close(kCloseTimeout);
-  std::lock_guard lock(mutex);
-  return {closed ? 0 : 1, lost};
+  return {closed ? 0 : 1, latch.is_lost()};
+}
+
+// Joins (`window` 0: once), serves, and joins again after each loss, until
+// the coordinator's Shutdown, a leave, or a stop signal.
+int membership_loop(const ServeArgs& args, const ClusterKey& key, const std::string& address,
+                    const LlamaModel& model, const cpu::KernelTable& kernels,
+                    const EngineConfig& config, InstanceRole role, std::chrono::milliseconds window,
+                    const sigset_t& signals) {
+  JoinRequest request;
+  request.version = fmt::format("duet {}", DUET_VERSION);
+  request.model_fingerprint = model_fingerprint(args.model);
+  request.role = role;
+  request.tp = 1;
+  request.host = host_name();
+  for (;;) {
+    int socket = -1;
+    const std::optional<JoinVerdict> verdict = join(address, key, request, window, signals, socket);
+    if (!verdict) {
+      spdlog::info("a stop signal while rejoining: exiting");
+      return 0;
+    }
+    spdlog::info("joined the cluster at {} as instance {} (member {})", address,
+                 verdict->instance_id, verdict->member.value);
+    const Membership membership =
+        serve_member(args, model, kernels, config, role, *verdict, socket, signals);
+    if (!membership.lost) return membership.code;
+    if (stop_signal_pending(signals)) return 0;
+    // Its requests run elsewhere now; it comes back as a new member, with
+    // an empty KV cache, under the epoch its loss made.
+    spdlog::warn("rejoining the cluster at {} as a new member", address);
+    window = kRejoinWindow;
+  }
 }
 
 }  // namespace
+
+int rejoin_as_member(const ServeArgs& args, const std::string& address, const LlamaModel& model,
+                     const EngineConfig& config, const sigset_t& signals) {
+  spdlog::warn("rejoining the cluster at {} as a new member", address);
+  return membership_loop(args, ClusterKey::from_file(args.cluster_key_file), address, model,
+                         cpu::kernel_table(cpu::isa_from_environment()), config,
+                         InstanceRole::kBoth, kRejoinWindow, signals);
+}
 
 int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
   try {
@@ -255,31 +281,8 @@ int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
     const EngineConfig config =
         serve::engine_config(args, *model, tokenizer.end_of_generation_ids(), device);
 
-    JoinRequest request;
-    request.version = fmt::format("duet {}", DUET_VERSION);
-    request.model_fingerprint = model_fingerprint(args.model);
-    request.role = role;
-    request.tp = 1;
-    request.host = host_name();
-    std::chrono::milliseconds window{0};  // the first join: once
-    for (;;) {
-      int socket = -1;
-      const std::optional<JoinVerdict> verdict = join(args, key, request, window, signals, socket);
-      if (!verdict) {
-        spdlog::info("a stop signal while rejoining: exiting");
-        return 0;
-      }
-      spdlog::info("joined the cluster at {} as instance {} (member {})", args.join,
-                   verdict->instance_id, verdict->member.value);
-      const Membership membership =
-          serve_member(args, *model, kernels, config, role, *verdict, socket, signals);
-      if (!membership.lost) return membership.code;
-      if (stop_signal_pending(signals)) return 0;
-      // Its requests run elsewhere now; it comes back as a new member, with
-      // an empty KV cache, under the epoch its loss made.
-      spdlog::warn("rejoining the cluster at {} as a new member", args.join);
-      window = kRejoinWindow;
-    }
+    // The first join is tried once: its errors are the user's to read.
+    return membership_loop(args, key, args.join, *model, kernels, config, role, 0ms, signals);
   } catch (const Error& e) {
     std::fprintf(stderr, "duet: %s: %s\n", std::string(error_kind_name(e.kind())).c_str(),
                  e.what());

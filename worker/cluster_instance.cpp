@@ -117,10 +117,10 @@ LoadedShard load_shard(ControlChannel& channel, Collective& collective, const In
 
 // The leader: the engine behind an InstanceServer until Shutdown, then the
 // followers are told to stop.
-void lead_instance(ControlChannel& channel, RankLiveness& liveness, Collective& collective,
-                   DeviceCollective* device_collective, const InstanceSpec& self,
-                   const LlamaModel& model, const EngineConfig& config, cpu::ThreadPool& pool,
-                   const PeerLinks& peers, const std::string& model_name) {
+void lead_instance(ControlChannel& channel, RankLiveness& liveness, LossLatch* latch,
+                   Collective& collective, DeviceCollective* device_collective,
+                   const InstanceSpec& self, const LlamaModel& model, const EngineConfig& config,
+                   cpu::ThreadPool& pool, const PeerLinks& peers, const std::string& model_name) {
   std::optional<TpLeader> tp;
   if (self.tp > 1) tp.emplace(collective, device_collective);
   InstanceStats stats;
@@ -133,7 +133,9 @@ void lead_instance(ControlChannel& channel, RankLiveness& liveness, Collective& 
     spdlog::info("instance {} (rank {}, {}, tp {}): serving {} with {} compute threads", self.id,
                  channel.rank().value, instance_role_name(self.role), self.tp, model_name,
                  pool.size());
+    if (latch != nullptr) latch->serving(&server);
     reason = server.serve();
+    if (latch != nullptr) latch->serving(nullptr);
     stats = instance.stats();
     liveness.watch({});
   }  // the engine thread has stopped: the followers may go
@@ -149,12 +151,21 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferA
                            std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
-  // Heartbeats from the start: loading the model takes seconds.
-  RankLiveness liveness(channel, self.role != InstanceRole::kBoth ? transfer : nullptr, &mpi, self,
-                        options.heartbeat_interval);
+  // A loss this rank lives through stops its server, and it rejoins.
+  const bool may_rejoin = options.rejoin && self.role == InstanceRole::kBoth && self.tp == 1;
+  LossLatch latch;
   EngineConfig config;
-  // Outlives the engine (whose CUDA graphs captured the communicator's operations).
-  const LoadedShard shard = load_shard(channel, collective, self, placements, options, config);
+  // Outlives the engine (whose CUDA graphs captured the communicator's
+  // operations), and the heartbeats.
+  LoadedShard shard;
+  // Heartbeats from the start: loading the model takes seconds.
+  std::optional<RankLiveness> liveness;
+  liveness.emplace(
+      channel, self.role != InstanceRole::kBoth ? transfer : nullptr, &mpi, self,
+      options.heartbeat_interval,
+      may_rejoin ? RankLiveness::LostHandler([&latch](const std::string& why) { latch.lost(why); })
+                 : RankLiveness::LostHandler());
+  shard = load_shard(channel, collective, self, placements, options, config);
   const LlamaModel* model = shard.model.get();
   if (model == nullptr) {
     channel.close(kCloseTimeout);
@@ -170,8 +181,9 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferA
       peers.instance_ranks = ranks_by_leader(spec);
     }
     if (collective.rank() == 0) {
-      lead_instance(channel, liveness, collective, shard.device_collective.get(), self, *model,
-                    config, pool, peers, options.model_name);
+      lead_instance(channel, *liveness, may_rejoin ? &latch : nullptr, collective,
+                    shard.device_collective.get(), self, *model, config, pool, peers,
+                    options.model_name);
     } else {
       spdlog::info("instance {} (rank {}): tensor-parallel follower {} of {}", self.id,
                    channel.rank().value, collective.rank(), self.tp);
@@ -181,6 +193,13 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferA
     }
     if (peers.transfer != nullptr) log_transfer(self, channel.rank(), *transfer);
   }  // the engine has stopped: nothing sends any more
+  if (latch.is_lost()) {
+    // The coordinator has forgotten this rank: no heartbeats, no close
+    // handshake to wait for; MPI is not finalized (RankLiveness).
+    liveness.reset();
+    channel.close(std::chrono::milliseconds(0));
+    return options.rejoin(*model, config);
+  }
   return channel.close(kCloseTimeout) ? 0 : 1;
 }
 

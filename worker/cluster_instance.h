@@ -44,6 +44,12 @@ struct ClusterInstanceOptions {
   // blocks). May throw: the rank then reports it could not load.
   std::function<EngineConfig(const LlamaModel& shard, std::vector<int32_t> end_of_generation)>
       engine_config;
+  // A colocated instance of one rank, counted lost while it lives: instead
+  // of leaving the process, once its engine has stopped (what it held runs
+  // elsewhere; its KV goes with the engine) and its channel is closed, this
+  // is called with its model and configuration and its result returned
+  // (tools: it joins the cluster again as a new member). Empty: it leaves.
+  std::function<int(const LlamaModel& model, const EngineConfig& config)> rejoin;
 };
 
 // This rank's part of its instance in `spec`, until the coordinator's
@@ -51,7 +57,7 @@ struct ClusterInstanceOptions {
 // moves no KV) and `collective` (the instance's ranks) are the rank's, wired
 // by the caller; `placements`: every rank's, by world rank. Heartbeats to
 // the coordinator from the start (worker/rank_liveness.h): a rank whose
-// instance is lost leaves the process from there. Closes the channel before
+// instance is lost leaves the process from there (or rejoins: `rejoin`). Closes the channel before
 // returning. Returns the exit code: 0, 1 when not every rank closed in
 // time, 2 when the instance could not start.
 int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,

@@ -115,4 +115,21 @@ bool RankLiveness::apply(const ReceivedMessage& message) {
   return true;
 }
 
+void LossLatch::lost(const std::string& why) {
+  std::lock_guard lock(mutex_);
+  lost_ = true;
+  if (server_ != nullptr) server_->stop(format("lost: {}", why));
+}
+
+void LossLatch::serving(InstanceServer* server) {
+  std::lock_guard lock(mutex_);
+  server_ = server;
+  if (server_ != nullptr && lost_) server_->stop("lost before it served");
+}
+
+bool LossLatch::is_lost() const {
+  std::lock_guard lock(mutex_);
+  return lost_;
+}
+
 }  // namespace duet

@@ -28,6 +28,7 @@
 #include "common/cluster/cluster_spec.h"
 #include "common/control_plane/control_channel.h"
 #include "common/control_plane/mpi_runtime.h"
+#include "worker/instance_server.h"
 #include "worker/local_instance.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 
@@ -75,6 +76,24 @@ class RankLiveness final {
   std::function<EngineProgress()> progress_;
 
   std::thread thread_;  // last: starts after everything above exists
+};
+
+// For an instance that outlives its loss (a joined member, a rank that
+// rejoins): the loss stops the InstanceServer it serves, whether it comes
+// while the server runs or before it starts. lost() is RankLiveness's
+// LostHandler (the channel's thread); the rest from the serving thread.
+class LossLatch final {
+ public:
+  void lost(const std::string& why);
+  // Before serve(): the server to stop (stopped at once if the loss came
+  // already); null after it.
+  void serving(InstanceServer* server);
+  bool is_lost() const;
+
+ private:
+  mutable std::mutex mutex_;
+  bool lost_ = false;
+  InstanceServer* server_ = nullptr;
 };
 
 }  // namespace duet

@@ -228,6 +228,16 @@ set_tests_properties(mpi_join_test PROPERTIES
   LABELS mpi
   TIMEOUT 600)
 
+# A rank of the mpirun job lost by silence that wakes rejoins through the
+# join port as a member (tests/mpi/test_rank_rejoin.py): routed to again,
+# every text equal to `duet generate`, every rank ending with exit code 0.
+add_test(NAME mpi_rank_rejoin_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_rank_rejoin.py)
+set_tests_properties(mpi_rank_rejoin_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 300)
+
 # Instances that change role while serving (tests/mpi/test_role_change.py):
 # `duet-client set-role` proves the cluster key; prefill, decode and
 # colocated instances swap roles under load, every answer equal to
