@@ -59,7 +59,8 @@
 #                       one every rank runs here, oversubscribing the cores
 #   DUET_REPLACE        1 (default): replace lost instances (colocated, tp 1); 0: do not
 #   DUET_JOIN_PORT      the coordinator's join port for replacements and for lost ranks
-#                       that wake and rejoin (default: a free port picked at start)
+#                       that wake and rejoin (default: a free port picked at start; with
+#                       a hostfile 0, any free one, which the ranks cannot rejoin on)
 #   DUET_MAX_EXTRA      joined instances beyond P + D the load may ask for (default 0)
 set -euo pipefail
 
@@ -176,8 +177,12 @@ if [ "${DUET_REPLACE:-1}" = 1 ]; then
   if [ "$mode" = colocated ] && [ "${prefill_tp:-$tp}" = 1 ] && [ "${decode_tp:-$tp}" = 1 ]; then
     replace=1
     (umask 077 && head -c 32 /dev/urandom | base64 >"$work/cluster.key")
-    # A known number (not 0): the ranks read it too, to rejoin after a loss they live through.
-    join_port=${DUET_JOIN_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' 2>/dev/null || echo 0)}
+    # A known number (not 0): the ranks read it too, to rejoin after a loss
+    # they live through. Picked here only when rank 0 runs here (no hostfile).
+    join_port=${DUET_JOIN_PORT:-0}
+    if [ -z "${DUET_JOIN_PORT:-}" ] && [ -z "${DUET_HOSTFILE:-}" ]; then
+      join_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' 2>/dev/null || echo 0)
+    fi
     join_args=(--join-port "$join_port" --cluster-key "$work/cluster.key")
   else
     say "lost instances will not be replaced: a joined instance is colocated and of one rank (--mode colocated, tp 1)"
