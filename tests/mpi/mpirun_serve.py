@@ -293,6 +293,39 @@ def check_texts(test, streams, expected, timeout=180):
         test.assertEqual(s.text, expected[s.body["prompt"]], s.body["prompt"])
 
 
+class BackToBack:
+    """`n` clients, each sending completions back to back (body(prompt), the
+    prompts in turn) until stop(), every text checked against
+    expected[prompt]; what failed or differed is in `failures`."""
+
+    def __init__(self, server, prompts, body, expected, n):
+        self.failures = []
+        self._stop = threading.Event()
+        self._clients = [threading.Thread(target=self._client, args=(server, prompts, body,
+                                                                       expected, k))
+                         for k in range(n)]
+        for c in self._clients:
+            c.start()
+
+    def _client(self, server, prompts, body, expected, k):
+        i = k
+        while not self._stop.is_set():
+            prompt = prompts[i % len(prompts)]
+            i += 1
+            try:
+                text = complete(server, body(prompt))["choices"][0]["text"]
+            except AssertionError as e:
+                self.failures.append(str(e))
+                continue
+            if text != expected[prompt]:
+                self.failures.append(f"{prompt[:40]!r}: {text!r} != {expected[prompt]!r}")
+
+    def stop(self, timeout=300):
+        self._stop.set()
+        for c in self._clients:
+            c.join(timeout)
+
+
 def wait_until(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -19,12 +19,11 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import (MPIRUN_FLAGS, MpirunServe, complete, every_block_free,  # noqa: E402
-                          metrics, run, stop_every_rank, wait_until, words)
+from mpirun_serve import (MPIRUN_FLAGS, BackToBack, MpirunServe, complete,  # noqa: E402
+                          every_block_free, metrics, run, stop_every_rank, wait_until, words)
 from test_failover import generate  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
@@ -70,26 +69,8 @@ class RebalanceTest(unittest.TestCase):
         server = MpirunServe(4, CLUSTER + ["--rebalance", "auto", "--slo", "ttft=150,tpot=5000"])
         server.start()
         try:
-            failures = []
-            stop = threading.Event()
-
-            def client(k):
-                # Back-to-back requests: the prefill instance always has a queue.
-                i = k
-                while not stop.is_set():
-                    prompt = PROMPTS[i % len(PROMPTS)]
-                    i += 1
-                    try:
-                        text = complete(server, greedy(prompt))["choices"][0]["text"]
-                    except AssertionError as e:
-                        failures.append(str(e))
-                        continue
-                    if text != expected[prompt]:
-                        failures.append(f"{prompt[:40]!r}: {text!r} != {expected[prompt]!r}")
-
-            clients = [threading.Thread(target=client, args=(k,)) for k in range(6)]
-            for c in clients:
-                c.start()
+            # Back-to-back requests: the prefill instance always has a queue.
+            load = BackToBack(server, PROMPTS, greedy, expected, 6)
             try:
                 decision = re.compile(r"rebalancer: instance [12] decode -> prefill: TTFT p90 "
                                       r"\d+ ms over the SLO's 150 ms while TPOT p90 \d+ ms is "
@@ -102,10 +83,8 @@ class RebalanceTest(unittest.TestCase):
                                              "\n".join(server.log_lines())), 60,
                            "the change to take effect")
             finally:
-                stop.set()
-                for c in clients:
-                    c.join(300)
-            self.assertEqual(failures, [])
+                load.stop()
+            self.assertEqual(load.failures, [])
             self.assertEqual(decisions(server, "prefill"), 1)
             self.assertEqual(decisions(server, "decode"), 0)
             binary, _ = serve_environment()

@@ -31,7 +31,7 @@ import unittest
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpirun_serve import SseStream, complete, metrics, wait_until  # noqa: E402
+from mpirun_serve import BackToBack, SseStream, complete, metrics, wait_until  # noqa: E402
 from test_failover import generate  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "serve"))
@@ -161,24 +161,7 @@ class ReplacementTest(unittest.TestCase):
             return sum(v for k, v in m.items() if k.startswith("duet_instance_up{"))
 
         try:
-            failures, stop = [], threading.Event()
-
-            def client(k):
-                i = k
-                while not stop.is_set():
-                    p = prompts[i % len(prompts)]
-                    i += 1
-                    try:
-                        text = complete(cluster, body(p))["choices"][0]["text"]
-                    except AssertionError as e:
-                        failures.append(str(e))
-                        continue
-                    if text != expected[p]:
-                        failures.append(f"{p[:30]!r}: {text!r} != {expected[p]!r}")
-
-            clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-            for c in clients:
-                c.start()
+            load = BackToBack(cluster, prompts, body, expected, 4)
             try:
                 wait_until(lambda: up() >= 2, 180, "a joined instance for the load")
                 wait_until(lambda: any("joined instance" in l and "serves:" in l
@@ -188,10 +171,8 @@ class ReplacementTest(unittest.TestCase):
                 print("\n".join(cluster.log[-80:]), flush=True)
                 raise
             finally:
-                stop.set()
-                for c in clients:
-                    c.join(300)
-            self.assertEqual(failures, [])
+                load.stop()
+            self.assertEqual(load.failures, [])
             m = metrics(cluster)
             self.assertEqual(m["duet_instances_joined_total"], 1)
             self.assertEqual(up(), 2)  # DUET_MAX_EXTRA=1: no third one
