@@ -8,24 +8,23 @@
 namespace duet::loadgen {
 namespace {
 
-std::optional<double> ttft_of(const RequestRecord& r) {
-  if (!r.first_token) return std::nullopt;
-  return *r.first_token - r.sent;
-}
-
 // The server's count of tokens when it gave one, else the chunks we saw.
 int64_t tokens_of(const RequestRecord& r) {
   return r.received_tokens > 0 ? r.received_tokens : static_cast<int64_t>(r.token_times.size());
 }
 
-// Defined for requests with a first token and at least two tokens.
+}  // namespace
+
+std::optional<double> ttft_of(const RequestRecord& r) {
+  if (!r.first_token) return std::nullopt;
+  return *r.first_token - r.sent;
+}
+
 std::optional<double> tpot_of(const RequestRecord& r) {
   const int64_t tokens = tokens_of(r);
   if (!r.first_token || tokens < 2) return std::nullopt;
   return (r.finished - *r.first_token) / static_cast<double>(tokens - 1);
 }
-
-}  // namespace
 
 Distribution distribution(std::vector<double> values) {
   Distribution d;

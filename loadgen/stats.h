@@ -45,6 +45,12 @@ struct Summary {
   double goodput_fraction = 0;  // of all requests
 };
 
+// Sent to first token; none without a token.
+std::optional<double> ttft_of(const RequestRecord& r);
+// First token to finish over the tokens after the first (the server's count
+// when it gave one, else the chunks seen); none with fewer than two tokens.
+std::optional<double> tpot_of(const RequestRecord& r);
+
 // Whether an ok request meets `slo` (a request with one token has no TPOT and meets it).
 bool meets_slo(const RequestRecord& r, const Slo& slo);
 

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "coordinator/router.h"
+#include "loadgen/stats.h"
 #include "sim/sim_instance.h"
 
 namespace duet::sim {
@@ -216,10 +217,8 @@ SimResult simulate(const Profile& profile, const SimOptions& options,
     Metrics::RecentLatency recent;
     for (const loadgen::RequestRecord& r : result.records) {
       if (!r.ok || !r.first_token || r.finished < since) continue;
-      recent.ttft_s.push_back(*r.first_token - r.sent);
-      if (r.received_tokens > 1)
-        recent.tpot_s.push_back((r.finished - *r.first_token) /
-                                static_cast<double>(r.received_tokens - 1));
+      recent.ttft_s.push_back(*loadgen::ttft_of(r));
+      if (const std::optional<double> tpot = loadgen::tpot_of(r)) recent.tpot_s.push_back(*tpot);
     }
     return recent;
   };
