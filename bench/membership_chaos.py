@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Kill and stop instances of a serving cluster for minutes; count what is lost.
 
-Starts `launch/local.sh 0 N --mode colocated` (replacements on), keeps
+Starts `launch/local.sh 0 N --mode colocated` (replacements on; with
+`--prefill P`, the disaggregated `launch/local.sh P N`), keeps
 WORKERS clients sending completions (greedy and seeded, each prompt's text
 known from single-process `duet generate`), and every PERIOD seconds picks
 a live instance process at random and either SIGKILLs it or SIGSTOPs it for
@@ -12,7 +13,7 @@ blocks not free once idle (quarantined ones apart); re-runs; replacements
 started; instances up at the end. Exit code 1 when a request failed or
 differed, or a block leaked.
 
-  python3 bench/membership_chaos.py [--minutes 5] [--period 20] [--instances 2]
+  python3 bench/membership_chaos.py [--minutes 5] [--period 20] [--instances 2] [--prefill 0]
 
 Environment: DUET_BINARY (default build/tools/duet), DUET_MODEL (default the
 setup's model), DUET_MPIRUN. Name the CPU beside any figure you quote.
@@ -94,7 +95,10 @@ def main():
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--period", type=float, default=20.0)
     parser.add_argument("--stop", type=float, default=6.0, help="seconds a SIGSTOP lasts")
-    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--instances", type=int, default=2,
+                        help="colocated instances, or with --prefill the decode ones")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="prefill instances: a disaggregated cluster (0: colocated)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()
@@ -107,9 +111,11 @@ def main():
     tag = f"{os.getpid()}-{time.time_ns()}"
     env = {**os.environ, "DUET_SKIP_SETUP": "1", "DUET_SKIP_BUILD": "1", "DUET_BINARY": binary,
            "DUET_MODEL": model, "DUET_CHAOS_TAG": tag}
+    layout = ([str(args.prefill), str(args.instances)] if args.prefill > 0 else
+              ["0", str(args.instances), "--mode", "colocated"])
     launcher = subprocess.Popen(
-        ["bash", os.path.join(ROOT, "launch", "local.sh"), "0", str(args.instances),
-         "--mode", "colocated", "--kv-cache-mem", "64MiB", "--max-retries", "20"],
+        ["bash", os.path.join(ROOT, "launch", "local.sh"), *layout, "--kv-cache-mem", "64MiB",
+         "--max-retries", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     log = []
     threading.Thread(target=lambda: [log.append(l.rstrip()) for l in launcher.stderr],
@@ -188,7 +194,8 @@ def main():
     rejoins = sum(1 for l in log if "rejoining the cluster" in l)
     launcher.send_signal(signal.SIGTERM)
     code = launcher.wait(180)
-    print(json.dumps({"minutes": args.minutes, "period_s": args.period, "events": len(events),
+    print(json.dumps({"layout": " ".join(layout), "minutes": args.minutes,
+                      "period_s": args.period, "events": len(events),
                       "requests": counts["sent"], "failed": counts["failed"],
                       "differed": counts["differed"], "kv_blocks_leaked": leaked,
                       "kv_blocks_quarantined": quarantined,

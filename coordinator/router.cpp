@@ -257,10 +257,20 @@ void RoutedInstances::submit(InstanceRequest request) {
     placement.arrival = next_arrival_++;
     // The first attempt goes by the request's own id.
     attempt = place(id, std::move(request), placement, stats);
+    if (!attempt && rerun_wait_.count() > 0) {
+      // It waits for an instance as a lost one's request does (tick()).
+      placement.waits_until = std::chrono::steady_clock::now() + rerun_wait_;
+      waiting_.emplace(placement.arrival, id);
+      placements_.emplace(id, std::move(placement));
+      spdlog::warn("request {}: no live instance can take it; it waits up to {} ms for one",
+                   id.value, rerun_wait_.count());
+      return;
+    }
     if (!attempt) {
       throw Error(ErrorKind::kInvalidArgument,
                   "no live instance can take it: every instance it needs was lost");
     }
+    placement.started = true;
     placements_.emplace(id, std::move(placement));
   }
   try {
@@ -280,14 +290,28 @@ void RoutedInstances::submit(InstanceRequest request) {
 void RoutedInstances::cancel(RequestId id) {
   InstanceClient* target = nullptr;
   RequestId attempt;
+  EventHandler handler;
+  InstanceEvent cancelled{.id = id, .finished = true, .finish = InstanceFinish::kCancelled};
   {
     std::lock_guard lock(mutex_);
     const auto it = placements_.find(id);
     if (it == placements_.end()) return;  // finished or unknown
-    target = instances_[it->second.instance].client;
-    attempt = it->second.attempt;
+    if (it->second.waits_until) {
+      // No attempt runs: it ends here.
+      cancelled.retries = it->second.retries;
+      waiting_.erase(it->second.arrival);
+      placements_.erase(it);
+      handler = handler_;
+    } else {
+      target = instances_[it->second.instance].client;
+      attempt = it->second.attempt;
+    }
   }
-  target->cancel(attempt);
+  if (target != nullptr) {
+    target->cancel(attempt);
+  } else if (handler) {
+    handler(std::span(&cancelled, 1));
+  }
 }
 
 // Under mutex_: `id`'s attempt is over without its end (its instance lost,
@@ -316,21 +340,13 @@ void RoutedInstances::again(RequestId id, std::optional<size_t> avoid,
     return;
   }
   std::optional<Attempt> attempt;
-  if (placement.retries < max_retries_) {
-    InstanceRequest request = original;
-    request.id = RequestId{kRerunIdBase + next_attempt_++};
-    request.prompt.insert(request.prompt.end(), placement.delivered.begin(),
-                          placement.delivered.end());
-    request.max_tokens = original.max_tokens - n_delivered;
-    request.n_prompt = static_cast<int64_t>(original.prompt.size());
-    // Away from `avoid` when another instance can take it.
-    bool avoiding = false;
-    for (size_t k = 0; avoid && !lost_[*avoid] && k < instances_.size(); ++k)
-      avoiding =
-          avoiding || (k != *avoid && !lost_[k] && instances_[k].role == instances_[*avoid].role);
-    if (avoiding) lost_[*avoid] = true;
-    attempt = place(id, std::move(request), placement, stats);
-    if (avoiding) lost_[*avoid] = false;
+  if (placement.retries < max_retries_) attempt = rerun(id, placement, avoid, stats);
+  if (!attempt && placement.retries < max_retries_ && rerun_wait_.count() > 0) {
+    placement.waits_until = std::chrono::steady_clock::now() + rerun_wait_;
+    waiting_.emplace(placement.arrival, id);
+    spdlog::warn("request {}: no live instance can take it; it waits up to {} ms for one", id.value,
+                 rerun_wait_.count());
+    return;
   }
   if (!attempt) {
     ++failover_.failed_after_retries;
@@ -351,6 +367,81 @@ void RoutedInstances::again(RequestId id, std::optional<size_t> avoid,
   ++placement.retries;
   ++failover_.reruns;
   reruns.push_back(std::move(*attempt));
+}
+
+std::optional<RoutedInstances::Attempt> RoutedInstances::rerun(
+    RequestId id, Placement& placement, std::optional<size_t> avoid,
+    std::span<const InstanceStats> stats) {
+  const InstanceRequest& original = placement.request;
+  const auto n_delivered = static_cast<int64_t>(placement.delivered.size());
+  InstanceRequest request = original;
+  request.id = RequestId{kRerunIdBase + next_attempt_++};
+  request.prompt.insert(request.prompt.end(), placement.delivered.begin(),
+                        placement.delivered.end());
+  request.max_tokens = original.max_tokens - n_delivered;
+  request.n_prompt = static_cast<int64_t>(original.prompt.size());
+  // Away from `avoid` when another instance can take it.
+  bool avoiding = false;
+  for (size_t k = 0; avoid && !lost_[*avoid] && k < instances_.size(); ++k)
+    avoiding =
+        avoiding || (k != *avoid && !lost_[k] && instances_[k].role == instances_[*avoid].role);
+  if (avoiding) lost_[*avoid] = true;
+  std::optional<Attempt> attempt = place(id, std::move(request), placement, stats);
+  if (avoiding) lost_[*avoid] = false;
+  return attempt;
+}
+
+void RoutedInstances::set_rerun_wait(std::chrono::milliseconds wait) {
+  std::lock_guard lock(mutex_);
+  rerun_wait_ = wait;
+}
+
+void RoutedInstances::tick() {
+  {
+    std::lock_guard lock(mutex_);
+    if (waiting_.empty()) return;
+  }
+  const std::vector<InstanceStats> stats = all_stats();
+  std::vector<Attempt> reruns;
+  std::vector<InstanceEvent> ended;
+  EventHandler handler;
+  {
+    std::lock_guard lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      const RequestId id = it->second;
+      Placement& placement = placements_.at(id);
+      std::optional<Attempt> attempt = rerun(id, placement, std::nullopt, stats);
+      if (attempt) {
+        spdlog::info("request {}: an instance can take it now", id.value);
+        placement.waits_until.reset();
+        if (placement.started) {
+          ++placement.retries;
+          ++failover_.reruns;
+        }
+        placement.started = true;
+        reruns.push_back(std::move(*attempt));
+      } else if (now >= *placement.waits_until) {
+        ++failover_.failed_after_retries;
+        ended.push_back(
+            {.id = id,
+             .finished = true,
+             .finish = InstanceFinish::kFailed,
+             .error = ServeError{ServeErrorKind::kUnavailable,
+                                 fmt::format("no live instance could take it within {} ms",
+                                             rerun_wait_.count())},
+             .retries = placement.retries});
+        placements_.erase(id);
+      } else {
+        ++it;
+        continue;
+      }
+      it = waiting_.erase(it);
+    }
+    handler = handler_;
+  }
+  submit_reruns(reruns, ended);
+  if (handler && !ended.empty()) handler(ended);
 }
 
 // Outside mutex_: submits the re-runs; one refused ends its request (into `ended`).

@@ -14,7 +14,10 @@
 // (the same tokens follow: docs/FAILURES.md, "What Duet does"). One lost in
 // prefill has its old attempt cancelled on its decode instance first. After
 // max_retries re-runs, or with no live instance that can take it, it ends
-// kUnavailable. An old attempt's events are dropped.
+// kUnavailable; with a rerun wait (set_rerun_wait), one that no live
+// instance can take waits that long for one (a replacement that joins, a
+// rank that rejoins, a role change), placed at the first tick() that finds
+// one, and so does a new request. An old attempt's events are dropped.
 //
 // Roles are the router's alone: an engine runs what it is sent (a whole
 // request, a prompt to ship, or a request whose KV comes from a peer), so an
@@ -24,6 +27,7 @@
 // instances beside prefill and decode ones.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -144,6 +148,15 @@ class RoutedInstances final : public InstanceClient, public ClusterAdmin {
   // should be nothing, runs again), but reported as left, not lost.
   void instance_left(size_t instance, std::string reason);
 
+  // How long a re-run, or a new request, that no live instance can take
+  // waits for one (above); 0, the default: it ends (is refused) at once.
+  // Before serving.
+  void set_rerun_wait(std::chrono::milliseconds wait);
+  // Any thread, every so often (the coordinator's dispatcher: a few times a
+  // lease): the waiting re-runs that an instance can take now go there, in
+  // order of arrival; those past their wait end kUnavailable.
+  void tick();
+
   // Instance `instance` is lost (any thread; once is enough, again is a
   // no-op): no new work goes there, and its requests are re-run (above).
   // `epoch` and `reason` are reported in health().
@@ -196,6 +209,9 @@ class RoutedInstances final : public InstanceClient, public ClusterAdmin {
     RequestId attempt;  // the id the instance knows this attempt by
     int32_t retries = 0;
     uint64_t arrival = 0;  // order of arrival at the router
+    // Waiting for an instance to take it (no attempt runs) until then.
+    std::optional<std::chrono::steady_clock::time_point> waits_until;
+    bool started = false;  // an attempt was placed (the next is a re-run)
   };
   struct Attempt {
     InstanceRequest request;  // to submit (attempt id, prefill peer set)
@@ -215,6 +231,10 @@ class RoutedInstances final : public InstanceClient, public ClusterAdmin {
   void unbook(const Placement& placement);
   void again(RequestId id, std::optional<size_t> avoid, std::span<const InstanceStats> stats,
              std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended);
+  // Under mutex_: `id`'s next attempt, placed (away from `avoid` when another
+  // instance can take it) and booked; nullopt when no live instance can take it.
+  std::optional<Attempt> rerun(RequestId id, Placement& placement, std::optional<size_t> avoid,
+                               std::span<const InstanceStats> stats);
   void submit_reruns(std::vector<Attempt>& reruns, std::vector<InstanceEvent>& ended);
   std::vector<InstanceStats> all_stats() const;  // outside mutex_
   // Under mutex_: the model of `instance` agrees with the first instance's
@@ -241,6 +261,7 @@ class RoutedInstances final : public InstanceClient, public ClusterAdmin {
   InstanceInfo info_;
 
   const int max_retries_;
+  std::chrono::milliseconds rerun_wait_{0};
 
   mutable std::mutex mutex_;  // guards the members below
   EventHandler handler_;
@@ -262,6 +283,7 @@ class RoutedInstances final : public InstanceClient, public ClusterAdmin {
   std::vector<std::optional<InstanceRole>> switching_to_;
   size_t n_started_ = 0;                                    // instances given to the constructor
   std::vector<std::pair<uint64_t, std::string>> lost_why_;  // per instance: epoch, reason
+  std::map<uint64_t, RequestId> waiting_;  // re-runs that wait (Placement::waits_until), by arrival
   uint64_t next_arrival_ = 0;
   uint64_t next_attempt_ = 1;
   FailoverCounters failover_;

@@ -48,6 +48,7 @@ void RoutedInstances::remove_instance(size_t instance,
   // Its requests, and those whose prompt it was computing, by arrival.
   std::vector<std::pair<uint64_t, RequestId>> hit;
   for (const auto& [id, placement] : placements_) {
+    if (placement.waits_until) continue;  // no attempt of it runs anywhere
     if (placement.instance == instance || placement.prefill == instance)
       hit.emplace_back(placement.arrival, id);
   }

@@ -20,18 +20,20 @@
 # SIGTERM sent to mpirun directly still lets the cluster drain (README:
 # stopping a cluster).
 #
-# Replacements (colocated clusters of one-rank instances): the coordinator
-# opens a join port with a cluster key of this run's own, and while the
-# cluster serves this script keeps its P + D instances: when /metrics shows
-# fewer up than that, it starts a replacement on this host (with a hostfile:
-# on the lost instance's host, by an mpirun of its own) that joins the
-# running cluster (`duet serve --join`, README: joining a running cluster)
-# and says how long the loss took to mend. DUET_REPLACE=0 turns this off.
-# Disaggregated or tensor-parallel clusters are not mended yet: a joined
-# instance is colocated and of one rank.
+# Replacements (clusters of one-rank instances; disaggregated ones on the
+# CPU): the coordinator opens a join port with a cluster key of this run's
+# own, and while the cluster serves this script keeps its P + D instances:
+# when /metrics shows fewer up than that, it starts a replacement on this
+# host (with a hostfile: on the lost instance's host, by an mpirun of its
+# own) that joins the running cluster (`duet serve --join`, README: joining
+# a running cluster) and says how long the loss took to mend. In a
+# disaggregated cluster the replacement takes the role that has fewer
+# instances up than the cluster started with (prefill first). DUET_REPLACE=0
+# turns this off. Tensor-parallel clusters are not mended yet: a joined
+# instance is of one rank.
 #
 # Counts that follow the load (DUET_MAX_EXTRA=N, with `--rebalance auto
-# --slo ...` among the arguments, same clusters): the coordinator publishes
+# --slo ...` among the arguments, colocated clusters): the coordinator publishes
 # how many instances its load wants (duet_cluster_instances_wanted: one more
 # while a latency target is missed, one fewer while every one is under half
 # its target or nothing runs), and this script starts joined instances up
@@ -57,7 +59,7 @@
 #   DUET_MPIRUN_ARGS    more mpirun options, split on spaces
 #   DUET_HOSTFILE       an Open MPI hostfile (launch/hostfile.sh sets it); without
 #                       one every rank runs here, oversubscribing the cores
-#   DUET_REPLACE        1 (default): replace lost instances (colocated, tp 1); 0: do not
+#   DUET_REPLACE        1 (default): replace lost instances (tp 1); 0: do not
 #   DUET_JOIN_PORT      the coordinator's join port for replacements and for lost ranks
 #                       that wake and rejoin (default: a free port picked at start; with
 #                       a hostfile 0, any free one, which the ranks cannot rejoin on)
@@ -77,7 +79,7 @@ decode=$2
 shift 2
 # Tensor parallelism: an instance takes --tp ranks (--prefill-tp and
 # --decode-tp for one kind), so mpirun must start that many.
-tp=1 prefill_tp='' decode_tp='' drain_timeout=30 mode=disaggregated
+tp=1 prefill_tp='' decode_tp='' drain_timeout=30 mode=disaggregated device=cpu
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
@@ -91,6 +93,8 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     --prefill-tp=*) prefill_tp=${args[i]#*=} ;;
     --decode-tp) decode_tp=${args[i + 1]:-1} ;;
     --decode-tp=*) decode_tp=${args[i]#*=} ;;
+    --device) device=${args[i + 1]:-cpu} ;;
+    --device=*) device=${args[i]#*=} ;;
   esac
 done
 ranks=$((1 + prefill * ${prefill_tp:-$tp} + decode * ${decode_tp:-$tp}))
@@ -170,11 +174,13 @@ stop() {
   fi
 }
 
-# Replacements need joins: a colocated cluster of one-rank instances.
+# Replacements need joins: one-rank instances, prefill and decode ones on
+# the CPU (their KV links are TCP).
 replace=0
 join_args=()
 if [ "${DUET_REPLACE:-1}" = 1 ]; then
-  if [ "$mode" = colocated ] && [ "${prefill_tp:-$tp}" = 1 ] && [ "${decode_tp:-$tp}" = 1 ]; then
+  if [ "${prefill_tp:-$tp}" = 1 ] && [ "${decode_tp:-$tp}" = 1 ] &&
+    { [ "$mode" = colocated ] || [ "$device" = cpu ]; }; then
     replace=1
     (umask 077 && head -c 32 /dev/urandom | base64 >"$work/cluster.key")
     # A known number (not 0): the ranks read it too, to rejoin after a loss
@@ -185,7 +191,7 @@ if [ "${DUET_REPLACE:-1}" = 1 ]; then
     fi
     join_args=(--join-port "$join_port" --cluster-key "$work/cluster.key")
   else
-    say "lost instances will not be replaced: a joined instance is colocated and of one rank (--mode colocated, tp 1)"
+    say "lost instances will not be replaced: a joined instance is of one rank (tp 1), and a prefill or decode one runs on the CPU"
   fi
 fi
 
@@ -262,7 +268,7 @@ rank_host() {
 # port; its log goes to stderr. Called every half second while the cluster serves.
 replacements=0
 served=0  # replacements that said they serve
-declare -A starting=()  # pid -> "host when-the-need-was-seen log-file loss|load"
+declare -A starting=()  # pid -> "host when-the-need-was-seen log-file loss|load role"
 lost_since=""
 leaving=""  # the joined instance asked to leave, until it exits
 keep_counts() {
@@ -271,9 +277,10 @@ keep_counts() {
   metrics=$(curl -s --max-time 2 "http://$http/metrics") || return 0
   up=$(awk '/^duet_instance_up\{/ { n += $NF } END { print n + 0 }' <<<"$metrics")
   joined=$(awk '/^duet_instances_joined_total / { print $2 + 0 }' <<<"$metrics")
-  local why
+  local why role up_prefill starting_prefill=0
+  up_prefill=$(awk '/^duet_instance_up\{/ && /role="prefill"/ { n += $NF } END { print n + 0 }' <<<"$metrics")
   for pid in "${!starting[@]}"; do
-    read -r host lost_at log why <<<"${starting[$pid]}"
+    read -r host lost_at log why role <<<"${starting[$pid]}"
     local what=replacement since="the loss was seen"
     [ "$why" = load ] && what="joined instance" since="the load asked for it"
     if ! kill -0 "$pid" 2>/dev/null; then
@@ -285,6 +292,7 @@ keep_counts() {
       served=$((served + 1))
     else
       n_starting=$((n_starting + 1))
+      [ "$role" != prefill ] || starting_prefill=$((starting_prefill + 1))
     fi
   done
   # A replacement that serves but that the coordinator has not counted yet
@@ -292,7 +300,8 @@ keep_counts() {
   [ "${joined:-0}" -ge "$served" ] || n_starting=$((n_starting + served - ${joined:-0}))
   local want=$((prefill + decode)) wanted
   wanted=$(awk '/^duet_cluster_instances_wanted / { print int($2) }' <<<"$metrics")
-  if [ "${DUET_MAX_EXTRA:-0}" -gt 0 ] && [ -n "$wanted" ] && [ "$wanted" -gt "$want" ]; then
+  if [ "${DUET_MAX_EXTRA:-0}" -gt 0 ] && [ "$mode" = colocated ] && [ -n "$wanted" ] &&
+    [ "$wanted" -gt "$want" ]; then
     want=$((wanted < want + DUET_MAX_EXTRA ? wanted : want + DUET_MAX_EXTRA))
   fi
   [ -z "$leaving" ] || kill -0 "$leaving" 2>/dev/null || leaving=""
@@ -322,15 +331,26 @@ keep_counts() {
     if [ -n "$leader" ] && [ "$leader" -ge 0 ] 2>/dev/null && [ "$leader" -lt "$ranks" ]; then
       host=$(rank_host "$leader")
     fi
+    # Its role: a disaggregated cluster's prefill side first, while it has
+    # fewer up (or starting) than the cluster started with.
+    role=both
+    if [ "$mode" != colocated ]; then
+      role=decode
+      if [ $((up_prefill + starting_prefill)) -lt "$prefill" ]; then
+        role=prefill
+        starting_prefill=$((starting_prefill + 1))
+      fi
+    fi
     replacements=$((replacements + 1))
     local join_host=127.0.0.1
     log=$work/replacement-$replacements.log
-    local replacement=("$duet" serve --model "$model" --threads "${DUET_THREADS:-1}"
+    local member=(serve --model "$model" --threads "${DUET_THREADS:-1}" --role "$role")
+    local replacement=("$duet" "${member[@]}"
       --join "$join_host:$(cat "$work/join_port")" --cluster-key "$work/cluster.key" "$@")
     if [ "$host" != localhost ]; then
       join_host=$(rank_host 0)
       replacement=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" --host "$host" -np 1
-        "$duet" serve --model "$model" --threads "${DUET_THREADS:-1}"
+        "$duet" "${member[@]}"
         --join "$join_host:$(cat "$work/join_port")" --cluster-key "$work/cluster.key" "$@")
     fi
     : >"$log"
@@ -339,11 +359,11 @@ keep_counts() {
     pid=$!
     all_replacements+=("$pid")
     if [ $((up + n_starting)) -ge $((prefill + decode)) ]; then
-      starting[$pid]="$host $lost_since $log load"
+      starting[$pid]="$host $lost_since $log load $role"
       say "the load wants $want instances ($up up): joined instance $replacements (pid $pid) starting on $host"
     else
-      starting[$pid]="$host $lost_since $log loss"
-      say "an instance is down ($up of $want up): replacement $replacements (pid $pid) starting on $host"
+      starting[$pid]="$host $lost_since $log loss $role"
+      say "an instance is down ($up of $want up): replacement $replacements ($role, pid $pid) starting on $host"
     fi
     n_starting=$((n_starting + 1))
   done

@@ -41,8 +41,10 @@
 #include "tools/serve_command.h"
 #include "worker/cluster_instance.h"
 #include "worker/parallel/mpi_collective.h"
+#include "worker/transfer/kv_member_links.h"
 #include "worker/transfer/kv_transfer_adapter.h"
 #include "worker/transfer/kv_transfer_config.h"
+#include "worker/transfer/split_kv_transfer.h"
 #include "worker/transfer/transfer_kind.h"
 #include "worker/transfer/transfer_setup.h"
 
@@ -95,8 +97,65 @@ ClusterSpec serving_spec(const ClusterFlags& flags, int world_size, const std::s
   return spec;
 }
 
+// Instances that join a disaggregated cluster link their KV with every
+// instance rank (worker/transfer/kv_member_links.h): each rank listens, its
+// transfer splits between the job's ranks and the members, and the
+// coordinator learns every listener (one all-gather). CPU instances with a
+// join port and a key only; collective over MPI_COMM_WORLD (every rank
+// decides alike from the same flags).
+struct MemberKvLinks {
+  std::unique_ptr<KvLinkListener> listener;  // an instance rank's
+  std::vector<KvLinkAddress> addresses;      // the coordinator's: every listener
+};
+
+bool takes_kv_members(const ClusterSpec& spec, const ServeArgs& args) {
+  return spec.mode == ClusterMode::kDisaggregated && args.join_port >= 0 &&
+         !args.cluster_key_file.empty() && args.device == "cpu";
+}
+
+// This rank's transfer, split between `job` (the transfer made at start-up)
+// and the members, with the listener for their links in `links`.
+std::unique_ptr<KvTransfer> open_member_kv_links(const MpiRuntime& mpi, const ClusterSpec& spec,
+                                                 std::span<const RankPlacement> placements,
+                                                 const ServeArgs& args, const KvTransferConfig& kv,
+                                                 std::unique_ptr<KvTransferAdapter> job,
+                                                 MemberKvLinks& links) {
+  TcpAddress own;
+  if (spec.instance_of(mpi.rank()) != nullptr && job != nullptr) {
+    try {
+      links.listener =
+          std::make_unique<KvLinkListener>(ClusterKey::from_file(args.cluster_key_file));
+      const KvLinkAddress address = links.listener->address(mpi.rank().value, "");
+      own = {address.port, address.ipv4};
+    } catch (const std::exception& e) {
+      spdlog::warn("rank {}: no KV links with joined instances: {}", mpi.rank().value, e.what());
+      links.listener.reset();
+    }
+  }
+  const std::vector<std::byte> all = mpi.all_gather(own.encode());
+  if (mpi.rank() == kCoordinatorRank) {
+    for (int rank = 0; rank < mpi.world_size(); ++rank) {
+      const TcpAddress address = TcpAddress::decode(std::span(all).subspan(
+          static_cast<size_t>(rank) * TcpAddress::kRecordBytes, TcpAddress::kRecordBytes));
+      if (address.port != 0) {
+        links.addresses.push_back({rank, placements[static_cast<size_t>(rank)].host, address.port,
+                                   address.ipv4, spec.instance_of(Rank{rank})->leader().value});
+      }
+    }
+  }
+  if (links.listener == nullptr) return job;
+  auto split = std::make_unique<SplitKvTransfer>(
+      std::move(job),
+      std::make_unique<TcpKvTransfer>(mpi.rank().value, std::map<int, int>{},
+                                      TcpKvTransferOptions{kv.checksums, kv.drop_rows_of}),
+      mpi.world_size());
+  links.listener->start(
+      [members = &split->members()](int rank, int fd) { members->add_peer(rank, fd); });
+  return split;
+}
+
 int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const ServeArgs& args,
-                      const sigset_t& signals) {
+                      const sigset_t& signals, std::vector<KvLinkAddress> kv_links) {
   std::optional<Tokenizer> tokenizer;
   std::optional<ChatTemplateKind> chat;
   bool split_reasoning = false;
@@ -118,6 +177,9 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
   options.close_timeout = kCloseTimeout;
   options.instance_lease = serve::instance_lease(args);
   options.max_retries = args.max_retries;
+  // Only where an instance can come back: a replacement or a woken rank joins.
+  if (args.join_port >= 0)
+    options.rerun_wait = std::chrono::milliseconds(static_cast<int64_t>(args.rerun_wait_s * 1000));
   // Rebalancing: checked before any instance is waited for.
   std::optional<SloTargets> slo;
   if (args.rebalance == "auto") {
@@ -145,6 +207,7 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
     }
   }
   if (args.join_port >= 0) options.join_port = static_cast<uint16_t>(args.join_port);
+  options.kv_links = std::move(kv_links);
   ClusterCoordinator cluster(channel, spec, options);
   Service service(cluster.router(), *tokenizer, chat, serve::model_name(args),
                   serve::service_limits(args));
@@ -161,7 +224,7 @@ int serve_coordinator(ControlChannel& channel, const ClusterSpec& spec, const Se
 }
 
 // This rank's part of its instance, with the serve flags as its options.
-int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
+int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransfer* transfer,
                    Collective& collective, const ClusterSpec& spec,
                    std::span<const RankPlacement> placements, const ServeArgs& args, int device,
                    const sigset_t& signals) {
@@ -176,19 +239,18 @@ int serve_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* 
   options.engine_config = [&](const LlamaModel& shard, std::vector<int32_t> end_of_generation) {
     return serve::engine_config(args, shard, std::move(end_of_generation), device);
   };
-  // Rejoin: a colocated cluster whose coordinator opened a known join port
+  // Rejoin: a cluster on CPUs whose coordinator opened a known join port
   // (--join-port N, not 0: every rank reads the same flags) with a key.
-  if (spec.mode == ClusterMode::kColocated && args.join_port > 0 &&
-      !args.cluster_key_file.empty() && device < 0) {
+  if (args.join_port > 0 && !args.cluster_key_file.empty() && device < 0) {
     const std::string& coordinator_host = placements[kCoordinatorRank.value].host;
     const bool one_host =
         std::all_of(placements.begin(), placements.end(),
                     [&](const RankPlacement& p) { return p.host == coordinator_host; });
     const std::string address =
         fmt::format("{}:{}", one_host ? "127.0.0.1" : coordinator_host, args.join_port);
-    options.rejoin = [&args, address, &signals](const LlamaModel& model,
+    options.rejoin = [&args, address, &signals](InstanceRole role, const LlamaModel& model,
                                                 const EngineConfig& config) {
-      return rejoin_as_member(args, address, model, config, signals);
+      return rejoin_as_member(args, address, role, model, config, signals);
     };
   }
   return serve_cluster_instance(mpi, channel, transfer, collective, spec, placements, options);
@@ -227,8 +289,15 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
       kv.drop_rows_of = std::strtoull(drop, nullptr, 10);
     // Every rank makes one (its start-up is collective); over TCP, a rank
     // that moves no KV has none.
-    std::unique_ptr<KvTransferAdapter> transfer =
-        make_kv_transfer(kv, mpi, channel, spec, placements);
+    std::unique_ptr<KvTransferAdapter> made = make_kv_transfer(kv, mpi, channel, spec, placements);
+    std::unique_ptr<KvTransfer> transfer;
+    MemberKvLinks member_links;  // destroyed before the transfer it adds links to
+    if (takes_kv_members(spec, args)) {
+      transfer =
+          open_member_kv_links(mpi, spec, placements, args, kv, std::move(made), member_links);
+    } else {
+      transfer = std::move(made);
+    }
     if (mpi.rank() == kCoordinatorRank) {
       spdlog::info(
           "control channel: coordinator to ranks over {} (--control-transport {}; ranks "
@@ -252,6 +321,7 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
         instance_handshake(channel, spec);
       }
     } catch (const Error&) {
+      member_links.listener.reset();
       transfer.reset();
       channel.close(10s);  // so that the verdict reaches every rank
       throw;
@@ -280,10 +350,11 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals) {
             hosts.size(), on_mpi);
       }
     }
-    const int code = mpi.rank() == kCoordinatorRank
-                         ? serve_coordinator(channel, spec, args, signals)
-                         : serve_instance(mpi, channel, transfer.get(), collective, spec,
-                                          placements, args, placement.device, signals);
+    const int code =
+        mpi.rank() == kCoordinatorRank
+            ? serve_coordinator(channel, spec, args, signals, std::move(member_links.addresses))
+            : serve_instance(mpi, channel, transfer.get(), collective, spec, placements, args,
+                             placement.device, signals);
     // After a loss MPI_Finalize could wait on a dead rank forever.
     if (channel.forgot_any()) mpi.leave_without_finalize();
     spdlog::info("rank {}: exiting with code {}{}", mpi.rank().value, code,

@@ -164,10 +164,17 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->check(CLI::Range(0, 100))
       ->capture_default_str()
       ->group(group);
+  cmd->add_option("--rerun-wait", args.rerun_wait_s,
+                  "With --join-port: seconds a request whose instances were lost waits for an "
+                  "instance that can take it (a replacement that joins, a rank that rejoins) "
+                  "before it fails")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str()
+      ->group(group);
   cmd->add_option("--join-port", args.join_port,
                   "The coordinator (rank 0): instances may join the running cluster on this TCP "
                   "port (0: any free port, logged), proving --cluster-key; with a port number, "
-                  "a colocated one-rank instance's rank that wakes after its loss rejoins there")
+                  "a one-rank CPU instance's rank that wakes after its loss rejoins there")
       ->check(CLI::Range(0, 65535))
       ->group(group);
   cmd->add_option("--join", args.join,
@@ -175,7 +182,9 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
                   "--join-port) as one instance, instead of starting one; leaves on SIGTERM once "
                   "its requests are done")
       ->group(group);
-  cmd->add_option("--role", args.role, "With --join: the instance's role")
+  cmd->add_option("--role", args.role,
+                  "With --join: the instance's role (both into a colocated cluster, prefill or "
+                  "decode into a disaggregated one)")
       ->check(CLI::IsMember({"both", "prefill", "decode"}))
       ->capture_default_str()
       ->group(group);

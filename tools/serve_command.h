@@ -70,6 +70,9 @@ struct ServeArgs {
   // lost; its requests are re-run at most max_retries times.
   double instance_lease_s = 3.0;
   int max_retries = 2;
+  // A re-run that no live instance can take waits this long for one (a
+  // replacement that joins, a rank that rejoins): clusters with a join port.
+  double rerun_wait_s = 30.0;
   // Stopping (SIGTERM/SIGINT): the longest running requests may take to
   // finish while new ones are refused; those left then end `unavailable`.
   double drain_timeout_s = 30.0;
@@ -149,12 +152,12 @@ int run_cluster_serve(const ServeArgs& args, const sigset_t& signals);
 // An instance that joins a running cluster (tools/serve_join.cpp).
 int run_join_serve(const ServeArgs& args, const sigset_t& signals);
 
-// A rank of the mpirun job whose colocated one-rank instance was counted
-// lost while it lives: joins the cluster at `address` (the coordinator's
-// join port, with --cluster-key) as a new member with `model`, trying for
-// up to a minute, and serves as members do (tools/serve_join.cpp). Returns
-// the exit code.
-int rejoin_as_member(const ServeArgs& args, const std::string& address, const LlamaModel& model,
-                     const EngineConfig& config, const sigset_t& signals);
+// A rank of the mpirun job whose one-rank instance was counted lost while
+// it lives: joins the cluster at `address` (the coordinator's join port,
+// with --cluster-key) as a new member of `role` with `model`, trying for up
+// to a minute, and serves as members do (tools/serve_join.cpp). Returns the
+// exit code.
+int rejoin_as_member(const ServeArgs& args, const std::string& address, InstanceRole role,
+                     const LlamaModel& model, const EngineConfig& config, const sigset_t& signals);
 
 }  // namespace duet::tools

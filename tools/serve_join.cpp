@@ -42,6 +42,8 @@
 #include "worker/instance_server.h"
 #include "worker/local_instance.h"
 #include "worker/rank_liveness.h"
+#include "worker/transfer/kv_member_links.h"
+#include "worker/transfer/tcp_kv_transfer.h"
 
 namespace duet::tools {
 namespace {
@@ -183,27 +185,61 @@ std::optional<JoinVerdict> join(const std::string& address, const ClusterKey& ke
   }
 }
 
+// A prefill or decode member's KV transfer (worker/transfer/kv_member_links.h):
+// links taken on `listener` from now on, then dialled to every rank of the
+// verdict; a rank not reached is lost to it. `listener` outlives the transfer
+// only until the caller drops it, first.
+std::unique_ptr<TcpKvTransfer> open_kv_links(const ServeArgs& args, const ClusterKey& key,
+                                             const JoinVerdict& verdict, KvLinkListener& listener,
+                                             PeerLinks& peers) {
+  const int self = verdict.member.value;
+  auto transfer = std::make_unique<TcpKvTransfer>(self, std::map<int, int>{},
+                                                  TcpKvTransferOptions{args.kv_checksums});
+  listener.start([members = transfer.get()](int rank, int fd) { members->add_peer(rank, fd); });
+  const std::map<int, int> links = dial_kv_links(self, verdict.kv_peers, host_name(), key);
+  std::vector<Rank> unreached;
+  for (const KvLinkAddress& peer : verdict.kv_peers) {
+    if (const auto it = links.find(peer.rank); it != links.end()) {
+      transfer->add_peer(peer.rank, it->second);
+    } else {
+      unreached.push_back(Rank{peer.rank});
+    }
+    // A tensor-parallel instance's KV comes from, and goes to, each of its ranks.
+    peers.instance_ranks[peer.leader].push_back(peer.rank);
+  }
+  if (!unreached.empty()) transfer->peers_lost(unreached);
+  spdlog::info("kv transfer: KV links with {} of {} ranks", links.size(), verdict.kv_peers.size());
+  peers.transfer = transfer.get();
+  peers.transfer_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(args.kv_transfer_timeout_s * 1000.0));
+  return transfer;
+}
+
 // One membership: the instance behind an InstanceServer over the joined
-// channel, until the coordinator's Shutdown, a leave, or a loss.
-Membership serve_member(const ServeArgs& args, const LlamaModel& model,
+// channel, until the coordinator's Shutdown, a leave, or a loss. A prefill
+// or decode member brings the listener its request named.
+Membership serve_member(const ServeArgs& args, const ClusterKey& key, const LlamaModel& model,
                         const cpu::KernelTable& kernels, const EngineConfig& config,
                         InstanceRole role, const JoinVerdict& verdict, int socket,
-                        const sigset_t& signals) {
+                        std::unique_ptr<KvLinkListener> listener, const sigset_t& signals) {
   ControlChannelOptions options;
   options.transport = Transport::kTcp;
   ControlChannel channel(JoinedLink{verdict.member, socket}, options);
   const InstanceSpec self{verdict.instance_id, role, 1, {verdict.member}};
+  PeerLinks peers;
+  std::unique_ptr<TcpKvTransfer> transfer;
+  if (listener != nullptr) transfer = open_kv_links(args, key, verdict, *listener, peers);
   // Lost (stalled past the lease, or cut off): the server stops, the
   // instance and its KV go, and the caller joins again as a new member.
   LossLatch latch;
-  RankLiveness liveness(channel, nullptr, nullptr, self,
+  RankLiveness liveness(channel, transfer.get(), nullptr, self,
                         std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms),
                         [&latch](const std::string& why) { latch.lost(why); });
   InstanceStats stats;
   std::string reason;
   {
     cpu::ThreadPool pool(serve::compute_threads(args));
-    LocalInstance instance(model, kernels, pool, config, serve::model_name(args));
+    LocalInstance instance(model, kernels, pool, config, serve::model_name(args), peers);
     InstanceServer server(channel, instance, verdict.instance_id);
     liveness.watch([&instance] { return instance.progress(); });
     Leaver leaver(channel, instance, server, verdict.instance_id, signals,
@@ -220,6 +256,7 @@ Membership serve_member(const ServeArgs& args, const LlamaModel& model,
   }  // the engine has stopped: what it held is dropped with it
   spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
                stats.steps, stats.generated_tokens);
+  listener.reset();  // before the transfer it adds links to
   const bool closed = channel.close(kCloseTimeout);
   return {closed ? 0 : 1, latch.is_lost()};
 }
@@ -237,6 +274,12 @@ int membership_loop(const ServeArgs& args, const ClusterKey& key, const std::str
   request.tp = 1;
   request.host = host_name();
   for (;;) {
+    // A prefill or decode instance listens for KV links before it joins.
+    std::unique_ptr<KvLinkListener> listener;
+    if (role != InstanceRole::kBoth) {
+      listener = std::make_unique<KvLinkListener>(key);
+      request.kv = listener->address(-1, request.host);
+    }
     int socket = -1;
     const std::optional<JoinVerdict> verdict = join(address, key, request, window, signals, socket);
     if (!verdict) {
@@ -245,8 +288,8 @@ int membership_loop(const ServeArgs& args, const ClusterKey& key, const std::str
     }
     spdlog::info("joined the cluster at {} as instance {} (member {})", address,
                  verdict->instance_id, verdict->member.value);
-    const Membership membership =
-        serve_member(args, model, kernels, config, role, *verdict, socket, signals);
+    const Membership membership = serve_member(args, key, model, kernels, config, role, *verdict,
+                                               socket, std::move(listener), signals);
     if (!membership.lost) return membership.code;
     if (stop_signal_pending(signals)) return 0;
     // Its requests run elsewhere now; it comes back as a new member, with
@@ -258,12 +301,12 @@ int membership_loop(const ServeArgs& args, const ClusterKey& key, const std::str
 
 }  // namespace
 
-int rejoin_as_member(const ServeArgs& args, const std::string& address, const LlamaModel& model,
-                     const EngineConfig& config, const sigset_t& signals) {
+int rejoin_as_member(const ServeArgs& args, const std::string& address, InstanceRole role,
+                     const LlamaModel& model, const EngineConfig& config, const sigset_t& signals) {
   spdlog::warn("rejoining the cluster at {} as a new member", address);
   return membership_loop(args, ClusterKey::from_file(args.cluster_key_file), address, model,
-                         cpu::kernel_table(cpu::isa_from_environment()), config,
-                         InstanceRole::kBoth, kRejoinWindow, signals);
+                         cpu::kernel_table(cpu::isa_from_environment()), config, role,
+                         kRejoinWindow, signals);
 }
 
 int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
@@ -273,6 +316,10 @@ int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
     const ClusterKey key = ClusterKey::from_file(args.cluster_key_file);
     const InstanceRole role = parse_instance_role(args.role);
     const int device = parse_device(args.device);
+    if (role != InstanceRole::kBoth && device >= 0) {
+      throw Error(ErrorKind::kUnsupported,
+                  "a prefill or decode instance joins on the CPU only (its KV moves over TCP)");
+    }
     require_device(device);
     const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
     std::unique_ptr<LlamaModel> model =

@@ -39,8 +39,8 @@ bool all_loaded(Collective& collective, bool loaded) {
   return std::all_of(all.begin(), all.end(), [](std::byte b) { return b == std::byte{1}; });
 }
 
-void log_transfer(const InstanceSpec& self, Rank rank, const KvTransferAdapter& transfer) {
-  const KvTransferAdapter::Counters c = transfer.counters();
+void log_transfer(const InstanceSpec& self, Rank rank, const KvTransfer& transfer) {
+  const KvTransfer::Counters c = transfer.counters();
   spdlog::info(
       "instance {} (rank {}): kv transfer: {} messages ({} bytes) sent, {} ({} bytes) "
       "received, {} rows messages dropped, {} imports completed, {} failed; rows by "
@@ -146,13 +146,13 @@ void lead_instance(ControlChannel& channel, RankLiveness& liveness, LossLatch* l
 
 }  // namespace
 
-int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
+int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransfer* transfer,
                            Collective& collective, const ClusterSpec& spec,
                            std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options) {
   const InstanceSpec& self = *spec.instance_of(channel.rank());
   // A loss this rank lives through stops its server, and it rejoins.
-  const bool may_rejoin = options.rejoin && self.role == InstanceRole::kBoth && self.tp == 1;
+  const bool may_rejoin = options.rejoin && self.tp == 1;
   LossLatch latch;
   EngineConfig config;
   // Outlives the engine (whose CUDA graphs captured the communicator's
@@ -198,7 +198,7 @@ int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferA
     // handshake to wait for; MPI is not finalized (RankLiveness).
     liveness.reset();
     channel.close(std::chrono::milliseconds(0));
-    return options.rejoin(*model, config);
+    return options.rejoin(self.role, *model, config);
   }
   return channel.close(kCloseTimeout) ? 0 : 1;
 }

@@ -24,7 +24,7 @@
 #include "worker/engine.h"
 #include "worker/model/llama_model.h"
 #include "worker/parallel/collective.h"
-#include "worker/transfer/kv_transfer_adapter.h"
+#include "worker/transfer/kv_transfer.h"
 #include "worker/transfer/transfer_kind.h"
 
 namespace duet {
@@ -44,12 +44,12 @@ struct ClusterInstanceOptions {
   // blocks). May throw: the rank then reports it could not load.
   std::function<EngineConfig(const LlamaModel& shard, std::vector<int32_t> end_of_generation)>
       engine_config;
-  // A colocated instance of one rank, counted lost while it lives: instead
-  // of leaving the process, once its engine has stopped (what it held runs
+  // An instance of one rank, counted lost while it lives: instead of
+  // leaving the process, once its engine has stopped (what it held runs
   // elsewhere; its KV goes with the engine) and its channel is closed, this
-  // is called with its model and configuration and its result returned
+  // is called with its role, model and configuration and its result returned
   // (tools: it joins the cluster again as a new member). Empty: it leaves.
-  std::function<int(const LlamaModel& model, const EngineConfig& config)> rejoin;
+  std::function<int(InstanceRole role, const LlamaModel& model, const EngineConfig& config)> rejoin;
 };
 
 // This rank's part of its instance in `spec`, until the coordinator's
@@ -60,7 +60,7 @@ struct ClusterInstanceOptions {
 // instance is lost leaves the process from there (or rejoins: `rejoin`). Closes the channel before
 // returning. Returns the exit code: 0, 1 when not every rank closed in
 // time, 2 when the instance could not start.
-int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransferAdapter* transfer,
+int serve_cluster_instance(MpiRuntime& mpi, ControlChannel& channel, KvTransfer* transfer,
                            Collective& collective, const ClusterSpec& spec,
                            std::span<const RankPlacement> placements,
                            const ClusterInstanceOptions& options);

@@ -12,7 +12,7 @@
 
 namespace duet {
 
-RankLiveness::RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime* mpi,
+RankLiveness::RankLiveness(ControlChannel& channel, KvTransfer* transfer, MpiRuntime* mpi,
                            const InstanceSpec& instance, std::chrono::milliseconds interval,
                            LostHandler on_lost)
     : channel_(channel),

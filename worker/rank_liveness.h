@@ -30,7 +30,7 @@
 #include "common/control_plane/mpi_runtime.h"
 #include "worker/instance_server.h"
 #include "worker/local_instance.h"
-#include "worker/transfer/kv_transfer_adapter.h"
+#include "worker/transfer/kv_transfer.h"
 
 namespace duet {
 
@@ -42,7 +42,7 @@ class RankLiveness final {
   // channel's thread, with why, where a rank of the job would leave the
   // process (its instance lost, or its link to the coordinator ended).
   using LostHandler = std::function<void(const std::string& why)>;
-  RankLiveness(ControlChannel& channel, KvTransferAdapter* transfer, MpiRuntime* mpi,
+  RankLiveness(ControlChannel& channel, KvTransfer* transfer, MpiRuntime* mpi,
                const InstanceSpec& instance, std::chrono::milliseconds interval,
                LostHandler on_lost = {});
   ~RankLiveness();  // stops the heartbeats and removes the intercept
@@ -61,7 +61,7 @@ class RankLiveness final {
   void lost(const std::string& why);
 
   ControlChannel& channel_;
-  KvTransferAdapter* const transfer_;
+  KvTransfer* const transfer_;
   MpiRuntime* const mpi_;
   const InstanceSpec instance_;
   const Rank rank_;

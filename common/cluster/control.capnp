@@ -14,8 +14,8 @@
 
 $import "/capnp/c++.capnp".namespace("duet::control");
 
-const protocolVersion :UInt32 = 6;  # 2: InstanceReady; 3: disaggregation; 4: TP KV; 5: liveness;
-                                    # 6: joined members
+const protocolVersion :UInt32 = 7;  # 2: InstanceReady; 3: disaggregation; 4: TP KV; 5: liveness;
+                                    # 6: joined members; 7: their KV links
 
 enum Role {
   prefill @0;
@@ -185,6 +185,16 @@ struct RanksLost {
 
 # ---------------------------------------------------------------- membership
 
+# Where a rank listens for the KV links of instances that join
+# (worker/transfer/kv_member_links.h).
+struct KvLinkAddress {
+  rank @0 :Int32;
+  host @1 :Text;
+  port @2 :UInt16;          # 0: it takes none
+  ipv4 @3 :List(UInt32);    # network byte order, loopback last
+  leader @4 :Int32;         # its instance's leader (tensor parallelism)
+}
+
 # A joining instance -> coordinator, inside the authenticated hello
 # (coordinator/cluster/join_listener.h): what it is and serves.
 struct JoinRequest {
@@ -194,6 +204,7 @@ struct JoinRequest {
   role @3 :Role;
   tp @4 :Int32;
   host @5 :Text;              # for logs and /health
+  kv @6 :KvLinkAddress;       # a prefill or decode instance's KV listener
 }
 
 # Coordinator -> the joining instance, the authenticated answer: its address
@@ -204,6 +215,7 @@ struct JoinVerdict {
   instanceId @2 :Int32;
   leaseMs @3 :Int64;      # heartbeat every leaseMs / 6
   reason @4 :Text;        # when refused
+  kvPeers @5 :List(KvLinkAddress);  # the ranks it links its KV with
 }
 
 # A joined instance's leader -> coordinator, twice: it is leaving (SIGTERM),

@@ -120,6 +120,21 @@ ServeErrorKind from_wire(control::ErrorKind kind) {
 
 std::string to_string(capnp::Text::Reader text) { return std::string(text.cStr(), text.size()); }
 
+void write_kv_link(control::KvLinkAddress::Builder out, const KvLinkAddress& in) {
+  out.setRank(in.rank);
+  out.setHost(in.host);
+  out.setPort(in.port);
+  auto ipv4 = out.initIpv4(static_cast<unsigned>(in.ipv4.size()));
+  for (size_t i = 0; i < in.ipv4.size(); ++i) ipv4.set(static_cast<unsigned>(i), in.ipv4[i]);
+  out.setLeader(in.leader);
+}
+
+KvLinkAddress read_kv_link(control::KvLinkAddress::Reader in) {
+  KvLinkAddress out{in.getRank(), to_string(in.getHost()), in.getPort(), {}, in.getLeader()};
+  for (uint32_t ipv4 : in.getIpv4()) out.ipv4.push_back(ipv4);
+  return out;
+}
+
 // ---------------------------------------------------------------- structs
 
 void fill(control::SubmitRequest::Builder out, const InstanceRequest& in) {
@@ -320,6 +335,7 @@ struct Filler {
     join.setRole(to_wire(m.role));
     join.setTp(m.tp);
     join.setHost(m.host);
+    write_kv_link(join.initKv(), m.kv);
   }
   void operator()(const JoinVerdict& m) {
     auto verdict = out.initJoinVerdict();
@@ -328,6 +344,9 @@ struct Filler {
     verdict.setInstanceId(m.instance_id);
     verdict.setLeaseMs(m.lease_ms);
     verdict.setReason(m.reason);
+    auto peers = verdict.initKvPeers(static_cast<unsigned>(m.kv_peers.size()));
+    for (size_t i = 0; i < m.kv_peers.size(); ++i)
+      write_kv_link(peers[static_cast<unsigned>(i)], m.kv_peers[i]);
   }
   void operator()(const Leaving& m) {
     auto leaving = out.initLeaving();
@@ -428,12 +447,16 @@ ControlMessage read(control::Message::Reader in) {
                          to_string(join.getModelFingerprint()),
                          from_wire(join.getRole()),
                          join.getTp(),
-                         to_string(join.getHost())};
+                         to_string(join.getHost()),
+                         read_kv_link(join.getKv())};
     }
     case control::Message::JOIN_VERDICT: {
       auto verdict = in.getJoinVerdict();
-      return JoinVerdict{verdict.getAccepted(), Rank{verdict.getMember()}, verdict.getInstanceId(),
-                         verdict.getLeaseMs(), to_string(verdict.getReason())};
+      JoinVerdict out{verdict.getAccepted(),          Rank{verdict.getMember()},
+                      verdict.getInstanceId(),        verdict.getLeaseMs(),
+                      to_string(verdict.getReason()), {}};
+      for (auto peer : verdict.getKvPeers()) out.kv_peers.push_back(read_kv_link(peer));
+      return out;
     }
     case control::Message::LEAVING: {
       auto leaving = in.getLeaving();

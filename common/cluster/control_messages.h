@@ -23,7 +23,7 @@
 namespace duet {
 
 // Equals `protocolVersion` in control.capnp (checked at compile time).
-inline constexpr uint32_t kControlProtocolVersion = 6;
+inline constexpr uint32_t kControlProtocolVersion = 7;
 
 // Leader -> coordinator, first message (see control.capnp).
 struct Hello {
@@ -99,6 +99,16 @@ struct RanksLost {
 
 // A joining instance -> coordinator, the payload of its authenticated hello
 // (coordinator/cluster/join_listener.h).
+// Where a rank listens for the KV links of instances that join
+// (worker/transfer/kv_member_links.h): port 0 when it takes none.
+struct KvLinkAddress {
+  int32_t rank = -1;
+  std::string host;
+  uint16_t port = 0;
+  std::vector<uint32_t> ipv4;  // network byte order, loopback last
+  int32_t leader = -1;         // its instance's leader (tensor parallelism)
+};
+
 struct JoinRequest {
   uint32_t protocol_version = kControlProtocolVersion;
   std::string version;            // Duet's version string
@@ -106,6 +116,7 @@ struct JoinRequest {
   InstanceRole role = InstanceRole::kBoth;
   int32_t tp = 1;
   std::string host;  // where it runs, for logs and /health
+  KvLinkAddress kv;  // a prefill or decode instance's KV listener (its rank unused)
 };
 
 // Coordinator -> the joining instance: its control-channel address and
@@ -116,6 +127,8 @@ struct JoinVerdict {
   int32_t instance_id = 0;
   int64_t lease_ms = 0;  // heartbeat every lease_ms / 6
   std::string reason;
+  // A prefill or decode joiner: every live rank it links its KV with.
+  std::vector<KvLinkAddress> kv_peers;
 };
 
 // A joined instance's leader -> coordinator, twice: it leaves (SIGTERM), so

@@ -182,6 +182,41 @@ TcpAddress TcpListener::address() const {
   return address;
 }
 
+int dial_tcp(const TcpAddress& address, bool same_host, Clock::time_point deadline) {
+  std::string failure = "no address";
+  for (uint32_t ipv4 : targets(TcpPeer{0, address, same_host, true})) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) break;
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw Error(ErrorKind::kInternal, format("tcp: socket: {}", strerror(errno)));
+    non_blocking(fd);
+    no_delay(fd);
+    sockaddr_in target{};
+    target.sin_family = AF_INET;
+    target.sin_addr.s_addr = ipv4;
+    target.sin_port = htons(address.port);
+    int error = 0;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&target), sizeof target) != 0) {
+      error = errno;
+      if (error == EINPROGRESS) {
+        pollfd out{fd, POLLOUT, 0};
+        const auto patience = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::min<Clock::duration>(deadline - now, kAttemptPatience));
+        if (poll(&out, 1, static_cast<int>(patience.count()) + 1) <= 0) {
+          error = ETIMEDOUT;
+        } else {
+          socklen_t length = sizeof error;
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+        }
+      }
+    }
+    if (error == 0) return fd;
+    failure = format("{}:{}: {}", dotted(ipv4), address.port, strerror(error));
+    close(fd);
+  }
+  throw Error(ErrorKind::kInvalidArgument, format("cannot connect to {}", failure));
+}
+
 namespace {
 
 // One call of connect_tcp_peers, in its stages: dial the peers this rank

@@ -76,4 +76,12 @@ std::map<int, int> connect_tcp_peers(int self, const TcpListener* listener,
                                      std::span<const TcpPeer> peers, TcpPurpose purpose,
                                      std::chrono::steady_clock::time_point deadline);
 
+// One connection to the listener at `address`, trying its IPv4 addresses in
+// order (loopback first when `same_host`), each for a few seconds at most: a
+// connected, non-blocking socket with TCP_NODELAY, the caller's. Throws
+// Error(kInvalidArgument) with the last address's failure when none connects by
+// `deadline`.
+int dial_tcp(const TcpAddress& address, bool same_host,
+             std::chrono::steady_clock::time_point deadline);
+
 }  // namespace duet

@@ -57,11 +57,13 @@ ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpe
       routed_.instance_lost(*index, loss.epoch, loss.reason);
   });
   RemoteCluster::MembershipHandlers membership;
-  membership.joined = [this](int32_t id, InstanceClient* client, InstanceRole role,
+  membership.joined = [this](int32_t id, Rank member, InstanceClient* client, InstanceRole role,
                              const std::string& host) {
-    // Its address on the channel is its transfer address too (unused: a
-    // joined instance is colocated).
-    const size_t index = routed_.add_instance({client, role, -1, false}, host);
+    // Its address on the channel is its transfer address too; in a
+    // disaggregated cluster it has KV links with every instance, so it may
+    // change role as theirs may.
+    const size_t index = routed_.add_instance(
+        {client, role, member.value, spec_.mode == ClusterMode::kDisaggregated}, host);
     std::lock_guard lock(mutex_);
     routed_index_[id] = index;
   };
@@ -72,6 +74,9 @@ ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpe
     if (const std::optional<size_t> index = routed_index(id)) routed_.instance_left(*index, reason);
   };
   cluster_.set_membership_handlers(std::move(membership));
+  cluster_.set_kv_links(options.kv_links);
+  routed_.set_rerun_wait(options.rerun_wait);
+  cluster_.set_tick_handler([this] { routed_.tick(); });
   if (options.join_port) {
     DUET_REQUIRE(options.cluster_key.has_value(), "--join-port needs --cluster-key FILE");
     join_ = std::make_unique<JoinListener>(cluster_, *options.cluster_key, spec.mode,

@@ -44,11 +44,17 @@ struct ClusterCoordinatorOptions {
   std::chrono::milliseconds close_timeout{30'000};
   std::chrono::milliseconds instance_lease{3'000};  // coordinator/cluster/liveness.h
   int max_retries = 2;  // re-runs of one request after losses (coordinator/router.h)
+  // How long a re-run that no live instance can take waits for one
+  // (RoutedInstances::set_rerun_wait).
+  std::chrono::milliseconds rerun_wait{0};
   // Instances may join on this port (coordinator/cluster/join_listener.h),
   // proving `cluster_key`, when serving the model of `model_fingerprint`.
   std::optional<uint16_t> join_port;
   std::optional<ClusterKey> cluster_key;
   std::string model_fingerprint;
+  // Where the instance ranks listen for joined instances' KV links (a
+  // disaggregated cluster on CPUs): RemoteCluster::set_kv_links.
+  std::vector<KvLinkAddress> kv_links;
 };
 
 class ClusterCoordinator final {

@@ -106,7 +106,7 @@ void JoinListener::handle(int fd) {
             verdict = cluster_.judge_join(request, mode_, fingerprint_);
           } catch (const Error& e) {
             verdict =
-                JoinVerdict{false, {}, 0, 0, format("a malformed join request: {}", e.what())};
+                JoinVerdict{false, {}, 0, 0, format("a malformed join request: {}", e.what()), {}};
           }
           out.accepted = verdict.accepted;
           out.reason = verdict.reason;

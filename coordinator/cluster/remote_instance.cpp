@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "common/error.h"
@@ -166,7 +167,9 @@ void RemoteCluster::set_membership_handlers(MembershipHandlers handlers) {
 
 JoinVerdict RemoteCluster::judge_join(const JoinRequest& request, ClusterMode mode,
                                       const std::string& fingerprint) {
-  auto refuse = [](std::string reason) { return JoinVerdict{false, {}, 0, 0, std::move(reason)}; };
+  auto refuse = [](std::string reason) {
+    return JoinVerdict{false, {}, 0, 0, std::move(reason), {}};
+  };
   if (request.protocol_version != kControlProtocolVersion) {
     return refuse(fmt::format("it speaks control protocol {} ({}), the coordinator {}",
                               request.protocol_version, request.version, kControlProtocolVersion));
@@ -185,16 +188,51 @@ JoinVerdict RemoteCluster::judge_join(const JoinRequest& request, ClusterMode mo
     return refuse(fmt::format("the cluster is colocated: join with --role both, not {}",
                               instance_role_name(request.role)));
   }
-  if (mode == ClusterMode::kDisaggregated) {
-    return refuse(
-        "the cluster is disaggregated, and a joined instance cannot open KV links to the "
-        "other side yet: join a colocated cluster");
+  if (mode == ClusterMode::kDisaggregated && request.role == InstanceRole::kBoth) {
+    return refuse("the cluster is disaggregated: join with --role prefill or --role decode");
+  }
+  if (mode == ClusterMode::kDisaggregated && request.kv.port == 0) {
+    return refuse("it opened no KV listener, which a prefill or decode instance needs");
   }
   std::lock_guard lock(mutex_);
   if (shut_down_) return refuse("the coordinator is shutting down");
-  const JoinVerdict verdict{
-      true, Rank{next_member_++}, next_instance_id_++, liveness_.lease().count(), {}};
+  JoinVerdict verdict{true, Rank{next_member_}, next_instance_id_, liveness_.lease().count(), {},
+                      {}};
+  if (mode == ClusterMode::kDisaggregated) {
+    if (kv_links_.empty()) {
+      return refuse(
+          "the cluster's instances take no KV links from joined instances (they run on GPUs)");
+    }
+    verdict.kv_peers = live_kv_links();
+  }
+  ++next_member_;
+  ++next_instance_id_;
   return verdict;
+}
+
+std::vector<KvLinkAddress> RemoteCluster::live_kv_links() const {
+  std::set<Rank> gone;  // the ranks of instances lost or left
+  for (const Liveness::InstanceView& view : liveness_.view()) {
+    if (!view.lost) continue;
+    for (const InstanceSpec& instance : spec_.instances) {
+      if (instance.id == view.instance_id)
+        gone.insert(instance.ranks.begin(), instance.ranks.end());
+    }
+  }
+  // A member admitted but not yet ready is in: it listens before it dials.
+  for (const auto& [rank, member] : members_) {
+    if (member.left) gone.insert(rank);
+  }
+  std::vector<KvLinkAddress> live;
+  for (const auto& [rank, link] : kv_links_) {
+    if (!gone.contains(rank)) live.push_back(link);
+  }
+  return live;
+}
+
+void RemoteCluster::set_kv_links(std::vector<KvLinkAddress> links) {
+  std::lock_guard lock(mutex_);
+  for (KvLinkAddress& link : links) kv_links_[Rank{link.rank}] = std::move(link);
 }
 
 void RemoteCluster::admit(const JoinVerdict& verdict, const JoinRequest& request, int socket) {
@@ -204,6 +242,13 @@ void RemoteCluster::admit(const JoinVerdict& verdict, const JoinRequest& request
     liveness_.add_instance(instance, Clock::now());
     spec_.instances.push_back(std::move(instance));
     members_[verdict.member] = Member{verdict.instance_id, request.role, request.host};
+    if (request.kv.port != 0) {
+      KvLinkAddress link = request.kv;
+      link.rank = verdict.member.value;
+      link.leader = verdict.member.value;
+      link.host = request.host;
+      kv_links_[verdict.member] = std::move(link);
+    }
   }
   channel_.admit(verdict.member, socket);
   spdlog::info("member {} ({}, {}) admitted as instance {}; waiting for it to be ready",
@@ -238,7 +283,7 @@ void RemoteCluster::member_ready(Rank source, const InstanceReady& ready) {
   }
   if (refusal.empty() && handlers.joined) {
     try {
-      handlers.joined(member.instance_id, instance, member.role, member.host);
+      handlers.joined(member.instance_id, source, instance, member.role, member.host);
     } catch (const std::exception& e) {
       refusal = e.what();
     }
@@ -306,6 +351,11 @@ RemoteCluster::~RemoteCluster() {
 void RemoteCluster::set_loss_handler(LossHandler handler) {
   std::lock_guard lock(mutex_);
   on_lost_ = std::move(handler);
+}
+
+void RemoteCluster::set_tick_handler(std::function<void()> handler) {
+  std::lock_guard lock(mutex_);
+  on_tick_ = std::move(handler);
 }
 
 std::vector<Liveness::InstanceView> RemoteCluster::liveness() const {
@@ -382,6 +432,12 @@ void RemoteCluster::dispatch() {
       received = channel_.try_receive();
     }
     check_leases(judged_at);
+    std::function<void()> tick;
+    {
+      std::lock_guard lock(mutex_);
+      tick = on_tick_;
+    }
+    if (tick) tick();
     if (!any && !channel_.receiving()) return;
   }
 }

@@ -101,9 +101,10 @@ class RemoteCluster final {
 
   // Membership. Handlers run on the dispatcher thread; set them before serving.
   struct MembershipHandlers {
-    // Instance `instance_id` joined and is ready; `client` is owned by the cluster.
+    // Instance `instance_id` joined and is ready at address `member` (its
+    // KV transfer's address too); `client` is owned by the cluster.
     // Throwing refuses it (its leader is told to shut down, with the reason).
-    std::function<void(int32_t instance_id, InstanceClient* client, InstanceRole role,
+    std::function<void(int32_t instance_id, Rank member, InstanceClient* client, InstanceRole role,
                        const std::string& host)>
         joined;
     // It leaves: send it nothing new.
@@ -112,6 +113,10 @@ class RemoteCluster final {
     std::function<void(int32_t instance_id, const std::string& reason)> left;
   };
   void set_membership_handlers(MembershipHandlers handlers);
+  // Where the job's instance ranks listen for the KV links of prefill and
+  // decode members (worker/transfer/kv_member_links.h); none: the cluster
+  // takes no such member. Before serving.
+  void set_kv_links(std::vector<KvLinkAddress> links);
   // Any thread: whether `request` may join a cluster of `mode` serving the
   // model of `fingerprint`; accepted, with the address and instance id it is
   // to take (reserved, never reused), or refused with a one-line reason.
@@ -125,6 +130,9 @@ class RemoteCluster final {
   // after its ranks were told and forgotten. Set it before serving.
   using LossHandler = std::function<void(const InstanceLoss& loss)>;
   void set_loss_handler(LossHandler handler);
+  // Called on the dispatcher thread after every pass (at least four times a
+  // lease): the router's tick. Set it before serving.
+  void set_tick_handler(std::function<void()> handler);
   // Each instance's liveness, in spec order (any thread).
   std::vector<Liveness::InstanceView> liveness() const;
   uint64_t epoch() const;
@@ -147,6 +155,8 @@ class RemoteCluster final {
   // The dispatcher thread: a member's InstanceReady, Leaving.
   void member_ready(Rank source, const InstanceReady& ready);
   void member_leaving(Rank source, const Leaving& leaving);
+  // Under mutex_: the KV listeners of every instance neither lost nor gone.
+  std::vector<KvLinkAddress> live_kv_links() const;
 
   ControlChannel& channel_;
   // The instances it started with (immutable) and those that joined since
@@ -159,6 +169,7 @@ class RemoteCluster final {
   ClusterSpec spec_;          // grows as members are admitted
   Liveness liveness_;
   LossHandler on_lost_;
+  std::function<void()> on_tick_;
   MembershipHandlers membership_;
   struct Member {
     int32_t instance_id = 0;
@@ -167,7 +178,10 @@ class RemoteCluster final {
     bool ready = false, leaving = false, left = false;
   };
   std::map<Rank, Member> members_;  // by address
-  int next_member_ = 0;             // the next address to give
+  // Every KV listener: the job's instance ranks', then each prefill or
+  // decode member's.
+  std::map<Rank, KvLinkAddress> kv_links_;
+  int next_member_ = 0;  // the next address to give
   int next_instance_id_ = 0;
   bool shut_down_ = false;  // guarded by mutex_
   std::thread dispatcher_;  // last: starts after everything above exists

@@ -4,11 +4,14 @@
 // finishes what it runs (requests it decodes, prompts it computes for
 // others), then takes work of its new role; colocated instances take whole
 // requests beside decode ones; the refusals name their reason. The real
-// engines under mpirun: tests/mpi/test_role_change.py. No MPI.
+// engines under mpirun: tests/mpi/test_role_change.py. Also the rerun wait:
+// a lost instance's request that no live instance can take waits for one
+// to join, or fails once its wait runs out. No MPI.
 #include <gtest/gtest.h>
 
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "common/error.h"
@@ -218,6 +221,61 @@ TEST(RoleChange, Refusals) {
   refused(colocated, 0, kPrefill, "no KV links");
   refused(colocated, 1, kDecode, "no KV links");
   EXPECT_NE(colocated.router->change_role(0, kBoth).find("already"), std::string::npos);
+}
+
+// With a rerun wait, a lost instance's request that no live instance can
+// take waits (a replacement joins, say) instead of failing at once, and a
+// new request waits instead of being refused.
+TEST(RerunWait, ARequestWaitsForAnInstanceThatJoinsThenGoesOn) {
+  Cluster c({kPrefill, kDecode});
+  c.router->set_rerun_wait(std::chrono::seconds(60));
+  c.router->submit(request(1));
+  c.instances[1].token(0, 42);
+  c.router->instance_lost(1);  // the only decode instance
+  c.router->tick();
+  {
+    std::lock_guard lock(c.mutex);
+    EXPECT_TRUE(c.finished.empty());
+  }
+  c.router->submit(request(2));  // a new request waits too, rather than being refused
+  ScriptedInstance joined;
+  c.router->add_instance({&joined, kDecode, 20, true});
+  EXPECT_TRUE(joined.submitted.empty());  // placed at the next tick
+  c.router->tick();
+  ASSERT_EQ(joined.submitted.size(), 2u);  // in order of arrival
+  const InstanceRequest& again = joined.submitted[0];
+  EXPECT_EQ(again.prompt, (std::vector<int32_t>{1, 5, 7, 9, 42}));  // what was delivered
+  EXPECT_EQ(again.max_tokens, 3);
+  EXPECT_EQ(again.prefill_peer, 10);
+  EXPECT_EQ(joined.submitted[1].prompt, (std::vector<int32_t>{1, 5, 7, 9}));
+  EXPECT_EQ(joined.submitted[1].max_tokens, 4);
+  joined.token(0, 43, true);
+  joined.token(1, 44, true);
+  std::lock_guard lock(c.mutex);
+  EXPECT_EQ(c.tokens[1], (std::vector<int32_t>{42, 43}));
+  EXPECT_EQ(c.finished[1], InstanceFinish::kLength);
+  EXPECT_EQ(c.tokens[2], (std::vector<int32_t>{44}));
+  EXPECT_EQ(c.router->failover_counters().reruns, 1);  // request 2 never ran before
+}
+
+TEST(RerunWait, AWaitThatRunsOutFailsAndACancelledWaitEnds) {
+  Cluster c({kPrefill, kDecode});
+  c.router->set_rerun_wait(std::chrono::milliseconds(1));
+  c.router->submit(request(1));
+  c.router->submit(request(2));
+  c.router->instance_lost(1);
+  c.router->cancel(RequestId{2});  // no attempt runs: it ends at once
+  {
+    std::lock_guard lock(c.mutex);
+    EXPECT_EQ(c.finished[2], InstanceFinish::kCancelled);
+    EXPECT_FALSE(c.finished.contains(1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  c.router->tick();
+  std::lock_guard lock(c.mutex);
+  EXPECT_EQ(c.finished[1], InstanceFinish::kFailed);
+  EXPECT_EQ(c.router->failover_counters().failed_after_retries, 1);
+  EXPECT_TRUE(c.instances[1].cancelled.empty());  // nothing was sent to the lost instance
 }
 
 }  // namespace

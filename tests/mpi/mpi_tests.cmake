@@ -65,7 +65,7 @@ set_tests_properties(mpi_lost_tcp PROPERTIES LABELS mpi TIMEOUT 60
 # Failures: every rank exits non-zero with the same line, and nothing hangs.
 add_test(NAME mpi_version_mismatch
   COMMAND ${DUET_EXPECT_SAME_ERROR} 3
-    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 6"
+    "error: control handshake refused: rank 2, leader of instance 1 (decode), speaks control protocol version 99, the coordinator speaks version 7"
     60 ${DUET_MPIRUN} -np 3 $<TARGET_FILE:control_plane_test> --scenario handshake
     --prefill 1 --decode 1 --bad-version-rank 2)
 add_test(NAME mpi_world_size_mismatch
@@ -224,6 +224,18 @@ set_tests_properties(mpi_failover_control_tcp_test PROPERTIES
 add_test(NAME mpi_join_test
   COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_join.py)
 set_tests_properties(mpi_join_test PROPERTIES
+  ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  TIMEOUT 600)
+
+# Prefill and decode instances that join a disaggregated cluster
+# (tests/mpi/test_join_disaggregated.py): their KV links with every rank
+# proving the cluster key, each replacing a killed or stopped rank of the job
+# under load with every text equal to `duet generate`; a stopped prefill
+# rank that wakes rejoins as a prefill member.
+add_test(NAME mpi_join_disaggregated_test
+  COMMAND ${DUET_TEST_PYTHON} ${CMAKE_CURRENT_LIST_DIR}/test_join_disaggregated.py)
+set_tests_properties(mpi_join_disaggregated_test PROPERTIES
   ENVIRONMENT "DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIEXEC=${MPIEXEC_EXECUTABLE}"
   LABELS mpi
   TIMEOUT 600)

@@ -62,22 +62,27 @@ def setUpModule():
                                      "ignore_eos": True})
     cluster = start_cluster(2, ["--mode", "colocated", "--kv-cache-mem", "64MiB",
                                 "--join-port", "0", "--cluster-key", key_file])
+    join_address = f"127.0.0.1:{listening_port(cluster)}"
+
+
+def tearDownModule():
+    end_module(cluster, workdir)
+
+
+def listening_port(server):
+    """The port the cluster's coordinator takes joins on (--join-port 0: from its log)."""
     port = None
 
     def listening():
         nonlocal port
-        for line in cluster.log_lines():
+        for line in server.log_lines():
             match = re.search(r"instances may join on port (\d+)", line)
             if match:
                 port = int(match.group(1))
         return port is not None
 
     wait_until(listening, 30, "the join listener's port")
-    join_address = f"127.0.0.1:{port}"
-
-
-def tearDownModule():
-    end_module(cluster, workdir)
+    return port
 
 
 class Joiner:

@@ -11,6 +11,10 @@ them joined. The time from the kill to the replacement serving is printed
 (the README's figure). SIGTERM to the launcher then drains and stops the
 cluster, the replacement included, with exit code 0.
 
+test_c_a_lost_decode_instance_is_replaced: the same in `launch/local.sh 1 1`
+(disaggregated): rank 2, the decode instance, is SIGKILLed; the replacement
+joins as a decode instance, its KV linked with the prefill rank.
+
 test_b_counts_follow_the_load: one colocated instance misses a 100 ms TTFT
 target under load; the coordinator publishes that it wants two, the
 launcher starts a joined instance, answers stay `duet generate`'s; once idle
@@ -96,10 +100,11 @@ class Cluster:
 
 
 class ReplacementTest(unittest.TestCase):
-    def test_a_lost_instance_is_replaced(self):
+    def replace_under_load(self, cluster, rank, role):
+        """SIGKILLs `rank` while 8 streams run: every one ends with `duet generate`'s text,
+        a replacement of `role` joins, two instances are up again and answer the same."""
         expected = {p: generate({"prompt": p, "max_tokens": 24, "temperature": 0,
                                  "ignore_eos": True}) for p in PROMPTS}
-        cluster = Cluster("0", "2", "--mode", "colocated", "--kv-cache-mem", "64MiB")
         try:
             wait_until(lambda: any("instances may join on port" in l for l in cluster.log), 30,
                        "the join port")
@@ -109,8 +114,8 @@ class ReplacementTest(unittest.TestCase):
             for s in streams:
                 s.start()
             wait_until(lambda: all(s.events > 0 for s in streams), 120, "every stream to start")
-            victim = tagged(cluster.tag, 1)
-            self.assertIsNotNone(victim, "rank 1's process")
+            victim = tagged(cluster.tag, rank)
+            self.assertIsNotNone(victim, f"rank {rank}'s process")
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
             for s in streams:
@@ -130,9 +135,11 @@ class ReplacementTest(unittest.TestCase):
                 print("\n".join(cluster.log[-80:]), flush=True)
                 raise
             took = time.monotonic() - killed
-            print(f"replacement serving {took:.1f} s after the kill", flush=True)
+            print(f"{role} replacement serving {took:.1f} s after the kill", flush=True)
             wait_until(lambda: any("replacement" in l and "serves:" in l for l in cluster.log),
                        10, "the launcher to say its replacement serves")
+            self.assertTrue(any(f"replacement 1 ({role}," in l for l in cluster.log))
+            self.assertTrue(any(f"({role}, joined): serving" in l for l in cluster.log))
             for p in PROMPTS:  # spread over both instances, the replacement included
                 r = complete(cluster, {"prompt": p, "max_tokens": 24, "temperature": 0,
                                        "ignore_eos": True})
@@ -140,6 +147,15 @@ class ReplacementTest(unittest.TestCase):
         finally:
             code = cluster.stop()
         self.assertEqual(code, 0, "\n".join(cluster.log[-60:]))
+
+    def test_a_lost_instance_is_replaced(self):
+        self.replace_under_load(Cluster("0", "2", "--mode", "colocated", "--kv-cache-mem",
+                                        "64MiB"), 1, "both")
+
+    def test_c_a_lost_decode_instance_is_replaced(self):
+        # 1P+1D: the replacement joins as a decode instance and links its KV
+        # with the prefill rank; only it decodes from then on.
+        self.replace_under_load(Cluster("1", "1", "--kv-cache-mem", "64MiB"), 2, "decode")
 
     def test_b_counts_follow_the_load(self):
         # Prompts of a few hundred tokens, back to back from 4 clients, miss a

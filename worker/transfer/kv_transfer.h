@@ -23,6 +23,7 @@
 #include <span>
 #include <vector>
 
+#include "common/cluster/cluster_spec.h"
 #include "common/serving.h"
 #include "worker/kv/kv_cache.h"
 
@@ -39,6 +40,37 @@ struct KvSource {
 class KvTransfer {
  public:
   using Clock = std::chrono::steady_clock;
+
+  struct Counters {
+    int64_t messages_sent = 0;
+    int64_t bytes_sent = 0;  // headers and payloads
+    int64_t messages_received = 0;
+    int64_t bytes_received = 0;
+    int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
+    int64_t imports_completed = 0;
+    int64_t imports_failed = 0;
+    int64_t imports_quarantined = 0;  // failed with rows from a lost rank half-received
+    int64_t device_bytes_sent = 0;    // rows payloads through the device transfer
+    int64_t device_bytes_received = 0;
+    int64_t cma_bytes_sent = 0;  // rows payloads read out of this rank's CMA staging
+    int64_t cma_bytes_received = 0;
+
+    Counters& operator+=(const Counters& o) {
+      messages_sent += o.messages_sent;
+      bytes_sent += o.bytes_sent;
+      messages_received += o.messages_received;
+      bytes_received += o.bytes_received;
+      rows_dropped += o.rows_dropped;
+      imports_completed += o.imports_completed;
+      imports_failed += o.imports_failed;
+      imports_quarantined += o.imports_quarantined;
+      device_bytes_sent += o.device_bytes_sent;
+      device_bytes_received += o.device_bytes_received;
+      cma_bytes_sent += o.cma_bytes_sent;
+      cma_bytes_received += o.cma_bytes_received;
+      return *this;
+    }
+  };
 
   // Where an import's rows go and where they come from.
   struct ImportPlan {
@@ -103,6 +135,12 @@ class KvTransfer {
   // engine then neither copies exported rows to its host cache nor uploads
   // imported ones from it): GPU pairs with a device transfer.
   virtual bool device_transfer(int /*peer*/) const { return false; }
+
+  // `ranks` are lost (the coordinator's word): nothing from them is waited
+  // on any more. Any thread.
+  virtual void peers_lost(std::span<const Rank> ranks) = 0;
+  // Any thread.
+  virtual Counters counters() const = 0;
 };
 
 // The plan of an import of every KV head of `cache` from one prefill rank

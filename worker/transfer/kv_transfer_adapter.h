@@ -25,31 +25,12 @@ namespace duet {
 
 class KvTransferAdapter : public KvTransfer {
  public:
-  struct Counters {
-    int64_t messages_sent = 0;
-    int64_t bytes_sent = 0;  // headers and payloads
-    int64_t messages_received = 0;
-    int64_t bytes_received = 0;
-    int64_t rows_dropped = 0;  // rows messages for no live import (aborted or failed)
-    int64_t imports_completed = 0;
-    int64_t imports_failed = 0;
-    int64_t imports_quarantined = 0;  // failed with rows from a lost rank half-received
-    int64_t device_bytes_sent = 0;    // rows payloads through the device transfer
-    int64_t device_bytes_received = 0;
-    int64_t cma_bytes_sent = 0;  // rows payloads read out of this rank's CMA staging
-    int64_t cma_bytes_received = 0;
-  };
-
   // Queued, then the communication thread is woken (wake_thread).
   void start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) final;
   void expect_import(ImportPlan plan) final;
   void abort_import(RequestId id) final;
   void set_handlers(Handlers handlers) final;
-  Counters counters() const;
-
-  // `ranks` are lost (KvTransferProtocol::peers_lost): nothing from them is
-  // waited on any more. Any thread; the communication thread applies it.
-  virtual void peers_lost(std::span<const Rank> ranks) = 0;
+  Counters counters() const final;
 
  protected:
   // Wakes the communication thread, which then calls apply_commands.

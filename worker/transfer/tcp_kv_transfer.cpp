@@ -99,9 +99,14 @@ void TcpKvTransfer::queue(int destination, Frame frame, Lane lane) {
   {
     std::lock_guard lock(mutex_);
     auto it = peers_.find(destination);
+    if (it == peers_.end()) {
+      // Never linked (a member this rank could not reach): lost to this
+      // rank, so that no import waits on it.
+      spdlog::error("kv transfer: no connection to rank {}; a frame dropped", destination);
+      lost_.push_back(destination);
+    }
     if (it == peers_.end() || it->second.fd < 0) {
-      if (it == peers_.end())
-        spdlog::error("kv transfer: no connection to rank {}; a frame dropped", destination);
+      if (it == peers_.end()) wake_thread();
       return;  // lost: nothing more goes to it
     }
     (lane == Lane::kControl ? it->second.control : it->second.bulk).push_back(std::move(frame));
@@ -139,17 +144,20 @@ bool TcpKvTransfer::send_from_blocks(int rank, const kv_wire::Header& header, co
       });
   if (send_parts_.size() > static_cast<size_t>(IOV_MAX)) return false;
   const size_t total = head.size() + header.ticket_bytes;
-  auto it = peers_.find(rank);  // the map itself never changes
-  if (it == peers_.end()) return false;
-  Peer& peer = it->second;
+  Peer* found = nullptr;
   int fd = -1;
   {
     std::lock_guard lock(mutex_);
+    auto it = peers_.find(rank);
+    if (it == peers_.end()) return false;
+    found = &it->second;
+    Peer& peer = *found;
     if (peer.fd < 0 || peer.claimed || peer.writing || !peer.control.empty() || !peer.bulk.empty())
       return false;
     peer.claimed = true;
     fd = peer.fd;
   }
+  Peer& peer = *found;  // the map never loses it
   msghdr message{};
   message.msg_iov = send_parts_.data();
   message.msg_iovlen = send_parts_.size();
@@ -185,6 +193,22 @@ void TcpKvTransfer::peers_lost(std::span<const Rank> ranks) {
     for (Rank rank : ranks) lost_.push_back(rank.value);
   }
   wake_thread();
+}
+
+bool TcpKvTransfer::add_peer(int rank, int fd) {
+  std::lock_guard state(state_mutex_);  // the thread is not inside a pass
+  {
+    std::lock_guard lock(mutex_);
+    if (peers_.contains(rank)) {
+      close(fd);
+      spdlog::warn("kv transfer: rank {} already has a connection; the new one closed", rank);
+      return false;
+    }
+    peers_[rank].fd = fd;
+  }
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSendBuffer, sizeof kSendBuffer);
+  wake_thread();
+  return true;
 }
 
 void TcpKvTransfer::send_rows(int decode_rank, RequestId id, int64_t layer, int64_t pos0, int64_t n,

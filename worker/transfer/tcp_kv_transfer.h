@@ -3,10 +3,10 @@
 // docs/FAILURES.md, "What Open MPI 4.1 does when a rank dies"). A thin adapter,
 // as MpiKvTransfer is: every rule is KvTransferProtocol's.
 //
-// One non-blocking socket per peer, made at start-up (common/net/tcp_connect.h),
-// and one thread that poll()s them and a wake-up eventfd: no call waits on a
-// peer. Each peer's control lane (orders, cancels) goes ahead of its bulk lane
-// (rows, and handoffs, which follow their rows); a frame begun is finished
+// One non-blocking socket per peer, made at start-up (common/net/tcp_connect.h)
+// or, for an instance that joined later, when it did (add_peer), and one thread that poll()s them
+// and a wake-up eventfd: no call waits on a peer. Each peer's control lane (orders, cancels) goes
+// ahead of its bulk lane (rows, and handoffs, which follow their rows); a frame begun is finished
 // first, so a control frame waits for one rows frame at most. send_rows writes
 // from the blocks when the socket is idle, else packs and queues; rows land
 // straight in the reserved blocks (readv), or are drained. A lost peer (EOF, a
@@ -74,6 +74,11 @@ class TcpKvTransfer final : public KvTransferAdapter {
                  const KvSource& heads) override;
   void send_handoff(int decode_peer, const KvHandoff& handoff) override;
   void peers_lost(std::span<const Rank> ranks) override;
+  // A connected socket to a peer met after start-up (an instance that joined
+  // the cluster: worker/transfer/kv_member_links.h), owned from now on;
+  // frames to `rank` go to it from now on. False, the socket closed, when
+  // `rank` has or had one. Any thread.
+  bool add_peer(int rank, int fd);
 
   int self() const { return self_; }
 
@@ -161,8 +166,9 @@ class TcpKvTransfer final : public KvTransferAdapter {
   mutable std::mutex mutex_;  // guards the members below and every Peer's send lanes
   std::vector<std::vector<std::byte>> spares_;  // written frames' bodies, for the next rows
   std::vector<iovec> send_parts_;  // send_from_blocks' header and runs (engine thread), reused
-  std::map<int, Peer> peers_;      // the map itself is fixed after construction
-  std::vector<int> lost_;          // ranks lost since the last pass
+  // Grows (add_peer) under both locks, never shrinks: a Peer found stays.
+  std::map<int, Peer> peers_;
+  std::vector<int> lost_;  // ranks lost since the last pass
 
   std::thread thread_;  // last: starts after everything above exists
 };

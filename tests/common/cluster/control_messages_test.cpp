@@ -233,7 +233,8 @@ TEST(ControlMessages, NamesFollowTheVariant) {
 }
 
 TEST(ControlMessages, MembershipMessagesRoundTrip) {
-  const JoinRequest join{6, "duet 0.9", "sha256:abcd", InstanceRole::kDecode, 2, "node-7"};
+  const JoinRequest join{6, "duet 0.9", "sha256:abcd",         InstanceRole::kDecode,
+                         2, "node-7",   {-1, "", 4242, {7, 9}}};
   const JoinRequest j = round_trip_as(join);
   EXPECT_EQ(j.protocol_version, 6u);
   EXPECT_EQ(j.version, join.version);
@@ -241,14 +242,23 @@ TEST(ControlMessages, MembershipMessagesRoundTrip) {
   EXPECT_EQ(j.role, InstanceRole::kDecode);
   EXPECT_EQ(j.tp, 2);
   EXPECT_EQ(j.host, "node-7");
+  EXPECT_EQ(j.kv.port, 4242);
+  EXPECT_EQ(j.kv.ipv4, (std::vector<uint32_t>{7, 9}));
 
-  const JoinVerdict verdict{true, Rank{12}, 5, 3000, ""};
+  const JoinVerdict verdict{
+      true, Rank{12}, 5, 3000, "", {{1, "node-1", 5000, {1}, 1}, {2, "node-2", 5001, {2, 3}, 1}}};
   const JoinVerdict v = round_trip_as(verdict);
+  ASSERT_EQ(v.kv_peers.size(), 2u);
+  EXPECT_EQ(v.kv_peers[1].rank, 2);
+  EXPECT_EQ(v.kv_peers[1].host, "node-2");
+  EXPECT_EQ(v.kv_peers[1].port, 5001);
+  EXPECT_EQ(v.kv_peers[1].ipv4, (std::vector<uint32_t>{2, 3}));
+  EXPECT_EQ(v.kv_peers[1].leader, 1);
   EXPECT_TRUE(v.accepted);
   EXPECT_EQ(v.member, Rank{12});
   EXPECT_EQ(v.instance_id, 5);
   EXPECT_EQ(v.lease_ms, 3000);
-  EXPECT_EQ(round_trip_as(JoinVerdict{false, {}, 0, 0, "wrong model"}).reason, "wrong model");
+  EXPECT_EQ(round_trip_as(JoinVerdict{false, {}, 0, 0, "wrong model", {}}).reason, "wrong model");
 
   const Leaving leaving = round_trip_as(Leaving{5, "SIGTERM"});
   EXPECT_EQ(leaving.instance_id, 5);

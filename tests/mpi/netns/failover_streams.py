@@ -2,7 +2,7 @@
 completions to the cluster, a decode rank on another host SIGKILLed while a
 long prompt's KV flows to it, and every answer checked.
 
-Usage: failover_streams.py URL EXPECTED_JSON VICTIM_PID VICTIM_NAMESPACE
+Usage: failover_streams.py URL EXPECTED_JSON VICTIM_PID VICTIM_NAMESPACE [replaced]
 
 EXPECTED_JSON: a list of {"prompt", "max_tokens", "text"} (single-process
 `duet generate`'s greedy texts), the short prompts first, then the long ones.
@@ -12,8 +12,9 @@ on its veth since the long prompt went in, where tokens and heartbeats are a
 few hundred bytes, and still arriving); then the victim is killed. A prompt's
 KV is sent layer by layer as its prefill computes it, so on a loaded machine
 it trickles: the bytes are counted from the prompt's start, not per poll. Checks: every stream ends with its expected text
-and no error, at least one was re-run, /health says degraded, and a new
-request is served. Prints one line per stream; exit 0 when all hold.
+and no error, at least one was re-run, /health says degraded (with
+`replaced`: says ok again within a minute, a replacement having joined), and
+a new request is served. Prints one line per stream; exit 0 when all hold.
 """
 
 import json
@@ -63,6 +64,7 @@ def request(url, method="GET", body=None):
 
 def main():
     url, expected_path, victim, victim_namespace = sys.argv[1:5]
+    replaced = sys.argv[5:] == ["replaced"]
     victim = int(victim)
     expected = json.load(open(expected_path))
     parts = urllib.parse.urlsplit(url)
@@ -87,7 +89,7 @@ def main():
             now = rx_bytes(victim_namespace)
             if now - start > 256 * 1024 and now > before:
                 os.kill(victim, signal.SIGKILL)
-                killed = True
+                killed = time.monotonic()
                 print(f"killed rank pid {victim} with KV flowing to it "
                       f"({now - start} bytes since the prompt went in)", flush=True)
                 break
@@ -112,7 +114,16 @@ def main():
     if not any(s.retries for s in streams):
         failures.append("no stream was re-run: nothing was on the killed instance")
     status, body = request(url + "/health")
-    if status != 200 or json.loads(body).get("status") != "degraded":
+    if replaced:
+        # Capacity back: the replacement joined, and a loss made up for is ok.
+        deadline = time.monotonic() + PATIENCE_S
+        while (status != 200 or json.loads(body).get("status") != "ok" or
+               json.loads(body).get("joined", 0) < 1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            status, body = request(url + "/health")
+        print(f"/health {body.decode()} {time.monotonic() - killed:.1f} s after the kill",
+              flush=True)
+    if status != 200 or json.loads(body).get("status") != ("ok" if replaced else "degraded"):
         failures.append(f"/health: {status} {body[:200]!r}")
     status, body = request(url + "/v1/completions", "POST",
                            {"prompt": "Hello", "max_tokens": 4, "temperature": 0})

@@ -20,8 +20,16 @@
 # SIGTERM then ends the survivors with exit 0. Open MPI 4.1's TCP transport could wedge the prefill rank here
 # when the KV went over MPI (docs/FAILURES.md).
 #
+# With DUET_NETNS_REPLACE=1, the victim is the only decode instance (three
+# hosts, 1P+1D) and the launcher replaces it: it starts `duet serve --join
+# --role decode` on host c by an mpirun of its own; the replacement links its
+# KV with the prefill rank on host b over TCP, every stream waits for it
+# (--rerun-wait) and ends with the same text, and /health is ok again
+# (capacity back). Without it the launcher replaces nothing (DUET_REPLACE=0).
+#
 # Usage: netns_failover_test.sh [duet serve arguments...]  (e.g. --kv-transport mpi)
-# Environment: DUET_BINARY, DUET_MODEL, DUET_MPIRUN as netns_serve_test.sh's.
+# Environment: DUET_BINARY, DUET_MODEL, DUET_MPIRUN as netns_serve_test.sh's;
+# DUET_NETNS_REPLACE (above).
 # Exit codes: 0 passed; 77 skipped (not root, or namespaces not permitted);
 # anything else failed.
 set -euo pipefail
@@ -93,10 +101,15 @@ done
 } >"$work/expected.json"
 
 # --- the network and the cluster, launched from host a ---
-netns_up "duetnet$$" a b c d || { [ $? -ne 77 ] || skip "$NETNS_ERROR"; fail "cannot set up the network namespaces"; }
+replace=${DUET_NETNS_REPLACE:-0}
+hosts=(a b c d) decode=2 survivors=(0 1 3) streams_mode=()
+if [ "$replace" = 1 ]; then
+  hosts=(a b c) decode=1 survivors=(0 1) streams_mode=(replaced)
+fi
+netns_up "duetnet$$" "${hosts[@]}" || { [ $? -ne 77 ] || skip "$NETNS_ERROR"; fail "cannot set up the network namespaces"; }
 netns_hostfile "$work/hosts"
-netns_start_cluster "$duet" "$model" "$work/hosts" "$work/cluster.out" "$work/cluster.log" \
-  1 2 "${engine_args[@]}" "$@"
+DUET_REPLACE=$replace netns_start_cluster "$duet" "$model" "$work/hosts" "$work/cluster.out" \
+  "$work/cluster.log" 1 "$decode" "${engine_args[@]}" "$@"
 cluster=$NETNS_CLUSTER
 deadline=$((SECONDS + 180))
 until grep -qs '^http listening on ' "$work/cluster.out"; do
@@ -123,7 +136,14 @@ done
 
 ns_a=$(netns_namespace a)
 ip netns exec "$ns_a" python3 "$here/failover_streams.py" "$url" "$work/expected.json" \
-  "$victim" "$(netns_namespace c)" >&2 || fail "the streams did not all survive the loss"
+  "$victim" "$(netns_namespace c)" "${streams_mode[@]}" >&2 ||
+  fail "the streams did not all survive the loss"
+if [ "$replace" = 1 ]; then
+  grep -q "replacement 1 (decode, pid [0-9]*) starting on $(netns_address c)" "$work/cluster.log" ||
+    fail "the launcher did not start a decode replacement on host c"
+  grep -q "(decode, joined): serving" "$work/cluster.log" || fail "the replacement does not serve"
+  say "$(grep -m 1 -o "replacement (pid .*) serves: .*" "$work/cluster.log")"
+fi
 grep -q "kv transfer: rank 2: " "$work/cluster.log" || [ "$want" != tcp ] ||
   fail "the prefill rank's KV transfer did not see rank 2 go"
 say "the coordinator: $(grep -m 1 -o "instance .* lost at epoch 1: [^;]*" "$work/cluster.log")"
@@ -140,7 +160,7 @@ for _ in $(seq 1 300); do kill -0 "$cluster" 2>/dev/null || break; sleep 0.1; do
 kill -0 "$cluster" 2>/dev/null && fail "the cluster did not stop within 30 s of SIGTERM"
 wait "$cluster" || true  # mpirun reports the rank it lost
 cluster=""
-for rank in 0 1 3; do
+for rank in "${survivors[@]}"; do
   grep -q "rank $rank: exiting with code 0" "$work/cluster.log" || fail "rank $rank did not exit with 0"
 done
 say "PASS in $((SECONDS - started)) s"

@@ -26,6 +26,19 @@ set_tests_properties(mpi_netns_failover_test PROPERTIES
   SKIP_RETURN_CODE 77
   TIMEOUT 90)
 
+# A lost decode instance replaced across hosts (netns_failover_test.sh with
+# DUET_NETNS_REPLACE=1, three hosts, 1P+1D): the launcher starts a decode
+# replacement on the victim's host, which joins and links its KV with the
+# prefill rank over TCP; every stream waits for it and ends with the single
+# process's text, and /health is ok again. Needs root, as above.
+add_test(NAME mpi_netns_replacement_test
+  COMMAND ${CMAKE_CURRENT_LIST_DIR}/netns_failover_test.sh)
+set_tests_properties(mpi_netns_replacement_test PROPERTIES
+  ENVIRONMENT "DUET_NETNS_REPLACE=1;DUET_BINARY=$<TARGET_FILE:duet>;DUET_MODEL=${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf;DUET_MPIRUN=${MPIEXEC_EXECUTABLE}"
+  LABELS mpi
+  SKIP_RETURN_CODE 77
+  TIMEOUT 180)
+
 # The same beside two busy processes (tests/mpi/under_load.sh), under
 # ctest -j2 beside other tests: a loaded machine may delay a healthy rank's
 # heartbeats past the 1 s lease, which must make it suspect, never lost

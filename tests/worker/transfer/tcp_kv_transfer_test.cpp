@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/worker/transfer/tcp_transfer_testing.h"
 #include "worker/kv/kv_rows.h"
 #include "worker/transfer/kv_transfer_wire.h"
 
@@ -61,62 +62,7 @@ KvLayout test_layout() {
 }
 
 // Connected sockets between kPrefill and kDecode, as the start-up makes them.
-std::pair<int, int> connected_pair() {
-  TcpListener prefill_listener, decode_listener;
-  const auto deadline = std::chrono::steady_clock::now() + kPatience;
-  auto prefill = std::async(std::launch::async, [&] {
-    const TcpPeer peer{kDecode, decode_listener.address(), true, kPrefill < kDecode};
-    return connect_tcp_peers(kPrefill, &prefill_listener, std::span(&peer, 1), kKvPurpose,
-                             deadline);
-  });
-  const TcpPeer peer{kPrefill, prefill_listener.address(), true, kDecode < kPrefill};
-  std::map<int, int> decode =
-      connect_tcp_peers(kDecode, &decode_listener, std::span(&peer, 1), kKvPurpose, deadline);
-  return {prefill.get().at(kDecode), decode.at(kPrefill)};
-}
-
-// What a transfer's handlers were called with, waited for with a deadline.
-class Calls {
- public:
-  KvTransfer::Handlers handlers() {
-    KvTransfer::Handlers h;
-    h.on_order = [this](int peer, PrefillOrder order) {
-      note([&] { orders.push_back({peer, order}); });
-    };
-    h.on_cancel = [this](int, RequestId id) { note([&] { cancels.push_back(id); }); };
-    h.on_complete = [this](RequestId id, const KvHandoff& handoff) {
-      note([&] { completed.push_back({id, handoff}); });
-    };
-    h.on_failed = [this](RequestId id, const ServeError& error) {
-      note([&] { failed.push_back({id, error}); });
-    };
-    h.on_released = [this](RequestId id) { note([&] { released.push_back(id); }); };
-    h.on_quarantined = [this](RequestId id) { note([&] { quarantined.push_back(id); }); };
-    return h;
-  }
-  bool wait(const std::function<bool()>& done) {
-    std::unique_lock lock(mutex_);
-    return changed_.wait_for(lock, kPatience, done);
-  }
-
-  std::vector<std::pair<int, PrefillOrder>> orders;
-  std::vector<RequestId> cancels;
-  std::vector<std::pair<RequestId, KvHandoff>> completed;
-  std::vector<std::pair<RequestId, ServeError>> failed;
-  std::vector<RequestId> released;
-  std::vector<RequestId> quarantined;
-
- private:
-  void note(const std::function<void()>& change) {
-    {
-      std::lock_guard lock(mutex_);
-      change();
-    }
-    changed_.notify_all();
-  }
-  std::mutex mutex_;
-  std::condition_variable changed_;
-};
+std::pair<int, int> connected_pair() { return connected_tcp_pair(kPrefill, kDecode); }
 
 class TcpKvTransferTest : public ::testing::Test {
  protected:
@@ -166,11 +112,7 @@ class TcpKvTransferTest : public ::testing::Test {
 
   std::vector<KvElement> packed(const KvCache& cache, const std::vector<int32_t>& blocks,
                                 int64_t layer) {
-    std::vector<KvElement> rows(static_cast<size_t>(
-        packed_kv_elems(cache.layout(), kPrompt, all_kv_heads(cache.layout()))));
-    pack_kv_rows(cache.layout(), cache.data(), layer, blocks, 0, kPrompt,
-                 all_kv_heads(cache.layout()), rows.data());
-    return rows;
+    return packed_rows(cache, blocks, layer, kPrompt);
   }
 
   // The prefill side's handoff after all of the prompt's rows.
