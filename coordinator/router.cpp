@@ -234,6 +234,7 @@ std::optional<RoutedInstances::Attempt> RoutedInstances::place(
     ++routed_[*prefill];
     if (n_prefill > 1) prefixes_[*prefill].remember(request.prompt);
     request.prefill_peer = instances_[*prefill].peer;
+    request.prefill_tp = instances_[*prefill].tp;
   }
   return Attempt{std::move(request), target, instances_[target].client};
 }

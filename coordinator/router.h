@@ -107,6 +107,7 @@ struct RoutedInstance {
   // It can ship a prompt's KV and receive one (a disaggregated cluster's
   // instance): it may change to any role. Without, only colocated.
   bool kv_links = false;
+  int32_t tp = 1;  // its ranks: `peer` and the next tp - 1 addresses
 };
 
 class RoutedInstances final : public InstanceClient, public ClusterAdmin {

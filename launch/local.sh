@@ -20,17 +20,16 @@
 # SIGTERM sent to mpirun directly still lets the cluster drain (README:
 # stopping a cluster).
 #
-# Replacements (clusters of one-rank instances; disaggregated ones on the
-# CPU): the coordinator opens a join port with a cluster key of this run's
-# own, and while the cluster serves this script keeps its P + D instances:
-# when /metrics shows fewer up than that, it starts a replacement on this
-# host (with a hostfile: on the lost instance's host, by an mpirun of its
-# own) that joins the running cluster (`duet serve --join`, README: joining
-# a running cluster) and says how long the loss took to mend. In a
-# disaggregated cluster the replacement takes the role that has fewer
-# instances up than the cluster started with (prefill first). DUET_REPLACE=0
-# turns this off. Tensor-parallel clusters are not mended yet: a joined
-# instance is of one rank.
+# Replacements (clusters on the CPU): the coordinator opens a join port
+# with a cluster key of this run's own, and while the cluster serves this
+# script keeps its P + D instances: when /metrics shows fewer up than that,
+# it starts a replacement on this host (with a hostfile: on the lost
+# instance's host, by an mpirun of its own; an instance of T ranks always
+# by `mpirun -np T`) that joins the running cluster (`duet serve --join`,
+# README: joining a running cluster) and says how long the loss took to
+# mend. In a disaggregated cluster the replacement takes the role that has
+# fewer instances up than the cluster started with (prefill first), and that
+# role's TP. DUET_REPLACE=0 turns this off.
 #
 # Counts that follow the load (DUET_MAX_EXTRA=N, with `--rebalance auto
 # --slo ...` among the arguments, colocated clusters): the coordinator publishes
@@ -59,7 +58,7 @@
 #   DUET_MPIRUN_ARGS    more mpirun options, split on spaces
 #   DUET_HOSTFILE       an Open MPI hostfile (launch/hostfile.sh sets it); without
 #                       one every rank runs here, oversubscribing the cores
-#   DUET_REPLACE        1 (default): replace lost instances (tp 1); 0: do not
+#   DUET_REPLACE        1 (default): replace lost instances (CPU); 0: do not
 #   DUET_JOIN_PORT      the coordinator's join port for replacements and for lost ranks
 #                       that wake and rejoin (default: a free port picked at start; with
 #                       a hostfile 0, any free one, which the ranks cannot rejoin on)
@@ -98,6 +97,16 @@ for ((i = 0; i < ${#args[@]}; i++)); do
   esac
 done
 ranks=$((1 + prefill * ${prefill_tp:-$tp} + decode * ${decode_tp:-$tp}))
+# A replacement's arguments: the cluster's, less its shape (the replacement
+# is one instance of its own role and TP).
+member_args=()
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case ${args[i]} in
+    --mode | --tp | --prefill-tp | --decode-tp | --ep | --prefill-ep | --decode-ep) i=$((i + 1)) ;;
+    --mode=* | --tp=* | --prefill-tp=* | --decode-tp=* | --ep=* | --prefill-ep=* | --decode-ep=*) ;;
+    *) member_args+=("${args[i]}") ;;
+  esac
+done
 
 [ "${DUET_SKIP_SETUP:-0}" = 1 ] || "$root/launch/setup.sh"
 [ "${DUET_SKIP_BUILD:-0}" = 1 ] || "$root/launch/build.sh" >&2
@@ -174,13 +183,13 @@ stop() {
   fi
 }
 
-# Replacements need joins: one-rank instances, prefill and decode ones on
-# the CPU (their KV links are TCP).
+# Replacements need joins: on the CPU for a prefill or decode instance (its
+# KV links are TCP) and for one of several ranks (its collectives).
 replace=0
 join_args=()
 if [ "${DUET_REPLACE:-1}" = 1 ]; then
-  if [ "${prefill_tp:-$tp}" = 1 ] && [ "${decode_tp:-$tp}" = 1 ] &&
-    { [ "$mode" = colocated ] || [ "$device" = cpu ]; }; then
+  if [ "$device" = cpu ] ||
+    { [ "$mode" = colocated ] && [ "${prefill_tp:-$tp}" = 1 ] && [ "${decode_tp:-$tp}" = 1 ]; }; then
     replace=1
     (umask 077 && head -c 32 /dev/urandom | base64 >"$work/cluster.key")
     # A known number (not 0): the ranks read it too, to rejoin after a loss
@@ -191,7 +200,7 @@ if [ "${DUET_REPLACE:-1}" = 1 ]; then
     fi
     join_args=(--join-port "$join_port" --cluster-key "$work/cluster.key")
   else
-    say "lost instances will not be replaced: a joined instance is of one rank (tp 1), and a prefill or decode one runs on the CPU"
+    say "lost instances will not be replaced: a joined prefill, decode or tensor-parallel instance runs on the CPU"
   fi
 fi
 
@@ -332,26 +341,29 @@ keep_counts() {
       host=$(rank_host "$leader")
     fi
     # Its role: a disaggregated cluster's prefill side first, while it has
-    # fewer up (or starting) than the cluster started with.
+    # fewer up (or starting) than the cluster started with; and its TP.
     role=both
+    local member_tp=$tp
     if [ "$mode" != colocated ]; then
-      role=decode
+      role=decode member_tp=${decode_tp:-$tp}
       if [ $((up_prefill + starting_prefill)) -lt "$prefill" ]; then
-        role=prefill
+        role=prefill member_tp=${prefill_tp:-$tp}
         starting_prefill=$((starting_prefill + 1))
       fi
     fi
     replacements=$((replacements + 1))
     local join_host=127.0.0.1
+    [ "$host" = localhost ] || join_host=$(rank_host 0)
     log=$work/replacement-$replacements.log
-    local member=(serve --model "$model" --threads "${DUET_THREADS:-1}" --role "$role")
-    local replacement=("$duet" "${member[@]}"
-      --join "$join_host:$(cat "$work/join_port")" --cluster-key "$work/cluster.key" "$@")
-    if [ "$host" != localhost ]; then
-      join_host=$(rank_host 0)
-      replacement=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" --host "$host" -np 1
-        "$duet" "${member[@]}"
-        --join "$join_host:$(cat "$work/join_port")" --cluster-key "$work/cluster.key" "$@")
+    local member=("$duet" serve --model "$model" --threads "${DUET_THREADS:-1}" --role "$role"
+      --tp "$member_tp" --join "$join_host:$(cat "$work/join_port")"
+      --cluster-key "$work/cluster.key" "${member_args[@]}")
+    local replacement=("${member[@]}")
+    if [ "$host" != localhost ] || [ "$member_tp" -gt 1 ]; then
+      local on=()
+      [ "$host" = localhost ] || on=(--host "$host")
+      replacement=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" "${on[@]}" -np "$member_tp"
+        "${member[@]}")
     fi
     : >"$log"
     # Its output to a file (read above) and, marked, to stderr.

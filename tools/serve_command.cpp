@@ -127,7 +127,8 @@ void add_serve_command(CLI::App& app, ServeArgs& args) {
       ->group(group);
   cmd->add_option("--tp", args.cluster.tp,
                   "Ranks per instance: each holds 1/T of the weights and KV cache (tensor "
-                  "parallel; at most the model's KV heads)")
+                  "parallel; at most the model's KV heads). With --join: the joining "
+                  "instance's, as mpirun -np T")
       ->group(group);
   cmd->add_option("--prefill-tp", args.cluster.prefill_tp, "Ranks per prefill instance (--tp)")
       ->group(group);

@@ -1,6 +1,10 @@
 // `duet serve --join HOST:PORT`: one instance that joins a running cluster
 // (coordinator/cluster/join_listener.h) instead of starting with it. A plain
-// process (or a one-rank mpirun job of its own): no MPI is used.
+// process (or a one-rank mpirun job of its own): no MPI is used; or, with
+// `--tp T`, an mpirun job of T ranks of its own, whose rank 0 joins for the
+// group and leads the others' steps over MPI (worker/tensor_parallel.h).
+// A prefill or decode instance links its KV with every instance rank of the
+// cluster first, on each of its ranks (worker/transfer/kv_member_links.h).
 //
 // It loads the model, dials the coordinator and proves the cluster key,
 // then is a leader like any other: an InstanceServer over a ControlChannel
@@ -41,7 +45,9 @@
 #include "tools/serve_command.h"
 #include "worker/instance_server.h"
 #include "worker/local_instance.h"
+#include "worker/parallel/mpi_collective.h"
 #include "worker/rank_liveness.h"
+#include "worker/tensor_parallel.h"
 #include "worker/transfer/kv_member_links.h"
 #include "worker/transfer/tcp_kv_transfer.h"
 
@@ -185,14 +191,34 @@ std::optional<JoinVerdict> join(const std::string& address, const ClusterKey& ke
   }
 }
 
-// A prefill or decode member's KV transfer (worker/transfer/kv_member_links.h):
-// links taken on `listener` from now on, then dialled to every rank of the
-// verdict; a rank not reached is lost to it. `listener` outlives the transfer
-// only until the caller drops it, first.
+// A member of more than one rank (`mpirun -np T duet serve --join ... --tp
+// T`): its mpirun job's ranks, rank 0 the leader, which alone talks to the
+// coordinator; the others follow its steps (worker/tensor_parallel.h).
+struct Group {
+  MpiRuntime& mpi;
+  Collective& collective;  // every rank of the job
+  bool leader() const { return collective.rank() == 0; }
+};
+
+// The leader's outcome of the join (a verdict, or its error as a refusal),
+// to every rank of `group`.
+JoinVerdict share_verdict(Group& group, JoinVerdict verdict) {
+  std::vector<std::byte> bytes = encode_control_message(verdict);
+  uint64_t size = bytes.size();
+  group.collective.broadcast(std::as_writable_bytes(std::span(&size, 1)), 0);
+  bytes.resize(size);
+  group.collective.broadcast(bytes, 0);
+  return std::get<JoinVerdict>(decode_control_message(bytes));
+}
+
+// A prefill or decode member's KV transfer (worker/transfer/kv_member_links.h)
+// on its rank `index`: links taken on `listener` from now on, then dialled
+// to every rank of the verdict; a rank not reached is lost to it. `listener`
+// outlives the transfer only until the caller drops it, first.
 std::unique_ptr<TcpKvTransfer> open_kv_links(const ServeArgs& args, const ClusterKey& key,
-                                             const JoinVerdict& verdict, KvLinkListener& listener,
-                                             PeerLinks& peers) {
-  const int self = verdict.member.value;
+                                             const JoinVerdict& verdict, int index,
+                                             KvLinkListener& listener, PeerLinks& peers) {
+  const int self = verdict.member.value + index;
   auto transfer = std::make_unique<TcpKvTransfer>(self, std::map<int, int>{},
                                                   TcpKvTransferOptions{args.kv_checksums});
   listener.start([members = transfer.get()](int rank, int fd) { members->add_peer(rank, fd); });
@@ -215,20 +241,57 @@ std::unique_ptr<TcpKvTransfer> open_kv_links(const ServeArgs& args, const Cluste
   return transfer;
 }
 
+// A follower rank of a group's membership: its KV links, then the leader's
+// steps until it stops them.
+int follow_member(const ServeArgs& args, const ClusterKey& key, const LlamaModel& model,
+                  const cpu::KernelTable& kernels, const EngineConfig& config,
+                  const JoinVerdict& verdict, std::unique_ptr<KvLinkListener> listener,
+                  Group& group) {
+  PeerLinks peers;
+  std::unique_ptr<TcpKvTransfer> transfer;
+  const int index = group.collective.rank();
+  if (listener != nullptr) transfer = open_kv_links(args, key, verdict, index, *listener, peers);
+  std::byte linked{1};
+  std::vector<std::byte> all(static_cast<size_t>(group.collective.size()));
+  group.collective.all_gather(std::span(&linked, 1), all);  // every rank linked
+  {
+    cpu::ThreadPool pool(serve::compute_threads(args));
+    spdlog::info("instance {} (member {}): tensor-parallel follower {} of {}", verdict.instance_id,
+                 verdict.member.value + index, index, group.collective.size());
+    run_tp_follower(model, kernels, pool, group.collective, config.n_kv_blocks, transfer.get());
+  }
+  listener.reset();  // before the transfer it adds links to
+  return 0;
+}
+
 // One membership: the instance behind an InstanceServer over the joined
 // channel, until the coordinator's Shutdown, a leave, or a loss. A prefill
-// or decode member brings the listener its request named.
+// or decode member brings the listener its request named; a group's leader
+// leads its followers' steps.
 Membership serve_member(const ServeArgs& args, const ClusterKey& key, const LlamaModel& model,
                         const cpu::KernelTable& kernels, const EngineConfig& config,
                         InstanceRole role, const JoinVerdict& verdict, int socket,
-                        std::unique_ptr<KvLinkListener> listener, const sigset_t& signals) {
+                        std::unique_ptr<KvLinkListener> listener, const sigset_t& signals,
+                        Group* group) {
   ControlChannelOptions options;
   options.transport = Transport::kTcp;
   ControlChannel channel(JoinedLink{verdict.member, socket}, options);
-  const InstanceSpec self{verdict.instance_id, role, 1, {verdict.member}};
+  const int32_t tp = group != nullptr ? group->collective.size() : 1;
+  InstanceSpec self{verdict.instance_id, role, tp, {}};
+  for (int32_t k = 0; k < tp; ++k) self.ranks.push_back(Rank{verdict.member.value + k});
   PeerLinks peers;
   std::unique_ptr<TcpKvTransfer> transfer;
-  if (listener != nullptr) transfer = open_kv_links(args, key, verdict, *listener, peers);
+  if (listener != nullptr) {
+    transfer = open_kv_links(args, key, verdict, 0, *listener, peers);
+    for (const Rank rank : self.ranks) peers.own_ranks.push_back(rank.value);
+  }
+  std::optional<TpLeader> tp_leader;
+  if (group != nullptr) {
+    std::byte linked{1};
+    std::vector<std::byte> all(static_cast<size_t>(tp));
+    group->collective.all_gather(std::span(&linked, 1), all);  // every rank linked
+    tp_leader.emplace(group->collective);
+  }
   // Lost (stalled past the lease, or cut off): the server stops, the
   // instance and its KV go, and the caller joins again as a new member.
   LossLatch latch;
@@ -239,21 +302,23 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
   std::string reason;
   {
     cpu::ThreadPool pool(serve::compute_threads(args));
-    LocalInstance instance(model, kernels, pool, config, serve::model_name(args), peers);
+    LocalInstance instance(model, kernels, pool, config, serve::model_name(args), peers,
+                           tp_leader ? &*tp_leader : nullptr);
     InstanceServer server(channel, instance, verdict.instance_id);
     liveness.watch([&instance] { return instance.progress(); });
     Leaver leaver(channel, instance, server, verdict.instance_id, signals,
                   std::chrono::milliseconds(static_cast<int64_t>(args.drain_timeout_s * 1000)));
     server.on_leave_accepted([&leaver] { leaver.accepted(); });
     latch.serving(&server);
-    spdlog::info("instance {} ({}, joined): serving {} with {} compute threads",
+    spdlog::info("instance {} ({}, joined): serving {} with {} compute threads{}",
                  verdict.instance_id, instance_role_name(role), serve::model_name(args),
-                 pool.size());
+                 pool.size(), tp > 1 ? fmt::format(", tp {}", tp) : std::string());
     reason = server.serve();
     latch.serving(nullptr);
     stats = instance.stats();
     liveness.watch({});
-  }  // the engine has stopped: what it held is dropped with it
+  }                                  // the engine has stopped: what it held is dropped with it
+  if (tp_leader) tp_leader->stop();  // the followers leave their loop
   spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
                stats.steps, stats.generated_tokens);
   listener.reset();  // before the transfer it adds links to
@@ -263,25 +328,59 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
 
 // Joins (`window` 0: once), serves, and joins again after each loss, until
 // the coordinator's Shutdown, a leave, or a stop signal.
+// A group's members (ranks past the leader) do not rejoin: a group lost
+// ends, as the ranks of the mpirun job's tensor-parallel instances do.
 int membership_loop(const ServeArgs& args, const ClusterKey& key, const std::string& address,
                     const LlamaModel& model, const cpu::KernelTable& kernels,
                     const EngineConfig& config, InstanceRole role, std::chrono::milliseconds window,
-                    const sigset_t& signals) {
+                    const sigset_t& signals, Group* group = nullptr) {
   JoinRequest request;
   request.version = fmt::format("duet {}", DUET_VERSION);
   request.model_fingerprint = model_fingerprint(args.model);
   request.role = role;
-  request.tp = 1;
+  request.tp = group != nullptr ? group->collective.size() : 1;
   request.host = host_name();
   for (;;) {
-    // A prefill or decode instance listens for KV links before it joins.
+    // A prefill or decode instance listens for KV links before it joins,
+    // on every rank; the leader names them all.
     std::unique_ptr<KvLinkListener> listener;
     if (role != InstanceRole::kBoth) {
       listener = std::make_unique<KvLinkListener>(key);
-      request.kv = listener->address(-1, request.host);
+      const KvLinkAddress own = listener->address(-1, request.host);
+      request.kv = {own};
+      if (group != nullptr) {
+        const std::vector<std::byte> all =
+            group->mpi.all_gather(TcpAddress{own.port, own.ipv4}.encode());
+        request.kv.clear();
+        for (size_t at = 0; at < all.size(); at += TcpAddress::kRecordBytes) {
+          const TcpAddress rank =
+              TcpAddress::decode(std::span(all).subspan(at, TcpAddress::kRecordBytes));
+          request.kv.push_back({-1, request.host, rank.port, rank.ipv4, -1});
+        }
+      }
     }
     int socket = -1;
-    const std::optional<JoinVerdict> verdict = join(address, key, request, window, signals, socket);
+    std::optional<JoinVerdict> verdict;
+    std::string failure;
+    if (group == nullptr || group->leader()) {
+      try {
+        verdict = join(address, key, request, window, signals, socket);
+      } catch (const std::exception& e) {
+        if (group == nullptr) throw;
+        failure = e.what();
+      }
+    }
+    if (group != nullptr) {
+      // Every rank goes on with the leader's verdict, or ends with its error.
+      verdict =
+          share_verdict(*group, verdict ? *verdict : JoinVerdict{false, {}, 0, 0, failure, {}});
+      if (!verdict->accepted && group->leader()) throw Error(ErrorKind::kInvalidArgument, failure);
+      if (!verdict->accepted) return 2;
+      if (!group->leader()) {
+        return follow_member(args, key, model, kernels, config, *verdict, std::move(listener),
+                             *group);
+      }
+    }
     if (!verdict) {
       spdlog::info("a stop signal while rejoining: exiting");
       return 0;
@@ -289,14 +388,62 @@ int membership_loop(const ServeArgs& args, const ClusterKey& key, const std::str
     spdlog::info("joined the cluster at {} as instance {} (member {})", address,
                  verdict->instance_id, verdict->member.value);
     const Membership membership = serve_member(args, key, model, kernels, config, role, *verdict,
-                                               socket, std::move(listener), signals);
+                                               socket, std::move(listener), signals, group);
     if (!membership.lost) return membership.code;
+    if (group != nullptr) return 1;
     if (stop_signal_pending(signals)) return 0;
     // Its requests run elsewhere now; it comes back as a new member, with
     // an empty KV cache, under the epoch its loss made.
     spdlog::warn("rejoining the cluster at {} as a new member", address);
     window = kRejoinWindow;
   }
+}
+
+// `mpirun -np T duet serve --join ... --tp T`: every rank loads its shard
+// (all say whether they could), then the leader joins for the group.
+int run_group_join(const ServeArgs& args, const ClusterKey& key, InstanceRole role, int device,
+                   int tp, const sigset_t& signals) {
+  if (device >= 0) {
+    throw Error(ErrorKind::kUnsupported,
+                "an instance of more than one rank joins on the CPU only (its collectives and "
+                "KV links are host-side)");
+  }
+  if (!launched_by_mpirun()) {
+    throw Error(
+        ErrorKind::kInvalidArgument,
+        fmt::format("--tp {} joins as a job of its own: mpirun -np {} duet serve --join ...", tp,
+                    tp));
+  }
+  MpiRuntime mpi;  // finalized last
+  if (mpi.world_size() != tp) {
+    throw Error(
+        ErrorKind::kInvalidArgument,
+        fmt::format("--tp {} joins as mpirun -np {}, not -np {}", tp, tp, mpi.world_size()));
+  }
+  std::vector<Rank> ranks;
+  for (int r = 0; r < tp; ++r) ranks.push_back(Rank{r});
+  MpiCollective collective(mpi, ranks, 0);
+  const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
+  std::unique_ptr<LlamaModel> model;
+  EngineConfig config;
+  std::string error;
+  try {
+    model = LlamaModel::load(args.model, TpPlacement{collective.rank(), tp}, &kernels);
+    const Tokenizer tokenizer = tokenizer_from_gguf(model->file());
+    config = serve::engine_config(args, *model, tokenizer.end_of_generation_ids(), device);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::byte loaded = error.empty() ? std::byte{1} : std::byte{0};
+  const std::vector<std::byte> all = mpi.all_gather(std::span(&loaded, 1));
+  if (!error.empty()) throw Error(ErrorKind::kInvalidArgument, error);
+  if (std::find(all.begin(), all.end(), std::byte{0}) != all.end()) {
+    if (collective.rank() != 0) return 2;
+    throw Error(ErrorKind::kInvalidArgument,
+                "another rank of this instance could not load its shard (see its log)");
+  }
+  Group group{mpi, collective};
+  return membership_loop(args, key, args.join, *model, kernels, config, role, 0ms, signals, &group);
 }
 
 }  // namespace
@@ -322,6 +469,8 @@ int run_join_serve(const ServeArgs& args, const sigset_t& signals) {
     }
     require_device(device);
     const cpu::KernelTable& kernels = cpu::kernel_table(cpu::isa_from_environment());
+    const int tp = args.cluster.tp.value_or(args.cluster.ep.value_or(1));
+    if (tp > 1) return run_group_join(args, key, role, device, tp, signals);
     std::unique_ptr<LlamaModel> model =
         LlamaModel::load(args.model, {}, device < 0 ? &kernels : nullptr);
     const Tokenizer tokenizer = tokenizer_from_gguf(model->file());

@@ -97,9 +97,10 @@ void InstanceCore::cancel_sequence(RequestId id, SequenceId sequence) {
   if (abort_released_) {
     release_import(id, sequence);
   } else {
-    spdlog::info("instance: request {} cancelled before its KV arrived; its blocks wait for "
-                 "the transfer",
-                 id.value);
+    spdlog::info(
+        "instance: request {} cancelled before its KV arrived; its blocks wait for "
+        "the transfer",
+        id.value);
     releasing_.emplace(id, sequence);
   }
 }
@@ -142,8 +143,8 @@ void InstanceCore::apply_quarantined(RequestId id) {
   } else if (auto live = sequences_.find(id); live != sequences_.end()) {
     sequence = live->second;
     forget(id, sequence);
-    fail(id, {ServeErrorKind::kUnavailable,
-              "its prefill instance was lost while its KV was arriving"});
+    fail(id,
+         {ServeErrorKind::kUnavailable, "its prefill instance was lost while its KV was arriving"});
   } else {
     return;
   }
@@ -183,7 +184,11 @@ void InstanceCore::apply_submit(InstanceRequest& request) {
       DUET_REQUIRE(peers != nullptr,
                    "request {} names prefill instance {}, but this instance has no peers",
                    rid.value, request.prefill_peer);
-      std::vector<int32_t> sources = {request.prefill_peer};
+      // The prefill instance's ranks: known since start-up, or consecutive
+      // addresses (an instance that joined).
+      std::vector<int32_t> sources;
+      for (int32_t k = 0; k < std::max(request.prefill_tp, 1); ++k)
+        sources.push_back(request.prefill_peer + k);
       if (auto it = options_.instance_ranks.find(request.prefill_peer);
           it != options_.instance_ranks.end())
         sources = it->second;
@@ -206,8 +211,9 @@ void InstanceCore::apply_submit(InstanceRequest& request) {
         abort_released_ = options_.peers->abort_import(prefill, rid);
       };
       // Rows from GPUs with a device transfer land in the device pool directly.
-      hooks.device_rows = std::all_of(sources.begin(), sources.end(),
-                                      [peers](int32_t rank) { return peers->device_transfer(rank); });
+      hooks.device_rows = std::all_of(sources.begin(), sources.end(), [peers](int32_t rank) {
+        return peers->device_transfer(rank);
+      });
       std::vector<int32_t> prompt = request.prompt;
       sequence = engine_->submit_import(std::move(prompt), options, on_token, std::move(hooks));
     } else {
@@ -285,10 +291,10 @@ void InstanceCore::apply_order(PeerOrder& order) {
                                                        order.order.send_from, sink, on_admitted);
     exports_.emplace(rid, Export{sequence, peer, std::move(decode_ranks), now(), 0});
   } catch (const std::exception& e) {
-    peers->send_handoff(peer, KvHandoff{rid, -1, 0, 0, 0,
-                                        ServeError{ServeErrorKind::kInvalidArgument,
-                                                   std::string("prefill refused the prompt: ") +
-                                                       e.what()}});
+    peers->send_handoff(
+        peer, KvHandoff{rid, -1, 0, 0, 0,
+                        ServeError{ServeErrorKind::kInvalidArgument,
+                                   std::string("prefill refused the prompt: ") + e.what()}});
   }
 }
 

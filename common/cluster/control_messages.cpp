@@ -156,6 +156,7 @@ void fill(control::SubmitRequest::Builder out, const InstanceRequest& in) {
   out.setIgnoreEos(in.ignore_eos);
   out.setPrefillRank(in.prefill_peer);
   out.setNPrompt(in.n_prompt);
+  out.setPrefillTp(in.prefill_tp);
 }
 
 InstanceRequest read(control::SubmitRequest::Reader in) {
@@ -179,6 +180,7 @@ InstanceRequest read(control::SubmitRequest::Reader in) {
   out.ignore_eos = in.getIgnoreEos();
   out.prefill_peer = in.getPrefillRank();
   out.n_prompt = in.getNPrompt();
+  out.prefill_tp = in.getPrefillTp();
   return out;
 }
 
@@ -335,7 +337,8 @@ struct Filler {
     join.setRole(to_wire(m.role));
     join.setTp(m.tp);
     join.setHost(m.host);
-    write_kv_link(join.initKv(), m.kv);
+    auto kv = join.initKv(static_cast<unsigned>(m.kv.size()));
+    for (size_t i = 0; i < m.kv.size(); ++i) write_kv_link(kv[static_cast<unsigned>(i)], m.kv[i]);
   }
   void operator()(const JoinVerdict& m) {
     auto verdict = out.initJoinVerdict();
@@ -442,13 +445,15 @@ ControlMessage read(control::Message::Reader in) {
     }
     case control::Message::JOIN_REQUEST: {
       auto join = in.getJoinRequest();
-      return JoinRequest{join.getProtocolVersion(),
-                         to_string(join.getVersion()),
-                         to_string(join.getModelFingerprint()),
-                         from_wire(join.getRole()),
-                         join.getTp(),
-                         to_string(join.getHost()),
-                         read_kv_link(join.getKv())};
+      JoinRequest out{join.getProtocolVersion(),
+                      to_string(join.getVersion()),
+                      to_string(join.getModelFingerprint()),
+                      from_wire(join.getRole()),
+                      join.getTp(),
+                      to_string(join.getHost()),
+                      {}};
+      for (auto link : join.getKv()) out.kv.push_back(read_kv_link(link));
+      return out;
     }
     case control::Message::JOIN_VERDICT: {
       auto verdict = in.getJoinVerdict();

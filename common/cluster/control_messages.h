@@ -116,7 +116,9 @@ struct JoinRequest {
   InstanceRole role = InstanceRole::kBoth;
   int32_t tp = 1;
   std::string host;  // where it runs, for logs and /health
-  KvLinkAddress kv;  // a prefill or decode instance's KV listener (its rank unused)
+  // A prefill or decode instance's KV listeners, one a rank, leader first
+  // (their ranks unused: the verdict gives the addresses).
+  std::vector<KvLinkAddress> kv;
 };
 
 // Coordinator -> the joining instance: its control-channel address and

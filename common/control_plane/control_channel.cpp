@@ -73,10 +73,14 @@ void ControlChannel::admit(Rank member, int socket) {
                  rank_.value, forgotten_.size(), closing_ || stop_ ? ", closing" : ""));
     }
     const auto n = static_cast<size_t>(member.value) + 1;
+    const size_t skipped = closed_by_.size();
     closed_by_.resize(n, false);
     forgotten_.resize(n, false);
     forgotten_seen_.resize(n, false);
     ended_.resize(n, false);
+    // The addresses passed over (an earlier member's followers, which reach
+    // rank 0 through their leader) have no link: nothing to close there.
+    for (size_t r = skipped; r + 1 < n; ++r) closed_by_[r] = ended_[r] = true;
     admitted_.emplace_back(member.value, socket);
     woken_ = true;
   }

@@ -31,7 +31,7 @@ std::vector<RoutedInstance> routed_instances(const RemoteCluster& cluster,
   const std::vector<InstanceClient*> clients = cluster.instances();
   for (size_t i = 0; i < spec.instances.size(); ++i) {
     instances.push_back({clients[i], spec.instances[i].role, spec.instances[i].leader().value,
-                         spec.mode == ClusterMode::kDisaggregated});
+                         spec.mode == ClusterMode::kDisaggregated, spec.instances[i].tp});
   }
   return instances;
 }
@@ -57,13 +57,13 @@ ClusterCoordinator::ClusterCoordinator(ControlChannel& channel, const ClusterSpe
       routed_.instance_lost(*index, loss.epoch, loss.reason);
   });
   RemoteCluster::MembershipHandlers membership;
-  membership.joined = [this](int32_t id, Rank member, InstanceClient* client, InstanceRole role,
-                             const std::string& host) {
+  membership.joined = [this](int32_t id, Rank member, int32_t tp, InstanceClient* client,
+                             InstanceRole role, const std::string& host) {
     // Its address on the channel is its transfer address too; in a
     // disaggregated cluster it has KV links with every instance, so it may
     // change role as theirs may.
     const size_t index = routed_.add_instance(
-        {client, role, member.value, spec_.mode == ClusterMode::kDisaggregated}, host);
+        {client, role, member.value, spec_.mode == ClusterMode::kDisaggregated, tp}, host);
     std::lock_guard lock(mutex_);
     routed_index_[id] = index;
   };

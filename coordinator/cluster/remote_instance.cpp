@@ -178,11 +178,9 @@ JoinVerdict RemoteCluster::judge_join(const JoinRequest& request, ClusterMode mo
     return refuse(fmt::format("it serves another model (fingerprint {}, the cluster's {})",
                               request.model_fingerprint, fingerprint));
   }
-  if (request.tp != 1) {
-    return refuse(fmt::format(
-        "it has tp {}; instances of more than one rank cannot join yet (start them with the "
-        "cluster)",
-        request.tp));
+  if (request.tp < 1 || request.tp > kMaxJoinTp) {
+    return refuse(
+        fmt::format("it has tp {}; an instance joins with 1 to {} ranks", request.tp, kMaxJoinTp));
   }
   if (mode == ClusterMode::kColocated && request.role != InstanceRole::kBoth) {
     return refuse(fmt::format("the cluster is colocated: join with --role both, not {}",
@@ -191,8 +189,13 @@ JoinVerdict RemoteCluster::judge_join(const JoinRequest& request, ClusterMode mo
   if (mode == ClusterMode::kDisaggregated && request.role == InstanceRole::kBoth) {
     return refuse("the cluster is disaggregated: join with --role prefill or --role decode");
   }
-  if (mode == ClusterMode::kDisaggregated && request.kv.port == 0) {
-    return refuse("it opened no KV listener, which a prefill or decode instance needs");
+  if (mode == ClusterMode::kDisaggregated &&
+      (std::ssize(request.kv) != request.tp ||
+       std::any_of(request.kv.begin(), request.kv.end(),
+                   [](const KvLinkAddress& link) { return link.port == 0; }))) {
+    return refuse(
+        "it opened no KV listener on every rank, which a prefill or decode instance "
+        "needs");
   }
   std::lock_guard lock(mutex_);
   if (shut_down_) return refuse("the coordinator is shutting down");
@@ -205,7 +208,7 @@ JoinVerdict RemoteCluster::judge_join(const JoinRequest& request, ClusterMode mo
     }
     verdict.kv_peers = live_kv_links();
   }
-  ++next_member_;
+  next_member_ += request.tp;  // its ranks' addresses, the leader's first
   ++next_instance_id_;
   return verdict;
 }
@@ -221,7 +224,7 @@ std::vector<KvLinkAddress> RemoteCluster::live_kv_links() const {
   }
   // A member admitted but not yet ready is in: it listens before it dials.
   for (const auto& [rank, member] : members_) {
-    if (member.left) gone.insert(rank);
+    for (int32_t k = 0; member.left && k < member.tp; ++k) gone.insert(Rank{rank.value + k});
   }
   std::vector<KvLinkAddress> live;
   for (const auto& [rank, link] : kv_links_) {
@@ -238,21 +241,30 @@ void RemoteCluster::set_kv_links(std::vector<KvLinkAddress> links) {
 void RemoteCluster::admit(const JoinVerdict& verdict, const JoinRequest& request, int socket) {
   {
     std::lock_guard lock(mutex_);
-    InstanceSpec instance{verdict.instance_id, request.role, 1, {verdict.member}};
-    liveness_.add_instance(instance, Clock::now());
-    spec_.instances.push_back(std::move(instance));
-    members_[verdict.member] = Member{verdict.instance_id, request.role, request.host};
-    if (request.kv.port != 0) {
-      KvLinkAddress link = request.kv;
-      link.rank = verdict.member.value;
-      link.leader = verdict.member.value;
-      link.host = request.host;
-      kv_links_[verdict.member] = std::move(link);
+    // Its lease watches the leader, the one rank linked to the coordinator:
+    // a follower that dies or stalls stops the leader's steps, which its
+    // heartbeats report.
+    liveness_.add_instance({verdict.instance_id, request.role, 1, {verdict.member}}, Clock::now());
+    InstanceSpec instance{verdict.instance_id, request.role, request.tp, {}};
+    for (int32_t k = 0; k < request.tp; ++k) {
+      const Rank rank{verdict.member.value + k};
+      instance.ranks.push_back(rank);
+      if (static_cast<size_t>(k) < request.kv.size() && request.kv[k].port != 0) {
+        KvLinkAddress link = request.kv[k];
+        link.rank = rank.value;
+        link.leader = verdict.member.value;
+        link.host = request.host;
+        kv_links_[rank] = std::move(link);
+      }
     }
+    spec_.instances.push_back(std::move(instance));
+    Member member{verdict.instance_id, request.role, request.host};
+    member.tp = request.tp;
+    members_[verdict.member] = member;
   }
   channel_.admit(verdict.member, socket);
-  spdlog::info("member {} ({}, {}) admitted as instance {}; waiting for it to be ready",
-               verdict.member.value, request.host, instance_role_name(request.role),
+  spdlog::info("member {} ({}, {}, tp {}) admitted as instance {}; waiting for it to be ready",
+               verdict.member.value, request.host, instance_role_name(request.role), request.tp,
                verdict.instance_id);
 }
 
@@ -283,7 +295,7 @@ void RemoteCluster::member_ready(Rank source, const InstanceReady& ready) {
   }
   if (refusal.empty() && handlers.joined) {
     try {
-      handlers.joined(member.instance_id, source, instance, member.role, member.host);
+      handlers.joined(member.instance_id, source, member.tp, instance, member.role, member.host);
     } catch (const std::exception& e) {
       refusal = e.what();
     }
@@ -528,6 +540,11 @@ void RemoteCluster::lose(const InstanceLoss& loss) {
       if (other.id == loss.instance_id) instance = other;
       const auto member = members_.find(other.leader());
       if (member != members_.end() && member->second.left) continue;
+      // A member's followers have no link to the coordinator: its leader hears.
+      if (member != members_.end()) {
+        told.push_back(other.leader());
+        continue;
+      }
       told.insert(told.end(), other.ranks.begin(), other.ranks.end());
     }
   }
@@ -536,7 +553,8 @@ void RemoteCluster::lose(const InstanceLoss& loss) {
                 loss.epoch, loss.reason);
   if (const auto it = by_leader_.find(loss.ranks.front()); it != by_leader_.end())
     it->second->mark_lost();
-  const RanksLost message{loss.epoch, loss.ranks,
+  // Every rank of the instance (a joined group's lease watches its leader only).
+  const RanksLost message{loss.epoch, instance.ranks.empty() ? loss.ranks : instance.ranks,
                           fmt::format("instance {}: {}", instance.id, loss.reason)};
   for (Rank rank : told) {
     try {

@@ -85,6 +85,9 @@ std::vector<InstanceReady> await_instances_ready(ControlChannel& channel, const 
 // end goes through RemoteCluster::shut_down).
 void shut_down_leaders(ControlChannel& channel, const ClusterSpec& spec, const std::string& reason);
 
+// The most ranks an instance that joins may have.
+inline constexpr int32_t kMaxJoinTp = 64;
+
 class RemoteCluster final {
  public:
   // `channel` outlives the cluster; `ready` from await_instances_ready.
@@ -104,8 +107,8 @@ class RemoteCluster final {
     // Instance `instance_id` joined and is ready at address `member` (its
     // KV transfer's address too); `client` is owned by the cluster.
     // Throwing refuses it (its leader is told to shut down, with the reason).
-    std::function<void(int32_t instance_id, Rank member, InstanceClient* client, InstanceRole role,
-                       const std::string& host)>
+    std::function<void(int32_t instance_id, Rank member, int32_t tp, InstanceClient* client,
+                       InstanceRole role, const std::string& host)>
         joined;
     // It leaves: send it nothing new.
     std::function<void(int32_t instance_id)> leaving;
@@ -175,6 +178,7 @@ class RemoteCluster final {
     int32_t instance_id = 0;
     InstanceRole role = InstanceRole::kBoth;
     std::string host;
+    int32_t tp = 1;  // its ranks: its address and the next tp - 1
     bool ready = false, leaving = false, left = false;
   };
   std::map<Rank, Member> members_;  // by address

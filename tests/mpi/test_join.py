@@ -14,7 +14,9 @@ rank 1 the instance) opens --join-port 0 with a cluster key. Then:
   left; new requests are still served.
 - test_3_killed_member: a joined instance SIGKILLed while streams run on it
   is lost (its connection ends): every stream finishes with the same text.
-- test_4_join_from_mpirun: a one-rank mpirun job of its own joins as well.
+- test_4_join_from_mpirun: a one-rank mpirun job of its own joins as well,
+  and so does an instance of two ranks (`mpirun -np 2 ... --tp 2`), which
+  leaves when its leader gets SIGTERM.
 - test_5_stopped_member_rejoins: a joined instance SIGSTOPped past its lease
   is lost; woken, it rejoins as a new member and serves again.
 
@@ -86,8 +88,8 @@ def listening_port(server):
 
 
 class Joiner:
-    """`duet serve --join` (optionally under a one-rank mpirun of its own), its
-    output collected in a file."""
+    """`duet serve --join` (optionally under an mpirun of its own), its output
+    collected in a file."""
 
     def __init__(self, *extra, model=None, key=None, mpirun=False):
         binary, default_model = serve_environment()
@@ -95,9 +97,9 @@ class Joiner:
         command = [binary, "serve", "--model", model or default_model, "--join", join_address,
                    "--cluster-key", key or key_file, "--threads", "1",
                    "--kv-cache-mem", "64MiB", *extra]
-        if mpirun:
-            command = [os.environ.get("DUET_MPIEXEC", "mpirun"), *MPIRUN_FLAGS, "-np", "1",
-                       *command]
+        if mpirun:  # True: one rank; a number: that many
+            command = [os.environ.get("DUET_MPIEXEC", "mpirun"), *MPIRUN_FLAGS, "-np",
+                       str(int(mpirun)), *command]
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -239,18 +241,31 @@ class JoinTest(unittest.TestCase):
             self.assertIn("drained", joiner.text())
         finally:
             joiner.kill()
+        group = Joiner("--tp", "2", mpirun=2)
+        try:
+            wait_joined(group, 4)
+            self.assertIn("compute threads, tp 2", group.text())
+            check_streams(self, run_streams(8))
+            os.kill(rank_pids(group.process.pid)[0], signal.SIGTERM)  # to its leader
+            self.assertEqual(group.wait(60), 0, group.text())
+            made = re.search(r"instance \d+: drained \(\d+ steps, (\d+) tokens generated\)",
+                             group.text())
+            self.assertIsNotNone(made, group.text())
+            self.assertGreater(int(made.group(1)), 0, "no request went to the joined group")
+        finally:
+            group.kill()
 
     def test_5_stopped_member_rejoins(self):
         joiner = Joiner()
         try:
-            wait_joined(joiner, 4)
+            wait_joined(joiner, 5)
             joiner.process.send_signal(signal.SIGSTOP)
             lost_before = metrics(cluster)["duet_instances_lost"]
             wait_until(lambda: metrics(cluster)["duet_instances_lost"] > lost_before, 30,
                        "the stopped member to count lost")
             joiner.process.send_signal(signal.SIGCONT)
             # It learns it was lost and joins again as a new member.
-            wait_until(lambda: joins() >= 5 and "rejoining the cluster" in joiner.text(), 60,
+            wait_until(lambda: joins() >= 6 and "rejoining the cluster" in joiner.text(), 60,
                        "the member to rejoin")
             wait_until(lambda: joiner.text().count("(both, joined): serving") >= 2, 60,
                        "the rejoined member to serve")

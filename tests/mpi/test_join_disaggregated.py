@@ -20,6 +20,12 @@ compared with `duet generate`'s.
   the rank rejoins as a prefill member, links with the decode member and is
   routed to again. Every member leaves on SIGTERM with exit code 0, and no
   KV block stays held.
+- test_c_tensor_parallel_members: members of two ranks each, every one an
+  mpirun job of its own (`mpirun -np 2 duet serve --join ... --tp 2`): a
+  decode group stands in for the killed decode rank (the prefill rank ships
+  each group rank its KV heads), then a prefill group for the killed
+  prefill rank (group to group: the decode group learns the prefill group's
+  ranks from each request). Both leave on SIGTERM to their leader.
 
 Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
 DUET_MPIEXEC set.
@@ -34,7 +40,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpirun_serve import (MpirunServe, check_texts, complete, every_block_free,  # noqa: E402
-                          metrics, start_sse, wait_until, write_key)
+                          metrics, rank_pids, start_sse, wait_until, write_key)
 from test_failover import generate  # noqa: E402
 from test_join import Joiner, greedy, listening_port  # noqa: E402
 from test_rank_rejoin import free_port  # noqa: E402
@@ -109,8 +115,8 @@ class JoinDisaggregatedTest(unittest.TestCase):
         log = "\n".join(cluster.log_lines())
         self.assertIn("rank 0: exiting with code 0", log)
 
-    def joiner(self, *args):
-        joiner = Joiner(*args)
+    def joiner(self, *args, mpirun=False):
+        joiner = Joiner(*args, mpirun=mpirun)
         self.addCleanup(joiner.kill)
         return joiner
 
@@ -187,6 +193,31 @@ class JoinDisaggregatedTest(unittest.TestCase):
                                                            expected, 180))
         wait_until(lambda: every_block_free(cluster), 30, "every KV block to be free")
         self.leave(prefill, decode)
+        self.assertGreater(steps_and_tokens(decode)[1], 0)
+
+    def test_c_tensor_parallel_members(self):
+        cluster = self.start()
+        decode = self.joiner("--role", "decode", "--tp", "2", mpirun=2)
+        wait_serving(cluster, decode, "decode", 1)
+        self.assertIn("tp 2", decode.text())
+        self.assertEqual(decode.text().count("KV links with 2 of 2 ranks"), 2, decode.text())
+        self.lose_under_load(cluster, cluster.rank_pids()[2], signal.SIGKILL, 1)
+        self.assert_no_reruns(cluster, lambda: check_texts(self, run_streams(cluster, 4),
+                                                           expected, 180))
+
+        prefill = self.joiner("--role", "prefill", "--tp", "2", mpirun=2)
+        wait_serving(cluster, prefill, "prefill", 2)
+        # The prefill rank and the decode group's two (rank 2 is lost).
+        self.assertEqual(prefill.text().count("KV links with 3 of 3 ranks"), 2, prefill.text())
+        self.lose_under_load(cluster, cluster.rank_pids()[1], signal.SIGKILL, 2)
+        self.assert_no_reruns(cluster, lambda: check_texts(self, run_streams(cluster, 8),
+                                                           expected, 180))
+        wait_until(lambda: every_block_free(cluster), 30, "every KV block to be free")
+        for group in (prefill, decode):
+            os.kill(rank_pids(group.process.pid)[0], signal.SIGTERM)  # to the leader
+        for group in (prefill, decode):
+            self.assertEqual(group.wait(60), 0, group.text())
+            self.assertIn("drained", group.text())
         self.assertGreater(steps_and_tokens(decode)[1], 0)
 
 

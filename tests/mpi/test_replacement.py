@@ -15,6 +15,10 @@ test_c_a_lost_decode_instance_is_replaced: the same in `launch/local.sh 1 1`
 (disaggregated): rank 2, the decode instance, is SIGKILLed; the replacement
 joins as a decode instance, its KV linked with the prefill rank.
 
+test_d_a_lost_tensor_parallel_instance_is_replaced: the same with the
+decode instance of two ranks (`--decode-tp 2`): its replacement is an
+instance of two ranks, an mpirun job of its own.
+
 test_b_counts_follow_the_load: one colocated instance misses a 100 ms TTFT
 target under load; the coordinator publishes that it wants two, the
 launcher starts a joined instance, answers stay `duet generate`'s; once idle
@@ -156,6 +160,12 @@ class ReplacementTest(unittest.TestCase):
         # 1P+1D: the replacement joins as a decode instance and links its KV
         # with the prefill rank; only it decodes from then on.
         self.replace_under_load(Cluster("1", "1", "--kv-cache-mem", "64MiB"), 2, "decode")
+
+    def test_d_a_lost_tensor_parallel_instance_is_replaced(self):
+        # 1P+1D with the decode instance on ranks 2 and 3: its leader killed,
+        # the replacement is `mpirun -np 2 duet serve --join ... --tp 2`.
+        self.replace_under_load(Cluster("1", "1", "--decode-tp", "2", "--kv-cache-mem", "64MiB"),
+                                2, "decode")
 
     def test_b_counts_follow_the_load(self):
         # Prompts of a few hundred tokens, back to back from 4 clients, miss a

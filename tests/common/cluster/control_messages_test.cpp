@@ -51,6 +51,7 @@ void expect_same(const InstanceRequest& a, const InstanceRequest& b) {
   expect_same(a.sampling, b.sampling);
   EXPECT_EQ(a.ignore_eos, b.ignore_eos);
   EXPECT_EQ(a.prefill_peer, b.prefill_peer);
+  EXPECT_EQ(a.prefill_tp, b.prefill_tp);
 }
 
 void expect_same(const InstanceEvent& a, const InstanceEvent& b) {
@@ -107,6 +108,7 @@ TEST(ControlMessages, SubmitRoundTripsEveryField) {
   request.sampling.penalty_last_n = -1;
   request.ignore_eos = true;
   request.prefill_peer = 5;
+  request.prefill_tp = 2;
   expect_same(round_trip_as(SubmitRequest{request}).request, request);
 
   // Defaults (every control off) survive too, and an empty prompt.
@@ -233,8 +235,8 @@ TEST(ControlMessages, NamesFollowTheVariant) {
 }
 
 TEST(ControlMessages, MembershipMessagesRoundTrip) {
-  const JoinRequest join{6, "duet 0.9", "sha256:abcd",         InstanceRole::kDecode,
-                         2, "node-7",   {-1, "", 4242, {7, 9}}};
+  JoinRequest join{6, "duet 0.9", "sha256:abcd", InstanceRole::kDecode, 2, "node-7", {}};
+  join.kv = {{-1, "", 4242, {7, 9}, -1}, {-1, "", 4243, {7}, -1}};
   const JoinRequest j = round_trip_as(join);
   EXPECT_EQ(j.protocol_version, 6u);
   EXPECT_EQ(j.version, join.version);
@@ -242,8 +244,10 @@ TEST(ControlMessages, MembershipMessagesRoundTrip) {
   EXPECT_EQ(j.role, InstanceRole::kDecode);
   EXPECT_EQ(j.tp, 2);
   EXPECT_EQ(j.host, "node-7");
-  EXPECT_EQ(j.kv.port, 4242);
-  EXPECT_EQ(j.kv.ipv4, (std::vector<uint32_t>{7, 9}));
+  ASSERT_EQ(j.kv.size(), 2u);
+  EXPECT_EQ(j.kv[0].port, 4242);
+  EXPECT_EQ(j.kv[0].ipv4, (std::vector<uint32_t>{7, 9}));
+  EXPECT_EQ(j.kv[1].port, 4243);
 
   const JoinVerdict verdict{
       true, Rank{12}, 5, 3000, "", {{1, "node-1", 5000, {1}, 1}, {2, "node-2", 5001, {2, 3}, 1}}};
