@@ -360,9 +360,18 @@ keep_counts() {
       --cluster-key "$work/cluster.key" "${member_args[@]}")
     local replacement=("${member[@]}")
     if [ "$host" != localhost ] || [ "$member_tp" -gt 1 ]; then
-      local on=()
-      [ "$host" = localhost ] || on=(--host "$host")
-      replacement=("${DUET_MPIRUN:-mpirun}" "${mpirun_args[@]}" "${on[@]}" -np "$member_tp"
+      # With a hostfile, always a host of it (this one for a lost member),
+      # with a slot a rank. Not --enable-recovery: a group whose leader
+      # leaves (exit code 1, when lost) must end its followers.
+      local on=() rank_args=() arg
+      if [ -n "${DUET_HOSTFILE:-}" ]; then
+        [ "$host" != localhost ] || host=$(rank_host 0)
+        on=(--host "$host:$member_tp")
+      fi
+      for arg in "${mpirun_args[@]}"; do
+        [ "$arg" = --enable-recovery ] || rank_args+=("$arg")
+      done
+      replacement=("${DUET_MPIRUN:-mpirun}" "${rank_args[@]}" "${on[@]}" -np "$member_tp"
         "${member[@]}")
     fi
     : >"$log"

@@ -212,33 +212,52 @@ JoinVerdict share_verdict(Group& group, JoinVerdict verdict) {
 }
 
 // A prefill or decode member's KV transfer (worker/transfer/kv_member_links.h)
-// on its rank `index`: links taken on `listener` from now on, then dialled
-// to every rank of the verdict; a rank not reached is lost to it. `listener`
-// outlives the transfer only until the caller drops it, first.
-std::unique_ptr<TcpKvTransfer> open_kv_links(const ServeArgs& args, const ClusterKey& key,
-                                             const JoinVerdict& verdict, int index,
-                                             KvLinkListener& listener, PeerLinks& peers) {
-  const int self = verdict.member.value + index;
-  auto transfer = std::make_unique<TcpKvTransfer>(self, std::map<int, int>{},
-                                                  TcpKvTransferOptions{args.kv_checksums});
-  listener.start([members = transfer.get()](int rank, int fd) { members->add_peer(rank, fd); });
-  const std::map<int, int> links = dial_kv_links(self, verdict.kv_peers, host_name(), key);
-  std::vector<Rank> unreached;
-  for (const KvLinkAddress& peer : verdict.kv_peers) {
-    if (const auto it = links.find(peer.rank); it != links.end()) {
-      transfer->add_peer(peer.rank, it->second);
-    } else {
-      unreached.push_back(Rank{peer.rank});
-    }
-    // A tensor-parallel instance's KV comes from, and goes to, each of its ranks.
-    peers.instance_ranks[peer.leader].push_back(peer.rank);
-  }
-  if (!unreached.empty()) transfer->peers_lost(unreached);
-  spdlog::info("kv transfer: KV links with {} of {} ranks", links.size(), verdict.kv_peers.size());
-  peers.transfer = transfer.get();
+// on its rank `index`, taking links on `listener` from now on (owned by the
+// returned links, which drop it before the transfer).
+struct KvLinks {
+  std::unique_ptr<TcpKvTransfer> transfer;
+  std::unique_ptr<KvLinkListener> listener;  // declared last: destroyed first
+};
+
+KvLinks open_kv_links(const ServeArgs& args, const JoinVerdict& verdict, int index,
+                      std::unique_ptr<KvLinkListener> listener, PeerLinks& peers) {
+  KvLinks links;
+  if (listener == nullptr) return links;
+  links.transfer = std::make_unique<TcpKvTransfer>(
+      verdict.member.value + index, std::map<int, int>{}, TcpKvTransferOptions{args.kv_checksums});
+  links.listener = std::move(listener);
+  links.listener->start(
+      [members = links.transfer.get()](int rank, int fd) { members->add_peer(rank, fd); });
+  peers.transfer = links.transfer.get();
   peers.transfer_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(args.kv_transfer_timeout_s * 1000.0));
-  return transfer;
+  return links;
+}
+
+// Dials every rank of the verdict, again for a few rounds while some is not
+// reached (a listener busy with another handshake, a peer briefly stalled);
+// a rank still not reached is lost to this one. The caller's heartbeats
+// already run: the dials may take longer than a lease.
+void dial_kv_peers(const ClusterKey& key, const JoinVerdict& verdict, int index, KvLinks& links,
+                   PeerLinks& peers) {
+  if (links.transfer == nullptr) return;
+  constexpr int kRounds = 3;
+  const int self = verdict.member.value + index;
+  std::vector<KvLinkAddress> left = verdict.kv_peers;
+  for (int round = 0; round < kRounds && !left.empty(); ++round) {
+    if (round > 0) std::this_thread::sleep_for(kRejoinPause);
+    const std::map<int, int> reached = dial_kv_links(self, left, host_name(), key);
+    for (const auto& [rank, fd] : reached) links.transfer->add_peer(rank, fd);
+    std::erase_if(left, [&](const KvLinkAddress& peer) { return reached.contains(peer.rank); });
+  }
+  std::vector<Rank> unreached;
+  for (const KvLinkAddress& peer : left) unreached.push_back(Rank{peer.rank});
+  if (!unreached.empty()) links.transfer->peers_lost(unreached);
+  // A tensor-parallel instance's KV comes from, and goes to, each of its ranks.
+  for (const KvLinkAddress& peer : verdict.kv_peers)
+    peers.instance_ranks[peer.leader].push_back(peer.rank);
+  spdlog::info("kv transfer: KV links with {} of {} ranks",
+               verdict.kv_peers.size() - unreached.size(), verdict.kv_peers.size());
 }
 
 // A follower rank of a group's membership: its KV links, then the leader's
@@ -248,9 +267,9 @@ int follow_member(const ServeArgs& args, const ClusterKey& key, const LlamaModel
                   const JoinVerdict& verdict, std::unique_ptr<KvLinkListener> listener,
                   Group& group) {
   PeerLinks peers;
-  std::unique_ptr<TcpKvTransfer> transfer;
   const int index = group.collective.rank();
-  if (listener != nullptr) transfer = open_kv_links(args, key, verdict, index, *listener, peers);
+  KvLinks links = open_kv_links(args, verdict, index, std::move(listener), peers);
+  dial_kv_peers(key, verdict, index, links, peers);
   std::byte linked{1};
   std::vector<std::byte> all(static_cast<size_t>(group.collective.size()));
   group.collective.all_gather(std::span(&linked, 1), all);  // every rank linked
@@ -258,9 +277,9 @@ int follow_member(const ServeArgs& args, const ClusterKey& key, const LlamaModel
     cpu::ThreadPool pool(serve::compute_threads(args));
     spdlog::info("instance {} (member {}): tensor-parallel follower {} of {}", verdict.instance_id,
                  verdict.member.value + index, index, group.collective.size());
-    run_tp_follower(model, kernels, pool, group.collective, config.n_kv_blocks, transfer.get());
+    run_tp_follower(model, kernels, pool, group.collective, config.n_kv_blocks,
+                    links.transfer.get());
   }
-  listener.reset();  // before the transfer it adds links to
   return 0;
 }
 
@@ -280,11 +299,27 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
   InstanceSpec self{verdict.instance_id, role, tp, {}};
   for (int32_t k = 0; k < tp; ++k) self.ranks.push_back(Rank{verdict.member.value + k});
   PeerLinks peers;
-  std::unique_ptr<TcpKvTransfer> transfer;
-  if (listener != nullptr) {
-    transfer = open_kv_links(args, key, verdict, 0, *listener, peers);
+  KvLinks links = open_kv_links(args, verdict, 0, std::move(listener), peers);
+  if (links.transfer != nullptr) {
     for (const Rank rank : self.ranks) peers.own_ranks.push_back(rank.value);
   }
+  // Lost (stalled past the lease, or cut off): the server stops, the
+  // instance and its KV go, and the caller joins again as a new member. A
+  // group leaves instead, exit code 1, so that its mpirun ends the followers
+  // (whose steps a lost leader no longer leads). Heartbeats from now on: the
+  // lease began at the admission, before the KV links.
+  LossLatch latch;
+  RankLiveness::LostHandler on_lost = [&latch](const std::string& why) { latch.lost(why); };
+  if (group != nullptr) {
+    on_lost = [id = verdict.instance_id](const std::string& why) {
+      spdlog::error("instance {} (joined group): {}; leaving", id, why);
+      spdlog::default_logger()->flush();
+      std::_Exit(1);
+    };
+  }
+  RankLiveness liveness(channel, links.transfer.get(), nullptr, self,
+                        std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms), on_lost);
+  dial_kv_peers(key, verdict, 0, links, peers);
   std::optional<TpLeader> tp_leader;
   if (group != nullptr) {
     std::byte linked{1};
@@ -292,12 +327,6 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
     group->collective.all_gather(std::span(&linked, 1), all);  // every rank linked
     tp_leader.emplace(group->collective);
   }
-  // Lost (stalled past the lease, or cut off): the server stops, the
-  // instance and its KV go, and the caller joins again as a new member.
-  LossLatch latch;
-  RankLiveness liveness(channel, transfer.get(), nullptr, self,
-                        std::max(std::chrono::milliseconds(verdict.lease_ms) / 6, 1ms),
-                        [&latch](const std::string& why) { latch.lost(why); });
   InstanceStats stats;
   std::string reason;
   {
@@ -321,7 +350,6 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
   if (tp_leader) tp_leader->stop();  // the followers leave their loop
   spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
                stats.steps, stats.generated_tokens);
-  listener.reset();  // before the transfer it adds links to
   const bool closed = channel.close(kCloseTimeout);
   return {closed ? 0 : 1, latch.is_lost()};
 }

@@ -46,7 +46,7 @@ class KvLinkListener final {
   // Listens at once on a port the system picks; accepts nothing before
   // start(). Throws Error(kInternal) when no socket can listen.
   explicit KvLinkListener(ClusterKey key);
-  ~KvLinkListener();  // stops accepting; a handshake under way is cut short
+  ~KvLinkListener();  // stops accepting once a handshake under way ends (kKvLinkTimeout at most)
   KvLinkListener(const KvLinkListener&) = delete;
   KvLinkListener& operator=(const KvLinkListener&) = delete;
 
