@@ -459,6 +459,17 @@ void RoutedInstances::submit_reruns(std::vector<Attempt>& reruns,
       const RequestId id = it->second;
       Placement& placement = placements_.at(id);
       unbook(placement);
+      if (rerun_wait_.count() > 0) {
+        // Its instance went between the placement and the submit: it waits
+        // for another, as when none could take it.
+        placement.waits_until = std::chrono::steady_clock::now() + rerun_wait_;
+        waiting_.emplace(placement.arrival, id);
+        spdlog::warn(
+            "request {}: the re-run was refused ({}); it waits up to {} ms for an "
+            "instance",
+            id.value, e.what(), rerun_wait_.count());
+        continue;
+      }
       ++failover_.failed_after_retries;
       ended.push_back({.id = id,
                        .finished = true,

@@ -26,7 +26,10 @@ class ScriptedInstance final : public InstanceClient {
   ScriptedInstance() { info_ = {"tiny", 256, 100, 256, {2}}; }
   const InstanceInfo& info() const override { return info_; }
   void set_event_handler(EventHandler handler) override { handler_ = std::move(handler); }
-  void submit(InstanceRequest request) override { submitted.push_back(std::move(request)); }
+  void submit(InstanceRequest request) override {
+    if (refuse) throw Error(ErrorKind::kInvalidArgument, "refused");
+    submitted.push_back(std::move(request));
+  }
   void cancel(RequestId id) override { cancelled.push_back(id); }
   InstanceStats stats() const override {
     InstanceStats s;
@@ -46,6 +49,7 @@ class ScriptedInstance final : public InstanceClient {
 
   std::vector<InstanceRequest> submitted;
   std::vector<RequestId> cancelled;
+  bool refuse = false;  // submit throws (the instance went meanwhile)
 
  private:
   InstanceInfo info_;
@@ -256,6 +260,28 @@ TEST(RerunWait, ARequestWaitsForAnInstanceThatJoinsThenGoesOn) {
   EXPECT_EQ(c.finished[1], InstanceFinish::kLength);
   EXPECT_EQ(c.tokens[2], (std::vector<int32_t>{44}));
   EXPECT_EQ(c.router->failover_counters().reruns, 1);  // request 2 never ran before
+}
+
+TEST(RerunWait, ARerunRefusedByItsInstanceWaitsAgain) {
+  Cluster c({kPrefill, kDecode});
+  c.router->set_rerun_wait(std::chrono::seconds(60));
+  c.router->submit(request(1));
+  c.router->instance_lost(1);
+  ScriptedInstance joined;
+  joined.refuse = true;
+  c.router->add_instance({&joined, kDecode, 20, true});
+  c.router->tick();  // placed there, refused: it waits again
+  {
+    std::lock_guard lock(c.mutex);
+    EXPECT_TRUE(c.finished.empty());
+  }
+  joined.refuse = false;
+  c.router->tick();
+  ASSERT_EQ(joined.submitted.size(), 1u);
+  joined.token(0, 42, true);
+  std::lock_guard lock(c.mutex);
+  EXPECT_EQ(c.finished[1], InstanceFinish::kLength);
+  EXPECT_EQ(c.router->failover_counters().failed_after_retries, 0);
 }
 
 TEST(RerunWait, AWaitThatRunsOutFailsAndACancelledWaitEnds) {
