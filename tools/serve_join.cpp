@@ -234,18 +234,20 @@ KvLinks open_kv_links(const ServeArgs& args, const JoinVerdict& verdict, int ind
   return links;
 }
 
-// Dials every rank of the verdict, again for a few rounds while some is not
-// reached (a listener busy with another handshake, a peer briefly stalled);
-// a rank still not reached is lost to this one. The caller's heartbeats
-// already run: the dials may take longer than a lease.
+// Dials every rank of the verdict, again every second while some is not
+// reached (a listener busy with another handshake, a peer stalled), for up
+// to two leases and two seconds: long enough for the coordinator to count a
+// peer that is gone as lost, and so route nothing between the two. A rank
+// still not reached is lost to this one. The caller's heartbeats already
+// run: the dials may take longer than a lease.
 void dial_kv_peers(const ClusterKey& key, const JoinVerdict& verdict, int index, KvLinks& links,
                    PeerLinks& peers) {
   if (links.transfer == nullptr) return;
-  constexpr int kRounds = 3;
   const int self = verdict.member.value + index;
+  const auto deadline = Clock::now() + 2 * std::chrono::milliseconds(verdict.lease_ms) + 2s;
   std::vector<KvLinkAddress> left = verdict.kv_peers;
-  for (int round = 0; round < kRounds && !left.empty(); ++round) {
-    if (round > 0) std::this_thread::sleep_for(kRejoinPause);
+  for (bool first = true; !left.empty() && (first || Clock::now() < deadline); first = false) {
+    if (!first) std::this_thread::sleep_for(kRejoinPause);
     const std::map<int, int> reached = dial_kv_links(self, left, host_name(), key);
     for (const auto& [rank, fd] : reached) links.transfer->add_peer(rank, fd);
     std::erase_if(left, [&](const KvLinkAddress& peer) { return reached.contains(peer.rank); });
