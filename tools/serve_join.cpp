@@ -328,6 +328,7 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
     std::vector<std::byte> all(static_cast<size_t>(tp));
     group->collective.all_gather(std::span(&linked, 1), all);  // every rank linked
     tp_leader.emplace(group->collective);
+    liveness.also_tell([&tp_leader](std::span<const Rank> ranks) { tp_leader->peers_lost(ranks); });
   }
   InstanceStats stats;
   std::string reason;
@@ -348,7 +349,8 @@ Membership serve_member(const ServeArgs& args, const ClusterKey& key, const Llam
     latch.serving(nullptr);
     stats = instance.stats();
     liveness.watch({});
-  }                                  // the engine has stopped: what it held is dropped with it
+  }  // the engine has stopped: what it held is dropped with it
+  liveness.also_tell({});
   if (tp_leader) tp_leader->stop();  // the followers leave their loop
   spdlog::info("instance {}: {} ({} steps, {} tokens generated)", verdict.instance_id, reason,
                stats.steps, stats.generated_tokens);

@@ -45,6 +45,11 @@ void RankLiveness::watch(std::function<EngineProgress()> progress) {
   progress_ = std::move(progress);
 }
 
+void RankLiveness::also_tell(PeersLost peers_lost) {
+  std::lock_guard lock(mutex_);
+  also_tell_ = std::move(peers_lost);
+}
+
 void RankLiveness::beat_until_stopped() {
   std::unique_lock lock(mutex_);
   while (!stop_) {
@@ -110,6 +115,11 @@ bool RankLiveness::apply(const ReceivedMessage& message) {
   spdlog::warn("instance {} (rank {}): rank(s) {} lost at epoch {} ({}); no longer waiting on them",
                instance_.id, rank_.value, names, lost->epoch, lost->reason);
   channel_.forget(lost->ranks);
+  {
+    // Under the lock: once also_tell({}) returns, the hook is not running.
+    std::lock_guard lock(mutex_);
+    if (also_tell_) also_tell_(lost->ranks);
+  }
   if (transfer_ != nullptr) transfer_->peers_lost(lost->ranks);
   epoch_ = std::max(epoch_.load(), lost->epoch);
   return true;

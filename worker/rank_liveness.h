@@ -52,6 +52,12 @@ class RankLiveness final {
   // The leader: where its heartbeats read the engine's progress (an empty
   // function: none, as before the engine exists and after it stops).
   void watch(std::function<EngineProgress()> progress);
+  // Also told which ranks are lost, before the transfer is (a joined
+  // group's leader passes them to its followers, which hear nothing from the
+  // coordinator); an empty function: no one. Runs under the liveness's
+  // lock: once also_tell({}) returns, it is not running.
+  using PeersLost = std::function<void(std::span<const Rank> ranks)>;
+  void also_tell(PeersLost peers_lost);
 
  private:
   void beat_until_stopped();                   // the heartbeat thread
@@ -74,6 +80,7 @@ class RankLiveness final {
   std::condition_variable wake_;
   bool stop_ = false;
   std::function<EngineProgress()> progress_;
+  PeersLost also_tell_;
 
   std::thread thread_;  // last: starts after everything above exists
 };

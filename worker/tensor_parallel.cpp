@@ -17,7 +17,7 @@
 namespace duet {
 namespace {
 
-enum class Command : uint32_t { kStep = 1, kExpect, kConfirm, kRelease, kStop };
+enum class Command : uint32_t { kStep = 1, kExpect, kConfirm, kRelease, kStop, kLost };
 
 // The leader's messages: plain values and counted arrays, in the order the
 // follower reads them. Both ends are one build on one kind of host.
@@ -139,7 +139,26 @@ std::vector<std::byte> TpLeader::gather_answers() {
   return all;
 }
 
+void TpLeader::peers_lost(std::span<const Rank> ranks) {
+  std::lock_guard lock(lost_mutex_);
+  for (Rank rank : ranks) lost_.push_back(rank.value);
+}
+
+void TpLeader::tell_losses() {
+  std::vector<int32_t> ranks;
+  {
+    std::lock_guard lock(lost_mutex_);
+    ranks.swap(lost_);
+  }
+  if (ranks.empty()) return;
+  Writer w(message_);
+  w.put(Command::kLost);
+  w.put_array<int32_t>(ranks);
+  collective_.post(message_);
+}
+
 void TpLeader::step(const ForwardBatch& batch, std::span<const TpExport> exports) {
+  tell_losses();
   Writer w(message_);
   w.put(Command::kStep);
   w.put_array(batch.tokens);
@@ -163,6 +182,7 @@ void TpLeader::step(const ForwardBatch& batch, std::span<const TpExport> exports
 }
 
 void TpLeader::expect_import(const TpImport& import) {
+  tell_losses();
   Writer w(message_);
   w.put(Command::kExpect);
   put_import(w, import);
@@ -171,6 +191,7 @@ void TpLeader::expect_import(const TpImport& import) {
 }
 
 bool TpLeader::confirm_import(RequestId id) {
+  tell_losses();
   Writer w(message_);
   w.put(Command::kConfirm);
   w.put(id.value);
@@ -180,6 +201,7 @@ bool TpLeader::confirm_import(RequestId id) {
 }
 
 void TpLeader::release_import(RequestId id) {
+  tell_losses();
   Writer w(message_);
   w.put(Command::kRelease);
   w.put(id.value);
@@ -288,6 +310,9 @@ class Follower {
           release(RequestId{r.get<uint64_t>()});
           answer(true);
           break;
+        case Command::kLost:
+          lost(r.get_array<int32_t>());
+          break;
         case Command::kStop:
           return;
       }
@@ -383,6 +408,13 @@ class Follower {
                              import.n_prompt - import.send_from, cache_);
     }
     return true;
+  }
+
+  void lost(const std::vector<int32_t>& ranks) {
+    if (transfer_ == nullptr) return;
+    std::vector<Rank> lost;
+    for (int32_t rank : ranks) lost.push_back(Rank{rank});
+    transfer_->peers_lost(lost);
   }
 
   void release(RequestId id) {

@@ -9,6 +9,8 @@
 //   confirm  the leader has its rows and the handoff: wait for all of its own
 //            rows (or the import's failure) and answer;
 //   release  the import is over without them: stop writing its blocks and answer;
+//   lost     these ranks are lost: its transfer stops waiting on them (a joined
+//            group's followers hear of losses only through the leader);
 //   stop     the leader's engine has stopped.
 // Only the leader samples and talks to the coordinator and other instances'
 // leaders; the KV itself moves rank to rank (worker/transfer/kv_transfer.h).
@@ -19,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -83,14 +86,22 @@ class TpLeader final {
   void release_import(RequestId id);
   // The followers leave run_tp_follower. Once only.
   void stop();
+  // Any thread: the followers are told that `ranks` are lost ahead of the
+  // next command (a release that follows the loss finds their transfers
+  // no longer waiting on those ranks).
+  void peers_lost(std::span<const Rank> ranks);
 
  private:
+  // The engine's thread, before each command: the losses told since.
+  void tell_losses();
   // One byte from every follower (the leader's own is ignored).
   std::vector<std::byte> gather_answers();
 
   Collective& collective_;
   DeviceCollective* const device_collective_;
   std::vector<std::byte> message_;  // reused
+  std::mutex lost_mutex_;
+  std::vector<int32_t> lost_;  // guarded by lost_mutex_: not yet told
 };
 
 // Where a follower runs: the CPU (device -1), or CUDA device `device` with

@@ -23,9 +23,10 @@ compared with `duet generate`'s.
 - test_c_tensor_parallel_members: members of two ranks each, every one an
   mpirun job of its own (`mpirun -np 2 duet serve --join ... --tp 2`): a
   decode group stands in for the killed decode rank (the prefill rank ships
-  each group rank its KV heads), then a prefill group for the killed
+  each group rank its KV heads), then a prefill group for the stopped
   prefill rank (group to group: the decode group learns the prefill group's
-  ranks from each request). Both leave on SIGTERM to their leader.
+  ranks from each request; its follower hears of the stopped rank through
+  its leader). Both leave on SIGTERM to their leader.
 
 Run by ctest (tests/mpi/mpi_tests.cmake) with DUET_BINARY, DUET_MODEL and
 DUET_MPIEXEC set.
@@ -36,6 +37,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -209,10 +211,20 @@ class JoinDisaggregatedTest(unittest.TestCase):
         wait_serving(cluster, prefill, "prefill", 2)
         # The prefill rank and the decode group's two (rank 2 is lost).
         self.assertEqual(prefill.text().count("KV links with 3 of 3 ranks"), 2, prefill.text())
-        self.lose_under_load(cluster, cluster.rank_pids()[1], signal.SIGKILL, 2)
+        stopped = cluster.rank_pids()[1]
+        started = time.monotonic()
+        self.lose_under_load(cluster, stopped, signal.SIGSTOP, 2)
+        print(f"streams over the stopped prefill rank done in {time.monotonic() - started:.1f} s",
+              flush=True)
         self.assert_no_reruns(cluster, lambda: check_texts(self, run_streams(cluster, 8),
                                                            expected, 180))
         wait_until(lambda: every_block_free(cluster), 30, "every KV block to be free")
+        # Both ranks of the decode group stopped waiting on the stopped rank:
+        # the leader heard of it, and told its follower (which has no link to
+        # the coordinator) ahead of its next command.
+        self.assertEqual(decode.text().count("kv transfer: rank 1: lost, says the coordinator"), 2,
+                         decode.text())
+        os.kill(stopped, signal.SIGKILL)
         for group in (prefill, decode):
             os.kill(rank_pids(group.process.pid)[0], signal.SIGTERM)  # to the leader
         for group in (prefill, decode):
