@@ -6,7 +6,8 @@ rank 1 the instance) opens --join-port 0 with a cluster key. Then:
 - test_1_bad_joins: a joiner with another key, with another model (a
   synthetic one the generator writes), or with a role a colocated cluster
   does not take, exits non-zero with a one-line reason; the coordinator logs
-  one line for each; the cluster keeps serving.
+  one line for each; one of two ranks started without mpirun is refused
+  before it dials; the cluster keeps serving.
 - test_2_join_serve_leave: a plain process joins; /health counts it, and
   requests go to it (its own log counts the tokens it made): every text is
   the single-process `duet generate`'s. Streams in flight on it when it gets
@@ -176,6 +177,10 @@ class JoinTest(unittest.TestCase):
                              text)
             wait_until(lambda: any(re.search(coordinator_says, l) for l in cluster.log_lines()),
                        10, f"the coordinator to log {coordinator_says!r}")
+        # An instance of two ranks started without its mpirun: refused before it dials.
+        joiner = Joiner("--tp", "2")
+        self.assertNotEqual(joiner.wait(120), 0)
+        self.assertIn("--tp 2 joins as a job of its own: mpirun -np 2", joiner.text())
         self.assertEqual(joins(), 0)
         self.assertEqual(health(), (200, '{"status":"ok"}'))
         r = complete(cluster, greedy(PROMPTS[0]))
