@@ -1,5 +1,6 @@
 #include "worker/transfer/split_kv_transfer.h"
 
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -23,35 +24,29 @@ void SplitKvTransfer::forget(RequestId id) {
   imports_.erase(id);
 }
 
+namespace {
+
+// `handler`, calling `forget` first (the import's last call); empty stays empty.
+template <typename... Args>
+std::function<void(RequestId, Args...)> forgetting(
+    const std::function<void(RequestId)>& forget, std::function<void(RequestId, Args...)> handler) {
+  if (!handler) return handler;
+  return [forget, handler = std::move(handler)](RequestId id, Args... args) {
+    forget(id);
+    handler(id, std::forward<Args>(args)...);
+  };
+}
+
+}  // namespace
+
 void SplitKvTransfer::set_handlers(Handlers handlers) {
-  // The last call of an import forgets its route first.
-  Handlers wrapped = handlers;
-  if (handlers.on_complete) {
-    wrapped.on_complete = [this, done = handlers.on_complete](RequestId id, const KvHandoff& h) {
-      forget(id);
-      done(id, h);
-    };
-  }
-  if (handlers.on_failed) {
-    wrapped.on_failed = [this, failed = handlers.on_failed](RequestId id, const ServeError& e) {
-      forget(id);
-      failed(id, e);
-    };
-  }
-  if (handlers.on_released) {
-    wrapped.on_released = [this, released = handlers.on_released](RequestId id) {
-      forget(id);
-      released(id);
-    };
-  }
-  if (handlers.on_quarantined) {
-    wrapped.on_quarantined = [this, quarantined = handlers.on_quarantined](RequestId id) {
-      forget(id);
-      quarantined(id);
-    };
-  }
-  job_->set_handlers(wrapped);
-  members_->set_handlers(std::move(wrapped));
+  const std::function<void(RequestId)> forget = [this](RequestId id) { this->forget(id); };
+  handlers.on_complete = forgetting(forget, std::move(handlers.on_complete));
+  handlers.on_failed = forgetting(forget, std::move(handlers.on_failed));
+  handlers.on_released = forgetting(forget, std::move(handlers.on_released));
+  handlers.on_quarantined = forgetting(forget, std::move(handlers.on_quarantined));
+  job_->set_handlers(handlers);
+  members_->set_handlers(std::move(handlers));
 }
 
 void SplitKvTransfer::start_import(int prefill_leader, const PrefillOrder& order, ImportPlan plan) {
