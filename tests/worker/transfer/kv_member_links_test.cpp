@@ -89,18 +89,7 @@ class KvMemberLinksTest : public ::testing::Test {
 
   // An import of kPrompt rows from `prefill` into `blocks`.
   void start_import(RequestId id, int prefill, std::vector<int32_t> blocks) {
-    PrefillOrder order;
-    order.request.id = id;
-    order.request.prompt.assign(kPrompt, 1);
-    decode_->start_import(prefill, order,
-                          {id,
-                           0,
-                           kPrompt,
-                           {{prefill, 0, 2}},
-                           0,
-                           &decode_cache_,
-                           std::move(blocks),
-                           KvTransfer::Clock::now() + kLong});
+    start_whole_import(*decode_, prefill, id, kPrompt, decode_cache_, std::move(blocks), kLong);
   }
 
   // `from` ships every layer's rows and the handoff for `id`.

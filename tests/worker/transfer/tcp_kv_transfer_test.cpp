@@ -96,18 +96,7 @@ class TcpKvTransferTest : public ::testing::Test {
   }
 
   void start_import() {
-    PrefillOrder order;
-    order.request.id = kId;
-    order.request.prompt.assign(kPrompt, 1);
-    decode_->start_import(kPrefill, order,
-                          {kId,
-                           0,
-                           kPrompt,
-                           {{kPrefill, 0, 2}},
-                           0,
-                           &decode_cache_,
-                           decode_blocks_,
-                           KvTransfer::Clock::now() + kPatience});
+    start_whole_import(*decode_, kPrefill, kId, kPrompt, decode_cache_, decode_blocks_, kPatience);
   }
 
   std::vector<KvElement> packed(const KvCache& cache, const std::vector<int32_t>& blocks,

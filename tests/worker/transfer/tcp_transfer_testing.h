@@ -35,6 +35,25 @@ inline std::pair<int, int> connected_tcp_pair(int a, int b) {
   return {a_side.get().at(b), b_side.at(a)};
 }
 
+// A decode leader's import of a whole prompt of `n_prompt` tokens, every KV
+// head of `cache` from `prefill`, into `blocks`, due `patience` from now.
+inline void start_whole_import(KvTransfer& decode, int prefill, RequestId id, int64_t n_prompt,
+                               KvCache& cache, std::vector<int32_t> blocks,
+                               std::chrono::milliseconds patience) {
+  PrefillOrder order;
+  order.request.id = id;
+  order.request.prompt.assign(static_cast<size_t>(n_prompt), 1);
+  decode.start_import(prefill, order,
+                      {id,
+                       0,
+                       n_prompt,
+                       {{prefill, 0, cache.layout().n_kv_heads}},
+                       0,
+                       &cache,
+                       std::move(blocks),
+                       KvTransfer::Clock::now() + patience});
+}
+
 // Rows [0, n) of every KV head of `layer`, packed out of `cache`'s `blocks`.
 inline std::vector<KvElement> packed_rows(const KvCache& cache, const std::vector<int32_t>& blocks,
                                           int64_t layer, int64_t n) {
