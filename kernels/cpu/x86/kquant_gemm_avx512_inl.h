@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/x86/quant_gemm_avx512_inl.h"
@@ -39,6 +40,22 @@ constexpr int kGroups = 64;   // 4-element groups per super-block
 constexpr int64_t kMinRows = 8;
 // Activation rows per pass: the panel of a pass is read once per weight group.
 constexpr int64_t kPassRows = 64;
+
+// The bytes of the next group of weight rows, fetched into the cache a slice
+// per block while a tile of the current group computes: the tiles are bound
+// by arithmetic and packing a group by memory, so streaming the next group's
+// weights under the tiles' arithmetic keeps both busy. Prefetches change no
+// value.
+struct Prefetch {
+  const char* next = nullptr;
+  int64_t step = 0;  // bytes per block
+
+  void at(int64_t b) const {
+    if (next == nullptr) return;
+    const char* p = next + b * step;
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+};
 
 // One super-block of 16 activation rows.
 struct alignas(64) ActBlock {
@@ -161,12 +178,13 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t n_rows, int64_
 // super-blocks; writes y[c * ldy + t] for c < n_cols, t < n_w.
 template <typename Format>
 void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y, int64_t ldy,
-              int64_t n_cols, int64_t n_w) {
+              int64_t n_cols, int64_t n_w, Prefetch prefetch) {
   constexpr int kSub = Format::kSubBlocks;
   constexpr int kGroupsPerSub = kGroups / kSub;
   __m512 acc[kTileRows];
   for (int t = 0; t < kTileRows; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch.at(b);
     const WeightBlock& w = panel[b];
     const ActBlock& a = act[b];
     __m512i s_int[kTileRows];
@@ -217,10 +235,14 @@ void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* 
 // and kTileRows weight rows (Weight), nb blocks of each: up to kPassRows
 // activation rows are packed once per pass (pack_act(x, n_rows, act)), each
 // group of kTileRows weight rows once per pass (pack_weights(j0, n_j,
-// panel)), and run(panel, act, y, n_cols, n_j) writes a group's outputs.
-template <typename Act, typename Weight, typename PackAct, typename PackWeights, typename Run>
+// panel)), and run(panel, act, y, n_cols, n_j, prefetch) writes a group's
+// outputs. weight_bytes(j0, n_j) names the contiguous bytes pack_weights
+// reads for those rows; the tiles of a group fetch the next group's.
+template <typename Act, typename Weight, typename PackAct, typename PackWeights,
+          typename WeightBytes, typename Run>
 void run_passes(int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t nb, float* y,
-                int64_t ldy, PackAct pack_act, PackWeights pack_weights, Run run) {
+                int64_t ldy, PackAct pack_act, PackWeights pack_weights, WeightBytes weight_bytes,
+                Run run) {
   thread_local std::vector<Act> act;
   thread_local std::vector<Weight> panel;
   act.resize(static_cast<size_t>(kPassRows / kLanes * nb));
@@ -235,10 +257,19 @@ void run_passes(int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int
     for (int64_t j0 = 0; j0 < n_w; j0 += kTileRows) {
       const int64_t n_j = std::min<int64_t>(kTileRows, n_w - j0);
       pack_weights(j0, n_j, panel.data());
+      // The next group's bytes, spread over this group's tiles and blocks.
+      const char* next = nullptr;
+      int64_t step = 0;
+      if (const int64_t j1 = j0 + kTileRows; j1 < n_w) {
+        const auto [begin, bytes] = weight_bytes(j1, std::min<int64_t>(kTileRows, n_w - j1));
+        next = reinterpret_cast<const char*>(begin);
+        step = (bytes + n_groups * nb - 1) / (n_groups * nb);
+      }
       for (int64_t g = 0; g < n_groups; ++g) {
         const int64_t i = i0 + g * kLanes;
+        const Prefetch prefetch{next == nullptr ? nullptr : next + g * nb * step, step};
         run(panel.data(), act.data() + g * nb, y + i * ldy + j0, std::min<int64_t>(kLanes, n_x - i),
-            n_j);
+            n_j, prefetch);
       }
     }
   }
@@ -257,8 +288,12 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
       [&](int64_t j0, int64_t n_j, WeightBlock* out) {
         pack_weight_group<Format>(w + j0 * w_stride, w_stride, n_j, nb, out);
       },
-      [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j) {
-        run_tile<Format>(panel, act, nb, out, ldy, n_cols, n_j);
+      [&](int64_t j0, int64_t n_j) {
+        return std::pair{w + j0 * w_stride, static_cast<int64_t>(n_j * w_stride)};
+      },
+      [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j,
+          Prefetch prefetch) {
+        run_tile<Format>(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
       });
 }
 

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common/model/quant_blocks.h"
@@ -116,10 +117,11 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_
 // Weight rows [0, 8) of the panel x the 16 activation rows of act, over nb
 // blocks; writes y[c * ldy + t] for c < n_cols, t < n_w.
 inline void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y,
-                     int64_t ldy, int64_t n_cols, int64_t n_w) {
+                     int64_t ldy, int64_t n_cols, int64_t n_w, kquant512::Prefetch prefetch) {
   __m512 acc[kTileRows];
   for (int t = 0; t < kTileRows; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch.at(b);
     const WeightBlock& w = panel[b];
     const ActBlock& a = act[b];
     __m512i s[kTileRows];
@@ -145,10 +147,11 @@ inline void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, 
 // act's registers: 256-bit vpdpbusd runs two per cycle where 512-bit runs one
 // (Zen 4, Sapphire Rapids), so 8 lanes cost half of 16.
 inline void run_tile8(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y,
-                      int64_t ldy, int64_t n_cols, int64_t n_w) {
+                      int64_t ldy, int64_t n_cols, int64_t n_w, kquant512::Prefetch prefetch) {
   __m256 acc[kTileRows];
   for (int t = 0; t < kTileRows; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    prefetch.at(b);
     const WeightBlock& w = panel[b];
     const ActBlock& a = act[b];
     const __m256i start = _mm512_castsi512_si256(a.start);
@@ -186,11 +189,20 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
       [&](int64_t j0, int64_t n_j, WeightBlock* out) {
         pack_weight_group<kInterleaved>(w, w_stride, j0, n_j, nb, out);
       },
-      [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j) {
-        if (n_cols <= kLanes / 2) {
-          run_tile8(panel, act, nb, out, ldy, n_cols, n_j);
+      [&](int64_t j0, int64_t n_j) {
+        if constexpr (kInterleaved) {
+          const int64_t group_bytes = nb * static_cast<int64_t>(sizeof(BlockQ4_0x8));
+          return std::pair{w + j0 / kInterleavedRows * group_bytes, group_bytes};
         } else {
-          run_tile(panel, act, nb, out, ldy, n_cols, n_j);
+          return std::pair{w + j0 * w_stride, static_cast<int64_t>(n_j * w_stride)};
+        }
+      },
+      [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j,
+          kquant512::Prefetch prefetch) {
+        if (n_cols <= kLanes / 2) {
+          run_tile8(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
+        } else {
+          run_tile(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
         }
       });
 }
