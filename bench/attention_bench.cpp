@@ -11,6 +11,8 @@
 // The prefill cases: one sequence's last `n_q` prompt tokens, in the
 // multi-token order, at the end of a `ctx`-token prompt (the last chunk of
 // a long prefill); items/s are query tokens per second for the one layer.
+// prefill1b: the same at Llama 3.2 1B's shape (32 query heads over 8 KV heads
+// of 64).
 //
 //   duet-attention-bench --benchmark_filter='avx512/.*/n_seq:32/'
 //   duet-attention-bench --benchmark_filter='prefill/avx512'
@@ -47,6 +49,8 @@ struct AttentionCase {
   int64_t ctx;
   int n_threads;
   int64_t n_q = 1;  // query rows per sequence: its last n_q positions
+  int64_t heads = kHeads;
+  int64_t kv_heads = kKvHeads;
 };
 
 void bench_attention(benchmark::State& state, AttentionCase c) {
@@ -58,7 +62,7 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
   const int64_t blocks_per_seq = (c.ctx + kBlockSize - 1) / kBlockSize;
   KvLayout layout;
   layout.n_layers = kLayers;
-  layout.n_kv_heads = kKvHeads;
+  layout.n_kv_heads = c.kv_heads;
   layout.head_dim = kHeadDim;
   layout.block_size = kBlockSize;
   layout.n_blocks = blocks_per_seq * c.n_seq;
@@ -76,11 +80,11 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
         {table, c.ctx - c.n_q, c.n_q, i * c.n_q, c.one_token ? 0 : kNoOneTokenRows});
   }
   AttentionShape shape;
-  shape.n_heads = kHeads;
-  shape.n_kv_heads = kKvHeads;
+  shape.n_heads = c.heads;
+  shape.n_kv_heads = c.kv_heads;
   shape.head_dim = kHeadDim;
   shape.scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  std::vector<float> q(static_cast<size_t>(c.n_seq * c.n_q * kHeads * kHeadDim));
+  std::vector<float> q(static_cast<size_t>(c.n_seq * c.n_q * c.heads * kHeadDim));
   for (float& v : q) v = normal(rng);
   std::vector<float> out(q.size());
 
@@ -118,6 +122,12 @@ void register_benchmarks() {
                                  "/threads:" + std::to_string(n_threads);
         register_kernel_bench(name, bench_attention, c);
       }
+    }
+    for (int n_threads : {1, 2}) {
+      const AttentionCase c{isa, false, 1, 8000, n_threads, 256, 32, 8};
+      register_kernel_bench("prefill1b/" + std::string(isa_name(isa)) +
+                                "/n_q:256/ctx:8000/threads:" + std::to_string(n_threads),
+                            bench_attention, c);
     }
   }
 }

@@ -33,7 +33,7 @@ inline void prefetch_l2(const char* p) {
 #endif
 }
 
-// x[i] *= scale for i < n; returns the largest x[i] (NaNs skipped). Eight
+// x[i] *= scale for i < n; returns the largest x[i] (NaNs skipped). Sixteen
 // running maxima, so that the loop is not one long chain of dependent
 // comparisons; the maximum is the same whatever the order (up to the sign of
 // a zero maximum, which exp(x - max) does not see).
@@ -46,11 +46,12 @@ inline void prefetch_l2(const char* p) {
 #endif
 
 DUET_ELEMENTWISE float scale_and_max(float* x, int64_t n, float scale) {
-  float max[8];
-  std::fill(max, max + 8, -INFINITY);
+  constexpr int kRunning = 16;  // one 512-bit register's worth
+  float max[kRunning];
+  std::fill(max, max + kRunning, -INFINITY);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) {
+  for (; i + kRunning <= n; i += kRunning) {
+    for (int l = 0; l < kRunning; ++l) {
       x[i + l] *= scale;
       max[l] = std::max(max[l], x[i + l]);
     }
@@ -59,13 +60,8 @@ DUET_ELEMENTWISE float scale_and_max(float* x, int64_t n, float scale) {
     x[i] *= scale;
     max[0] = std::max(max[0], x[i]);
   }
-  for (int l = 1; l < 8; ++l) max[0] = std::max(max[0], max[l]);
+  for (int l = 1; l < kRunning; ++l) max[0] = std::max(max[0], max[l]);
   return max[0];
-}
-
-// x[i] *= factor for i < n.
-DUET_ELEMENTWISE void scale(float* x, int64_t n, float factor) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
 // K and V rows (n_tokens, n_kv_heads * head_dim) of positions [pos0, pos0 +
@@ -229,9 +225,7 @@ void attention_batch(const KernelTable& kernels, const KvLayout& layout, const K
         std::fill(p, p + masked, -INFINITY);
         const float max = scale_and_max(p, row_keys, shape.scale);
         const double sum = kernels.softmax_exp(p, row_keys, max, p);
-        const float inv = static_cast<float>(1.0 / sum);
-        scale(p, row_keys, inv);
-        kernels.round_f16(p, row_keys);
+        kernels.scale_round_f16(p, row_keys, static_cast<float>(1.0 / sum));
       }
     }
     float* tile_out = out + (t0 * shape.n_heads + h0) * head_dim;

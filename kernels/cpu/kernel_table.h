@@ -94,8 +94,9 @@ using KqvSumTileFn = void (*)(const float* p, int64_t ld_p, int64_t n_q, int64_t
 
 // out[i] = x[i] / (1 + exp(-x[i])) * g[i] with ggml's exp (llama.cpp's SwiGLU).
 using SiluMulFn = void (*)(const float* x, const float* g, float* out, int64_t n);
-// x[i] = x[i] rounded to the nearest F16 value (and back to F32).
-using RoundF16Fn = void (*)(float* x, int64_t n);
+// x[i] = x[i] * factor (in F32) rounded to the nearest F16 value (and back
+// to F32).
+using ScaleRoundF16Fn = void (*)(float* x, int64_t n, float factor);
 
 struct KernelTable {
   Isa isa;
@@ -127,7 +128,7 @@ struct KernelTable {
   KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;
   SiluMulFn silu_mul;
-  RoundF16Fn round_f16;
+  ScaleRoundF16Fn scale_round_f16;
   KqvSumTileFn kqv_sum_tile = nullptr;
 };
 

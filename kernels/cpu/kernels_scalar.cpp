@@ -280,8 +280,8 @@ void silu_mul(const float* x, const float* g, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.0f + ggml_expf(-x[i])) * g[i];
 }
 
-void round_f16(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
+void scale_round_f16(float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * factor));
 }
 
 constexpr KernelTable kScalarTable = {
@@ -309,7 +309,7 @@ constexpr KernelTable kScalarTable = {
     .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,
     .silu_mul = silu_mul,
-    .round_f16 = round_f16,
+    .scale_round_f16 = scale_round_f16,
 };
 
 }  // namespace

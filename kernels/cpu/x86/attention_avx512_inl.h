@@ -7,7 +7,8 @@
 //    query heads that share it.
 //  - kqv_sum: the (group, slot) chains of 64 values of d, two slots and up to
 //    three query heads at a time, stay in registers while the value rows
-//    stream past, each converted once for those heads.
+//    stream past, each converted once for those heads. The prefill tiles'
+//    kqv_sum_tile takes four heads (a Llama 3 KV head's) one slot at a time.
 // Conversions from F16 cost more than FMAs on the machines measured (Zen 5:
 // about 0.8 cycle per 16 values), hence the sharing.
 #pragma once
@@ -448,11 +449,39 @@ void kqv_tile_block(const float* p, int64_t ld_p, const uint16_t* const* segment
   }
 }
 
+// The same chains one slot at a time, for up to 4 heads (16 accumulators):
+// each value row is converted once for all of them.
+template <int kVecs, int kHeads>
+void kqv_tile_block1(const float* p, int64_t ld_p, const uint16_t* const* segments, int64_t dim,
+                     int64_t b0, int64_t end, int64_t d0, __mmask16 last, float* state) {
+  for (int s = 0; s < 16; ++s) {
+    __m512 acc[kHeads][kVecs];
+    for (int h = 0; h < kHeads; ++h) {
+      for (int c = 0; c < kVecs; ++c) {
+        const __mmask16 m = c == kVecs - 1 ? last : 0xffff;
+        acc[h][c] = _mm512_maskz_loadu_ps(m, state + (h * 16 + s) * dim + d0 + 16 * c);
+      }
+    }
+    for (int64_t t = b0 + s; t < end; t += 16)
+      kqv_row<kVecs, kHeads>(p, ld_p, segments, dim, t, d0, last, acc);
+    for (int h = 0; h < kHeads; ++h) {
+      for (int c = 0; c < kVecs; ++c) {
+        const __mmask16 m = c == kVecs - 1 ? last : 0xffff;
+        _mm512_mask_storeu_ps(state + (h * 16 + s) * dim + d0 + 16 * c, m, acc[h][c]);
+      }
+    }
+  }
+}
+
 template <int kVecs>
 void kqv_tile_heads(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* const* segments,
                     int64_t dim, int64_t b0, int64_t end, int64_t d0, __mmask16 last,
                     float* state) {
-  for (int64_t h = 0; h < n_q; h += kMaxHeadsPerPass) {
+  int64_t h = 0;
+  for (; h + 4 <= n_q; h += 4)
+    kqv_tile_block1<kVecs, 4>(p + h * ld_p, ld_p, segments, dim, b0, end, d0, last,
+                              state + h * 16 * dim);
+  for (; h < n_q; h += kMaxHeadsPerPass) {
     const float* ph = p + h * ld_p;
     float* sh = state + h * 16 * dim;
     switch (std::min<int64_t>(kMaxHeadsPerPass, n_q - h)) {

@@ -267,6 +267,16 @@ void silu_mul_avx2(const float* x, const float* g, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.0f + ggml_expf(-x[i])) * g[i];
 }
 
+void scale_round_f16_avx(float* x, int64_t n, float factor) {
+  const __m256 f = _mm256_set1_ps(factor);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), f);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)));
+  }
+  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * factor));
+}
+
 constexpr KernelTable kAvx2Table = {
     .isa = Isa::kAvx2,
     .quantize_q8_0 = quantize_rows_q8_0_inl,
@@ -292,7 +302,7 @@ constexpr KernelTable kAvx2Table = {
     .kqv_sum = kqv_sum_avx2,
     .softmax_exp = softmax_exp_avx2,
     .silu_mul = silu_mul_avx2,
-    .round_f16 = round_f16_avx,
+    .scale_round_f16 = scale_round_f16_avx,
 };
 
 }  // namespace

@@ -341,6 +341,16 @@ double softmax_exp_avx512(const float* x, int64_t n, float max, float* y) {
   return sum;
 }
 
+void scale_round_f16_avx512(float* x, int64_t n, float factor) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 valid = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, x + i), f);
+    _mm512_mask_storeu_ps(x + i, valid,
+                          _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)));
+  }
+}
+
 void silu_mul_avx512(const float* x, const float* g, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -377,7 +387,7 @@ constexpr KernelTable kAvx512Table = {
     .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,
     .silu_mul = silu_mul_avx512,
-    .round_f16 = round_f16_avx,
+    .scale_round_f16 = scale_round_f16_avx512,
     .kqv_sum_tile = attention512::kqv_sum_tile,
 };
 

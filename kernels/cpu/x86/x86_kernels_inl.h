@@ -314,14 +314,5 @@ void kq_scores_avx(const uint16_t* q, int64_t n_q, const uint16_t* const* segmen
   }
 }
 
-void round_f16_avx(float* x, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
-  }
-  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
-}
-
 }  // namespace
 }  // namespace duet::cpu

@@ -160,7 +160,8 @@ TEST(AttentionPrimitives, KqvSumTileFollowsTheContract) {
   for (int64_t dim : {16, 36, 64, 80, 128}) {
     for (int groups : {1, 4}) {
       for (int64_t n_keys0 : {1, 15, 16, 127, 300}) {
-        for (auto [n_q, n_rows] : {std::pair<int64_t, int64_t>{1, 1}, {3, 8}, {2, 5}, {4, 3}}) {
+        for (auto [n_q, n_rows] :
+             {std::pair<int64_t, int64_t>{1, 1}, {3, 8}, {2, 5}, {4, 3}, {5, 2}}) {
           SCOPED_TRACE("dim " + std::to_string(dim) + " groups " + std::to_string(groups) +
                        " keys " + std::to_string(n_keys0) + " heads " + std::to_string(n_q) +
                        " rows " + std::to_string(n_rows));
@@ -223,6 +224,27 @@ TEST(AttentionPrimitives, SoftmaxExpFollowsTheContract) {
         EXPECT_TRUE(bitwise_equal(inplace, expected));
         EXPECT_EQ(std::bit_cast<uint64_t>(sum2), std::bit_cast<uint64_t>(expected_sum));
       }
+    }
+  }
+}
+
+// The probabilities' last step: scaled by 1 / sum, rounded to F16, element
+// by element, on every ISA; nothing past n written.
+TEST(AttentionPrimitives, ScaleRoundF16FollowsTheContract) {
+  std::mt19937 rng(25);
+  for (int64_t n : {1, 7, 8, 15, 16, 17, 100, 257}) {
+    const std::vector<float> x = random_floats(static_cast<size_t>(n), 2.0f, rng);
+    const float factor = 1.0f / 37.25f;
+    std::vector<float> expected(x.size());
+    for (size_t i = 0; i < x.size(); ++i) expected[i] = fp16_to_fp32(fp32_to_fp16(x[i] * factor));
+    for (Isa isa : supported_isas()) {
+      SCOPED_TRACE(std::string(isa_name(isa)) + " n " + std::to_string(n));
+      std::vector<float> y = x;
+      y.push_back(NAN);  // one guard element
+      kernel_table(isa).scale_round_f16(y.data(), n, factor);
+      EXPECT_TRUE(std::isnan(y.back())) << "wrote past n";
+      y.pop_back();
+      EXPECT_TRUE(bitwise_equal(y, expected));
     }
   }
 }
