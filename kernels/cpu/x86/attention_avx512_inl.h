@@ -449,8 +449,12 @@ void kqv_tile_block(const float* p, int64_t ld_p, const uint16_t* const* segment
   }
 }
 
-// The same chains one slot at a time, for up to 4 heads (16 accumulators):
-// each value row is converted once for all of them.
+// Query heads whose chains kqv_tile_block1 runs together: 4 heads of 4
+// vectors are 16 accumulators.
+constexpr int kHeadsPerSlotPass = 4;
+
+// The same chains one slot at a time, for kHeads heads: each value row is
+// converted once for all of them.
 template <int kVecs, int kHeads>
 void kqv_tile_block1(const float* p, int64_t ld_p, const uint16_t* const* segments, int64_t dim,
                      int64_t b0, int64_t end, int64_t d0, __mmask16 last, float* state) {
@@ -478,9 +482,9 @@ void kqv_tile_heads(const float* p, int64_t ld_p, int64_t n_q, const uint16_t* c
                     int64_t dim, int64_t b0, int64_t end, int64_t d0, __mmask16 last,
                     float* state) {
   int64_t h = 0;
-  for (; h + 4 <= n_q; h += 4)
-    kqv_tile_block1<kVecs, 4>(p + h * ld_p, ld_p, segments, dim, b0, end, d0, last,
-                              state + h * 16 * dim);
+  for (; h + kHeadsPerSlotPass <= n_q; h += kHeadsPerSlotPass)
+    kqv_tile_block1<kVecs, kHeadsPerSlotPass>(p + h * ld_p, ld_p, segments, dim, b0, end, d0, last,
+                                              state + h * 16 * dim);
   for (; h < n_q; h += kMaxHeadsPerPass) {
     const float* ph = p + h * ld_p;
     float* sh = state + h * 16 * dim;

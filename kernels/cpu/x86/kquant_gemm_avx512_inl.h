@@ -47,13 +47,15 @@ constexpr int64_t kPassRows = 64;
 // weights under the tiles' arithmetic keeps both busy. Prefetches change no
 // value.
 struct Prefetch {
-  const char* next = nullptr;
+  const char* next = nullptr;  // the group's first byte
+  int64_t begin = 0;           // this tile's share: bytes [begin, end) of it
+  int64_t end = 0;
   int64_t step = 0;  // bytes per block
 
   void at(int64_t b) const {
-    if (next == nullptr) return;
-    const char* p = next + b * step;
-    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    const int64_t from = begin + b * step;
+    const int64_t to = std::min(from + step, end);
+    for (int64_t o = from; o < to; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
   }
 };
 
@@ -259,15 +261,17 @@ void run_passes(int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int
       pack_weights(j0, n_j, panel.data());
       // The next group's bytes, spread over this group's tiles and blocks.
       const char* next = nullptr;
-      int64_t step = 0;
-      if (const int64_t j1 = j0 + kTileRows; j1 < n_w) {
-        const auto [begin, bytes] = weight_bytes(j1, std::min<int64_t>(kTileRows, n_w - j1));
-        next = reinterpret_cast<const char*>(begin);
+      int64_t bytes = 0, step = 0;
+      if (const int64_t j1 = j0 + kTileRows; j1 < n_w && nb > 0) {
+        const auto [first, n_bytes] = weight_bytes(j1, std::min<int64_t>(kTileRows, n_w - j1));
+        next = reinterpret_cast<const char*>(first);
+        bytes = n_bytes;
         step = (bytes + n_groups * nb - 1) / (n_groups * nb);
       }
       for (int64_t g = 0; g < n_groups; ++g) {
         const int64_t i = i0 + g * kLanes;
-        const Prefetch prefetch{next == nullptr ? nullptr : next + g * nb * step, step};
+        const int64_t share = std::min(g * nb * step, bytes);
+        const Prefetch prefetch{next, share, std::min(share + nb * step, bytes), step};
         run(panel.data(), act.data() + g * nb, y + i * ldy + j0, std::min<int64_t>(kLanes, n_x - i),
             n_j, prefetch);
       }

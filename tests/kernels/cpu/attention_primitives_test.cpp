@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <random>
 #include <string>
 #include <utility>
@@ -232,9 +233,15 @@ TEST(AttentionPrimitives, SoftmaxExpFollowsTheContract) {
 // by element, on every ISA; nothing past n written.
 TEST(AttentionPrimitives, ScaleRoundF16FollowsTheContract) {
   std::mt19937 rng(25);
-  for (int64_t n : {1, 7, 8, 15, 16, 17, 100, 257}) {
-    const std::vector<float> x = random_floats(static_cast<size_t>(n), 2.0f, rng);
-    const float factor = 1.0f / 37.25f;
+  // Values that round to F16 subnormals or to zero, and exact ties between
+  // two F16 values (1 + 2^-11, 2^-14 + 2^-25), as small probabilities do.
+  const float specials[] = {
+      0.0f,     1.0f + 0x1p-11f, 0x1p-14f + 0x1p-25f, 0x1p-20f,        0x1.8p-24f,      0x1p-26f,
+      0x1p-30f, 65504.0f,        0x1.ffep+15f,        1.0f + 0x1p-10f, 0.5f + 0x1p-12f, 0x1p-24f};
+  for (int64_t n : {1, 7, 8, 12, 15, 16, 17, 100, 257}) {
+    std::vector<float> x = random_floats(static_cast<size_t>(n), 2.0f, rng);
+    for (size_t i = 0; i < x.size(); i += 2) x[i] = specials[i / 2 % std::size(specials)];
+    const float factor = n % 2 == 0 ? 1.0f : 1.0f / 37.25f;
     std::vector<float> expected(x.size());
     for (size_t i = 0; i < x.size(); ++i) expected[i] = fp16_to_fp32(fp32_to_fp16(x[i] * factor));
     for (Isa isa : supported_isas()) {
