@@ -59,6 +59,13 @@ struct Prefetch {
   }
 };
 
+// The bytes of rows [j0, j0 + n_j) of a matrix stored as GGUF rows: the
+// weight_bytes of run_passes for that layout.
+inline std::pair<const uint8_t*, int64_t> row_bytes(const uint8_t* w, size_t w_stride, int64_t j0,
+                                                    int64_t n_j) {
+  return {w + j0 * w_stride, n_j * static_cast<int64_t>(w_stride)};
+}
+
 // One super-block of 16 activation rows.
 struct alignas(64) ActBlock {
   __m512i codes[kGroups];  // group g: lane c holds row c's elements 4g .. 4g + 3
@@ -292,9 +299,7 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
       [&](int64_t j0, int64_t n_j, WeightBlock* out) {
         pack_weight_group<Format>(w + j0 * w_stride, w_stride, n_j, nb, out);
       },
-      [&](int64_t j0, int64_t n_j) {
-        return std::pair{w + j0 * w_stride, static_cast<int64_t>(n_j * w_stride)};
-      },
+      [&](int64_t j0, int64_t n_j) { return row_bytes(w, w_stride, j0, n_j); },
       [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j,
           Prefetch prefetch) {
         run_tile<Format>(panel, act, nb, out, ldy, n_cols, n_j, prefetch);

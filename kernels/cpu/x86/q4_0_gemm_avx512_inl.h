@@ -192,9 +192,10 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
       [&](int64_t j0, int64_t n_j) {
         if constexpr (kInterleaved) {
           const int64_t group_bytes = nb * static_cast<int64_t>(sizeof(BlockQ4_0x8));
-          return std::pair{w + j0 / kInterleavedRows * group_bytes, group_bytes};
+          return std::pair<const uint8_t*, int64_t>{w + j0 / kInterleavedRows * group_bytes,
+                                                    group_bytes};
         } else {
-          return std::pair{w + j0 * w_stride, static_cast<int64_t>(n_j * w_stride)};
+          return kquant512::row_bytes(w, w_stride, j0, n_j);
         }
       },
       [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j,
