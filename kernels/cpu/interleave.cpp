@@ -102,26 +102,91 @@ void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   }
 }
 
+void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  DUET_ASSERT(can_interleave_q6_k(n_out) && k % kSuperBlock == 0,
+              "interleave_q6_k: {} rows of {} elements", n_out, k);
+  constexpr int kRows = kInterleavedRowsQ6_K;
+  const int64_t nb = k / kSuperBlock;
+  const auto* src = reinterpret_cast<const BlockQ6_K*>(rows);
+  auto* dst = reinterpret_cast<BlockQ6_Kx16*>(out);
+  for (int64_t g = 0; g < n_out / kRows; ++g) {
+    for (int64_t b = 0; b < nb; ++b) {
+      BlockQ6_Kx16& block = dst[g * nb + b];
+      for (int r = 0; r < kRows; ++r) {
+        const BlockQ6_K& from = src[(g * kRows + r) * nb + b];
+        for (int h = 0; h < 2; ++h) {
+          for (int m = 0; m < 8; ++m) {
+            for (int p = 0; p < 2; ++p)
+              std::memcpy(&block.ql[h][p][m][r], from.ql + 64 * h + 32 * p + 4 * m, 4);
+            std::memcpy(&block.qh[h][m][r], from.qh + 32 * h + 4 * m, 4);
+          }
+        }
+        for (int s = 0; s < kSuperBlock / 16; ++s) block.scales[s][r] = from.scales[s];
+        block.d[r] = from.d;
+      }
+    }
+  }
+}
+
+void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows) {
+  constexpr int kRows = kInterleavedRowsQ6_K;
+  const int64_t nb = k / kSuperBlock;
+  auto* dst = reinterpret_cast<BlockQ6_K*>(rows);
+  for (int64_t row = row0; row < row0 + n_rows; ++row) {
+    const auto* src = reinterpret_cast<const BlockQ6_Kx16*>(interleaved) + row / kRows * nb;
+    const int64_t r = row % kRows;
+    for (int64_t b = 0; b < nb; ++b) {
+      BlockQ6_K& to = dst[(row - row0) * nb + b];
+      for (int h = 0; h < 2; ++h) {
+        for (int m = 0; m < 8; ++m) {
+          for (int p = 0; p < 2; ++p)
+            std::memcpy(to.ql + 64 * h + 32 * p + 4 * m, &src[b].ql[h][p][m][r], 4);
+          std::memcpy(to.qh + 32 * h + 4 * m, &src[b].qh[h][m][r], 4);
+        }
+      }
+      for (int s = 0; s < kSuperBlock / 16; ++s) to.scales[s] = src[b].scales[s][r];
+      to.d = src[b].d[r];
+    }
+  }
+}
+
 int64_t interleaved_group_rows(DType type) {
-  DUET_ASSERT(type == DType::kQ4_0 || type == DType::kQ4_K, "no interleaved layout for {}",
-              dtype_name(type));
-  return type == DType::kQ4_K ? kInterleavedRowsQ4_K : kInterleavedRows;
+  switch (type) {
+    case DType::kQ4_0:
+      return kInterleavedRows;
+    case DType::kQ4_K:
+      return kInterleavedRowsQ4_K;
+    case DType::kQ6_K:
+      return kInterleavedRowsQ6_K;
+    default:
+      DUET_ASSERT(false, "no interleaved layout for {}", dtype_name(type));
+  }
+  return 0;
 }
 
 void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
-  if (interleaved_group_rows(type) == kInterleavedRowsQ4_K) {
-    interleave_q4_k(rows, n_out, k, out);
-  } else {
-    interleave_q4_0(rows, n_out, k, out);
+  switch (type) {
+    case DType::kQ4_K:
+      return interleave_q4_k(rows, n_out, k, out);
+    case DType::kQ6_K:
+      return interleave_q6_k(rows, n_out, k, out);
+    default:
+      DUET_ASSERT(type == DType::kQ4_0, "no interleaved layout for {}", dtype_name(type));
+      return interleave_q4_0(rows, n_out, k, out);
   }
 }
 
 void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                   uint8_t* rows) {
-  if (interleaved_group_rows(type) == kInterleavedRowsQ4_K) {
-    deinterleave_q4_k(interleaved, k, row0, n_rows, rows);
-  } else {
-    deinterleave_q4_0(interleaved, k, row0, n_rows, rows);
+  switch (type) {
+    case DType::kQ4_K:
+      return deinterleave_q4_k(interleaved, k, row0, n_rows, rows);
+    case DType::kQ6_K:
+      return deinterleave_q6_k(interleaved, k, row0, n_rows, rows);
+    default:
+      DUET_ASSERT(type == DType::kQ4_0, "no interleaved layout for {}", dtype_name(type));
+      return deinterleave_q4_0(interleaved, k, row0, n_rows, rows);
   }
 }
 

@@ -1,4 +1,5 @@
-// Q4_0 matrices interleaved by 8 rows, Q4_K by 16: the layouts decode streams.
+// Q4_0 matrices interleaved by 8 rows, Q4_K and Q6_K by 16: the layouts decode
+// streams.
 //
 // A decode step reads every weight once per token, and one row at a time
 // (GGUF's order) leaves the kernel one dependent FMA chain and scattered
@@ -50,6 +51,20 @@ struct BlockQ4_Kx16 {
 };
 static_assert(sizeof(BlockQ4_Kx16) == kInterleavedRowsQ4_K * sizeof(BlockQ4_K));
 
+// Q6_K matrices interleaved by 16 rows: super-block b of rows 16g .. 16g + 15
+// holds word m of each row's 32-byte low-bit group ql[64h + 32p ..] (h, p <
+// 2, m < 8), then word m of each row's high-bit group qh[32h ..], then each
+// row's 16 sub-block scales as sub-block after sub-block (16 bytes, one per
+// row), then the 16 scales d. The same bytes as 16 GGUF blocks (16 x 210).
+constexpr int kInterleavedRowsQ6_K = 16;
+struct BlockQ6_Kx16 {
+  uint32_t ql[2][2][8][kInterleavedRowsQ6_K];
+  uint32_t qh[2][8][kInterleavedRowsQ6_K];
+  int8_t scales[kSuperBlock / 16][kInterleavedRowsQ6_K];
+  uint16_t d[kInterleavedRowsQ6_K];
+};
+static_assert(sizeof(BlockQ6_Kx16) == kInterleavedRowsQ6_K * sizeof(BlockQ6_K));
+
 // Whether a Q4_0 matrix of n_out rows can be interleaved.
 inline bool can_interleave_q4_0(int64_t n_out) { return n_out % kInterleavedRows == 0; }
 
@@ -68,7 +83,14 @@ void interleave_q4_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
 void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
 
-// The rows of a group of `type` (Q4_0 or Q4_K), and its interleave and deinterleave.
+// The same for Q6_K (groups of 16 rows, k a multiple of 256).
+inline bool can_interleave_q6_k(int64_t n_out) { return n_out % kInterleavedRowsQ6_K == 0; }
+void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
+void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows);
+
+// The rows of a group of `type` (Q4_0, Q4_K or Q6_K), and its interleave and
+// deinterleave.
 int64_t interleaved_group_rows(DType type);
 void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
 void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,

@@ -124,6 +124,9 @@ struct KernelTable {
   // and whether this path prefers them so.
   DotTileFn dot_q4_kx16;
   bool interleave_q4_k;
+  // Q6_K weights interleaved by 16 rows, Q8_K activations, likewise.
+  DotTileFn dot_q6_kx16;
+  bool interleave_q6_k;
   KqScoresFn kq_scores;
   KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;

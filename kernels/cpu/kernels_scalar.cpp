@@ -225,6 +225,12 @@ void dot_q4_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* 
                           k, y, ldy);
 }
 
+void dot_q6_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ6_K, dot_tile<dot_row_q6_k>, w, w_stride, n_w, x, x_stride, n_x,
+                          k, y, ldy);
+}
+
 // One query head against one key row, in kq_scores's order.
 float kq_score(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
   float acc[4][16] = {};
@@ -305,6 +311,8 @@ constexpr KernelTable kScalarTable = {
     .interleave_q4_0 = false,
     .dot_q4_kx16 = dot_q4_kx16,
     .interleave_q4_k = false,
+    .dot_q6_kx16 = dot_q6_kx16,
+    .interleave_q6_k = false,
     .kq_scores = kq_scores,
     .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,

@@ -15,6 +15,8 @@ constexpr int64_t kMinWeightRowsPerTask = 32;
 constexpr int64_t kWeightRowsMultiple = kInterleavedRowsQ4_K;  // tasks start on a group (16 or 8)
 constexpr int64_t kTasksPerThread = 4;                         // enough to balance a noisy machine
 constexpr int64_t kActivationRowsPerTask = 64;
+static_assert(kWeightRowsMultiple % kInterleavedRowsQ6_K == 0 &&
+              kWeightRowsMultiple % kInterleavedRows == 0);
 
 // Weight rows per task: few large tasks when there are few activation rows
 // (decode: each task is short, so handing one out must stay rare), never
@@ -89,13 +91,15 @@ bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
   if (w.layout != WeightLayout::kRows) return false;
   if (w.type == DType::kQ4_0) return kernels.interleave_q4_0 && can_interleave_q4_0(w.n_out);
   if (w.type == DType::kQ4_K) return kernels.interleave_q4_k && can_interleave_q4_k(w.n_out);
+  if (w.type == DType::kQ6_K) return kernels.interleave_q6_k && can_interleave_q6_k(w.n_out);
   return false;
 }
 
 WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
                         const std::function<void(const uint8_t*, size_t)>& read) {
-  DUET_ASSERT((w.type == DType::kQ4_0 || w.type == DType::kQ4_K) && w.layout == WeightLayout::kRows,
-              "only Q4_0 and Q4_K rows interleave, not {}", dtype_name(w.type));
+  DUET_ASSERT((w.type == DType::kQ4_0 || w.type == DType::kQ4_K || w.type == DType::kQ6_K) &&
+                  w.layout == WeightLayout::kRows,
+              "only Q4_0, Q4_K and Q6_K rows interleave, not {}", dtype_name(w.type));
   constexpr int64_t kRowsPerPiece = 1024;  // whole groups of either type
   for (int64_t row0 = 0; row0 < w.n_out; row0 += kRowsPerPiece) {
     const int64_t n_rows = std::min(kRowsPerPiece, w.n_out - row0);
@@ -202,6 +206,7 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
   DUET_ASSERT(ldy >= w.n_out);
   const DotTileFn dot = w.layout == WeightLayout::kRows ? dot_tile_fn(kernels, w.type)
                         : w.type == DType::kQ4_K        ? kernels.dot_q4_kx16
+                        : w.type == DType::kQ6_K        ? kernels.dot_q6_kx16
                                                         : kernels.dot_q4_0x8;
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);

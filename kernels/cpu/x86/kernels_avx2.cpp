@@ -168,11 +168,17 @@ void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
   }
 }
 
-// Interleaved Q4_K (laid out so only for the AVX-512 path; this path runs it
-// when asked, by rows).
+// Interleaved Q4_K and Q6_K (laid out so only for the AVX-512 path; this
+// path runs them when asked, by rows).
 void dot_q4_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
   dot_interleaved_by_rows(DType::kQ4_K, dot_q4_k_x86, w, w_stride, n_w, x, x_stride, n_x, k, y,
+                          ldy);
+}
+
+void dot_q6_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ6_K, dot_q6_k_x86, w, w_stride, n_w, x, x_stride, n_x, k, y,
                           ldy);
 }
 
@@ -298,6 +304,8 @@ constexpr KernelTable kAvx2Table = {
     .interleave_q4_0 = true,
     .dot_q4_kx16 = dot_q4_kx16,
     .interleave_q4_k = false,
+    .dot_q6_kx16 = dot_q6_kx16,
+    .interleave_q6_k = false,
     .kq_scores = kq_scores_avx,
     .kqv_sum = kqv_sum_avx2,
     .softmax_exp = softmax_exp_avx2,

@@ -22,8 +22,8 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/quantize_rows_inl.h"
 #include "kernels/cpu/x86/attention_avx512_inl.h"
+#include "kernels/cpu/x86/kquant_x16_avx512_inl.h"
 #include "kernels/cpu/x86/q4_0_gemm_avx512_inl.h"
-#include "kernels/cpu/x86/q4k_x16_avx512_inl.h"
 #include "kernels/cpu/x86/quant_gemm_avx512_inl.h"
 #include "kernels/cpu/x86/quantize_rows_avx512_inl.h"
 #include "kernels/cpu/x86/x86_kernels_inl.h"
@@ -383,6 +383,8 @@ constexpr KernelTable kAvx512Table = {
     .interleave_q4_0 = true,
     .dot_q4_kx16 = q4kx16::dot,
     .interleave_q4_k = true,
+    .dot_q6_kx16 = q6kx16::dot,
+    .interleave_q6_k = true,
     .kq_scores = attention512::kq_scores,
     .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,

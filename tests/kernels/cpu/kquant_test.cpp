@@ -340,51 +340,58 @@ TEST_P(KQuantMatmulTest, BatchedShapeEdgesMatchScalar) {
   }
 }
 
-// Q4_K interleaved by 16 rows: the layout gives back the file's rows, and
-// every path (AVX-512's lane-per-row kernel; the others by rows) is
-// bit-identical to the scalar path on the file's rows, for decode's one
+// Q4_K and Q6_K interleaved by 16 rows: the layout gives back the file's
+// rows, and every path (AVX-512's lane-per-row kernels; the others by rows)
+// is bit-identical to the scalar path on the file's rows, for decode's one
 // activation row, every tail of the 8-row tiles, and threads splitting rows.
-TEST(KQuantInterleaved, Q4_KMatchesRowsOnEveryIsa) {
+void check_interleaved_type(DType type) {
   std::mt19937 rng(900);
   for (int64_t k : {256, 4096, 14336}) {
     for (int64_t n_out : {16, 48}) {
-      ASSERT_NO_FATAL_FAILURE(check_interleaved_matches_rows(
-          make_weights(DType::kQ4_K, k, n_out, rng), {1, 2, 7, 8, 9, 33, 64}, rng));
+      ASSERT_NO_FATAL_FAILURE(check_interleaved_matches_rows(make_weights(type, k, n_out, rng),
+                                                             {1, 2, 7, 8, 9, 33, 64}, rng));
     }
   }
 }
 
+TEST(KQuantInterleaved, Q4_KMatchesRowsOnEveryIsa) { check_interleaved_type(DType::kQ4_K); }
+
+// Q6_K's kernel unpacks as it goes for up to 8 rows and into a panel above.
+TEST(KQuantInterleaved, Q6_KMatchesRowsOnEveryIsa) { check_interleaved_type(DType::kQ6_K); }
+
 // Integer extremes: every weight and activation at the largest magnitude its
-// format holds, so any saturating or overflowing integer step would show.
+// format holds, so any saturating or overflowing integer step would show, in
+// the file's rows and (Q4_K, Q6_K) interleaved by 16.
 class KQuantExtremeTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
   const DType type = GetParam();
-  const int64_t k = 4 * kSuperBlock, n_out = 4, n_x = 3;
+  const int64_t k = 4 * kSuperBlock, n_out = 16, n_x = 3;
   Weights w = zeroed_weights(type, k, n_out);
   for (int64_t j = 0; j < n_out; ++j) {
     uint8_t* row = w.bytes.data() + j * w.row_bytes;
+    const int64_t p = j % 4;  // the row's pattern
     for (int64_t b = 0; b < k / kSuperBlock; ++b) {
       if (type == DType::kQ4_K) {
         auto& blk = reinterpret_cast<BlockQ4_K*>(row)[b];
         blk.d = fp32_to_fp16(0.01f);
         blk.dmin = fp32_to_fp16(0.02f);
-        std::memset(blk.scales, j % 2 ? 0xff : 0x3f,
+        std::memset(blk.scales, p % 2 ? 0xff : 0x3f,
                     sizeof(blk.scales));  // sc = m = 63 (or low bits)
-        std::memset(blk.qs, j < 2 ? 0xff : 0x0f, sizeof(blk.qs));
+        std::memset(blk.qs, p < 2 ? 0xff : 0x0f, sizeof(blk.qs));
       } else if (type == DType::kQ5_K) {
         auto& blk = reinterpret_cast<BlockQ5_K*>(row)[b];
         blk.d = fp32_to_fp16(0.01f);
         blk.dmin = fp32_to_fp16(0.02f);
-        std::memset(blk.scales, j % 2 ? 0xff : 0x3f, sizeof(blk.scales));
-        std::memset(blk.qs, j < 2 ? 0xff : 0x0f, sizeof(blk.qs));
-        std::memset(blk.qh, j < 2 ? 0xff : 0x00, sizeof(blk.qh));  // q = 31 or 15
+        std::memset(blk.scales, p % 2 ? 0xff : 0x3f, sizeof(blk.scales));
+        std::memset(blk.qs, p < 2 ? 0xff : 0x0f, sizeof(blk.qs));
+        std::memset(blk.qh, p < 2 ? 0xff : 0x00, sizeof(blk.qh));  // q = 31 or 15
       } else {
         auto& blk = reinterpret_cast<BlockQ6_K*>(row)[b];
         blk.d = fp32_to_fp16(0.01f);
-        std::memset(blk.scales, j % 2 ? 0x80 : 0x7f, sizeof(blk.scales));  // -128 or 127
-        std::memset(blk.ql, j < 2 ? 0xff : 0x00, sizeof(blk.ql));
-        std::memset(blk.qh, j < 2 ? 0xff : 0x00, sizeof(blk.qh));  // q = 63 or 0
+        std::memset(blk.scales, p % 2 ? 0x80 : 0x7f, sizeof(blk.scales));  // -128 or 127
+        std::memset(blk.ql, p < 2 ? 0xff : 0x00, sizeof(blk.ql));
+        std::memset(blk.qh, p < 2 ? 0xff : 0x00, sizeof(blk.qh));  // q = 63 or 0
       }
     }
     dequantize_row(type, row, w.values.data() + j * k, k);
@@ -411,6 +418,14 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
     } else {
       EXPECT_TRUE(bitwise_equal(y.data(), scalar_y.data(), y.size())) << isa_name(isa);
     }
+  }
+  if (type == DType::kQ5_K) return;  // kept in the file's rows
+  std::vector<uint8_t> bytes(w.bytes.size());
+  const WeightMatrix interleaved = interleave(w.matrix(), bytes.data());
+  for (Isa isa : supported_isas()) {
+    const std::vector<float> y = run_matmul(kernel_table(isa), interleaved, x, n_x, pool);
+    EXPECT_TRUE(bitwise_equal(y.data(), scalar_y.data(), y.size()))
+        << isa_name(isa) << ", interleaved";
   }
 }
 

@@ -231,7 +231,7 @@ inline void expect_shared_pack_serves(Isa isa, const Weights& w, const PackedAct
       << isa_name(isa) << " " << dtype_name(w.type);
 }
 
-// w (Q4_0 or Q4_K rows) laid out interleaved: deinterleaving gives the rows
+// w (Q4_0, Q4_K or Q6_K rows) laid out interleaved: deinterleaving gives the rows
 // back, rows dequantize alike, and every ISA path, on 1 and 2 threads, gives
 // the scalar path's bits on the rows for each activation count in n_xs.
 inline void check_interleaved_matches_rows(const Weights& w, const std::vector<int64_t>& n_xs,

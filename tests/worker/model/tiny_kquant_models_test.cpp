@@ -70,9 +70,23 @@ TEST(TinyKQuantModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
 // Q4_K matrices laid out by 16 rows at load (interleave.h) give every ISA
 // path the same logits, bit for bit, as the file's rows.
 TEST(TinyKQuantModels, InterleavedQ4_KChangesNoBit) {
-  const int n_interleaved = testing::expect_interleaving_changes_no_bit(
-      golden(), [](cpu::KernelTable& kernels) { kernels.interleave_q4_k = true; });
+  const int n_interleaved =
+      testing::expect_interleaving_changes_no_bit(golden(), [](cpu::KernelTable& kernels) {
+        kernels.interleave_q4_k = true;
+        kernels.interleave_q6_k = false;
+      });
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_K matrices to interleave";
+}
+
+// Q6_K likewise, the tied embeddings and output head included (looked up a
+// row at a time from the interleaved copy).
+TEST(TinyKQuantModels, InterleavedQ6_KChangesNoBit) {
+  const int n_interleaved =
+      testing::expect_interleaving_changes_no_bit(golden(), [](cpu::KernelTable& kernels) {
+        kernels.interleave_q4_k = false;
+        kernels.interleave_q6_k = true;
+      });
+  EXPECT_GT(n_interleaved, 0) << "no tiny model has Q6_K matrices to interleave";
 }
 
 TEST(TinyKQuantModels, GreedyContinuationMatchesReference) {
