@@ -102,6 +102,22 @@ void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   }
 }
 
+namespace {
+
+// Calls copy(word in the layout, its 4 bytes in row r's GGUF block) for every
+// word of ql and qh: the one statement of the layout's order, for both ways.
+template <typename X16, typename Row, typename Copy>
+void for_each_q6_k_word(X16& block, Row& row, int r, Copy copy) {
+  for (int h = 0; h < 2; ++h) {
+    for (int m = 0; m < 8; ++m) {
+      for (int p = 0; p < 2; ++p) copy(&block.ql[h][p][m][r], row.ql + 64 * h + 32 * p + 4 * m);
+      copy(&block.qh[h][m][r], row.qh + 32 * h + 4 * m);
+    }
+  }
+}
+
+}  // namespace
+
 void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
   DUET_ASSERT(can_interleave_q6_k(n_out) && k % kSuperBlock == 0,
               "interleave_q6_k: {} rows of {} elements", n_out, k);
@@ -114,13 +130,9 @@ void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
       BlockQ6_Kx16& block = dst[g * nb + b];
       for (int r = 0; r < kRows; ++r) {
         const BlockQ6_K& from = src[(g * kRows + r) * nb + b];
-        for (int h = 0; h < 2; ++h) {
-          for (int m = 0; m < 8; ++m) {
-            for (int p = 0; p < 2; ++p)
-              std::memcpy(&block.ql[h][p][m][r], from.ql + 64 * h + 32 * p + 4 * m, 4);
-            std::memcpy(&block.qh[h][m][r], from.qh + 32 * h + 4 * m, 4);
-          }
-        }
+        for_each_q6_k_word(block, from, r, [](uint32_t* word, const uint8_t* bytes) {
+          std::memcpy(word, bytes, 4);
+        });
         for (int s = 0; s < kSuperBlock / 16; ++s) block.scales[s][r] = from.scales[s];
         block.d[r] = from.d;
       }
@@ -135,16 +147,11 @@ void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   auto* dst = reinterpret_cast<BlockQ6_K*>(rows);
   for (int64_t row = row0; row < row0 + n_rows; ++row) {
     const auto* src = reinterpret_cast<const BlockQ6_Kx16*>(interleaved) + row / kRows * nb;
-    const int64_t r = row % kRows;
+    const int r = static_cast<int>(row % kRows);
     for (int64_t b = 0; b < nb; ++b) {
       BlockQ6_K& to = dst[(row - row0) * nb + b];
-      for (int h = 0; h < 2; ++h) {
-        for (int m = 0; m < 8; ++m) {
-          for (int p = 0; p < 2; ++p)
-            std::memcpy(to.ql + 64 * h + 32 * p + 4 * m, &src[b].ql[h][p][m][r], 4);
-          std::memcpy(to.qh + 32 * h + 4 * m, &src[b].qh[h][m][r], 4);
-        }
-      }
+      for_each_q6_k_word(src[b], to, r,
+                         [](const uint32_t* word, uint8_t* bytes) { std::memcpy(bytes, word, 4); });
       for (int s = 0; s < kSuperBlock / 16; ++s) to.scales[s] = src[b].scales[s][r];
       to.d = src[b].d[r];
     }

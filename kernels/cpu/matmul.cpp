@@ -47,6 +47,21 @@ ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
   return nullptr;
 }
 
+// The kernel of `type`'s interleaved layout (interleave.h).
+DotTileFn interleaved_dot_fn(const KernelTable& kernels, DType type) {
+  switch (type) {
+    case DType::kQ4_0:
+      return kernels.dot_q4_0x8;
+    case DType::kQ4_K:
+      return kernels.dot_q4_kx16;
+    case DType::kQ6_K:
+      return kernels.dot_q6_kx16;
+    default:
+      DUET_ASSERT(false, "no interleaved layout for {}", dtype_name(type));
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 DotTileFn dot_tile_fn(const KernelTable& kernels, DType weight_type) {
@@ -89,18 +104,28 @@ WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t
 
 bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
   if (w.layout != WeightLayout::kRows) return false;
-  if (w.type == DType::kQ4_0) return kernels.interleave_q4_0 && can_interleave_q4_0(w.n_out);
-  if (w.type == DType::kQ4_K) return kernels.interleave_q4_k && can_interleave_q4_k(w.n_out);
-  if (w.type == DType::kQ6_K) return kernels.interleave_q6_k && can_interleave_q6_k(w.n_out);
-  return false;
+  bool wanted = false;
+  switch (w.type) {
+    case DType::kQ4_0:
+      wanted = kernels.interleave_q4_0;
+      break;
+    case DType::kQ4_K:
+      wanted = kernels.interleave_q4_k;
+      break;
+    case DType::kQ6_K:
+      wanted = kernels.interleave_q6_k;
+      break;
+    default:
+      return false;  // no interleaved layout
+  }
+  return wanted && w.n_out % interleaved_group_rows(w.type) == 0;
 }
 
 WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
                         const std::function<void(const uint8_t*, size_t)>& read) {
-  DUET_ASSERT((w.type == DType::kQ4_0 || w.type == DType::kQ4_K || w.type == DType::kQ6_K) &&
-                  w.layout == WeightLayout::kRows,
-              "only Q4_0, Q4_K and Q6_K rows interleave, not {}", dtype_name(w.type));
-  constexpr int64_t kRowsPerPiece = 1024;  // whole groups of either type
+  DUET_ASSERT(w.layout == WeightLayout::kRows, "{} weights are laid out already",
+              dtype_name(w.type));
+  constexpr int64_t kRowsPerPiece = 1024;  // whole groups of every type
   for (int64_t row0 = 0; row0 < w.n_out; row0 += kRowsPerPiece) {
     const int64_t n_rows = std::min(kRowsPerPiece, w.n_out - row0);
     const size_t offset = static_cast<size_t>(row0) * w.row_bytes;
@@ -205,9 +230,7 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
   DUET_ASSERT(w.k == x.k(), "matmul: weight rows have {} elements, activations {}", w.k, x.k());
   DUET_ASSERT(ldy >= w.n_out);
   const DotTileFn dot = w.layout == WeightLayout::kRows ? dot_tile_fn(kernels, w.type)
-                        : w.type == DType::kQ4_K        ? kernels.dot_q4_kx16
-                        : w.type == DType::kQ6_K        ? kernels.dot_q6_kx16
-                                                        : kernels.dot_q4_0x8;
+                                                        : interleaved_dot_fn(kernels, w.type);
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
   const int64_t n_x = x.n_rows();

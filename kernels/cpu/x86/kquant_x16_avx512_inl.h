@@ -13,9 +13,10 @@
 // kernel_table.h's, per super-block in order in its lane: every output is
 // bit-identical to the row kernels' on the file's rows.
 //
-// Q6_K likewise, a row per lane: a word of ql and a word of qh per row give 4
-// weights of each of 4 chunks (low or high nibbles, and the 2 bits above
-// them), 0..63 each. A sub-block (16 elements) accumulates 4 vpdpbusd in its
+// Q6_K likewise, a row per lane: a word of ql gives 4 weights' low bits in
+// each of 2 chunks (its low and high nibbles), a word of qh their 2 high bits
+// in each of 4 chunks, so two ql words and one qh word make 4 weights (0..63)
+// of each of 4 chunks. A sub-block (16 elements) accumulates 4 vpdpbusd in its
 // lane, starting from -32 x the activation's sum of it (the weights' offset),
 // before its 16 scales multiply it; the sum over sub-blocks is the row
 // kernels' exact S, and the float step theirs.
@@ -133,64 +134,59 @@ struct Scales {
 using kquantx16::broadcast_word;
 
 // The group's 16 rows (nb super-blocks at `blocks`) x activation rows [0, NX):
-// writes y[r * ldy + 0 .. 15].
-template <int NX>
-void run_tile(const BlockQ4_Kx16* blocks, int64_t nb, const uint8_t* x, size_t x_stride, float* y,
-              int64_t ldy) {
-  const BlockQ8_K* xr[NX];
-  for (int r = 0; r < NX; ++r) xr[r] = reinterpret_cast<const BlockQ8_K*>(x + r * x_stride);
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
-  __m512 acc[NX];
-  for (int r = 0; r < NX; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ4_Kx16& w = blocks[b];
-    prefetch_ahead(&w);
-    Scales sc;
-    unpack_scales(w, &sc);
-    __m512i s_int[NX];
-    for (int r = 0; r < NX; ++r) s_int[r] = _mm512_setzero_si512();
-    for (int q = 0; q < 4; ++q) {
-      for (int half = 0; half < 2; ++half) {
-        __m512i dot[NX];
-        for (int r = 0; r < NX; ++r) dot[r] = _mm512_setzero_si512();
-        for (int m = 0; m < 8; ++m) {
-          const __m512i v = _mm512_loadu_si512(w.qs[q][m]);
-          const __m512i weights =
-              half == 0 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-          for (int r = 0; r < NX; ++r) {
-            dot[r] = _mm512_dpbusd_epi32(dot[r], weights,
-                                         broadcast_word(xr[r][b].qs + 64 * q + 32 * half + 4 * m));
-          }
-        }
-        for (int r = 0; r < NX; ++r) {
-          s_int[r] = _mm512_add_epi32(s_int[r], _mm512_mullo_epi32(dot[r], sc.sc[2 * q + half]));
-        }
-      }
-    }
-    for (int r = 0; r < NX; ++r) {
-      // M: each sub-block's min times the activation's two bsums of it.
-      __m512i m_int = _mm512_setzero_si512();
-      for (int s = 0; s < 8; ++s) {
-        m_int = _mm512_dpwssd_epi32(m_int, sc.mpair[s], broadcast_word(&xr[r][b].bsums[2 * s]));
-      }
-      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s_int[r]), sc.d);
-      f = _mm512_fnmadd_ps(sc.dmin, _mm512_cvtepi32_ps(m_int), f);
-      acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xr[r][b].d), acc[r]);
-    }
-  }
-  for (int r = 0; r < NX; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
-}
-
+// writes y[r * ldy + 0 .. 15]. No panel: the tiles unpack as they go.
 template <int NX>
 struct Tile {
   static void run(const BlockQ4_Kx16* blocks, const void* /*panel*/, int64_t nb, const uint8_t* x,
                   size_t x_stride, float* y, int64_t ldy) {
-    run_tile<NX>(blocks, nb, x, x_stride, y, ldy);
+    const BlockQ8_K* xr[NX];
+    for (int r = 0; r < NX; ++r) xr[r] = reinterpret_cast<const BlockQ8_K*>(x + r * x_stride);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[NX];
+    for (int r = 0; r < NX; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const BlockQ4_Kx16& w = blocks[b];
+      prefetch_ahead(&w);
+      Scales sc;
+      unpack_scales(w, &sc);
+      __m512i s_int[NX];
+      for (int r = 0; r < NX; ++r) s_int[r] = _mm512_setzero_si512();
+      for (int q = 0; q < 4; ++q) {
+        for (int half = 0; half < 2; ++half) {
+          __m512i dot[NX];
+          for (int r = 0; r < NX; ++r) dot[r] = _mm512_setzero_si512();
+          for (int m = 0; m < 8; ++m) {
+            const __m512i v = _mm512_loadu_si512(w.qs[q][m]);
+            const __m512i weights =
+                half == 0 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            for (int r = 0; r < NX; ++r) {
+              dot[r] = _mm512_dpbusd_epi32(
+                  dot[r], weights, broadcast_word(xr[r][b].qs + 64 * q + 32 * half + 4 * m));
+            }
+          }
+          for (int r = 0; r < NX; ++r) {
+            s_int[r] = _mm512_add_epi32(s_int[r], _mm512_mullo_epi32(dot[r], sc.sc[2 * q + half]));
+          }
+        }
+      }
+      for (int r = 0; r < NX; ++r) {
+        // M: each sub-block's min times the activation's two bsums of it.
+        __m512i m_int = _mm512_setzero_si512();
+        for (int s = 0; s < 8; ++s) {
+          m_int = _mm512_dpwssd_epi32(m_int, sc.mpair[s], broadcast_word(&xr[r][b].bsums[2 * s]));
+        }
+        __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s_int[r]), sc.d);
+        f = _mm512_fnmadd_ps(sc.dmin, _mm512_cvtepi32_ps(m_int), f);
+        acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xr[r][b].d), acc[r]);
+      }
+    }
+    for (int r = 0; r < NX; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
   }
 };
 
 // Unpacked as it goes at every row count: its nibbles cost a mask (and a
-// shift) per word, less than a panel's stores and loads (duet-matmul-bench).
+// shift) per word, less than a panel's stores and loads (duet-matmul-bench,
+// 16 rows: 575 GFLOP/s without, 415 with).
 void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, size_t x_stride,
          int64_t n_x, int64_t k, float* y, int64_t ldy) {
   kquantx16::dot<BlockQ4_Kx16, void, kActRows, Tile>(w, n_w, x, x_stride, n_x, k, y, ldy);
@@ -299,6 +295,9 @@ struct Tile {
   }
 };
 
+// Unpacked into a panel above one tile's rows: a word's mask, shifts and
+// ternary-logic op cost more than storing it and loading it again
+// (duet-matmul-bench, 32 rows: 489 GFLOP/s with, 411 by the file's rows).
 void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, size_t x_stride,
          int64_t n_x, int64_t k, float* y, int64_t ldy) {
   kquantx16::dot<BlockQ6_Kx16, Unpacked, kActRows, Tile>(w, n_w, x, x_stride, n_x, k, y, ldy,

@@ -366,7 +366,8 @@ class KQuantExtremeTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
   const DType type = GetParam();
-  const int64_t k = 4 * kSuperBlock, n_out = 16, n_x = 3;
+  // 9 activation rows: the 16-row kernels' panel path too (above 8).
+  const int64_t k = 4 * kSuperBlock, n_out = 16, n_x = 9;
   Weights w = zeroed_weights(type, k, n_out);
   for (int64_t j = 0; j < n_out; ++j) {
     uint8_t* row = w.bytes.data() + j * w.row_bytes;
@@ -397,10 +398,11 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
     dequantize_row(type, row, w.values.data() + j * k, k);
   }
   std::vector<float> x(static_cast<size_t>(n_x * k));
-  for (int64_t e = 0; e < k; ++e) {
-    x[e] = 1.0f;                          // all +127
-    x[k + e] = -1.0f;                     // all -127
-    x[2 * k + e] = e % 2 ? 1.0f : -1.0f;  // alternating
+  for (int64_t i = 0; i < n_x; ++i) {
+    for (int64_t e = 0; e < k; ++e) {
+      const float alternating = e % 2 ? 1.0f : -1.0f;
+      x[i * k + e] = i % 3 == 0 ? 1.0f : i % 3 == 1 ? -1.0f : alternating;  // all +127, all -127
+    }
   }
   ThreadPool pool(1);
   PackedActivations scalar_packed;
