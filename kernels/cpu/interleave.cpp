@@ -61,101 +61,89 @@ void deinterleave_q4_0(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   }
 }
 
-void interleave_q4_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
-  DUET_ASSERT(can_interleave_q4_k(n_out) && k % kSuperBlock == 0,
-              "interleave_q4_k: {} rows of {} elements", n_out, k);
-  constexpr int kRows = kInterleavedRowsQ4_K;
+namespace {
+
+// The 16-row K-quant layouts, both ways: place(in the layout, in row r's GGUF
+// block, bytes) for every piece of row r's super-block, the one statement of
+// where each piece goes.
+struct Q4KPieces {
+  template <typename X16, typename Row, typename Place>
+  void operator()(X16& x16, Row& row, int r, Place place) const {
+    place(&x16.d[r], &row.d, 2);
+    place(&x16.dmin[r], &row.dmin, 2);
+    for (int i = 0; i < 3; ++i) place(&x16.scales[i][r], row.scales + 4 * i, 4);
+    for (int q = 0; q < 4; ++q)
+      for (int m = 0; m < 8; ++m) place(&x16.qs[q][m][r], row.qs + 32 * q + 4 * m, 4);
+  }
+};
+
+struct Q6KPieces {
+  template <typename X16, typename Row, typename Place>
+  void operator()(X16& x16, Row& row, int r, Place place) const {
+    for (int h = 0; h < 2; ++h) {
+      for (int m = 0; m < 8; ++m) {
+        for (int p = 0; p < 2; ++p) place(&x16.ql[h][p][m][r], row.ql + 64 * h + 32 * p + 4 * m, 4);
+        place(&x16.qh[h][m][r], row.qh + 32 * h + 4 * m, 4);
+      }
+    }
+    for (int s = 0; s < kSuperBlock / 16; ++s) place(&x16.scales[s][r], &row.scales[s], 1);
+    place(&x16.d[r], &row.d, 2);
+  }
+};
+
+constexpr int kRowsX16 = 16;
+
+template <typename X16, typename Row, typename Pieces>
+void interleave_x16(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out, Pieces pieces) {
+  DUET_ASSERT(n_out % kRowsX16 == 0 && k % kSuperBlock == 0,
+              "interleave by 16: {} rows of {} elements", n_out, k);
   const int64_t nb = k / kSuperBlock;
-  const auto* src = reinterpret_cast<const BlockQ4_K*>(rows);
-  auto* dst = reinterpret_cast<BlockQ4_Kx16*>(out);
-  for (int64_t g = 0; g < n_out / kRows; ++g) {
+  const auto* src = reinterpret_cast<const Row*>(rows);
+  auto* dst = reinterpret_cast<X16*>(out);
+  for (int64_t g = 0; g < n_out / kRowsX16; ++g) {
     for (int64_t b = 0; b < nb; ++b) {
-      BlockQ4_Kx16& block = dst[g * nb + b];
-      for (int r = 0; r < kRows; ++r) {
-        const BlockQ4_K& from = src[(g * kRows + r) * nb + b];
-        block.d[r] = from.d;
-        block.dmin[r] = from.dmin;
-        for (int i = 0; i < 3; ++i) std::memcpy(&block.scales[i][r], from.scales + 4 * i, 4);
-        for (int q = 0; q < 4; ++q)
-          for (int m = 0; m < 8; ++m) std::memcpy(&block.qs[q][m][r], from.qs + 32 * q + 4 * m, 4);
+      for (int r = 0; r < kRowsX16; ++r) {
+        pieces(dst[g * nb + b], src[(g * kRowsX16 + r) * nb + b], r,
+               [](void* to, const void* from, size_t n) { std::memcpy(to, from, n); });
       }
     }
   }
+}
+
+template <typename X16, typename Row, typename Pieces>
+void deinterleave_x16(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                      uint8_t* rows, Pieces pieces) {
+  const int64_t nb = k / kSuperBlock;
+  auto* dst = reinterpret_cast<Row*>(rows);
+  for (int64_t row = row0; row < row0 + n_rows; ++row) {
+    const auto* src = reinterpret_cast<const X16*>(interleaved) + row / kRowsX16 * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      pieces(src[b], dst[(row - row0) * nb + b], static_cast<int>(row % kRowsX16),
+             [](const void* from, void* to, size_t n) { std::memcpy(to, from, n); });
+    }
+  }
+}
+
+static_assert(kInterleavedRowsQ4_K == kRowsX16 && kInterleavedRowsQ6_K == kRowsX16);
+
+}  // namespace
+
+void interleave_q4_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  interleave_x16<BlockQ4_Kx16, BlockQ4_K>(rows, n_out, k, out, Q4KPieces{});
 }
 
 void deinterleave_q4_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows) {
-  constexpr int kRows = kInterleavedRowsQ4_K;
-  const int64_t nb = k / kSuperBlock;
-  auto* dst = reinterpret_cast<BlockQ4_K*>(rows);
-  for (int64_t row = row0; row < row0 + n_rows; ++row) {
-    const auto* src = reinterpret_cast<const BlockQ4_Kx16*>(interleaved) + row / kRows * nb;
-    const int64_t r = row % kRows;
-    for (int64_t b = 0; b < nb; ++b) {
-      BlockQ4_K& to = dst[(row - row0) * nb + b];
-      to.d = src[b].d[r];
-      to.dmin = src[b].dmin[r];
-      for (int i = 0; i < 3; ++i) std::memcpy(to.scales + 4 * i, &src[b].scales[i][r], 4);
-      for (int q = 0; q < 4; ++q)
-        for (int m = 0; m < 8; ++m) std::memcpy(to.qs + 32 * q + 4 * m, &src[b].qs[q][m][r], 4);
-    }
-  }
+  deinterleave_x16<BlockQ4_Kx16, BlockQ4_K>(interleaved, k, row0, n_rows, rows, Q4KPieces{});
 }
-
-namespace {
-
-// Calls copy(word in the layout, its 4 bytes in row r's GGUF block) for every
-// word of ql and qh: the one statement of the layout's order, for both ways.
-template <typename X16, typename Row, typename Copy>
-void for_each_q6_k_word(X16& block, Row& row, int r, Copy copy) {
-  for (int h = 0; h < 2; ++h) {
-    for (int m = 0; m < 8; ++m) {
-      for (int p = 0; p < 2; ++p) copy(&block.ql[h][p][m][r], row.ql + 64 * h + 32 * p + 4 * m);
-      copy(&block.qh[h][m][r], row.qh + 32 * h + 4 * m);
-    }
-  }
-}
-
-}  // namespace
 
 void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
-  DUET_ASSERT(can_interleave_q6_k(n_out) && k % kSuperBlock == 0,
-              "interleave_q6_k: {} rows of {} elements", n_out, k);
-  constexpr int kRows = kInterleavedRowsQ6_K;
-  const int64_t nb = k / kSuperBlock;
-  const auto* src = reinterpret_cast<const BlockQ6_K*>(rows);
-  auto* dst = reinterpret_cast<BlockQ6_Kx16*>(out);
-  for (int64_t g = 0; g < n_out / kRows; ++g) {
-    for (int64_t b = 0; b < nb; ++b) {
-      BlockQ6_Kx16& block = dst[g * nb + b];
-      for (int r = 0; r < kRows; ++r) {
-        const BlockQ6_K& from = src[(g * kRows + r) * nb + b];
-        for_each_q6_k_word(block, from, r, [](uint32_t* word, const uint8_t* bytes) {
-          std::memcpy(word, bytes, 4);
-        });
-        for (int s = 0; s < kSuperBlock / 16; ++s) block.scales[s][r] = from.scales[s];
-        block.d[r] = from.d;
-      }
-    }
-  }
+  interleave_x16<BlockQ6_Kx16, BlockQ6_K>(rows, n_out, k, out, Q6KPieces{});
 }
 
 void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows) {
-  constexpr int kRows = kInterleavedRowsQ6_K;
-  const int64_t nb = k / kSuperBlock;
-  auto* dst = reinterpret_cast<BlockQ6_K*>(rows);
-  for (int64_t row = row0; row < row0 + n_rows; ++row) {
-    const auto* src = reinterpret_cast<const BlockQ6_Kx16*>(interleaved) + row / kRows * nb;
-    const int r = static_cast<int>(row % kRows);
-    for (int64_t b = 0; b < nb; ++b) {
-      BlockQ6_K& to = dst[(row - row0) * nb + b];
-      for_each_q6_k_word(src[b], to, r,
-                         [](const uint32_t* word, uint8_t* bytes) { std::memcpy(bytes, word, 4); });
-      for (int s = 0; s < kSuperBlock / 16; ++s) to.scales[s] = src[b].scales[s][r];
-      to.d = src[b].d[r];
-    }
-  }
+  deinterleave_x16<BlockQ6_Kx16, BlockQ6_K>(interleaved, k, row0, n_rows, rows, Q6KPieces{});
 }
 
 int64_t interleaved_group_rows(DType type) {
