@@ -25,6 +25,10 @@
 #   env: ROUNDS=3 REPS=5 THREADS=1,2 PROMPTS=512 GENS=128 (0: no tg test)
 #        DEPTHS=0 (e.g. 0,4096: each test also after that many tokens in the
 #        cache, llama-bench's -d) PEER_CONFIGS=default
+#        MEMBW=1 (0: skip) reads duet-membw at the start of every round and
+#        prints its range per thread count under the table: on a shared VM the
+#        memory's rate moves from minute to minute, so generation's share of
+#        it is only meaningful against a reading from the same run.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model=${1:-}
@@ -45,6 +49,8 @@ gens=${GENS:-128}
 depths=${DEPTHS:-0}
 peer_configs=${PEER_CONFIGS:-default}
 duet_bench=${DUET_BUILD_DIR:-$root/build}/bench/duet-engine-bench
+membw=${DUET_BUILD_DIR:-$root/build}/bench/duet-membw
+max_threads=$(tr ',' '\n' <<<"$threads" | sort -n | tail -n 1)
 llama_bench=$("$root/bench/build_llama_cpp.sh" | tail -n 1)
 [ -x "$duet_bench" ] || { echo "build Duet first (launch/build.sh)" >&2; exit 1; }
 
@@ -62,6 +68,9 @@ isa=$(grep -m1 '^flags' /proc/cpuinfo | grep -o -w -E 'avx512f|avx512_vnni|avx51
 echo "CPU: $(cpu_field 'model name') (family $(cpu_field 'cpu family'), model $(cpu_field 'model\s*:' || true)), $(nproc) cores; ${isa:-no AVX-512}" >&2
 for round in $(seq "$rounds"); do
   echo "round $round/$rounds" >&2
+  if [ "${MEMBW:-1}" != 0 ] && [ -x "$membw" ]; then
+    "$membw" --mib 1024 --passes 3 --threads "$max_threads" >"$out/membw-$round.txt"
+  fi
   OPENBLAS_NUM_THREADS=1 "$duet_bench" -m "$model" -p "$prompts" -n "$gens" -d "$depths" \
     -t "$threads" -r "$reps" --json >"$out/duet-$round.json"
   for i in "${!configs[@]}"; do
@@ -119,4 +128,15 @@ for key in sorted(duet, key=order):
     best = max((x for x in p if x == x), default=float("nan"))
     print(f"| {key[0]} | {key[1]} | {d:.1f} | " + " | ".join(f"{x:.1f}" for x in p) +
           f" | {d / best:.2f}x |")
+membw = {}
+for r in range(1, rounds + 1):
+    path = out / f"membw-{r}.txt"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 2 and cells[0].isdigit():
+            membw.setdefault(int(cells[0]), []).append(float(cells[1]))
+if membw:
+    print("\nduet-membw at each round's start, GB/s: " + "; ".join(
+        f"{t} thread{'s' if t > 1 else ''} {min(v):.1f}-{max(v):.1f} (median {statistics.median(v):.1f})"
+        for t, v in sorted(membw.items())))
 PY
