@@ -159,7 +159,9 @@ rank0_pid() {
   local child
   # shellcheck disable=SC2013 # the file holds pids separated by spaces
   for child in $(cat /proc/"$mpirun_pid"/task/*/children 2>/dev/null); do
-    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qxF OMPI_COMM_WORLD_RANK=0; then
+    # grep reads the file itself: `tr | grep -q` under pipefail fails
+    # whenever grep finds the line and exits before tr has written the rest.
+    if grep -qzxF OMPI_COMM_WORLD_RANK=0 "/proc/$child/environ" 2>/dev/null; then
       echo "$child"
       return 0
     fi
