@@ -200,8 +200,10 @@ class ReplacementTest(unittest.TestCase):
                 load.stop()
             self.assertEqual(load.failures, [])
             m = metrics(cluster)
-            self.assertEqual(m["duet_instances_joined_total"], 1)
-            self.assertEqual(up(), 2)  # DUET_MAX_EXTRA=1: no third one
+            self.assertEqual(m["duet_instances_joined_total"], 1)  # DUET_MAX_EXTRA=1: no third
+            # The joined one may be leaving already: once nothing runs, or once
+            # both are under half the target, the load wants one fewer.
+            self.assertLessEqual(up(), 2)
             wait_until(lambda: any("asked to leave" in l for l in cluster.log), 90,
                        "the launcher to ask the joined instance to leave once idle")
             wait_until(lambda: up() == 1 and metrics(cluster)["duet_instances_left_total"] == 1,
