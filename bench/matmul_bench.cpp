@@ -7,8 +7,8 @@
 // - Llama-3-8B's feed-forward (hidden 4096, FFN 14336), 33 MB a matrix at
 //   Q4_0, which streams from memory as served models do (names start
 //   `matmul8b/`; `Q4_0x8` is Q4_0 interleaved by 8 rows, as loaded for
-//   AVX2, `Q4_Kx16` and `Q6_Kx16` Q4_K and Q6_K interleaved by 16, as loaded
-//   for AVX-512).
+//   AVX2, `Q4_Kx16`, `Q6_Kx16`, `Q8_0x16` and `Q4_1x16` those types
+//   interleaved by 16, as loaded for AVX-512).
 //
 // Reports tokens/s as items/s (n_x activation rows per iteration) and bytes/s
 // as weight bytes read per second. The timed loop is the matrix product
@@ -44,7 +44,7 @@ struct MatmulCase {
   int64_t n_out;
   int64_t n_x;
   int n_threads;
-  bool interleaved = false;  // Q4_0, Q4_K or Q6_K in the loader's layout (interleave.h)
+  bool interleaved = false;  // in the loader's layout (interleave.h)
 };
 
 void bench_matmul(benchmark::State& state, MatmulCase c) {
@@ -120,8 +120,7 @@ void register_benchmarks() {
                 "/k:" + std::to_string(shape.k) + "/n_out:" + std::to_string(shape.n_out) +
                 "/n_x:" + std::to_string(n_x) + "/threads:" + std::to_string(n_threads);
             register_kernel_bench(name, bench_matmul, c);
-            if ((type == DType::kQ4_0 || type == DType::kQ4_K || type == DType::kQ6_K) &&
-                prefix == "matmul8b") {
+            if (type != DType::kQ5_0 && prefix == "matmul8b") {
               MatmulCase grouped = c;
               grouped.interleaved = true;
               std::string from = "/", to;

@@ -63,9 +63,9 @@ void deinterleave_q4_0(const uint8_t* interleaved, int64_t k, int64_t row0, int6
 
 namespace {
 
-// The 16-row K-quant layouts, both ways: place(in the layout, in row r's GGUF
-// block, bytes) for every piece of row r's super-block, the one statement of
-// where each piece goes.
+// The 16-row layouts, both ways: place(in the layout, in row r's GGUF block,
+// bytes) for every piece of row r's block (a super-block for the K-quants),
+// the one statement of where each piece goes.
 struct Q4KPieces {
   template <typename X16, typename Row, typename Place>
   void operator()(X16& x16, Row& row, int r, Place place) const {
@@ -91,13 +91,30 @@ struct Q6KPieces {
   }
 };
 
+struct Q8_0Pieces {
+  template <typename X16, typename Row, typename Place>
+  void operator()(X16& x16, Row& row, int r, Place place) const {
+    for (int m = 0; m < kQuantBlock / 4; ++m) place(&x16.qs[m][r], row.qs + 4 * m, 4);
+    place(&x16.d[r], &row.d, 2);
+  }
+};
+
+struct Q4_1Pieces {
+  template <typename X16, typename Row, typename Place>
+  void operator()(X16& x16, Row& row, int r, Place place) const {
+    place(&x16.d[r], &row.d, 2);
+    place(&x16.m[r], &row.m, 2);
+    for (int m = 0; m < kQuantBlock / 8; ++m) place(&x16.qs[m][r], row.qs + 4 * m, 4);
+  }
+};
+
 constexpr int kRowsX16 = 16;
 
 template <typename X16, typename Row, typename Pieces>
 void interleave_x16(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out, Pieces pieces) {
-  DUET_ASSERT(n_out % kRowsX16 == 0 && k % kSuperBlock == 0,
+  DUET_ASSERT(n_out % kRowsX16 == 0 && k % X16::kElements == 0,
               "interleave by 16: {} rows of {} elements", n_out, k);
-  const int64_t nb = k / kSuperBlock;
+  const int64_t nb = k / X16::kElements;
   const auto* src = reinterpret_cast<const Row*>(rows);
   auto* dst = reinterpret_cast<X16*>(out);
   for (int64_t g = 0; g < n_out / kRowsX16; ++g) {
@@ -113,7 +130,7 @@ void interleave_x16(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out,
 template <typename X16, typename Row, typename Pieces>
 void deinterleave_x16(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                       uint8_t* rows, Pieces pieces) {
-  const int64_t nb = k / kSuperBlock;
+  const int64_t nb = k / X16::kElements;
   auto* dst = reinterpret_cast<Row*>(rows);
   for (int64_t row = row0; row < row0 + n_rows; ++row) {
     const auto* src = reinterpret_cast<const X16*>(interleaved) + row / kRowsX16 * nb;
@@ -124,7 +141,8 @@ void deinterleave_x16(const uint8_t* interleaved, int64_t k, int64_t row0, int64
   }
 }
 
-static_assert(kInterleavedRowsQ4_K == kRowsX16 && kInterleavedRowsQ6_K == kRowsX16);
+static_assert(kInterleavedRowsQ4_K == kRowsX16 && kInterleavedRowsQ6_K == kRowsX16 &&
+              kInterleavedRowsQ8_0 == kRowsX16 && kInterleavedRowsQ4_1 == kRowsX16);
 
 }  // namespace
 
@@ -146,6 +164,24 @@ void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   deinterleave_x16<BlockQ6_Kx16, BlockQ6_K>(interleaved, k, row0, n_rows, rows, Q6KPieces{});
 }
 
+void interleave_q8_0(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  interleave_x16<BlockQ8_0x16, BlockQ8_0>(rows, n_out, k, out, Q8_0Pieces{});
+}
+
+void deinterleave_q8_0(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows) {
+  deinterleave_x16<BlockQ8_0x16, BlockQ8_0>(interleaved, k, row0, n_rows, rows, Q8_0Pieces{});
+}
+
+void interleave_q4_1(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  interleave_x16<BlockQ4_1x16, BlockQ4_1>(rows, n_out, k, out, Q4_1Pieces{});
+}
+
+void deinterleave_q4_1(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows) {
+  deinterleave_x16<BlockQ4_1x16, BlockQ4_1>(interleaved, k, row0, n_rows, rows, Q4_1Pieces{});
+}
+
 int64_t interleaved_group_rows(DType type) {
   switch (type) {
     case DType::kQ4_0:
@@ -154,6 +190,10 @@ int64_t interleaved_group_rows(DType type) {
       return kInterleavedRowsQ4_K;
     case DType::kQ6_K:
       return kInterleavedRowsQ6_K;
+    case DType::kQ8_0:
+      return kInterleavedRowsQ8_0;
+    case DType::kQ4_1:
+      return kInterleavedRowsQ4_1;
     default:
       DUET_ASSERT(false, "no interleaved layout for {}", dtype_name(type));
   }
@@ -166,6 +206,10 @@ void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8
       return interleave_q4_k(rows, n_out, k, out);
     case DType::kQ6_K:
       return interleave_q6_k(rows, n_out, k, out);
+    case DType::kQ8_0:
+      return interleave_q8_0(rows, n_out, k, out);
+    case DType::kQ4_1:
+      return interleave_q4_1(rows, n_out, k, out);
     default:
       DUET_ASSERT(type == DType::kQ4_0, "no interleaved layout for {}", dtype_name(type));
       return interleave_q4_0(rows, n_out, k, out);
@@ -179,6 +223,10 @@ void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row
       return deinterleave_q4_k(interleaved, k, row0, n_rows, rows);
     case DType::kQ6_K:
       return deinterleave_q6_k(interleaved, k, row0, n_rows, rows);
+    case DType::kQ8_0:
+      return deinterleave_q8_0(interleaved, k, row0, n_rows, rows);
+    case DType::kQ4_1:
+      return deinterleave_q4_1(interleaved, k, row0, n_rows, rows);
     default:
       DUET_ASSERT(type == DType::kQ4_0, "no interleaved layout for {}", dtype_name(type));
       return deinterleave_q4_0(interleaved, k, row0, n_rows, rows);

@@ -1,5 +1,5 @@
-// Q4_0 matrices interleaved by 8 rows, Q4_K and Q6_K by 16: the layouts decode
-// streams.
+// Q4_0 matrices interleaved by 8 rows, Q4_K, Q6_K, Q8_0 and Q4_1 by 16: the
+// layouts decode streams.
 //
 // A decode step reads every weight once per token, and one row at a time
 // (GGUF's order) leaves the kernel one dependent FMA chain and scattered
@@ -7,14 +7,16 @@
 // (BlockQ4_0x8) are one sequential stream with 8 independent chains, the 8
 // scales converted by one instruction, and two rows' 32 weights in one
 // 32-byte load, each row's in element order in its own nibble (a mask gives
-// one row, a shift the other, with no shuffle).
+// one row, a shift the other, with no shuffle). Groups of 16 rows hold a
+// 4-byte word of every row side by side, so that a 512-bit register's 16
+// int32 lanes are the group's 16 rows.
 //
 // The layout changes no arithmetic: every kernel computes each (row,
 // activation) pair exactly as it does on GGUF rows. Matrices whose row count
 // is not a multiple of the group's (8 or 16) keep GGUF's layout. The file's
-// bytes are the same in number (8 blocks of 18 bytes = 144; 16 of 144 or
-// 210), so an interleaved copy replaces the mapped rows rather than adding to
-// them.
+// bytes are the same in number (8 blocks of 18 bytes = 144; 16 of 144, 210,
+// 34 or 20), so an interleaved copy replaces the mapped rows rather than
+// adding to them.
 #pragma once
 
 #include <cstddef>
@@ -45,6 +47,7 @@ static_assert(sizeof(BlockQ4_0x8) == kInterleavedRows * sizeof(BlockQ4_0));
 // rows. The same bytes as 16 GGUF blocks (16 x 144 = 2304).
 constexpr int kInterleavedRowsQ4_K = 16;
 struct BlockQ4_Kx16 {
+  static constexpr int64_t kElements = kSuperBlock;
   uint16_t d[kInterleavedRowsQ4_K];
   uint16_t dmin[kInterleavedRowsQ4_K];
   uint32_t scales[3][kInterleavedRowsQ4_K];
@@ -59,12 +62,38 @@ static_assert(sizeof(BlockQ4_Kx16) == kInterleavedRowsQ4_K * sizeof(BlockQ4_K));
 // row), then the 16 scales d. The same bytes as 16 GGUF blocks (16 x 210).
 constexpr int kInterleavedRowsQ6_K = 16;
 struct BlockQ6_Kx16 {
+  static constexpr int64_t kElements = kSuperBlock;
   uint32_t ql[2][2][8][kInterleavedRowsQ6_K];
   uint32_t qh[2][8][kInterleavedRowsQ6_K];
   int8_t scales[kSuperBlock / 16][kInterleavedRowsQ6_K];
   uint16_t d[kInterleavedRowsQ6_K];
 };
 static_assert(sizeof(BlockQ6_Kx16) == kInterleavedRowsQ6_K * sizeof(BlockQ6_K));
+
+// Q8_0 matrices interleaved by 16 rows: block b of rows 16g .. 16g + 15
+// holds word m (bytes 4m .. 4m + 3: 4 weights in element order) of each row
+// (m < 8), row after row, then the 16 scales d. The same bytes as 16 GGUF
+// blocks (16 x 34 = 544).
+constexpr int kInterleavedRowsQ8_0 = 16;
+struct BlockQ8_0x16 {
+  static constexpr int64_t kElements = kQuantBlock;
+  uint32_t qs[kQuantBlock / 4][kInterleavedRowsQ8_0];
+  uint16_t d[kInterleavedRowsQ8_0];
+};
+static_assert(sizeof(BlockQ8_0x16) == kInterleavedRowsQ8_0 * sizeof(BlockQ8_0));
+
+// Q4_1 matrices interleaved by 16 rows: block b of rows 16g .. 16g + 15 holds
+// their 16 scales d and mins m, then word m of each row's 16 nibble bytes (m
+// < 4: elements 4m .. 4m + 3 in its low nibbles, 16 + 4m .. in its high
+// ones), row after row. The same bytes as 16 GGUF blocks (16 x 20 = 320).
+constexpr int kInterleavedRowsQ4_1 = 16;
+struct BlockQ4_1x16 {
+  static constexpr int64_t kElements = kQuantBlock;
+  uint16_t d[kInterleavedRowsQ4_1];
+  uint16_t m[kInterleavedRowsQ4_1];
+  uint32_t qs[kQuantBlock / 8][kInterleavedRowsQ4_1];
+};
+static_assert(sizeof(BlockQ4_1x16) == kInterleavedRowsQ4_1 * sizeof(BlockQ4_1));
 
 // Whether a Q4_0 matrix of n_out rows can be interleaved.
 inline bool can_interleave_q4_0(int64_t n_out) { return n_out % kInterleavedRows == 0; }
@@ -90,8 +119,16 @@ void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
 void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
 
-// The rows of a group of `type` (Q4_0, Q4_K or Q6_K), and its interleave and
-// deinterleave.
+// The same for Q8_0 and Q4_1 (groups of 16 rows, k a multiple of 32).
+void interleave_q8_0(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
+void deinterleave_q8_0(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows);
+void interleave_q4_1(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
+void deinterleave_q4_1(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                       uint8_t* rows);
+
+// The rows of a group of `type` (Q4_0, Q4_K, Q6_K, Q8_0 or Q4_1), and its
+// interleave and deinterleave.
 int64_t interleaved_group_rows(DType type);
 void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
 void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,

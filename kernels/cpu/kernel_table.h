@@ -127,6 +127,12 @@ struct KernelTable {
   // Q6_K weights interleaved by 16 rows, Q8_K activations, likewise.
   DotTileFn dot_q6_kx16;
   bool interleave_q6_k;
+  // Q8_0 weights interleaved by 16 rows, Q8_0 activations, likewise.
+  DotTileFn dot_q8_0x16;
+  bool interleave_q8_0;
+  // Q4_1 weights interleaved by 16 rows, Q8_1 activations, likewise.
+  DotTileFn dot_q4_1x16;
+  bool interleave_q4_1;
   KqScoresFn kq_scores;
   KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;

@@ -231,6 +231,18 @@ void dot_q6_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* 
                           k, y, ldy);
 }
 
+void dot_q8_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ8_0, dot_tile<dot_row_q8_0>, w, w_stride, n_w, x, x_stride, n_x,
+                          k, y, ldy);
+}
+
+void dot_q4_1x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ4_1, dot_tile<dot_row_q4_1>, w, w_stride, n_w, x, x_stride, n_x,
+                          k, y, ldy);
+}
+
 // One query head against one key row, in kq_scores's order.
 float kq_score(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
   float acc[4][16] = {};
@@ -313,6 +325,10 @@ constexpr KernelTable kScalarTable = {
     .interleave_q4_k = false,
     .dot_q6_kx16 = dot_q6_kx16,
     .interleave_q6_k = false,
+    .dot_q8_0x16 = dot_q8_0x16,
+    .interleave_q8_0 = false,
+    .dot_q4_1x16 = dot_q4_1x16,
+    .interleave_q4_1 = false,
     .kq_scores = kq_scores,
     .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,

@@ -56,6 +56,10 @@ DotTileFn interleaved_dot_fn(const KernelTable& kernels, DType type) {
       return kernels.dot_q4_kx16;
     case DType::kQ6_K:
       return kernels.dot_q6_kx16;
+    case DType::kQ8_0:
+      return kernels.dot_q8_0x16;
+    case DType::kQ4_1:
+      return kernels.dot_q4_1x16;
     default:
       DUET_ASSERT(false, "no interleaved layout for {}", dtype_name(type));
   }
@@ -114,6 +118,12 @@ bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
       break;
     case DType::kQ6_K:
       wanted = kernels.interleave_q6_k;
+      break;
+    case DType::kQ8_0:
+      wanted = kernels.interleave_q8_0;
+      break;
+    case DType::kQ4_1:
+      wanted = kernels.interleave_q4_1;
       break;
     default:
       return false;  // no interleaved layout

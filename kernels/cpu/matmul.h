@@ -26,7 +26,8 @@ namespace duet::cpu {
 // How a matrix's rows are stored.
 enum class WeightLayout : uint8_t {
   kRows,         // row after row, as in GGUF files
-  kInterleaved,  // Q4_0 in groups of 8 rows, Q4_K and Q6_K of 16, block by block (interleave.h)
+  kInterleaved,  // Q4_0 in groups of 8 rows, Q4_K, Q6_K, Q8_0, Q4_1 of 16, block by block
+                 // (interleave.h)
 };
 
 // A non-owning view of a weight matrix: n_out rows of k elements.

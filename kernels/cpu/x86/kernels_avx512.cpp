@@ -25,6 +25,7 @@
 #include "kernels/cpu/x86/kquant_x16_avx512_inl.h"
 #include "kernels/cpu/x86/q4_0_gemm_avx512_inl.h"
 #include "kernels/cpu/x86/quant_gemm_avx512_inl.h"
+#include "kernels/cpu/x86/quant_x16_avx512_inl.h"
 #include "kernels/cpu/x86/quantize_rows_avx512_inl.h"
 #include "kernels/cpu/x86/x86_kernels_inl.h"
 #include "kernels/cpu/x86/x86_kquant_inl.h"
@@ -385,6 +386,10 @@ constexpr KernelTable kAvx512Table = {
     .interleave_q4_k = true,
     .dot_q6_kx16 = q6kx16::dot,
     .interleave_q6_k = true,
+    .dot_q8_0x16 = q80x16::dot,
+    .interleave_q8_0 = true,
+    .dot_q4_1x16 = q41x16::dot,
+    .interleave_q4_1 = true,
     .kq_scores = attention512::kq_scores,
     .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,

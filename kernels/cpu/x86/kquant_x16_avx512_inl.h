@@ -1,6 +1,7 @@
 // Q4_K and Q6_K weights interleaved by 16 rows (interleave.h) with AVX-512
 // VNNI, for every shape from decode's one activation row up. Included into
-// the AVX-512 translation unit only.
+// the AVX-512 translation unit only. Its driver, x16::dot, runs Q8_0's and
+// Q4_1's 16-row kernels too (quant_x16_avx512_inl.h).
 //
 // Q4_K: a register's 16 int32 lanes are a group's 16 weight rows, so one 64-byte
 // load holds a 4-byte word of every row: its low nibbles are 4 weights of
@@ -36,7 +37,7 @@
 
 namespace duet::cpu {
 namespace {
-namespace kquantx16 {
+namespace x16 {
 
 inline __m512i broadcast_word(const void* p) {
   int32_t v;
@@ -54,7 +55,8 @@ void run_rows(int64_t n_rows, Args... args) {
 }
 
 // The DotTileFn contract (kernel_table.h) for weights interleaved by 16 rows
-// in Block: n_w a multiple of 16, `w` at a group's start. Each group meets
+// in Block (Block::kElements to a block of each row): n_w a multiple of 16,
+// `w` at a group's start. Each group meets
 // the activations kActRows rows at a time (Tile<NX>::run(group, panel, nb,
 // x, x_stride, y, ldy)). A format with an Unpacked form (not void) whose
 // unpacking costs more than storing and loading it again has each group's
@@ -64,9 +66,9 @@ template <typename Block, typename Unpacked, int kActRows, template <int> class 
 void dot(const uint8_t* w, int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k,
          float* y, int64_t ldy, void (*unpack)(const Block&, Unpacked*) = nullptr) {
   constexpr int kRows = 16;
-  static_assert(kRows == kInterleavedRowsQ4_K && kRows == kInterleavedRowsQ6_K);
+  static_assert(sizeof(Block) % kRows == 0);
   constexpr bool kHasPanel = !std::is_void_v<Unpacked>;
-  const int64_t nb = k / kSuperBlock;
+  const int64_t nb = k / Block::kElements;
   const auto* groups = reinterpret_cast<const Block*>(w);
   const bool use_panel = kHasPanel && n_x > kActRows;
   Unpacked* panel = nullptr;
@@ -93,7 +95,7 @@ void dot(const uint8_t* w, int64_t n_w, const uint8_t* x, size_t x_stride, int64
   }
 }
 
-}  // namespace kquantx16
+}  // namespace x16
 
 namespace q4kx16 {
 
@@ -131,7 +133,7 @@ struct Scales {
   out->dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.dmin)));
 }
 
-using kquantx16::broadcast_word;
+using x16::broadcast_word;
 
 // The group's 16 rows (nb super-blocks at `blocks`) x activation rows [0, NX):
 // writes y[r * ldy + 0 .. 15]. No panel: the tiles unpack as they go.
@@ -189,7 +191,7 @@ struct Tile {
 // 16 rows: 575 GFLOP/s without, 415 with).
 void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, size_t x_stride,
          int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  kquantx16::dot<BlockQ4_Kx16, void, kActRows, Tile>(w, n_w, x, x_stride, n_x, k, y, ldy);
+  x16::dot<BlockQ4_Kx16, void, kActRows, Tile>(w, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 }  // namespace q4kx16
@@ -199,7 +201,7 @@ namespace q6kx16 {
 constexpr int kActRows = 8;  // activation rows per register tile
 constexpr int kWords = 64;   // 4-weight words per row and super-block
 
-using kquantx16::broadcast_word;
+using x16::broadcast_word;
 
 // The weights (0..63) of elements 128h + 32j + 4m .. + 3 of the group's 16
 // rows: the low (j < 2) or high nibbles of ql[64h + 32 (j % 2) + 4m ..] with
@@ -301,8 +303,7 @@ struct Tile {
 // panel, 390 without).
 void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, size_t x_stride,
          int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  kquantx16::dot<BlockQ6_Kx16, Unpacked, kActRows, Tile>(w, n_w, x, x_stride, n_x, k, y, ldy,
-                                                         unpack);
+  x16::dot<BlockQ6_Kx16, Unpacked, kActRows, Tile>(w, n_w, x, x_stride, n_x, k, y, ldy, unpack);
 }
 
 }  // namespace q6kx16

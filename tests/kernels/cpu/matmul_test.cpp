@@ -231,6 +231,74 @@ TEST(Matmul, InterleavedQ4_0MatchesRowsOnEveryIsa) {
   }
 }
 
+// Q8_0 and Q4_1 interleaved by 16 rows: every path (AVX-512's lane-per-row
+// kernels, 3 activation rows a tile; the others by rows) bit-identical to
+// the scalar path on the file's rows, for decode's one activation row, every
+// tail of the tiles, and threads splitting rows.
+TEST(Matmul, InterleavedQ8_0AndQ4_1MatchRowsOnEveryIsa) {
+  std::mt19937 rng(710);
+  for (DType type : {DType::kQ8_0, DType::kQ4_1}) {
+    for (int64_t k : {32, 4096, 14336}) {
+      for (int64_t n_out : {16, 48}) {
+        ASSERT_NO_FATAL_FAILURE(check_interleaved_matches_rows(make_weights(type, k, n_out, rng),
+                                                               {1, 2, 3, 4, 5, 7, 33, 64}, rng));
+      }
+    }
+  }
+}
+
+// Integer extremes through the 16-row layouts: Q8_0 weights of -128 and 127
+// (the format holds -128 though the quantizer never writes it), Q4_1 nibbles
+// of 15, against activations of +127, -127 and alternating, so any
+// saturating or overflowing integer step would show.
+TEST(Matmul, InterleavedExtremesMatchRowsOnEveryIsa) {
+  const int64_t k = 8 * kQuantBlock, n_out = 16, n_x = 4;
+  for (DType type : {DType::kQ8_0, DType::kQ4_1}) {
+    SCOPED_TRACE(dtype_name(type));
+    Weights w = zeroed_weights(type, k, n_out);
+    for (int64_t j = 0; j < n_out; ++j) {
+      uint8_t* row = w.bytes.data() + j * w.row_bytes;
+      for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+        if (type == DType::kQ8_0) {
+          auto& blk = reinterpret_cast<BlockQ8_0*>(row)[b];
+          blk.d = fp32_to_fp16(0.01f);
+          std::memset(blk.qs, j % 2 ? 0x80 : 0x7f, sizeof(blk.qs));  // -128 or 127
+        } else {
+          auto& blk = reinterpret_cast<BlockQ4_1*>(row)[b];
+          blk.d = fp32_to_fp16(0.01f);
+          blk.m = fp32_to_fp16(j % 2 ? -0.5f : 0.25f);
+          std::memset(blk.qs, 0xff, sizeof(blk.qs));  // 15
+        }
+      }
+      dequantize_row(type, row, w.values.data() + j * k, k);
+    }
+    std::vector<float> x(static_cast<size_t>(n_x * k));
+    for (int64_t i = 0; i < n_x; ++i) {
+      for (int64_t e = 0; e < k; ++e) {
+        const float alternating = e % 2 ? 1.0f : -1.0f;
+        x[i * k + e] = i % 3 == 0 ? 1.0f : i % 3 == 1 ? -1.0f : alternating;
+      }
+    }
+    ThreadPool pool(1);
+    const std::vector<float> scalar = run_matmul(scalar_kernel_table(), w.matrix(), x, n_x, pool);
+    std::vector<uint8_t> bytes(w.bytes.size());
+    const WeightMatrix interleaved = interleave(w.matrix(), bytes.data());
+    for (Isa isa : supported_isas()) {
+      const std::vector<float> y = run_matmul(kernel_table(isa), interleaved, x, n_x, pool);
+      EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size())) << isa_name(isa);
+    }
+    // The products themselves, not only agreement: a wrapped or saturated
+    // integer would be off by far more than rounding (Q8_1 keeps the
+    // activations' sum, which Q4_1's mins multiply, in half precision).
+    PackedActivations packed;
+    packed.pack(scalar_kernel_table(), x.data(), n_x, k, {type}, pool);
+    const std::vector<double> ref = reference_matmul(w, packed);
+    for (size_t e = 0; e < scalar.size(); ++e) {
+      EXPECT_NEAR(scalar[e], ref[e], 1e-3 * max_abs(ref)) << "output " << e;
+    }
+  }
+}
+
 TEST(Matmul, ActivationTypes) {
   EXPECT_EQ(activation_type(DType::kF32), DType::kF32);
   EXPECT_EQ(activation_type(DType::kF16), DType::kF16);

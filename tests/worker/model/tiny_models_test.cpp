@@ -44,6 +44,17 @@ TEST(TinyModels, InterleavedWeightsChangeNoBit) {
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_0 matrices to interleave";
 }
 
+// Q8_0 and Q4_1 matrices laid out by 16 rows (the AVX-512 path's layout),
+// the same on every path.
+TEST(TinyModels, InterleavedQ8_0AndQ4_1ChangeNoBit) {
+  const int n_interleaved = testing::expect_interleaving_changes_no_bit(
+      testing::read_tiny_model_golden("tiny_models.json"), [](cpu::KernelTable& kernels) {
+        kernels.interleave_q4_0 = false;
+        kernels.interleave_q8_0 = kernels.interleave_q4_1 = true;
+      });
+  EXPECT_GT(n_interleaved, 0) << "no tiny model has Q8_0 or Q4_1 matrices to interleave";
+}
+
 TEST(TinyModels, GreedyContinuationMatchesReference) {
   const testing::TinyModelGolden golden = testing::read_tiny_model_golden("tiny_models.json");
   cpu::ThreadPool pool(2);
