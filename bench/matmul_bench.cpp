@@ -7,8 +7,8 @@
 // - Llama-3-8B's feed-forward (hidden 4096, FFN 14336), 33 MB a matrix at
 //   Q4_0, which streams from memory as served models do (names start
 //   `matmul8b/`; `Q4_0x8` is Q4_0 interleaved by 8 rows, as loaded for
-//   AVX2, `Q4_Kx16`, `Q6_Kx16`, `Q8_0x16` and `Q4_1x16` those types
-//   interleaved by 16, as loaded for AVX-512).
+//   AVX2, `Q4_0x16`, `Q4_Kx16`, `Q6_Kx16`, `Q8_0x16` and `Q4_1x16` those
+//   types interleaved by 16, as loaded for AVX-512).
 //
 // Reports tokens/s as items/s (n_x activation rows per iteration) and bytes/s
 // as weight bytes read per second. The timed loop is the matrix product
@@ -44,7 +44,7 @@ struct MatmulCase {
   int64_t n_out;
   int64_t n_x;
   int n_threads;
-  bool interleaved = false;  // in the loader's layout (interleave.h)
+  WeightLayout layout = WeightLayout::kRows;  // the loader's (interleave.h), or the file's
 };
 
 void bench_matmul(benchmark::State& state, MatmulCase c) {
@@ -62,9 +62,9 @@ void bench_matmul(benchmark::State& state, MatmulCase c) {
   }
   WeightMatrix w = make_weight_matrix(c.type, weights.data(), c.k, c.n_out);
   std::vector<uint8_t> interleaved;
-  if (c.interleaved) {
+  if (c.layout != WeightLayout::kRows) {
     interleaved.resize(weights.size());
-    w = interleave(w, interleaved.data());
+    w = interleave(w, c.layout, interleaved.data());
   }
 
   std::vector<float> x(static_cast<size_t>(c.n_x * c.k));
@@ -120,18 +120,21 @@ void register_benchmarks() {
                 "/k:" + std::to_string(shape.k) + "/n_out:" + std::to_string(shape.n_out) +
                 "/n_x:" + std::to_string(n_x) + "/threads:" + std::to_string(n_threads);
             register_kernel_bench(name, bench_matmul, c);
-            if (type != DType::kQ5_0 && prefix == "matmul8b") {
+            if (type == DType::kQ5_0 || prefix != "matmul8b") continue;
+            auto add_layout = [&](WeightLayout layout, const char* suffix) {
               MatmulCase grouped = c;
-              grouped.interleaved = true;
+              grouped.layout = layout;
               std::string from = "/", to;
               from.append(dtype_name(type));
               to = from;
               from.append("/");
-              to.append(type == DType::kQ4_0 ? "x8/" : "x16/");
+              to.append(suffix);
               std::string grouped_name = name;
               grouped_name.replace(grouped_name.find(from), from.size(), to);
               register_kernel_bench(grouped_name, bench_matmul, grouped);
-            }
+            };
+            add_layout(WeightLayout::kInterleaved, type == DType::kQ4_0 ? "x8/" : "x16/");
+            if (type == DType::kQ4_0) add_layout(WeightLayout::kInterleaved16, "x16/");
           }
         }
       }

@@ -91,6 +91,14 @@ struct Q6KPieces {
   }
 };
 
+struct Q4_0Pieces {
+  template <typename X16, typename Row, typename Place>
+  void operator()(X16& x16, Row& row, int r, Place place) const {
+    place(&x16.d[r], &row.d, 2);
+    for (int m = 0; m < kQuantBlock / 8; ++m) place(&x16.qs[m][r], row.qs + 4 * m, 4);
+  }
+};
+
 struct Q8_0Pieces {
   template <typename X16, typename Row, typename Place>
   void operator()(X16& x16, Row& row, int r, Place place) const {
@@ -142,7 +150,8 @@ void deinterleave_x16(const uint8_t* interleaved, int64_t k, int64_t row0, int64
 }
 
 static_assert(kInterleavedRowsQ4_K == kRowsX16 && kInterleavedRowsQ6_K == kRowsX16 &&
-              kInterleavedRowsQ8_0 == kRowsX16 && kInterleavedRowsQ4_1 == kRowsX16);
+              kInterleavedRowsQ8_0 == kRowsX16 && kInterleavedRowsQ4_1 == kRowsX16 &&
+              kInterleavedRowsQ4_0x16 == kRowsX16);
 
 }  // namespace
 
@@ -164,6 +173,15 @@ void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   deinterleave_x16<BlockQ6_Kx16, BlockQ6_K>(interleaved, k, row0, n_rows, rows, Q6KPieces{});
 }
 
+void interleave_q4_0x16(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+  interleave_x16<BlockQ4_0x16, BlockQ4_0>(rows, n_out, k, out, Q4_0Pieces{});
+}
+
+void deinterleave_q4_0x16(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                          uint8_t* rows) {
+  deinterleave_x16<BlockQ4_0x16, BlockQ4_0>(interleaved, k, row0, n_rows, rows, Q4_0Pieces{});
+}
+
 void interleave_q8_0(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
   interleave_x16<BlockQ8_0x16, BlockQ8_0>(rows, n_out, k, out, Q8_0Pieces{});
 }
@@ -182,10 +200,11 @@ void deinterleave_q4_1(const uint8_t* interleaved, int64_t k, int64_t row0, int6
   deinterleave_x16<BlockQ4_1x16, BlockQ4_1>(interleaved, k, row0, n_rows, rows, Q4_1Pieces{});
 }
 
-int64_t interleaved_group_rows(DType type) {
+int64_t interleaved_group_rows(DType type, WeightLayout layout) {
+  DUET_ASSERT(layout != WeightLayout::kRows, "{} rows are not interleaved", dtype_name(type));
   switch (type) {
     case DType::kQ4_0:
-      return kInterleavedRows;
+      return layout == WeightLayout::kInterleaved16 ? kInterleavedRowsQ4_0x16 : kInterleavedRows;
     case DType::kQ4_K:
       return kInterleavedRowsQ4_K;
     case DType::kQ6_K:
@@ -200,7 +219,12 @@ int64_t interleaved_group_rows(DType type) {
   return 0;
 }
 
-void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out) {
+void interleave(DType type, WeightLayout layout, const uint8_t* rows, int64_t n_out, int64_t k,
+                uint8_t* out) {
+  DUET_ASSERT(layout == WeightLayout::kInterleaved ||
+                  (layout == WeightLayout::kInterleaved16 && type == DType::kQ4_0),
+              "no such layout for {}", dtype_name(type));
+  if (layout == WeightLayout::kInterleaved16) return interleave_q4_0x16(rows, n_out, k, out);
   switch (type) {
     case DType::kQ4_K:
       return interleave_q4_k(rows, n_out, k, out);
@@ -216,8 +240,14 @@ void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8
   }
 }
 
-void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
-                  uint8_t* rows) {
+void deinterleave(DType type, WeightLayout layout, const uint8_t* interleaved, int64_t k,
+                  int64_t row0, int64_t n_rows, uint8_t* rows) {
+  DUET_ASSERT(layout == WeightLayout::kInterleaved ||
+                  (layout == WeightLayout::kInterleaved16 && type == DType::kQ4_0),
+              "no such layout for {}", dtype_name(type));
+  if (layout == WeightLayout::kInterleaved16) {
+    return deinterleave_q4_0x16(interleaved, k, row0, n_rows, rows);
+  }
   switch (type) {
     case DType::kQ4_K:
       return deinterleave_q4_k(interleaved, k, row0, n_rows, rows);
@@ -233,10 +263,10 @@ void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row
   }
 }
 
-void dot_interleaved_by_rows(DType type, DotTileFn dot_rows, const uint8_t* w, size_t w_stride,
-                             int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k,
-                             float* y, int64_t ldy) {
-  const int64_t group = interleaved_group_rows(type);
+void dot_interleaved_by_rows(DType type, WeightLayout layout, DotTileFn dot_rows, const uint8_t* w,
+                             size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                             int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  const int64_t group = interleaved_group_rows(type, layout);
   DUET_ASSERT(n_w % group == 0, "interleaved weights in groups of {} rows, got {}", group, n_w);
   const auto fit = static_cast<int64_t>(kRowsBudgetBytes / w_stride) / group;
   const int64_t at_once = std::clamp<int64_t>(fit * group, group, kMaxRowsAtOnce);
@@ -244,7 +274,7 @@ void dot_interleaved_by_rows(DType type, DotTileFn dot_rows, const uint8_t* w, s
   rows.resize(static_cast<size_t>(at_once) * w_stride);
   for (int64_t j0 = 0; j0 < n_w; j0 += at_once) {
     const int64_t n_j = std::min(at_once, n_w - j0);
-    deinterleave(type, w, k, j0, n_j, rows.data());
+    deinterleave(type, layout, w, k, j0, n_j, rows.data());
     dot_rows(rows.data(), w_stride, n_j, x, x_stride, n_x, k, y + j0, ldy);
   }
 }

@@ -1,5 +1,5 @@
-// Q4_0 matrices interleaved by 8 rows, Q4_K, Q6_K, Q8_0 and Q4_1 by 16: the
-// layouts decode streams.
+// Q4_0 matrices interleaved by 8 rows (AVX2) or 16 (AVX-512), Q4_K, Q6_K,
+// Q8_0 and Q4_1 by 16: the layouts decode streams.
 //
 // A decode step reads every weight once per token, and one row at a time
 // (GGUF's order) leaves the kernel one dependent FMA chain and scattered
@@ -28,7 +28,14 @@
 
 namespace duet::cpu {
 
-constexpr int kInterleavedRows = 8;
+// How a matrix's rows are stored.
+enum class WeightLayout : uint8_t {
+  kRows,           // row after row, as in GGUF files
+  kInterleaved,    // the type's groups: Q4_0 of 8 rows, Q4_K, Q6_K, Q8_0 and Q4_1 of 16
+  kInterleaved16,  // Q4_0 in groups of 16 rows (BlockQ4_0x16)
+};
+
+constexpr int kInterleavedRows = 8;  // Q4_0 for AVX2
 
 // Block b of rows 8g .. 8g + 7: their scales, then 4 pairs of rows, each pair
 // 32 bytes: byte e holds element e of row 2p in its low nibble and element e
@@ -69,6 +76,19 @@ struct BlockQ6_Kx16 {
   uint16_t d[kInterleavedRowsQ6_K];
 };
 static_assert(sizeof(BlockQ6_Kx16) == kInterleavedRowsQ6_K * sizeof(BlockQ6_K));
+
+// Q4_0 matrices interleaved by 16 rows (the AVX-512 path's layout): block b
+// of rows 16g .. 16g + 15 holds their 16 scales d, then word m of each row's
+// 16 nibble bytes (m < 4: elements 4m .. 4m + 3 in its low nibbles, 16 + 4m
+// .. in its high ones), row after row. The same bytes as 16 GGUF blocks (16
+// x 18 = 288).
+constexpr int kInterleavedRowsQ4_0x16 = 16;
+struct BlockQ4_0x16 {
+  static constexpr int64_t kElements = kQuantBlock;
+  uint16_t d[kInterleavedRowsQ4_0x16];
+  uint32_t qs[kQuantBlock / 8][kInterleavedRowsQ4_0x16];
+};
+static_assert(sizeof(BlockQ4_0x16) == kInterleavedRowsQ4_0x16 * sizeof(BlockQ4_0));
 
 // Q8_0 matrices interleaved by 16 rows: block b of rows 16g .. 16g + 15
 // holds word m (bytes 4m .. 4m + 3: 4 weights in element order) of each row
@@ -119,7 +139,10 @@ void interleave_q6_k(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
 void deinterleave_q6_k(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
 
-// The same for Q8_0 and Q4_1 (groups of 16 rows, k a multiple of 32).
+// The same for Q4_0 by 16, Q8_0 and Q4_1 (groups of 16 rows, k a multiple of 32).
+void interleave_q4_0x16(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
+void deinterleave_q4_0x16(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
+                          uint8_t* rows);
 void interleave_q8_0(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
 void deinterleave_q8_0(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
@@ -127,20 +150,21 @@ void interleave_q4_1(const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out
 void deinterleave_q4_1(const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
                        uint8_t* rows);
 
-// The rows of a group of `type` (Q4_0, Q4_K, Q6_K, Q8_0 or Q4_1), and its
-// interleave and deinterleave.
-int64_t interleaved_group_rows(DType type);
-void interleave(DType type, const uint8_t* rows, int64_t n_out, int64_t k, uint8_t* out);
-void deinterleave(DType type, const uint8_t* interleaved, int64_t k, int64_t row0, int64_t n_rows,
-                  uint8_t* rows);
+// The rows of a group of `type` (Q4_0, Q4_K, Q6_K, Q8_0 or Q4_1) in `layout`
+// (not kRows), and its interleave and deinterleave.
+int64_t interleaved_group_rows(DType type, WeightLayout layout);
+void interleave(DType type, WeightLayout layout, const uint8_t* rows, int64_t n_out, int64_t k,
+                uint8_t* out);
+void deinterleave(DType type, WeightLayout layout, const uint8_t* interleaved, int64_t k,
+                  int64_t row0, int64_t n_rows, uint8_t* rows);
 
-// The DotTileFn contract for interleaved weights of `type` (`w_stride` is a
+// The DotTileFn contract for weights of `type` in `layout` (`w_stride` is a
 // GGUF row's bytes, n_w a multiple of the group's rows, `w` at a group's
 // start) by a kernel of GGUF rows: groups are turned back into rows, a few
 // dozen at a time, and `dot_rows` runs on them. Results are those of
 // `dot_rows`, bit for bit.
-void dot_interleaved_by_rows(DType type, DotTileFn dot_rows, const uint8_t* w, size_t w_stride,
-                             int64_t n_w, const uint8_t* x, size_t x_stride, int64_t n_x, int64_t k,
-                             float* y, int64_t ldy);
+void dot_interleaved_by_rows(DType type, WeightLayout layout, DotTileFn dot_rows, const uint8_t* w,
+                             size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                             int64_t n_x, int64_t k, float* y, int64_t ldy);
 
 }  // namespace duet::cpu

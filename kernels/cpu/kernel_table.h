@@ -118,8 +118,12 @@ struct KernelTable {
   // Q4_0 weights interleaved by 8 rows (interleave.h), Q8_0 activations.
   DotTileFn dot_q4_0x8;
   // Whether Q4_0 weights run faster interleaved on this path (the model
-  // loader lays them out so); every path computes both layouts alike.
+  // loader lays them out so); every path computes every layout alike.
   bool interleave_q4_0;
+  // Q4_0 weights interleaved by 16 rows (BlockQ4_0x16), Q8_0 activations,
+  // and whether this path prefers them so (before by 8).
+  DotTileFn dot_q4_0x16;
+  bool interleave_q4_0_by_16;
   // Q4_K weights interleaved by 16 rows (interleave.h), Q8_K activations,
   // and whether this path prefers them so.
   DotTileFn dot_q4_kx16;

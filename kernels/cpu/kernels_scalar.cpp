@@ -215,32 +215,38 @@ void dot_tile(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
 
 void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ4_0, dot_tile<dot_row_q4_0>, w, w_stride, n_w, x, x_stride, n_x,
-                          k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ4_0, WeightLayout::kInterleaved, dot_tile<dot_row_q4_0>, w,
+                          w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+}
+
+void dot_q4_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ4_0, WeightLayout::kInterleaved16, dot_tile<dot_row_q4_0>, w,
+                          w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ4_K, dot_tile<dot_row_q4_k>, w, w_stride, n_w, x, x_stride, n_x,
-                          k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ4_K, WeightLayout::kInterleaved, dot_tile<dot_row_q4_k>, w,
+                          w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q6_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ6_K, dot_tile<dot_row_q6_k>, w, w_stride, n_w, x, x_stride, n_x,
-                          k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ6_K, WeightLayout::kInterleaved, dot_tile<dot_row_q6_k>, w,
+                          w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q8_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ8_0, dot_tile<dot_row_q8_0>, w, w_stride, n_w, x, x_stride, n_x,
-                          k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ8_0, WeightLayout::kInterleaved, dot_tile<dot_row_q8_0>, w,
+                          w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_1x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ4_1, dot_tile<dot_row_q4_1>, w, w_stride, n_w, x, x_stride, n_x,
-                          k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ4_1, WeightLayout::kInterleaved, dot_tile<dot_row_q4_1>, w,
+                          w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 // One query head against one key row, in kq_scores's order.
@@ -321,6 +327,8 @@ constexpr KernelTable kScalarTable = {
     .dot_q6_k = dot_tile<dot_row_q6_k>,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = false,
+    .dot_q4_0x16 = dot_q4_0x16,
+    .interleave_q4_0_by_16 = false,
     .dot_q4_kx16 = dot_q4_kx16,
     .interleave_q4_k = false,
     .dot_q6_kx16 = dot_q6_kx16,

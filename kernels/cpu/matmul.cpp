@@ -16,7 +16,10 @@ constexpr int64_t kWeightRowsMultiple = kInterleavedRowsQ4_K;  // tasks start on
 constexpr int64_t kTasksPerThread = 4;                         // enough to balance a noisy machine
 constexpr int64_t kActivationRowsPerTask = 64;
 static_assert(kWeightRowsMultiple % kInterleavedRowsQ6_K == 0 &&
-              kWeightRowsMultiple % kInterleavedRows == 0);
+              kWeightRowsMultiple % kInterleavedRows == 0 &&
+              kWeightRowsMultiple % kInterleavedRowsQ4_0x16 == 0 &&
+              kWeightRowsMultiple % kInterleavedRowsQ8_0 == 0 &&
+              kWeightRowsMultiple % kInterleavedRowsQ4_1 == 0);
 
 // Weight rows per task: few large tasks when there are few activation rows
 // (decode: each task is short, so handing one out must stay rare), never
@@ -47,11 +50,11 @@ ConvertRowFn convert_fn(const KernelTable& kernels, DType activation) {
   return nullptr;
 }
 
-// The kernel of `type`'s interleaved layout (interleave.h).
-DotTileFn interleaved_dot_fn(const KernelTable& kernels, DType type) {
+// The kernel of `type` in `layout` (interleave.h).
+DotTileFn interleaved_dot_fn(const KernelTable& kernels, DType type, WeightLayout layout) {
   switch (type) {
     case DType::kQ4_0:
-      return kernels.dot_q4_0x8;
+      return layout == WeightLayout::kInterleaved16 ? kernels.dot_q4_0x16 : kernels.dot_q4_0x8;
     case DType::kQ4_K:
       return kernels.dot_q4_kx16;
     case DType::kQ6_K:
@@ -106,12 +109,14 @@ WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t
   return w;
 }
 
-bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
-  if (w.layout != WeightLayout::kRows) return false;
+WeightLayout preferred_layout(const KernelTable& kernels, const WeightMatrix& w) {
+  if (w.layout != WeightLayout::kRows) return w.layout;
+  WeightLayout layout = WeightLayout::kInterleaved;
   bool wanted = false;
   switch (w.type) {
     case DType::kQ4_0:
-      wanted = kernels.interleave_q4_0;
+      wanted = kernels.interleave_q4_0_by_16 || kernels.interleave_q4_0;
+      if (kernels.interleave_q4_0_by_16) layout = WeightLayout::kInterleaved16;
       break;
     case DType::kQ4_K:
       wanted = kernels.interleave_q4_k;
@@ -126,12 +131,13 @@ bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w) {
       wanted = kernels.interleave_q4_1;
       break;
     default:
-      return false;  // no interleaved layout
+      return WeightLayout::kRows;  // no interleaved layout
   }
-  return wanted && w.n_out % interleaved_group_rows(w.type) == 0;
+  const bool fits = w.n_out % interleaved_group_rows(w.type, layout) == 0;
+  return wanted && fits ? layout : WeightLayout::kRows;
 }
 
-WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
+WeightMatrix interleave(const WeightMatrix& w, WeightLayout layout, uint8_t* out,
                         const std::function<void(const uint8_t*, size_t)>& read) {
   DUET_ASSERT(w.layout == WeightLayout::kRows, "{} weights are laid out already",
               dtype_name(w.type));
@@ -139,12 +145,12 @@ WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
   for (int64_t row0 = 0; row0 < w.n_out; row0 += kRowsPerPiece) {
     const int64_t n_rows = std::min(kRowsPerPiece, w.n_out - row0);
     const size_t offset = static_cast<size_t>(row0) * w.row_bytes;
-    cpu::interleave(w.type, w.data + offset, n_rows, w.k, out + offset);
+    cpu::interleave(w.type, layout, w.data + offset, n_rows, w.k, out + offset);
     if (read) read(w.data + offset, static_cast<size_t>(n_rows) * w.row_bytes);
   }
   WeightMatrix result = w;
   result.data = out;
-  result.layout = WeightLayout::kInterleaved;
+  result.layout = layout;
   return result;
 }
 
@@ -155,7 +161,7 @@ void dequantize_weight_row(const WeightMatrix& w, int64_t row, float* out) {
   }
   thread_local std::vector<uint8_t> bytes;
   bytes.resize(w.row_bytes);
-  deinterleave(w.type, w.data, w.k, row, 1, bytes.data());
+  deinterleave(w.type, w.layout, w.data, w.k, row, 1, bytes.data());
   dequantize_row(w.type, bytes.data(), out, w.k);
 }
 
@@ -239,8 +245,9 @@ void matmul(const KernelTable& kernels, const WeightMatrix& w, const PackedActiv
             int64_t ldy, ThreadPool& pool) {
   DUET_ASSERT(w.k == x.k(), "matmul: weight rows have {} elements, activations {}", w.k, x.k());
   DUET_ASSERT(ldy >= w.n_out);
-  const DotTileFn dot = w.layout == WeightLayout::kRows ? dot_tile_fn(kernels, w.type)
-                                                        : interleaved_dot_fn(kernels, w.type);
+  const DotTileFn dot = w.layout == WeightLayout::kRows
+                            ? dot_tile_fn(kernels, w.type)
+                            : interleaved_dot_fn(kernels, w.type, w.layout);
   size_t x_row_bytes = 0;
   const uint8_t* x_rows = x.rows(w.type, &x_row_bytes);
   const int64_t n_x = x.n_rows();

@@ -18,17 +18,11 @@
 #include <vector>
 
 #include "common/model/dtype.h"
+#include "kernels/cpu/interleave.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace duet::cpu {
-
-// How a matrix's rows are stored.
-enum class WeightLayout : uint8_t {
-  kRows,         // row after row, as in GGUF files
-  kInterleaved,  // Q4_0 in groups of 8 rows, Q4_K, Q6_K, Q8_0, Q4_1 of 16, block by block
-                 // (interleave.h)
-};
 
 // A non-owning view of a weight matrix: n_out rows of k elements.
 struct WeightMatrix {
@@ -42,12 +36,13 @@ struct WeightMatrix {
 
 WeightMatrix make_weight_matrix(DType type, const void* data, int64_t k, int64_t n_out);
 
-// Whether `kernels` run `w` faster in another layout, and which.
-bool prefers_interleaved(const KernelTable& kernels, const WeightMatrix& w);
-// `w` (in rows) laid out interleaved into `out` (w's bytes), a piece of rows
+// The layout `kernels` run `w` (in rows) fastest in: kRows, or the one to
+// lay it out in.
+WeightLayout preferred_layout(const KernelTable& kernels, const WeightMatrix& w);
+// `w` (in rows) laid out in `layout` into `out` (w's bytes), a piece of rows
 // at a time, `read(bytes, n)` told of each piece of w.data once it is read
 // for the last time. The result views `out`.
-WeightMatrix interleave(const WeightMatrix& w, uint8_t* out,
+WeightMatrix interleave(const WeightMatrix& w, WeightLayout layout, uint8_t* out,
                         const std::function<void(const uint8_t*, size_t)>& read = {});
 
 // Row `row` of `w` (any layout) as n = w.k floats.

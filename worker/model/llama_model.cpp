@@ -133,8 +133,10 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
   if (row0 == 0 && row1 == n_out && col0 == 0 && col1 == k) {
     weight_bytes_ += t.n_bytes;
     const cpu::WeightMatrix view = cpu::make_weight_matrix(t.type, t.data, k, n_out);
-    if (kernels == nullptr || !cpu::prefers_interleaved(*kernels, view)) return view;
-    return interleaved(view, &file_);
+    if (kernels == nullptr) return view;
+    const cpu::WeightLayout layout = cpu::preferred_layout(*kernels, view);
+    if (layout == cpu::WeightLayout::kRows) return view;
+    return interleaved(view, layout, &file_);
   }
   const int64_t block = dtype_traits(t.type).block_size;
   DUET_ASSERT(col0 % block == 0 && col1 % block == 0 && row0 < row1 && col0 < col1,
@@ -155,11 +157,13 @@ cpu::WeightMatrix LlamaModel::matrix(const std::string& name, int64_t k, int64_t
   if (copied_tensors_.insert(name).second) split_tensor_bytes_ += t.n_bytes;
   const cpu::WeightMatrix w =
       cpu::make_weight_matrix(t.type, owned.get(), col1 - col0, row1 - row0);
-  if (kernels == nullptr || !cpu::prefers_interleaved(*kernels, w)) {
+  const cpu::WeightLayout layout =
+      kernels == nullptr ? cpu::WeightLayout::kRows : cpu::preferred_layout(*kernels, w);
+  if (layout == cpu::WeightLayout::kRows) {
     owned_.push_back(std::move(owned));
     return w;
   }
-  return interleaved(w, nullptr);  // the shard's copy goes when `owned` does
+  return interleaved(w, layout, nullptr);  // the shard's copy goes when `owned` does
 }
 
 cpu::WeightMatrix LlamaModel::expert(const std::string& name, int64_t k, int64_t n_out, int64_t e) {
@@ -177,11 +181,14 @@ cpu::WeightMatrix LlamaModel::expert(const std::string& name, int64_t k, int64_t
   weight_bytes_ += bytes;
   const cpu::WeightMatrix view = cpu::make_weight_matrix(
       t.type, static_cast<const uint8_t*>(t.data) + bytes * static_cast<size_t>(e), k, n_out);
-  if (kernels_ == nullptr || !cpu::prefers_interleaved(*kernels_, view)) return view;
-  return interleaved(view, &file_);
+  if (kernels_ == nullptr) return view;
+  const cpu::WeightLayout layout = cpu::preferred_layout(*kernels_, view);
+  if (layout == cpu::WeightLayout::kRows) return view;
+  return interleaved(view, layout, &file_);
 }
 
-cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w, const GgufFile* source) {
+cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w, cpu::WeightLayout layout,
+                                          const GgufFile* source) {
   // On huge pages: decode streams every matrix once per token, and a 4 KiB
   // page per 28 blocks of a row group would be a TLB miss each (and making
   // them at load costs a fault each).
@@ -190,7 +197,7 @@ cpu::WeightMatrix LlamaModel::interleaved(const cpu::WeightMatrix& w, const Gguf
   interleaved_weight_bytes_ += bytes;
   // Each piece's file pages are dropped once copied, so that the file's
   // pages and the copy are never both in memory for long.
-  return cpu::interleave(w, reinterpret_cast<uint8_t*>(memory.data()),
+  return cpu::interleave(w, layout, reinterpret_cast<uint8_t*>(memory.data()),
                          [&](const uint8_t* read, size_t n) {
                            if (source != nullptr) source->drop_pages(read, n);
                          });

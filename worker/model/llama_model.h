@@ -78,7 +78,7 @@ class LlamaModel final {
   // With `placement.size` > 1, loads only the rank's shard (see above);
   // throws kUnsupported when the model cannot be split that way.
   // `kernels`: the CPU path that will run the model; matrices it runs faster
-  // in another layout (cpu::prefers_interleaved) are laid out so at load, in
+  // in another layout (cpu::preferred_layout) are laid out so at load, in
   // place of the file's pages (which are dropped from memory). Null keeps
   // the file's layout (the CUDA upload reads it).
   static std::unique_ptr<LlamaModel> load(const std::filesystem::path& path,
@@ -127,9 +127,10 @@ class LlamaModel final {
   // keeps the file's layout).
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out, int64_t row0,
                            int64_t row1, int64_t col0, int64_t col1, bool for_kernels = true);
-  // `w` interleaved into memory of this model's own; `source`: the file whose
-  // mapping `w` views (its pages are dropped), or null for a copy.
-  cpu::WeightMatrix interleaved(const cpu::WeightMatrix& w, const GgufFile* source);
+  // `w` laid out in `layout` in memory of this model's own; `source`: the
+  // file whose mapping `w` views (its pages are dropped), or null for a copy.
+  cpu::WeightMatrix interleaved(const cpu::WeightMatrix& w, cpu::WeightLayout layout,
+                                const GgufFile* source);
   // Expert `e` of the 3-D tensor `name` ([k, n_out, n_experts]): its n_out rows of k.
   cpu::WeightMatrix expert(const std::string& name, int64_t k, int64_t n_out, int64_t e);
   cpu::WeightMatrix matrix(const std::string& name, int64_t k, int64_t n_out) {

@@ -168,28 +168,36 @@ void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
   }
 }
 
-// Interleaved Q4_K, Q6_K, Q8_0 and Q4_1 (laid out so only for the AVX-512
-// path; this path runs them when asked, by rows).
+// Q4_0 by 16 rows and interleaved Q4_K, Q6_K, Q8_0 and Q4_1 (laid out so
+// only for the AVX-512 path; this path runs them when asked, by rows).
+void dot_q4_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  dot_interleaved_by_rows(DType::kQ4_0, WeightLayout::kInterleaved16, dot_q4_0, w, w_stride, n_w, x,
+                          x_stride, n_x, k, y, ldy);
+}
+
 void dot_q4_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ4_K, dot_q4_k_x86, w, w_stride, n_w, x, x_stride, n_x, k, y,
-                          ldy);
+  dot_interleaved_by_rows(DType::kQ4_K, WeightLayout::kInterleaved, dot_q4_k_x86, w, w_stride, n_w,
+                          x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q6_kx16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ6_K, dot_q6_k_x86, w, w_stride, n_w, x, x_stride, n_x, k, y,
-                          ldy);
+  dot_interleaved_by_rows(DType::kQ6_K, WeightLayout::kInterleaved, dot_q6_k_x86, w, w_stride, n_w,
+                          x, x_stride, n_x, k, y, ldy);
 }
 
 void dot_q8_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ8_0, dot_q8_0, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ8_0, WeightLayout::kInterleaved, dot_q8_0, w, w_stride, n_w, x,
+                          x_stride, n_x, k, y, ldy);
 }
 
 void dot_q4_1x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  dot_interleaved_by_rows(DType::kQ4_1, dot_q4_1, w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  dot_interleaved_by_rows(DType::kQ4_1, WeightLayout::kInterleaved, dot_q4_1, w, w_stride, n_w, x,
+                          x_stride, n_x, k, y, ldy);
 }
 
 // The elementwise 16-lane tree over g[s] (lane_tree_sum16's order).
@@ -312,6 +320,8 @@ constexpr KernelTable kAvx2Table = {
     .dot_q6_k = dot_q6_k_x86,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = true,
+    .dot_q4_0x16 = dot_q4_0x16,
+    .interleave_q4_0_by_16 = false,
     .dot_q4_kx16 = dot_q4_kx16,
     .interleave_q4_k = false,
     .dot_q6_kx16 = dot_q6_kx16,

@@ -11,7 +11,10 @@
 // shared 256-bit ones, compiled here with AVX-512 encodings; BF16 and the
 // K-quants (x86_kquant_inl.h) use 512-bit registers for their lanes. Q4_0,
 // whose order keeps one integer per block, has a GEMM of its own
-// (q4_0_gemm_avx512_inl.h) and shares the AVX2 path's row tiles and decode.
+// (q4_0_gemm_avx512_inl.h) and shares the AVX2 path's row tiles. The loader
+// lays Q4_0, Q8_0, Q4_1 and the K-quants out by 16 rows for this path, whose
+// lane-per-row kernels (quant_x16_avx512_inl.h, kquant_x16_avx512_inl.h)
+// run decode and small batches on them.
 
 // GCC 12 reports the _mm512_undefined_*() inside its own AVX-512 intrinsics as
 // uninitialized once they are inlined (GCC bug 105593; the build already
@@ -275,7 +278,7 @@ constexpr int64_t kGemmMinRowsQ4_0 = 5;
 void dot_q4_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
               int64_t n_x, int64_t k, float* y, int64_t ldy) {
   if (n_x >= kGemmMinRowsQ4_0) {
-    q40x512::gemm<false>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    q40x512::gemm<q40x512::Layout::kRows>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
     run_row_tiles<Q4_0RowTile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   }
@@ -293,16 +296,30 @@ void dot_q4_1(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   dot_quant<gemm512::Q4_1Gemm, Q4_1Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
-// Interleaved Q4_0: decode streams it with the AVX2 path's kernel (8 rows'
-// chains in one sequential stream, faster than this path's rows on Zen 4,
-// whose 512-bit units are two 256-bit halves; the contract's order makes its
-// bits this path's); the GEMM packs its panels straight from the groups.
+// Q4_0 interleaved by 8 (AVX2's layout; this path lays it out by 16): decode
+// runs the AVX2 path's kernel (the contract's order makes its bits this
+// path's); the GEMM packs its panels straight from the groups.
 void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
   if (n_x >= kGemmMinRowsQ4_0) {
-    q40x512::gemm<true>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+    q40x512::gemm<q40x512::Layout::kBy8>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   } else {
     avx2_kernel_table().dot_q4_0x8(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  }
+}
+
+// Q4_0 by 16 rows: the lane-per-row tiles (quant_x16_avx512_inl.h) for
+// decode and small batches, the GEMM with its panels packed from the groups
+// from kGemmMinRowsQ4_0x16 activation rows on, where a panel serves enough
+// tiles to pay for its transposes.
+constexpr int64_t kGemmMinRowsQ4_0x16 = 32;
+
+void dot_q4_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
+                 int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  if (n_x >= kGemmMinRowsQ4_0x16) {
+    q40x512::gemm<q40x512::Layout::kBy16>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
+  } else {
+    q40x16::dot(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
   }
 }
 
@@ -382,6 +399,8 @@ constexpr KernelTable kAvx512Table = {
     .dot_q6_k = dot_q6_k_x86,
     .dot_q4_0x8 = dot_q4_0x8,
     .interleave_q4_0 = true,
+    .dot_q4_0x16 = dot_q4_0x16,
+    .interleave_q4_0_by_16 = true,
     .dot_q4_kx16 = q4kx16::dot,
     .interleave_q4_k = true,
     .dot_q6_kx16 = q6kx16::dot,

@@ -1,5 +1,5 @@
 // Tiled GEMM for Q4_0 weights with AVX-512 VNNI, for the batched shapes
-// (prefill, batched decode), on GGUF rows or rows interleaved by 8
+// (prefill, batched decode), on GGUF rows or rows interleaved by 8 or 16
 // (interleave.h). Included into the AVX-512 translation unit only; it shares
 // kquant_gemm_avx512_inl.h's transpose.
 //
@@ -79,15 +79,56 @@ inline void pack_act_group(const uint8_t* x, size_t x_stride, int64_t n_rows, in
   }
 }
 
-// Weight rows [j0, j0 + n_rows) (n_rows <= 8; a whole group of 8 when
-// interleaved) of a matrix of nb blocks per row, blocks [0, nb).
-template <bool kInterleaved>
+// 8 registers' int32 lanes transposed: lane t of v[g] to lane g of v[t].
+inline void transpose8x8(__m256i (&v)[8]) {
+  __m256i a[8], c[8];
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    a[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    c[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
+    c[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
+    c[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
+    c[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(c[i], c[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(c[i], c[i + 4], 0x31);
+  }
+}
+
+// Where a matrix's rows are: GGUF's rows, groups of 8 or of 16 rows.
+enum class Layout { kRows, kBy8, kBy16 };
+
+// Weight rows [j0, j0 + n_rows) (n_rows <= 8; a whole group of 8, or half of
+// one of 16, when interleaved) of a matrix of nb blocks per row, blocks [0,
+// nb).
+template <Layout kLayout>
 void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_rows, int64_t nb,
                        WeightBlock* out) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < nb; ++b) {
     WeightBlock& o = out[b];
-    if constexpr (kInterleaved) {
+    if constexpr (kLayout == Layout::kBy16) {
+      // Word m of the 8 rows: its low nibbles are group m of each, its high
+      // ones group m + 4; transposed into rows.
+      const BlockQ4_0x16& blk =
+          reinterpret_cast<const BlockQ4_0x16*>(w)[j0 / kInterleavedRowsQ4_0x16 * nb + b];
+      const int64_t half = j0 % kInterleavedRowsQ4_0x16;
+      __m256i v[kGroups];
+      for (int m = 0; m < kGroups / 2; ++m) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs[m] + half));
+        v[m] = _mm256_and_si256(q, low_nibbles);
+        v[m + kGroups / 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles);
+      }
+      transpose8x8(v);
+      for (int t = 0; t < kTileRows; ++t) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q[t]), v[t]);
+      }
+      _mm256_store_ps(
+          o.d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.d + half))));
+    } else if constexpr (kLayout == Layout::kBy8) {
       const BlockQ4_0x8& blk =
           reinterpret_cast<const BlockQ4_0x8*>(w)[j0 / kInterleavedRows * nb + b];
       for (int p = 0; p < kTileRows / 2; ++p) {
@@ -175,9 +216,10 @@ inline void run_tile8(const WeightBlock* panel, const ActBlock* act, int64_t nb,
     for (int64_t t = 0; t < n_w; ++t) y[c * ldy + t] = out[t][c];
 }
 
-// The DotTileFn contract (kernel_table.h); interleaved: n_w a multiple of 8,
-// `w` at a group's start. kquant512's passes, with this file's panels.
-template <bool kInterleaved>
+// The DotTileFn contract (kernel_table.h); interleaved: n_w a multiple of the
+// group's rows, `w` at a group's start. kquant512's passes, with this file's
+// panels.
+template <Layout kLayout>
 void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
           int64_t n_x, int64_t k, float* y, int64_t ldy) {
   const int64_t nb = k / kQuantBlock;
@@ -187,12 +229,17 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
         pack_act_group(rows, x_stride, n_rows, nb, out);
       },
       [&](int64_t j0, int64_t n_j, WeightBlock* out) {
-        pack_weight_group<kInterleaved>(w, w_stride, j0, n_j, nb, out);
+        pack_weight_group<kLayout>(w, w_stride, j0, n_j, nb, out);
       },
       [&](int64_t j0, int64_t n_j) {
-        if constexpr (kInterleaved) {
+        if constexpr (kLayout == Layout::kBy8) {
           const int64_t group_bytes = nb * static_cast<int64_t>(sizeof(BlockQ4_0x8));
           return std::pair<const uint8_t*, int64_t>{w + j0 / kInterleavedRows * group_bytes,
+                                                    group_bytes};
+        } else if constexpr (kLayout == Layout::kBy16) {
+          // Each half of a group fetches the whole group (the second finds it cached).
+          const int64_t group_bytes = nb * static_cast<int64_t>(sizeof(BlockQ4_0x16));
+          return std::pair<const uint8_t*, int64_t>{w + j0 / kInterleavedRowsQ4_0x16 * group_bytes,
                                                     group_bytes};
         } else {
           return kquant512::row_bytes(w, w_stride, j0, n_j);

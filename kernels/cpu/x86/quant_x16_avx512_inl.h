@@ -1,4 +1,4 @@
-// Q8_0 and Q4_1 weights interleaved by 16 rows (interleave.h) with AVX-512
+// Q8_0, Q4_1 and Q4_0 weights interleaved by 16 rows (interleave.h) with AVX-512
 // VNNI, for every shape from decode's one activation row up, on the driver
 // of kquant_x16_avx512_inl.h. Included into the AVX-512 translation unit only.
 //
@@ -169,5 +169,89 @@ void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, s
 }
 
 }  // namespace q41x16
+
+// Q4_0 by 16 rows keeps Q4_0's own order (kernel_table.h): per block and
+// pair one exact integer S = sum (q - 8) x, then y = fma(float(S), d_w d_x,
+// y). A lane is a weight row: it starts from -8 x the activation's block
+// sum, and the block's 8 words (4 of low nibbles, 4 of high) add into it
+// with vpdpbusd, so it holds S; one FMA per block and pair follows.
+namespace q40x16 {
+
+using x16::broadcast_word;
+
+constexpr int kActRows = 8;  // activation rows per register tile: a register each
+
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// An activation block as the tiles read it: -8 x its sum, its scale as a
+// float, its 32 values.
+struct ActBlock {
+  int32_t start;
+  float d;
+  int8_t qs[kQuantBlock];
+};
+
+template <int NX>
+struct Tile {
+  static void run(const BlockQ4_0x16* blocks, const void* /*panel*/, int64_t nb, const uint8_t* x,
+                  size_t x_stride, float* y, int64_t ldy) {
+    const ActBlock* xr[NX];
+    for (int r = 0; r < NX; ++r) xr[r] = reinterpret_cast<const ActBlock*>(x + r * x_stride);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[NX];
+    for (int r = 0; r < NX; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const BlockQ4_0x16& w = blocks[b];
+      prefetch_ahead(&w);
+      __m512i s[NX];
+      for (int r = 0; r < NX; ++r) s[r] = _mm512_set1_epi32(xr[r][b].start);
+      for (int m = 0; m < kQuantBlock / 8; ++m) {
+        const __m512i v = _mm512_loadu_si512(w.qs[m]);
+        const __m512i low = _mm512_and_si512(v, low4);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int r = 0; r < NX; ++r) {
+          s[r] = _mm512_dpbusd_epi32(s[r], low, broadcast_word(xr[r][b].qs + 4 * m));
+          s[r] = _mm512_dpbusd_epi32(s[r], high, broadcast_word(xr[r][b].qs + 16 + 4 * m));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d)));
+      for (int r = 0; r < NX; ++r) {
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xr[r][b].d));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+      }
+    }
+    for (int r = 0; r < NX; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  }
+};
+
+// The activations are prepared once per call (their block sums and scales),
+// so that the tiles' only per-block work on them is a broadcast.
+void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, size_t x_stride,
+         int64_t n_x, int64_t k, float* y, int64_t ldy) {
+  const int64_t nb = k / kQuantBlock;
+  thread_local std::vector<ActBlock> act;
+  act.resize(static_cast<size_t>(n_x * nb));
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < n_x; ++i) {
+    const auto* from = reinterpret_cast<const BlockQ8_0*>(x + i * x_stride);
+    for (int64_t b = 0; b < nb; ++b) {
+      ActBlock& to = act[i * nb + b];
+      const __m256i q = load_i8x32(from[b].qs);
+      const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
+      to.start = -8 * sum_lanes(sums);
+      to.d = half_to_float(from[b].d);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to.qs), q);
+    }
+  }
+  x16::dot<BlockQ4_0x16, void, kActRows, Tile>(w, n_w, reinterpret_cast<const uint8_t*>(act.data()),
+                                               nb * sizeof(ActBlock), n_x, k, y, ldy);
+}
+
+}  // namespace q40x16
 }  // namespace
 }  // namespace duet::cpu

@@ -423,7 +423,7 @@ TEST_P(KQuantExtremeTest, ExtremeBlocksAgreeOnEveryIsa) {
   }
   if (type == DType::kQ5_K) return;  // kept in the file's rows
   std::vector<uint8_t> bytes(w.bytes.size());
-  const WeightMatrix interleaved = interleave(w.matrix(), bytes.data());
+  const WeightMatrix interleaved = interleave(w.matrix(), WeightLayout::kInterleaved, bytes.data());
   for (Isa isa : supported_isas()) {
     const std::vector<float> y = run_matmul(kernel_table(isa), interleaved, x, n_x, pool);
     EXPECT_TRUE(bitwise_equal(y.data(), scalar_y.data(), y.size()))

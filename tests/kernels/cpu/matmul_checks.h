@@ -231,18 +231,19 @@ inline void expect_shared_pack_serves(Isa isa, const Weights& w, const PackedAct
       << isa_name(isa) << " " << dtype_name(w.type);
 }
 
-// w (Q4_0, Q4_K or Q6_K rows) laid out interleaved: deinterleaving gives the rows
+// w (rows of a type with a layout) laid out in `layout`: deinterleaving gives the rows
 // back, rows dequantize alike, and every ISA path, on 1 and 2 threads, gives
 // the scalar path's bits on the rows for each activation count in n_xs.
 inline void check_interleaved_matches_rows(const Weights& w, const std::vector<int64_t>& n_xs,
-                                           std::mt19937& rng) {
+                                           std::mt19937& rng,
+                                           WeightLayout layout = WeightLayout::kInterleaved) {
   ThreadPool one(1), two(2);
   const WeightMatrix rows = w.matrix();
   std::vector<uint8_t> bytes(rows.row_bytes * static_cast<size_t>(w.n_out));
-  const WeightMatrix interleaved = interleave(rows, bytes.data());
-  ASSERT_EQ(interleaved.layout, WeightLayout::kInterleaved);
+  const WeightMatrix interleaved = interleave(rows, layout, bytes.data());
+  ASSERT_EQ(interleaved.layout, layout);
   std::vector<uint8_t> back(bytes.size());
-  deinterleave(w.type, bytes.data(), w.k, 0, w.n_out, back.data());
+  deinterleave(w.type, layout, bytes.data(), w.k, 0, w.n_out, back.data());
   EXPECT_EQ(0, std::memcmp(back.data(), rows.data, back.size()));
   std::vector<float> row_a(static_cast<size_t>(w.k)), row_b(static_cast<size_t>(w.k));
   for (int64_t j : {int64_t{0}, int64_t{5}, w.n_out - 1}) {

@@ -249,12 +249,15 @@ TEST(Matmul, InterleavedQ8_0AndQ4_1MatchRowsOnEveryIsa) {
 
 // Integer extremes through the 16-row layouts: Q8_0 weights of -128 and 127
 // (the format holds -128 though the quantizer never writes it), Q4_1 nibbles
-// of 15, against activations of +127, -127 and alternating, so any
+// of 15, Q4_0 weights of -8 and 7, against activations of +127, -127 and
+// alternating, so any
 // saturating or overflowing integer step would show.
 TEST(Matmul, InterleavedExtremesMatchRowsOnEveryIsa) {
   const int64_t k = 8 * kQuantBlock, n_out = 16, n_x = 4;
-  for (DType type : {DType::kQ8_0, DType::kQ4_1}) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_1, DType::kQ4_0}) {
     SCOPED_TRACE(dtype_name(type));
+    const WeightLayout layout =
+        type == DType::kQ4_0 ? WeightLayout::kInterleaved16 : WeightLayout::kInterleaved;
     Weights w = zeroed_weights(type, k, n_out);
     for (int64_t j = 0; j < n_out; ++j) {
       uint8_t* row = w.bytes.data() + j * w.row_bytes;
@@ -263,11 +266,15 @@ TEST(Matmul, InterleavedExtremesMatchRowsOnEveryIsa) {
           auto& blk = reinterpret_cast<BlockQ8_0*>(row)[b];
           blk.d = fp32_to_fp16(0.01f);
           std::memset(blk.qs, j % 2 ? 0x80 : 0x7f, sizeof(blk.qs));  // -128 or 127
-        } else {
+        } else if (type == DType::kQ4_1) {
           auto& blk = reinterpret_cast<BlockQ4_1*>(row)[b];
           blk.d = fp32_to_fp16(0.01f);
           blk.m = fp32_to_fp16(j % 2 ? -0.5f : 0.25f);
           std::memset(blk.qs, 0xff, sizeof(blk.qs));  // 15
+        } else {
+          auto& blk = reinterpret_cast<BlockQ4_0*>(row)[b];
+          blk.d = fp32_to_fp16(0.01f);
+          std::memset(blk.qs, j % 2 ? 0x00 : 0xff, sizeof(blk.qs));  // -8 or 7
         }
       }
       dequantize_row(type, row, w.values.data() + j * k, k);
@@ -282,7 +289,7 @@ TEST(Matmul, InterleavedExtremesMatchRowsOnEveryIsa) {
     ThreadPool pool(1);
     const std::vector<float> scalar = run_matmul(scalar_kernel_table(), w.matrix(), x, n_x, pool);
     std::vector<uint8_t> bytes(w.bytes.size());
-    const WeightMatrix interleaved = interleave(w.matrix(), bytes.data());
+    const WeightMatrix interleaved = interleave(w.matrix(), layout, bytes.data());
     for (Isa isa : supported_isas()) {
       const std::vector<float> y = run_matmul(kernel_table(isa), interleaved, x, n_x, pool);
       EXPECT_TRUE(bitwise_equal(y.data(), scalar.data(), y.size())) << isa_name(isa);
@@ -295,6 +302,19 @@ TEST(Matmul, InterleavedExtremesMatchRowsOnEveryIsa) {
     const std::vector<double> ref = reference_matmul(w, packed);
     for (size_t e = 0; e < scalar.size(); ++e) {
       EXPECT_NEAR(scalar[e], ref[e], 1e-3 * max_abs(ref)) << "output " << e;
+    }
+  }
+}
+
+// Q4_0 interleaved by 16 rows (the AVX-512 path's layout): its lane-per-row
+// kernel at every activation count (8 rows a tile), the others by rows.
+TEST(Matmul, InterleavedQ4_0By16MatchesRowsOnEveryIsa) {
+  std::mt19937 rng(720);
+  for (int64_t k : {32, 4096, 14336}) {
+    for (int64_t n_out : {16, 48}) {
+      ASSERT_NO_FATAL_FAILURE(check_interleaved_matches_rows(
+          make_weights(DType::kQ4_0, k, n_out, rng), {1, 2, 5, 7, 8, 9, 33, 64}, rng,
+          WeightLayout::kInterleaved16));
     }
   }
 }

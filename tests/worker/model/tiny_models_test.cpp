@@ -39,8 +39,20 @@ TEST(TinyModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
 // ask for it.
 TEST(TinyModels, InterleavedWeightsChangeNoBit) {
   const int n_interleaved = testing::expect_interleaving_changes_no_bit(
-      testing::read_tiny_model_golden("tiny_models.json"),
-      [](cpu::KernelTable& kernels) { kernels.interleave_q4_0 = true; });
+      testing::read_tiny_model_golden("tiny_models.json"), [](cpu::KernelTable& kernels) {
+        kernels.interleave_q4_0 = true;
+        kernels.interleave_q4_0_by_16 = false;
+      });
+  EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_0 matrices to interleave";
+}
+
+// The same for Q4_0 by 16 rows (the AVX-512 path's layout), on every path.
+TEST(TinyModels, InterleavedQ4_0By16ChangesNoBit) {
+  const int n_interleaved = testing::expect_interleaving_changes_no_bit(
+      testing::read_tiny_model_golden("tiny_models.json"), [](cpu::KernelTable& kernels) {
+        kernels.interleave_q4_0_by_16 = true;
+        kernels.interleave_q8_0 = kernels.interleave_q4_1 = false;
+      });
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_0 matrices to interleave";
 }
 
@@ -49,7 +61,7 @@ TEST(TinyModels, InterleavedWeightsChangeNoBit) {
 TEST(TinyModels, InterleavedQ8_0AndQ4_1ChangeNoBit) {
   const int n_interleaved = testing::expect_interleaving_changes_no_bit(
       testing::read_tiny_model_golden("tiny_models.json"), [](cpu::KernelTable& kernels) {
-        kernels.interleave_q4_0 = false;
+        kernels.interleave_q4_0 = kernels.interleave_q4_0_by_16 = false;
         kernels.interleave_q8_0 = kernels.interleave_q4_1 = true;
       });
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q8_0 or Q4_1 matrices to interleave";
