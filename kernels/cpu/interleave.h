@@ -14,8 +14,8 @@
 // The layout changes no arithmetic: every kernel computes each (row,
 // activation) pair exactly as it does on GGUF rows. Matrices whose row count
 // is not a multiple of the group's (8 or 16) keep GGUF's layout. The file's
-// bytes are the same in number (8 blocks of 18 bytes = 144; 16 of 144, 210,
-// 34 or 20), so an interleaved copy replaces the mapped rows rather than
+// bytes are the same in number (8 blocks of 18 bytes = 144; 16 of 18, 144,
+// 210, 34 or 20), so an interleaved copy replaces the mapped rows rather than
 // adding to them.
 #pragma once
 

@@ -121,7 +121,8 @@ struct KernelTable {
   // loader lays them out so); every path computes every layout alike.
   bool interleave_q4_0;
   // Q4_0 weights interleaved by 16 rows (BlockQ4_0x16), Q8_0 activations,
-  // and whether this path prefers them so (before by 8).
+  // and whether this path prefers them so (then by 8, where interleave_q4_0
+  // says so, only for matrices whose rows fill no group of 16).
   DotTileFn dot_q4_0x16;
   bool interleave_q4_0_by_16;
   // Q4_K weights interleaved by 16 rows (interleave.h), Q8_K activations,

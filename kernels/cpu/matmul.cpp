@@ -115,8 +115,13 @@ WeightLayout preferred_layout(const KernelTable& kernels, const WeightMatrix& w)
   bool wanted = false;
   switch (w.type) {
     case DType::kQ4_0:
-      wanted = kernels.interleave_q4_0_by_16 || kernels.interleave_q4_0;
-      if (kernels.interleave_q4_0_by_16) layout = WeightLayout::kInterleaved16;
+      // By 16 where the path asks for it and the rows fill its groups, else
+      // by 8 where it takes that.
+      if (kernels.interleave_q4_0_by_16 &&
+          w.n_out % interleaved_group_rows(w.type, WeightLayout::kInterleaved16) == 0) {
+        return WeightLayout::kInterleaved16;
+      }
+      wanted = kernels.interleave_q4_0;
       break;
     case DType::kQ4_K:
       wanted = kernels.interleave_q4_k;

@@ -1,7 +1,8 @@
-// The AVX-512 path (F/BW/VL/DQ + VNNI). Quantized dot products compute the
-// same 8 int32 lanes per block as the AVX2 path with vpdpbusd, two (weight,
-// activation) pairs per 512-bit register in prefill (two activation rows
-// against one weight row) and one pair per 256-bit register in decode. Each
+// The AVX-512 path (F/BW/VL/DQ + VNNI). Quantized dot products on the file's
+// rows compute the same 8 int32 lanes per block as the AVX2 path with
+// vpdpbusd, two (weight, activation) pairs per 512-bit register in prefill
+// (two activation rows against one weight row) and one pair per 256-bit
+// register in decode. Each
 // half goes through exactly the AVX2 path's operations, so the
 // results are bit-identical to it. From a few activation rows on (batched
 // decode, prefill) the register-blocked GEMM of quant_gemm_avx512_inl.h takes
@@ -269,9 +270,9 @@ void dot_q8_0(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, 
   dot_quant<gemm512::Q8_0Gemm, Q8_0Tile>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
-// Q4_0: the tiled VNNI GEMM (q4_0_gemm_avx512_inl.h) from kGemmMinRowsQ4_0
-// activation rows on, the shared 256-bit row tiles (interleaved: AVX2's
-// 8-row kernel, 4 activation rows at a time) below; at 5 rows the two
+// Q4_0 in the file's rows (a matrix whose rows fill no group of 16 or 8):
+// the tiled VNNI GEMM (q4_0_gemm_avx512_inl.h) from kGemmMinRowsQ4_0
+// activation rows on, the shared 256-bit row tiles below; at 5 rows the two
 // are level (duet-matmul-bench, 8B gate shape, Zen 4).
 constexpr int64_t kGemmMinRowsQ4_0 = 5;
 

@@ -1,8 +1,9 @@
-// Q8_0, Q4_1 and Q4_0 weights interleaved by 16 rows (interleave.h) with AVX-512
-// VNNI, for every shape from decode's one activation row up, on the driver
-// of kquant_x16_avx512_inl.h. Included into the AVX-512 translation unit only.
+// Q8_0, Q4_1 and Q4_0 weights interleaved by 16 rows (interleave.h) with
+// AVX-512 VNNI, on the driver of kquant_x16_avx512_inl.h: Q8_0 and Q4_1 for
+// every shape from decode's one activation row up, Q4_0 (below) for decode
+// and small batches. Included into the AVX-512 translation unit only.
 //
-// Both formats keep the lane order of kernel_table.h: per block and pair, 8
+// Q8_0 and Q4_1 keep the lane order of kernel_table.h: per block and pair, 8
 // int32 lanes L[m] = sum_{e=4m..4m+3} w[e] x[e], each added to a float lane
 // of its own as acc[m] = fma(d_w * d_x, float(L[m]), acc[m]), the lanes summed
 // as ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) at the

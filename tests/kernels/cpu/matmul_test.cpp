@@ -319,6 +319,26 @@ TEST(Matmul, InterleavedQ4_0By16MatchesRowsOnEveryIsa) {
   }
 }
 
+// Which layout a matrix takes: Q4_0 by 16 rows where the path asks for it
+// and the rows fill its groups, else by 8 where the path takes that, else
+// the file's rows; the other types by their groups or not at all.
+TEST(Matmul, PreferredLayoutFallsBackByGroup) {
+  KernelTable kernels = scalar_kernel_table();
+  kernels.interleave_q4_0 = kernels.interleave_q4_0_by_16 = kernels.interleave_q8_0 = true;
+  const auto layout = [&](DType type, int64_t n_out) {
+    return preferred_layout(kernels, make_weight_matrix(type, nullptr, 64, n_out));
+  };
+  EXPECT_EQ(layout(DType::kQ4_0, 32), WeightLayout::kInterleaved16);
+  EXPECT_EQ(layout(DType::kQ4_0, 24), WeightLayout::kInterleaved);
+  EXPECT_EQ(layout(DType::kQ4_0, 20), WeightLayout::kRows);
+  EXPECT_EQ(layout(DType::kQ8_0, 32), WeightLayout::kInterleaved);
+  EXPECT_EQ(layout(DType::kQ8_0, 24), WeightLayout::kRows);
+  EXPECT_EQ(layout(DType::kQ4_1, 32), WeightLayout::kRows);  // not asked for
+  EXPECT_EQ(layout(DType::kF32, 32), WeightLayout::kRows);   // no layout
+  kernels.interleave_q4_0 = false;
+  EXPECT_EQ(layout(DType::kQ4_0, 24), WeightLayout::kRows);
+}
+
 TEST(Matmul, ActivationTypes) {
   EXPECT_EQ(activation_type(DType::kF32), DType::kF32);
   EXPECT_EQ(activation_type(DType::kF16), DType::kF16);

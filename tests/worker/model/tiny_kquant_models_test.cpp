@@ -72,7 +72,7 @@ TEST(TinyKQuantModels, TeacherForcedLogitsMatchReferenceOnEveryIsa) {
 TEST(TinyKQuantModels, InterleavedQ4_KChangesNoBit) {
   const int n_interleaved =
       testing::expect_interleaving_changes_no_bit(golden(), [](cpu::KernelTable& kernels) {
-        kernels.interleave_q4_0 = kernels.interleave_q4_0_by_16 = kernels.interleave_q6_k = false;
+        testing::lay_out_nothing(kernels);
         kernels.interleave_q4_k = true;
       });
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q4_K matrices to interleave";
@@ -83,7 +83,7 @@ TEST(TinyKQuantModels, InterleavedQ4_KChangesNoBit) {
 TEST(TinyKQuantModels, InterleavedQ6_KChangesNoBit) {
   const int n_interleaved =
       testing::expect_interleaving_changes_no_bit(golden(), [](cpu::KernelTable& kernels) {
-        kernels.interleave_q4_0 = kernels.interleave_q4_0_by_16 = kernels.interleave_q4_k = false;
+        testing::lay_out_nothing(kernels);
         kernels.interleave_q6_k = true;
       });
   EXPECT_GT(n_interleaved, 0) << "no tiny model has Q6_K matrices to interleave";

@@ -62,6 +62,13 @@ inline std::vector<int32_t> greedy_continuation(Generator& generator, const nloh
       .tokens;
 }
 
+// `kernels` asking for no layout at all: a test then turns on the one it checks.
+inline void lay_out_nothing(cpu::KernelTable& kernels) {
+  kernels.interleave_q4_0 = kernels.interleave_q4_0_by_16 = false;
+  kernels.interleave_q4_k = kernels.interleave_q6_k = false;
+  kernels.interleave_q8_0 = kernels.interleave_q4_1 = false;
+}
+
 // For every model and ISA path: logits with the models loaded for kernels
 // that `prefer` laid-out weights equal, bit for bit, those of the file's rows.
 // Returns how many loads laid out any matrix.
