@@ -9,11 +9,12 @@ exits 1 (docs/FAILURES.md). So the drain starts when the SIGTERM reaches the
 ranks, K seconds after mpirun's; and a rank still leaving when another has
 exited may be SIGKILLed in its last milliseconds, its work done: what every
 rank must show is its log line "rank N: exiting with code 0" (printed
-before MPI_Finalize), and that the first rank to exit did so by itself:
-mpirun exited before its own SIGKILL deadline (2K seconds after its
-SIGTERM), and any rank seen between its exit and mpirun's wait() (a zombie
-for a few milliseconds at most, so not always seen) exited 0, or was
-SIGKILLed after a rank that exited 0.
+before MPI_Finalize), and that they ended by themselves: every rank was
+gone before mpirun's SIGKILL deadline (2K seconds after its SIGTERM), and
+any rank seen between its exit and mpirun's wait() (a zombie for a few
+milliseconds at most, so not always seen) exited 0, or was SIGKILLed after
+a rank that exited 0; mpirun itself, which lingers after its ranks up to
+about that deadline, did not hang past it.
 
 - test_drain: streams in flight when the drain starts (started just before
   it, sized by the speed measured first) end with finish_reason `length`,
@@ -65,6 +66,7 @@ class RankExits:
     def __init__(self, pids):
         self.pids = pids  # {rank: pid}
         self.seen = {}  # {rank: (poll number, wait() status)}
+        self.ended = {}  # {rank: monotonic time first seen exited or reaped}
         self.n_polls = 0
 
     def poll(self):
@@ -75,21 +77,26 @@ class RankExits:
             try:
                 state, status = exit_status(pid)
             except OSError:
+                self.ended.setdefault(rank, time.monotonic())
                 continue  # reaped before we looked
             if state == "Z":
                 self.seen[rank] = (self.n_polls, status)
+                self.ended.setdefault(rank, time.monotonic())
 
 
 def stop_with_sigterm_to_mpirun(cluster, watch, signalled, timeout):
     """Waits for mpirun (signalled at `signalled`, a monotonic time) to
-    exit, watching the ranks; its exit code and seconds from the signal."""
+    exit, watching the ranks; its exit code and seconds from the signal, and
+    the seconds from the signal to the last rank's end."""
     deadline = time.monotonic() + timeout
     while cluster.process.poll() is None:
         watch.poll()
         if time.monotonic() > deadline:
             raise AssertionError("mpirun did not exit:\n" + "\n".join(cluster.log_lines()[-30:]))
         time.sleep(0.002)
-    return cluster.process.returncode, time.monotonic() - signalled
+    watch.poll()
+    last_rank = max(watch.ended.values(), default=time.monotonic()) - signalled
+    return cluster.process.returncode, time.monotonic() - signalled, last_rank
 
 
 class DrainTest(unittest.TestCase):
@@ -102,17 +109,22 @@ class DrainTest(unittest.TestCase):
         return server
 
     def expect_every_rank_exited_0(self, server, stopped, sigkill_timeout, watch):
-        code, seconds = stopped
+        code, seconds, last_rank = stopped
         server.stop(check=False)  # collects the rest of the log
         log = "\n".join(server.log_lines())
         # Open MPI 4.1 exits 1 whenever it was signalled, however its ranks ended.
         self.assertIn(code, (0, 1), log)
         for rank in range(3):
             self.assertIn(f"rank {rank}: exiting with code 0", log)
-        # mpirun SIGKILLs its ranks 2K seconds after its SIGTERM unless one
-        # exits first: done before then, the first exit was a rank's own.
-        self.assertLess(seconds, 2 * sigkill_timeout - 0.5,
-                        "mpirun reached its SIGKILL deadline:\n" + log)
+        # mpirun SIGKILLs its ranks 2K seconds after its SIGTERM: every rank
+        # ended before then ended by itself. mpirun itself lingers after its
+        # ranks are gone, up to about that deadline (here the ranks were gone
+        # 25.5 s after its SIGTERM and mpirun 37.8 s, K = 20; 40.0 once in
+        # CI), so its own exit only shows that it did not hang past it.
+        self.assertLess(last_rank, 2 * sigkill_timeout - 0.5,
+                        "the ranks lasted until mpirun's SIGKILL deadline:\n" + log)
+        self.assertLess(seconds, 2 * sigkill_timeout + 5,
+                        "mpirun outlived its SIGKILL deadline:\n" + log)
         # Those seen between their exit and mpirun's wait(): the first rank
         # (or ranks) to exit did so by itself with 0; mpirun's SIGKILL (9)
         # can only have followed it.
