@@ -4,8 +4,9 @@ over HTTP, open and closed loop, a trace made by `duet-bench make-trace`.
 Checks that every request succeeds and receives exactly the requested number
 of tokens, and that each request's client-side TTFT and E2E agree with the
 server's own timings (the client's are never shorter, and longer only by
-transfer and scheduling: at most 50 ms + 20%). Refused requests stay in the
-statistics, counted by kind.
+transfer and scheduling: by at most 50 ms + 20% at the median; a request
+whose client the kernel kept waiting on a busy machine may take up to 500 ms
+more). Refused requests stay in the statistics, counted by kind.
 
 Run by ctest (tests/bench/duet_bench_tests.cmake) with DUET_BINARY, DUET_BENCH
 and DUET_MODEL set.
@@ -14,6 +15,7 @@ and DUET_MODEL set.
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "serve"))
 from serve_process import ServeProcess  # noqa: E402
 
 EPSILON_S = 0.002  # clock granularity and rounding between the two processes
-SLACK_S = 0.050
+SLACK_S = 0.050  # the median request's
+SLACK_MAX_S = 0.500  # any request's
 SLACK_FRACTION = 0.20
 INPUT_LEN = 32
 OUTPUT_LEN = 8
@@ -67,6 +70,7 @@ class DuetBenchTest(unittest.TestCase):
         self.assertEqual(summary["n_ok"], n, summary["errors"])
         self.assertEqual(len(requests), n)
         self.assertEqual([r["index"] for r in requests], list(range(n)))
+        excess = {"ttft": [], "e2e": []}  # the client's time past the server's
         for r in requests:
             with self.subTest(index=r["index"]):
                 self.assertTrue(r["ok"], r["error_message"])
@@ -85,7 +89,12 @@ class DuetBenchTest(unittest.TestCase):
                                              ("e2e", client_e2e, r["server_e2e_s"])):
                     self.assertIsNotNone(server, name)
                     self.assertGreaterEqual(client, server - EPSILON_S, name)
-                    self.assertLessEqual(client, server + SLACK_S + SLACK_FRACTION * server, name)
+                    self.assertLessEqual(client, server + SLACK_MAX_S + SLACK_FRACTION * server,
+                                         name)
+                    excess[name].append(client - server - SLACK_FRACTION * server)
+        for name, values in excess.items():
+            if values:
+                self.assertLessEqual(statistics.median(values), SLACK_S, (name, sorted(values)))
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             self.assertGreater(summary[key]["p50"], 0, key)
             self.assertLessEqual(summary[key]["p50"], summary[key]["p99"], key)

@@ -99,7 +99,22 @@ class Collector {
       }
     }
     changed_.notify_all();
-    if (any_token) changed_.wait(lock, [&] { return !held_ || (!gate_open() && !past_early); });
+    if (any_token)
+      changed_.wait(lock, [&] { return !paused_ && (!held_ || (!gate_open() && !past_early)); });
+  }
+
+  // Until resume(), token events block their engine thread whatever the
+  // hold: a burst submitted meanwhile waits in the instances' queues, so that
+  // each instance admits the whole of it at its next step, however late the
+  // submitting thread gets to its last request.
+  void pause() {
+    std::lock_guard lock(mutex_);
+    paused_ = true;
+  }
+  void resume() {
+    std::lock_guard lock(mutex_);
+    paused_ = false;
+    changed_.notify_all();
   }
 
   // Token events block their engine thread until release().
@@ -150,6 +165,7 @@ class Collector {
     return true;
   }
 
+  bool paused_ = false;
   bool held_ = false;
   std::vector<RequestId> gate_;
   int64_t early_tokens_ = 0;
@@ -306,10 +322,14 @@ TEST_F(RoutedInstancesTest, ALostInstancesRequestsContinueWithTheSameTokens) {
     }
     collector.on_events(events);
   });
-  // Each request has 1 to 8 of its 24 tokens when instance a is lost.
+  // Each request has 1 to 8 of its 24 tokens when instance a is lost. Paused
+  // while submitting: an instance that ran its first request past 8 tokens
+  // before its second arrived would hold before that one's first token.
   collector.hold_once_each_has_a_token({RequestId{1}, RequestId{2}, RequestId{3}, RequestId{4}}, 8);
+  collector.pause();
   for (const InstanceRequest& r : requests) routed.submit(r);
   EXPECT_EQ(routed.routed_counts(), (std::vector<int64_t>{2, 2}));
+  collector.resume();
   for (const InstanceRequest& r : requests) collector.wait_for_token(r.id);
   routed.instance_lost(0);  // between two steps: what a delivered stays delivered
   EXPECT_TRUE(routed.lost(0));
