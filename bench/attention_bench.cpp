@@ -12,7 +12,7 @@
 // multi-token order, at the end of a `ctx`-token prompt (the last chunk of
 // a long prefill); items/s are query tokens per second for the one layer.
 // prefill1b: the same at Llama 3.2 1B's shape (32 query heads over 8 KV heads
-// of 64).
+// of 64); decode1b: 32 sequences' decode at that shape.
 //
 //   duet-attention-bench --benchmark_filter='avx512/.*/n_seq:32/'
 //   duet-attention-bench --benchmark_filter='prefill/avx512'
@@ -22,10 +22,12 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "bench/kernel_bench.h"
+#include "common/huge_pages.h"
 #include "common/model/fp16.h"
 #include "common/model/kv_layout.h"
 #include "kernels/cpu/attention.h"
@@ -66,7 +68,10 @@ void bench_attention(benchmark::State& state, AttentionCase c) {
   layout.head_dim = kHeadDim;
   layout.block_size = kBlockSize;
   layout.n_blocks = blocks_per_seq * c.n_seq;
-  std::vector<KvElement> cache(static_cast<size_t>(layout.total_elems()));
+  // On huge pages where the kernel has them, as the engine's cache is (worker/kv/kv_cache.h).
+  HugePageMemory memory(layout.total_bytes());
+  const std::span cache(reinterpret_cast<KvElement*>(memory.data()),
+                        static_cast<size_t>(layout.total_elems()));
   for (KvElement& e : cache) e = fp32_to_fp16(normal(rng));
 
   // Sequence i owns blocks i, i + n_seq, ...: interleaved, as a pool hands them out.
@@ -112,6 +117,15 @@ void register_benchmarks() {
               "/ctx:" + std::to_string(c.ctx) + "/threads:" + std::to_string(n_threads);
           register_kernel_bench(name, bench_attention, c);
         }
+      }
+    }
+    for (bool one_token : {false, true}) {
+      for (int n_threads : {1, 2}) {
+        const AttentionCase c{isa, one_token, 32, 192, n_threads, 1, 32, 8};
+        register_kernel_bench("decode1b/" + std::string(isa_name(isa)) + "/" +
+                                  (one_token ? "one_token" : "multi_token") +
+                                  "/n_seq:32/ctx:192/threads:" + std::to_string(n_threads),
+                              bench_attention, c);
       }
     }
     for (int64_t ctx : {2048, 8000}) {

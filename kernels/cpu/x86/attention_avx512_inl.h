@@ -87,14 +87,16 @@ inline void kq_lanes(const float* qf, const float* kf, int64_t n_rows, int64_t n
     return;
   }
   for (int r0 = 0; r0 < 16; r0 += 4) {
-    __m512 acc[4][4];  // [row][group]
+    __m512 acc[4][4];  // [row][group]: indexed by constants only, so in registers
     for (auto& row : acc)
       for (auto& a : row) a = _mm512_setzero_ps();
-    for (int64_t e = 0; e < n_whole; e += 16) {
-      const int g = static_cast<int>((e / 16) % 4);
-      const __m512 qv = _mm512_load_ps(qf + e);
-      for (int r = 0; r < 4; ++r)
-        acc[r][g] = _mm512_fmadd_ps(_mm512_load_ps(rows[r0 + r] + e), qv, acc[r][g]);
+    for (int64_t e = 0; e < n_whole; e += 64) {  // n_whole: whole 64-chunks
+      for (int g = 0; g < 4; ++g) {
+        const __m512 qv = _mm512_load_ps(qf + e + 16 * g);
+        for (int r = 0; r < 4; ++r) {
+          acc[r][g] = _mm512_fmadd_ps(_mm512_load_ps(rows[r0 + r] + e + 16 * g), qv, acc[r][g]);
+        }
+      }
     }
     for (int r = 0; r < 4; ++r) {
       lanes[r0 + r] =
