@@ -283,12 +283,18 @@ inline float tree_sum16(__m256 lo, __m256 hi) { return hsum_ps(_mm256_add_ps(hi,
 inline float kq_score_avx(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
   const int64_t chunk = groups == 1 ? 16 : 64;
   const int64_t n_whole = dim - dim % chunk;
-  __m256 lo[4], hi[4];
+  __m256 lo[4], hi[4];  // indexed by constants only, so in registers
   for (int g = 0; g < 4; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-  for (int64_t e = 0; e < n_whole; e += 16) {
-    const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
+  // Chunk e / 16 into accumulator 0 (groups 1) or (e / 16) % 4 (groups 4), in order.
+  auto chunk_into = [&](int g, int64_t e) {
     lo[g] = _mm256_fmadd_ps(load_half8(kr + e), load_half8(q + e), lo[g]);
     hi[g] = _mm256_fmadd_ps(load_half8(kr + e + 8), load_half8(q + e + 8), hi[g]);
+  };
+  if (groups == 1) {
+    for (int64_t e = 0; e < n_whole; e += 16) chunk_into(0, e);
+  } else {
+    for (int64_t e = 0; e < n_whole; e += 64)
+      for (int g = 0; g < 4; ++g) chunk_into(g, e + 16 * g);
   }
   if (groups != 1) {
     lo[0] = _mm256_add_ps(lo[0], lo[2]);
