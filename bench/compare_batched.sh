@@ -8,9 +8,10 @@
 # a temporary folder (under TMPDIR; deleted on exit): SHAPE is one of its
 # --shape names (llama3.2-1b, llama3-8b, qwen2.5-7b, qwen3-0.6b, qwen3-8b,
 # smollm2-135m), TYPE its --type (q4_0 by default; q4_k_m, q4_k, q6_k, q4_1, q8_0), LAYERS fewer
-# layers than the shape's (all by default).
+# layers than the shape's (all by default). llama-batched-bench runs in its
+# defaults (flash attention `auto`); PEER_ARGS adds options to it (e.g. `-fa 0`).
 # Usage: bench/compare_batched.sh [MODEL]
-#   env: ROUNDS=3 THREADS=2 BATCHES=1,2,4,8,16,32,64 OUT=docs/batched_decode.png
+#   env: ROUNDS=3 THREADS=2 BATCHES=1,2,4,8,16,32,64 OUT=docs/batched_decode.png PEER_ARGS=
 #        SHAPE=llama3.2-1b TYPE=q4_k_m [LAYERS=N] bench/compare_batched.sh
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,6 +34,8 @@ TARGETS="llama-batched-bench" "$root/bench/build_llama_cpp.sh" >/dev/null
 llama_bb=$root/.cache/llama.cpp-build/bin/llama-batched-bench
 [ -x "$duet_bench" ] || { echo "build Duet first (launch/build.sh)" >&2; exit 1; }
 
+cpu_field() { grep -m1 "^$1" /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'; }
+echo "CPU: $(cpu_field 'model name') (family $(cpu_field 'cpu family'), model $(cpu_field 'model\s*:' || true)), $(nproc) cores" >&2
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 if [ -n "${SHAPE:-}" ]; then
@@ -44,7 +47,8 @@ fi
 for round in $(seq "$rounds"); do
   echo "round $round/$rounds" >&2
   "$duet_bench" -m "$model" --batch "$batches" -p 128 -n 128 -t "$threads" -r 1 --json >"$out/duet-$round.json"
-  "$llama_bb" -m "$model" -npp 128 -ntg 128 -npl "$batches" -c 16384 -t "$threads" -fa 0 \
+  # shellcheck disable=SC2086 # PEER_ARGS: words
+  "$llama_bb" -m "$model" -npp 128 -ntg 128 -npl "$batches" -c 16384 -t "$threads" ${PEER_ARGS:-} \
     --output-format jsonl >"$out/llama-$round.jsonl" 2>/dev/null
 done
 
