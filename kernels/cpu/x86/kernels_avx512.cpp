@@ -310,18 +310,13 @@ void dot_q4_0x8(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x
 }
 
 // Q4_0 by 16 rows: the lane-per-row tiles (quant_x16_avx512_inl.h) for
-// decode and small batches, the GEMM with its panels packed from the groups
-// from kGemmMinRowsQ4_0x16 activation rows on, where a panel serves enough
-// tiles to pay for its transposes.
-constexpr int64_t kGemmMinRowsQ4_0x16 = 32;
-
+// every batch size. They beat q4_0_gemm_avx512_inl.h's packed panels from 16
+// activation rows up (Zen 5, 2 threads, duet-matmul-bench's 8B shapes:
+// 1.41-1.44 against 1.26-1.28 TFLOP/s at 32 rows and k = 4096, 1.42-1.45
+// against 1.11-1.18 at k = 14336, level or better at 512 rows).
 void dot_q4_0x16(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size_t x_stride,
                  int64_t n_x, int64_t k, float* y, int64_t ldy) {
-  if (n_x >= kGemmMinRowsQ4_0x16) {
-    q40x512::gemm<q40x512::Layout::kBy16>(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
-  } else {
-    q40x16::dot(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
-  }
+  q40x16::dot(w, w_stride, n_w, x, x_stride, n_x, k, y, ldy);
 }
 
 // ggml's 16-lane exponential, lane for lane the same as ggml_expf().

@@ -1,7 +1,8 @@
 // Tiled GEMM for Q4_0 weights with AVX-512 VNNI, for the batched shapes
-// (prefill, batched decode), on GGUF rows or rows interleaved by 8 or 16
-// (interleave.h). Included into the AVX-512 translation unit only; it shares
-// kquant_gemm_avx512_inl.h's transpose.
+// (prefill, batched decode), on GGUF rows or rows interleaved by 8
+// (interleave.h; rows by 16 have quant_x16_avx512_inl.h's tiles). Included
+// into the AVX-512 translation unit only; it shares kquant_gemm_avx512_inl.h's
+// transpose.
 //
 // Q4_0's order (kernel_table.h) keeps one exact integer S per block and pair,
 // so the integer work may take any shape; it is kquant512's. A zmm holds 16
@@ -39,23 +40,18 @@ struct alignas(64) ActBlock {
   __m512 d;
 };
 
-// Where a matrix's rows are: GGUF's rows, groups of 8 or of 16 rows.
-enum class Layout { kRows, kBy8, kBy16 };
+// Where a matrix's rows are: GGUF's rows or groups of 8 rows.
+enum class Layout { kRows, kBy8 };
 
 // One block of 8 weight rows: each row's nibbles as unsigned bytes, 4 per
-// word (group g: elements 4g .. 4g + 3), and the rows' scales. The words are
-// in the order the layout's bytes give them without a transpose: row after
-// row, or (16-row groups) group after group.
+// word (group g: elements 4g .. 4g + 3), and the rows' scales.
 struct alignas(64) WeightBlock {
   uint32_t q[kTileRows * kGroups];
   float d[kTileRows];
 };
 
 // Where row t's group g is in WeightBlock::q.
-template <Layout kLayout>
-constexpr int word_index(int t, int g) {
-  return kLayout == Layout::kBy16 ? g * kTileRows + t : t * kGroups + g;
-}
+constexpr int word_index(int t, int g) { return t * kGroups + g; }
 
 // Activation rows [0, n_rows) (n_rows <= 16), blocks [0, nb).
 inline void pack_act_group(const uint8_t* x, size_t x_stride, int64_t n_rows, int64_t nb,
@@ -90,38 +86,22 @@ inline void pack_act_group(const uint8_t* x, size_t x_stride, int64_t n_rows, in
   }
 }
 
-// Weight rows [j0, j0 + n_rows) (n_rows <= 8; a whole group of 8, or half of
-// one of 16, when interleaved) of a matrix of nb blocks per row, blocks [0,
-// nb).
+// Weight rows [j0, j0 + n_rows) (n_rows <= 8; a whole group when
+// interleaved) of a matrix of nb blocks per row, blocks [0, nb).
 template <Layout kLayout>
 void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_rows, int64_t nb,
                        WeightBlock* out) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < nb; ++b) {
     WeightBlock& o = out[b];
-    if constexpr (kLayout == Layout::kBy16) {
-      // Word m of the 8 rows: its low nibbles are group m of each, its high
-      // ones group m + 4 (group-major words).
-      const BlockQ4_0x16& blk =
-          reinterpret_cast<const BlockQ4_0x16*>(w)[j0 / kInterleavedRowsQ4_0x16 * nb + b];
-      const int64_t half = j0 % kInterleavedRowsQ4_0x16;
-      for (int m = 0; m < kGroups / 2; ++m) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs[m] + half));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index<kLayout>(0, m)),
-                           _mm256_and_si256(q, low_nibbles));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index<kLayout>(0, m + 4)),
-                           _mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles));
-      }
-      _mm256_store_ps(
-          o.d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.d + half))));
-    } else if constexpr (kLayout == Layout::kBy8) {
+    if constexpr (kLayout == Layout::kBy8) {
       const BlockQ4_0x8& blk =
           reinterpret_cast<const BlockQ4_0x8*>(w)[j0 / kInterleavedRows * nb + b];
       for (int p = 0; p < kTileRows / 2; ++p) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs[p]));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index<kLayout>(2 * p, 0)),
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index(2 * p, 0)),
                            _mm256_and_si256(q, low_nibbles));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index<kLayout>(2 * p + 1, 0)),
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index(2 * p + 1, 0)),
                            _mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles));
       }
       _mm256_store_ps(o.d,
@@ -135,7 +115,7 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_
           q = unpack_nibbles(blk.qs);
           o.d[t] = half_to_float(blk.d);
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index<kLayout>(t, 0)), q);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(o.q + word_index(t, 0)), q);
       }
     }
   }
@@ -143,9 +123,9 @@ void pack_weight_group(const uint8_t* w, size_t w_stride, int64_t j0, int64_t n_
 
 // Weight rows [0, 8) of the panel x the 16 activation rows of act, over nb
 // blocks; writes y[c * ldy + t] for c < n_cols, t < n_w.
-template <Layout kLayout>
-void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y, int64_t ldy,
-              int64_t n_cols, int64_t n_w, const kquant512::Prefetch& prefetch) {
+inline void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y,
+                     int64_t ldy, int64_t n_cols, int64_t n_w,
+                     const kquant512::Prefetch& prefetch) {
   __m512 acc[kTileRows];
   for (int t = 0; t < kTileRows; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -157,8 +137,8 @@ void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* 
     for (int g = 0; g < kGroups; ++g) {
       const __m512i codes = _mm512_load_si512(&a.codes[g]);
       for (int t = 0; t < kTileRows; ++t) {
-        s[t] = _mm512_dpbusd_epi32(
-            s[t], _mm512_set1_epi32(static_cast<int>(w.q[word_index<kLayout>(t, g)])), codes);
+        s[t] = _mm512_dpbusd_epi32(s[t], _mm512_set1_epi32(static_cast<int>(w.q[word_index(t, g)])),
+                                   codes);
       }
     }
     for (int t = 0; t < kTileRows; ++t) {
@@ -175,9 +155,9 @@ void run_tile(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* 
 // The same for at most 8 activation rows (n_cols <= 8), in the low halves of
 // act's registers: 256-bit vpdpbusd runs two per cycle where 512-bit runs one
 // (Zen 4, Sapphire Rapids), so 8 lanes cost half of 16.
-template <Layout kLayout>
-void run_tile8(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y, int64_t ldy,
-               int64_t n_cols, int64_t n_w, const kquant512::Prefetch& prefetch) {
+inline void run_tile8(const WeightBlock* panel, const ActBlock* act, int64_t nb, float* y,
+                      int64_t ldy, int64_t n_cols, int64_t n_w,
+                      const kquant512::Prefetch& prefetch) {
   __m256 acc[kTileRows];
   for (int t = 0; t < kTileRows; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -190,8 +170,8 @@ void run_tile8(const WeightBlock* panel, const ActBlock* act, int64_t nb, float*
     for (int g = 0; g < kGroups; ++g) {
       const __m256i codes = _mm256_load_si256(reinterpret_cast<const __m256i*>(&a.codes[g]));
       for (int t = 0; t < kTileRows; ++t) {
-        s[t] = _mm256_dpbusd_epi32(
-            s[t], _mm256_set1_epi32(static_cast<int>(w.q[word_index<kLayout>(t, g)])), codes);
+        s[t] = _mm256_dpbusd_epi32(s[t], _mm256_set1_epi32(static_cast<int>(w.q[word_index(t, g)])),
+                                   codes);
       }
     }
     const __m256 dx = _mm512_castps512_ps256(a.d);
@@ -226,11 +206,6 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
           const int64_t group_bytes = nb * static_cast<int64_t>(sizeof(BlockQ4_0x8));
           return std::pair<const uint8_t*, int64_t>{w + j0 / kInterleavedRows * group_bytes,
                                                     group_bytes};
-        } else if constexpr (kLayout == Layout::kBy16) {
-          // Each half of a group fetches the whole group (the second finds it cached).
-          const int64_t group_bytes = nb * static_cast<int64_t>(sizeof(BlockQ4_0x16));
-          return std::pair<const uint8_t*, int64_t>{w + j0 / kInterleavedRowsQ4_0x16 * group_bytes,
-                                                    group_bytes};
         } else {
           return kquant512::row_bytes(w, w_stride, j0, n_j);
         }
@@ -238,9 +213,9 @@ void gemm(const uint8_t* w, size_t w_stride, int64_t n_w, const uint8_t* x, size
       [&](const WeightBlock* panel, const ActBlock* act, float* out, int64_t n_cols, int64_t n_j,
           const kquant512::Prefetch& prefetch) {
         if (n_cols <= kLanes / 2) {
-          run_tile8<kLayout>(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
+          run_tile8(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
         } else {
-          run_tile<kLayout>(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
+          run_tile(panel, act, nb, out, ldy, n_cols, n_j, prefetch);
         }
       });
 }

@@ -175,12 +175,14 @@ void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, s
 // pair one exact integer S = sum (q - 8) x, then y = fma(float(S), d_w d_x,
 // y). A lane is a weight row: it starts from -8 x the activation's block
 // sum, and the block's 8 words (4 of low nibbles, 4 of high) add into it
-// with vpdpbusd, so it holds S; one FMA per block and pair follows.
+// with vpdpbusd, so it holds S; one FMA per block and pair follows. This
+// serves every batch size: a block's words are unpacked into 8 registers
+// once and meet up to 16 activation rows, whose accumulators take 16 more.
 namespace q40x16 {
 
 using x16::broadcast_word;
 
-constexpr int kActRows = 8;  // activation rows per register tile: a register each
+constexpr int kActRows = 16;  // activation rows per register tile: a register each
 
 inline int32_t sum_lanes(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -197,33 +199,38 @@ struct ActBlock {
   int8_t qs[kQuantBlock];
 };
 
+// The group's 16 rows (nb blocks at `blocks`) x the NX activation rows of
+// one chunk of dot's (at x, block b of row r at b * NX + r: one pointer and
+// constant offsets reach all of them, where NX row pointers would not fit in
+// the general registers): writes y[r * ldy + 0 .. 15].
 template <int NX>
 struct Tile {
   static void run(const BlockQ4_0x16* blocks, const void* /*panel*/, int64_t nb, const uint8_t* x,
-                  size_t x_stride, float* y, int64_t ldy) {
-    const ActBlock* xr[NX];
-    for (int r = 0; r < NX; ++r) xr[r] = reinterpret_cast<const ActBlock*>(x + r * x_stride);
+                  size_t /*x_stride*/, float* y, int64_t ldy) {
+    const auto* xb = reinterpret_cast<const ActBlock*>(x);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 acc[NX];
     for (int r = 0; r < NX; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const BlockQ4_0x16& w = blocks[b];
       prefetch_ahead(&w);
-      __m512i s[NX];
-      for (int r = 0; r < NX; ++r) s[r] = _mm512_set1_epi32(xr[r][b].start);
+      __m512i words[kQuantBlock / 4];
       for (int m = 0; m < kQuantBlock / 8; ++m) {
         const __m512i v = _mm512_loadu_si512(w.qs[m]);
-        const __m512i low = _mm512_and_si512(v, low4);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        for (int r = 0; r < NX; ++r) {
-          s[r] = _mm512_dpbusd_epi32(s[r], low, broadcast_word(xr[r][b].qs + 4 * m));
-          s[r] = _mm512_dpbusd_epi32(s[r], high, broadcast_word(xr[r][b].qs + 16 + 4 * m));
-        }
+        words[m] = _mm512_and_si512(v, low4);
+        words[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d)));
+      const ActBlock* xr = xb + b * NX;
+#pragma GCC unroll 16
       for (int r = 0; r < NX; ++r) {
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xr[r][b].d));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+        __m512i s = _mm512_set1_epi32(xr[r].start);
+        for (int m = 0; m < kQuantBlock / 8; ++m) {
+          s = _mm512_dpbusd_epi32(s, words[m], broadcast_word(xr[r].qs + 4 * m));
+          s = _mm512_dpbusd_epi32(s, words[m + 4], broadcast_word(xr[r].qs + 16 + 4 * m));
+        }
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xr[r].d));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       }
     }
     for (int r = 0; r < NX; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -231,7 +238,8 @@ struct Tile {
 };
 
 // The activations are prepared once per call (their block sums and scales),
-// so that the tiles' only per-block work on them is a broadcast.
+// so that the tiles' only per-block work on them is a broadcast, in chunks
+// of kActRows rows (the last may be shorter), each laid out block by block.
 void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, size_t x_stride,
          int64_t n_x, int64_t k, float* y, int64_t ldy) {
   const int64_t nb = k / kQuantBlock;
@@ -240,8 +248,11 @@ void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, s
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t i = 0; i < n_x; ++i) {
     const auto* from = reinterpret_cast<const BlockQ8_0*>(x + i * x_stride);
+    const int64_t chunk = i / kActRows;
+    const int64_t rows = std::min<int64_t>(kActRows, n_x - chunk * kActRows);
+    ActBlock* chunk_blocks = act.data() + chunk * kActRows * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      ActBlock& to = act[i * nb + b];
+      ActBlock& to = chunk_blocks[b * rows + i % kActRows];
       const __m256i q = load_i8x32(from[b].qs);
       const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, q);
       to.start = -8 * sum_lanes(sums);
