@@ -11,11 +11,11 @@
 // (attention_avx512_inl.h, quantize_rows_avx512_inl.h); dense kernels are the
 // shared 256-bit ones, compiled here with AVX-512 encodings; BF16 and the
 // K-quants (x86_kquant_inl.h) use 512-bit registers for their lanes. Q4_0,
-// whose order keeps one integer per block, has a GEMM of its own
-// (q4_0_gemm_avx512_inl.h) and shares the AVX2 path's row tiles. The loader
-// lays Q4_0, Q8_0, Q4_1 and the K-quants out by 16 rows for this path, whose
-// lane-per-row kernels (quant_x16_avx512_inl.h, kquant_x16_avx512_inl.h)
-// run decode and small batches on them.
+// whose order keeps one integer per block, has a GEMM of its own on the
+// file's rows and groups of 8 (q4_0_gemm_avx512_inl.h) and shares the AVX2
+// path's row tiles. The loader lays Q4_0, Q8_0, Q4_1 and the K-quants out by
+// 16 rows for this path, whose lane-per-row kernels (quant_x16_avx512_inl.h,
+// kquant_x16_avx512_inl.h) run every batch size on them.
 
 // GCC 12 reports the _mm512_undefined_*() inside its own AVX-512 intrinsics as
 // uninitialized once they are inlined (GCC bug 105593; the build already
