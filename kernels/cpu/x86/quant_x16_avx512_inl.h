@@ -260,6 +260,8 @@ void dot(const uint8_t* w, size_t /*w_stride*/, int64_t n_w, const uint8_t* x, s
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to.qs), q);
     }
   }
+  // A row's worth of blocks as the stride: the driver's x + i * stride, i a
+  // multiple of kActRows, is then chunk i / kActRows's first block.
   x16::dot<BlockQ4_0x16, void, kActRows, Tile>(w, n_w, reinterpret_cast<const uint8_t*>(act.data()),
                                                nb * sizeof(ActBlock), n_x, k, y, ldy);
 }
