@@ -279,9 +279,16 @@ TEST_F(ServiceTest, FullWaitingQueueRefusesWithOverloaded) {
   config.scheduler.max_running = 1;
   start(config, {.max_waiting = 1});
   const RequestId running = started({.prompt = "a", .max_tokens = 4000, .ignore_eos = true});
+  // Running as the service counts it: the instance may report the sequence
+  // running before the service has taken the admission off its waiting count.
+  auto is_running = [&] {
+    const ServiceStats s = service_->stats();
+    return s.instance.running == 1 && s.waiting_requests == 0;
+  };
   const auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (service_->stats().instance.running == 0 && std::chrono::steady_clock::now() < deadline)
+  while (!is_running() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(is_running());
   const RequestId waiting = started({.prompt = "b", .max_tokens = 2, .ignore_eos = true});
   EXPECT_EQ(refusal({.prompt = "c", .max_tokens = 2}), ServeErrorKind::kOverloaded);
   service_->cancel(running);
