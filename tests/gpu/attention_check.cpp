@@ -4,8 +4,9 @@
 // cpu::attention_batch to kTolerance normalized error. Batches mix a long
 // decode row on shuffled, non-contiguous blocks, a 37-row prefill, a chunk
 // (pos0 > 0) and decode rows at a block's last and first slot, with head_dim
-// 64 and 128, GQA and MHA; and a decode step is replayed from a CUDA graph
-// after its positions moved on.
+// 64, 128 and 256, GQA and MHA, with and without a sliding window (Gemma 3's
+// shape among them); and a decode step is replayed from a CUDA graph after
+// its positions moved on, also past a window.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,6 +38,7 @@ constexpr double kTolerance = 2e-3;
 
 struct Config {
   int64_t head_dim, n_heads, n_kv_heads;
+  int64_t window = 0;  // keys a query attends to at most (0: all before it)
 };
 
 // One sequence of a step: where its rows start and which rows they are.
@@ -84,6 +86,7 @@ struct Fixture {
     shape.n_kv_heads = c.n_kv_heads;
     shape.head_dim = c.head_dim;
     shape.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    shape.window = c.window;
     cache.assign(static_cast<size_t>(layout.total_elems()), kSentinel);
     device_cache = gpu_check::to_device(cache, backend);
   }
@@ -176,7 +179,8 @@ std::vector<AttentionSequence> history(const std::vector<Rows>& rows,
 }
 
 void mixed_batch(const Config& c, cuda::CudaBackend& backend) {
-  std::mt19937 rng(static_cast<uint32_t>(1000 * c.head_dim + 10 * c.n_heads + c.n_kv_heads));
+  std::mt19937 rng(
+      static_cast<uint32_t>(1000 * c.head_dim + 10 * c.n_heads + c.n_kv_heads + 7 * c.window));
   Fixture f(c, backend);
   // Rows out of sequence order, to check that `row` is honoured.
   const std::vector<Rows> rows = {
@@ -245,20 +249,34 @@ int main() {
   using namespace duet;
   return gpu_check::run_on_backend([](cuda::CudaBackend& backend) {
     const Config configs[] = {
-        {64, 8, 2},   {128, 8, 2},  // GQA, 4 query heads per KV head
-        {64, 4, 4},   {128, 4, 4},  // MHA
-        {128, 12, 2},               // 6 per KV head (a block of 8 with 2 idle)
-        {64, 32, 2},                // 16 per KV head (two blocks per KV head)
+        {64, 8, 2},
+        {128, 8, 2},  // GQA, 4 query heads per KV head
+        {64, 4, 4},
+        {128, 4, 4},   // MHA
+        {128, 12, 2},  // 6 per KV head (a block of 8 with 2 idle)
+        {64, 32, 2},   // 16 per KV head (two blocks per KV head)
+        {256, 8, 2},   // Gemma 3's head size
+        // Sliding windows: Gemma 3 1B's layer (4 heads, 1 KV head, 512 keys)
+        // cuts the long decode row only; 32 keys cut it, the chunk and the
+        // prefill's last rows, not the decode rows at 15 and 16; 17 keys (a
+        // block and one) are exactly the row at 16's.
+        {256, 4, 1, 512},
+        {64, 8, 2, 32},
+        {128, 4, 4, 17},
     };
     for (const Config& c : configs) {
-      char name[96];
-      std::snprintf(name, sizeof(name), "mixed batch, head_dim %lld, %lld heads / %lld KV heads",
+      char name[128];
+      std::snprintf(name, sizeof(name),
+                    "mixed batch, head_dim %lld, %lld heads / %lld KV heads, window %lld",
                     static_cast<long long>(c.head_dim), static_cast<long long>(c.n_heads),
-                    static_cast<long long>(c.n_kv_heads));
+                    static_cast<long long>(c.n_kv_heads), static_cast<long long>(c.window));
       gpu_check::run_case(name, [&] { mixed_batch(c, backend); });
     }
     gpu_check::run_case("decode step replayed from a CUDA graph", [&] {
       graph_replay({128, 8, 2}, backend);
+    });
+    gpu_check::run_case("decode step with a window of 16 replayed from a CUDA graph", [&] {
+      graph_replay({128, 8, 2, 16}, backend);
     });
   });
 }

@@ -1,17 +1,21 @@
 // Every element-wise and row-wise CUDA op (kernels/cuda/ops.h) against its
 // CPU twin on the same inputs: embedding rows of every weight type, RMSNorm,
-// RoPE (both styles, with and without frequency divisors), SwiGLU and adds;
+// RoPE (both styles, with and without frequency divisors), SwiGLU, Gemma's
+// gated GELU, scaling and adds; a mixture of experts' router and row moves;
 // and the two tensor-parallel layouts: a vocabulary slice's embedding rows
 // (zeros for the other ranks' tokens), the gathered logits reassembled, and
 // unequal column parts (O's and down's gathered inputs and outputs) laid side by side.
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "common/model/dtype.h"
+#include "kernels/cpu/experts.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/quantize.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/ops.h"
 #include "tests/gpu/backend_check.h"
 #include "tests/gpu/device_vector.h"
@@ -21,6 +25,7 @@ namespace duet {
 namespace {
 
 using gpu_check::expect_close;
+using gpu_check::fail;
 using gpu_check::to_device;
 using gpu_check::to_host;
 
@@ -198,6 +203,128 @@ void check_silu_mul_and_add(cuda::CudaBackend& backend) {
   expect_close("add_bias", to_host<float>(d_b, biased.size(), backend), biased, 0.0);
 }
 
+// Gemma's gated GELU: both round the activation's input and output to F16;
+// only the tanh (CUDA's against the C library's) may move an output by one
+// F16 step. Inputs reach past the +-10 clamps.
+void check_gelu_mul_and_scale(cuda::CudaBackend& backend) {
+  const int64_t n_rows = 3, width = 6912;  // Gemma 3 1B's feed-forward
+  const int64_t n = n_rows * width;
+  const std::vector<float> gate = random_floats(static_cast<size_t>(n), 7, 4.0f);
+  const std::vector<float> up = random_floats(static_cast<size_t>(n), 8);
+  std::vector<float> want(gate.size());
+  cpu::ThreadPool pool(2);
+  cpu::gelu_mul(gate.data(), up.data(), want.data(), n_rows, width, pool);
+  const cuda::DeviceBuffer d_gate = to_device(gate, backend), d_up = to_device(up, backend);
+  cuda::gelu_mul(d_gate.as<float>(), d_up.as<float>(), d_gate.as<float>(), n, backend);
+  expect_close("gelu_mul (in place)", to_host<float>(d_gate, gate.size(), backend), want, 1e-4);
+
+  std::vector<float> scaled = gate;
+  cpu::scale(scaled.data(), n, 33.941125f);  // sqrt(1152): Gemma's embedding scale
+  const cuda::DeviceBuffer d_x = to_device(gate, backend);
+  cuda::scale(d_x.as<float>(), n, 33.941125f, backend);
+  expect_close("scale", to_host<float>(d_x, scaled.size(), backend), scaled, 0.0);
+}
+
+// The router: the same experts in the same order, except where two logits
+// are so close that the devices' exp (CUDA's expf, the CPU's ggml polynomial
+// on whole 16-expert chunks) may order them differently; the weights of
+// rows picked alike within float rounding.
+void check_route_experts(cuda::CudaBackend& backend) {
+  const int64_t n_rows = 37;
+  // Qwen3-30B-A3B's, Mixtral's, and one whose experts leave a partial chunk.
+  for (const RouterShape shape : {RouterShape{128, 8}, RouterShape{8, 2}, RouterShape{60, 4}}) {
+    const std::vector<float> logits =
+        random_floats(static_cast<size_t>(n_rows * shape.n_experts), 9, 2.0f);
+    const auto n_picks = static_cast<size_t>(n_rows * shape.n_used);
+    std::vector<int32_t> want_picked(n_picks);
+    std::vector<float> want_weights(n_picks);
+    cpu::route_experts(cpu::kernel_table(cpu::best_isa()), logits.data(), n_rows, shape,
+                       want_picked.data(), want_weights.data());
+    const cuda::DeviceBuffer d_logits = to_device(logits, backend);
+    cuda::DeviceBuffer d_picked(n_picks * sizeof(int32_t)), d_weights(n_picks * sizeof(float));
+    cuda::route_experts(d_logits.as<float>(), n_rows, shape, d_picked.as<int32_t>(),
+                        d_weights.as<float>(), backend);
+    const std::vector<int32_t> picked = to_host<int32_t>(d_picked, n_picks, backend);
+    const std::vector<float> weights = to_host<float>(d_weights, n_picks, backend);
+    std::vector<float> got_alike, want_alike;
+    int64_t near_ties = 0;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const float* x = logits.data() + r * shape.n_experts;
+      const auto row = static_cast<size_t>(r * shape.n_used);
+      bool alike = true;
+      for (int64_t j = 0; j < shape.n_used; ++j) {
+        const int32_t a = picked[row + static_cast<size_t>(j)];
+        const int32_t b = want_picked[row + static_cast<size_t>(j)];
+        if (a == b) continue;
+        alike = false;
+        if (a < 0 || a >= shape.n_experts || std::fabs(x[a] - x[b]) > 1e-5f) {
+          fail("%lld of %lld experts, row %lld, pick %lld: expert %d, the CPU's %d",
+               static_cast<long long>(shape.n_used), static_cast<long long>(shape.n_experts),
+               static_cast<long long>(r), static_cast<long long>(j), a, b);
+        } else {
+          ++near_ties;
+        }
+        break;
+      }
+      if (!alike) continue;
+      got_alike.insert(got_alike.end(), weights.begin() + static_cast<ptrdiff_t>(row),
+                       weights.begin() + static_cast<ptrdiff_t>(row + shape.n_used));
+      want_alike.insert(want_alike.end(), want_weights.begin() + static_cast<ptrdiff_t>(row),
+                        want_weights.begin() + static_cast<ptrdiff_t>(row + shape.n_used));
+    }
+    char what[96];
+    std::snprintf(what, sizeof(what), "route %lld of %lld experts (%lld near-tie rows)",
+                  static_cast<long long>(shape.n_used), static_cast<long long>(shape.n_experts),
+                  static_cast<long long>(near_ties));
+    expect_close(what, got_alike, want_alike, 1e-5);
+  }
+}
+
+// Moving rows into an expert's batch and its weighted outputs back, the sum
+// of each row's picks in llama.cpp's order, and zeroing: the same bits.
+void check_expert_rows(cuda::CudaBackend& backend) {
+  const int64_t width = 2048, n_x = 10;
+  const std::vector<float> x = random_floats(static_cast<size_t>(n_x * width), 10);
+  const std::vector<int32_t> rows = {3, 0, 9, 3, 7};
+  const auto n = static_cast<int64_t>(rows.size());
+  std::vector<float> gathered(static_cast<size_t>(n * width));
+  cpu::gather_rows(x.data(), width, rows, gathered.data());
+  const cuda::DeviceBuffer d_x = to_device(x, backend), d_rows = to_device(rows, backend);
+  cuda::DeviceBuffer d_gathered(gathered.size() * sizeof(float));
+  cuda::gather_rows(d_x.as<float>(), width, d_rows.as<int32_t>(), n, d_gathered.as<float>(),
+                    backend);
+  expect_close("gather_rows", to_host<float>(d_gathered, gathered.size(), backend), gathered, 0.0);
+
+  // Five expert outputs into slots of a (rows x 8 picks) layout, the others untouched.
+  const std::vector<int32_t> slots = {17, 2, 40, 9, 33};
+  const std::vector<float> slot_weights = random_floats(48, 14);
+  std::vector<float> scattered = random_floats(static_cast<size_t>(48 * width), 15);
+  const cuda::DeviceBuffer d_out = to_device(scattered, backend);
+  cpu::scatter_weighted(gathered.data(), width, slots, slot_weights.data(), scattered.data());
+  const cuda::DeviceBuffer d_slots = to_device(slots, backend);
+  const cuda::DeviceBuffer d_weights = to_device(slot_weights, backend);
+  cuda::scatter_weighted(d_gathered.as<float>(), width, d_slots.as<int32_t>(), n,
+                         d_weights.as<float>(), d_out.as<float>(), backend);
+  expect_close("scatter_weighted", to_host<float>(d_out, scattered.size(), backend), scattered,
+               0.0);
+
+  const int64_t n_rows = 6, n_used = 8;
+  const std::vector<float> picks = random_floats(static_cast<size_t>(n_rows * n_used * width), 16);
+  std::vector<float> summed(static_cast<size_t>(n_rows * width));
+  cpu::sum_picks(picks.data(), n_rows, n_used, width, summed.data());
+  const cuda::DeviceBuffer d_picks = to_device(picks, backend);
+  cuda::DeviceBuffer d_summed(summed.size() * sizeof(float));
+  cuda::sum_picks(d_picks.as<float>(), n_rows, n_used, width, d_summed.as<float>(), backend);
+  expect_close("sum_picks, 8 per row", to_host<float>(d_summed, summed.size(), backend), summed,
+               0.0);
+
+  std::vector<float> zeroed = x;
+  std::fill_n(zeroed.begin(), 3 * width + 5, 0.0f);
+  const cuda::DeviceBuffer d_z = to_device(x, backend);
+  cuda::zero(d_z.as<float>(), 3 * width + 5, backend);
+  expect_close("zero", to_host<float>(d_z, zeroed.size(), backend), zeroed, 0.0);
+}
+
 }  // namespace
 }  // namespace duet
 
@@ -213,5 +340,9 @@ int main() {
     gpu_check::run_case("rope", [&] { check_rope(backend); });
     gpu_check::run_case("silu_mul, add_in_place, add_bias",
                         [&] { check_silu_mul_and_add(backend); });
+    gpu_check::run_case("gelu_mul, scale", [&] { check_gelu_mul_and_scale(backend); });
+    gpu_check::run_case("expert routing", [&] { check_route_experts(backend); });
+    gpu_check::run_case("expert rows gathered, scattered and summed",
+                        [&] { check_expert_rows(backend); });
   });
 }
