@@ -4,9 +4,11 @@
 The GPU run measures decode and prefill on a model large enough for the
 memory and the GEMM rooflines to show (an 8B one), on a machine that may have
 neither the model files nor numpy or the `gguf` package. The weights are
-random but well scaled (each matrix's values have a standard deviation of
-1 / sqrt(fan_in), norm weights near 1, Qwen2's Q/K/V biases near 0), so the
-forward pass stays finite; the text it writes means nothing.
+random but well scaled (each matrix's values have a mean of 0 and a standard
+deviation of 1 / sqrt(fan_in), norm weights near 1, Qwen2's Q/K/V biases near
+0), so the forward pass stays finite and its greedy tokens follow the prompt
+(bench/greedy_margins.py sets them beside llama.cpp's); the text they make
+means nothing.
 
 Speed comes from repetition: per weight type and fan-in, one pool of
 POOL_BLOCKS random quantized blocks (a prime count, so that the rows of a
@@ -322,6 +324,30 @@ def no_minus_128(raw):
     return raw.translate(bytes(b if b != 0x80 else 0x81 for b in range(256)))
 
 
+# Q4_0's and Q5_0's codes are drawn from 1..15 and 1..31, q - 8 and q - 16
+# from -7..7 and -15..15: centred, as a quantizer makes them from weights of
+# mean 0. From 0..15 (any random byte) they would average -0.5: every matrix
+# would add a common-mode -0.5 d x the sum of its input to each output, which
+# compounds over the layers into one direction of the hidden state that picks
+# the same greedy token whatever the prompt.
+SD_4BIT_CENTRED = math.sqrt((15 ** 2 - 1) / 12)  # 4.32
+SD_5BIT_CENTRED = math.sqrt((31 ** 2 - 1) / 12)  # 8.94
+
+
+def centred_nibbles(rng, n_bytes):
+    """n_bytes of two 4-bit codes each, every code uniform in 1..15."""
+    return bytes(rng.randint(1, 15) | rng.randint(1, 15) << 4 for _ in range(n_bytes))
+
+
+def centred_q5_0(rng):
+    """A Q5_0 block's qh (4 bytes) and qs (16): 32 codes uniform in 1..31 (code j's
+    low 4 bits in qs[j % 16], low nibble for j < 16; its fifth bit in qh's bit j)."""
+    q = [rng.randint(1, 31) for _ in range(32)]
+    qh = sum((q[j] >> 4) << j for j in range(32))
+    qs = bytes((q[j] & 15) | (q[j + 16] & 15) << 4 for j in range(16))
+    return struct.pack("<I", qh) + qs
+
+
 # Root mean squares of the K-quant codes drawn below (uniform integers).
 SD_4BIT = math.sqrt((16 ** 2 - 1) / 12)  # q - 7.5 for q in 0..15: 4.61
 SD_5BIT = math.sqrt((32 ** 2 - 1) / 12)  # q - 15.5 for q in 0..31: 9.23
@@ -369,13 +395,13 @@ def make_pool(key):
         jitter = 0.75 + 0.5 * rng.random()
         if ggml_type == F32_TYPE.ggml_type:  # a matrix of floats (a router)
             blocks.append(struct.pack("<f", sigma * rng.gauss(0.0, 1.0)))
-        elif ggml_type == Q4_0.ggml_type:  # d * (q - 8), q uniform in 0..15: sd 4.6 d
-            blocks.append(half(sigma / 4.6 * jitter) + rng.randbytes(16))
+        elif ggml_type == Q4_0.ggml_type:  # d * (q - 8), q uniform in 1..15: sd 4.32 d
+            blocks.append(half(sigma / SD_4BIT_CENTRED * jitter) + centred_nibbles(rng, 16))
         elif ggml_type == Q4_1.ggml_type:  # d * q + m, centred by m = -7.5 d
             d = sigma / 4.6 * jitter
             blocks.append(half(d) + half(-7.5 * d) + rng.randbytes(16))
-        elif ggml_type == Q5_0.ggml_type:  # d * (q - 16), q uniform in 0..31: sd 9.23 d
-            blocks.append(half(sigma / 9.23 * jitter) + rng.randbytes(20))
+        elif ggml_type == Q5_0.ggml_type:  # d * (q - 16), q uniform in 1..31: sd 8.94 d
+            blocks.append(half(sigma / SD_5BIT_CENTRED * jitter) + centred_q5_0(rng))
         elif ggml_type == Q8_0.ggml_type:  # d * q, q uniform in -127..127: sd 73.6 d
             blocks.append(half(sigma / 73.6 * jitter) + no_minus_128(rng.randbytes(32)))
         elif ggml_type == Q4_K.ggml_type:
