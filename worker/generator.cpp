@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "common/model/token_order.h"
 #include "worker/engine.h"
 
 namespace duet {
@@ -95,7 +96,8 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   return result;
 }
 
-std::vector<float> Generator::logits_all(std::span<const int32_t> tokens) {
+std::vector<float> Generator::logits_all(std::span<const int32_t> tokens,
+                                         std::optional<int64_t> n_prompt) {
   const ModelConfig& c = model_.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
   DUET_REQUIRE(n > 0 && n <= c.n_ctx_train, "logits_all needs 1..{} tokens, got {}", c.n_ctx_train,
@@ -108,7 +110,7 @@ std::vector<float> Generator::logits_all(std::span<const int32_t> tokens) {
   std::vector<int64_t> rows(static_cast<size_t>(n));
   std::iota(rows.begin(), rows.end(), 0);
   std::vector<float> logits(static_cast<size_t>(n * c.n_vocab));
-  const ForwardSequence fs{table, 0, n};
+  const ForwardSequence fs{table, 0, n, n_prompt ? one_token_from(*n_prompt) : kNoOneTokenRows};
   forward_->run(tokens, {&fs, 1}, cache, rows, logits.data());
   return logits;
 }

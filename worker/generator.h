@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -58,10 +59,13 @@ class Generator final {
                           const std::function<bool(int32_t)>& on_token,
                           const std::function<bool(int32_t)>& is_end);
 
-  // Teacher-forced logits of every position of `tokens` in one forward pass
-  // (every row in the multi-token order, as llama.cpp evaluates a prompt):
-  // (tokens.size(), n_vocab), row i predicting token i + 1.
-  std::vector<float> logits_all(std::span<const int32_t> tokens);
+  // Teacher-forced logits of every position of `tokens` in one forward pass:
+  // (tokens.size(), n_vocab), row i predicting token i + 1. Every row takes
+  // the multi-token order, as llama.cpp evaluates a prompt; with n_prompt
+  // set, the tokens past the first n_prompt are computed as generated ones
+  // (common/model/token_order.h), bit for bit as generate() computes them.
+  std::vector<float> logits_all(std::span<const int32_t> tokens,
+                                std::optional<int64_t> n_prompt = std::nullopt);
 
  private:
   const LlamaModel& model_;

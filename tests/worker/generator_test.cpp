@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 #include "common/error.h"
@@ -105,6 +106,31 @@ TEST_F(GeneratorTest, FiltersDoNotChangeGreedy) {
   filtered.sampling.top_p = 0.5f;
   filtered.sampling.min_p = 0.3f;
   EXPECT_EQ(run(greedy, 1).tokens, run(filtered, 1).tokens);
+}
+
+// Teacher-forced with the prompt's length, the generated tokens are computed
+// as generation computes them: each row's argmax is the greedy token, and a
+// row's logits do not depend on how many tokens follow it.
+TEST_F(GeneratorTest, TeacherForcedLogitsOfGeneratedTokensFollowTheGreedyPath) {
+  GenerateOptions greedy;
+  greedy.max_tokens = 16;
+  const GenerateResult result = run(greedy, 2);
+  ASSERT_EQ(result.tokens.size(), 16u);
+  const std::vector<int32_t> prompt = prompt_ids();
+  std::vector<int32_t> path = prompt;
+  path.insert(path.end(), result.tokens.begin(), result.tokens.end() - 1);
+  cpu::ThreadPool pool(2);
+  Generator generator(*model_, cpu::kernel_table(cpu::best_isa()), pool);
+  const auto n_prompt = static_cast<int64_t>(prompt.size());
+  const std::vector<float> logits = generator.logits_all(path, n_prompt);
+  const int64_t n_vocab = model_->config().n_vocab;
+  for (size_t i = 0; i < result.tokens.size(); ++i) {
+    const float* row = logits.data() + (prompt.size() - 1 + i) * static_cast<size_t>(n_vocab);
+    EXPECT_EQ(std::max_element(row, row + n_vocab) - row, result.tokens[i]) << "token " << i;
+  }
+  const std::vector<float> shorter =
+      generator.logits_all(std::span<const int32_t>(path).first(path.size() - 6), n_prompt);
+  EXPECT_TRUE(std::equal(shorter.begin(), shorter.end(), logits.begin()));
 }
 
 TEST_F(GeneratorTest, MaxTokensIsHonoured) {
