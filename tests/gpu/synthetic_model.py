@@ -232,8 +232,14 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
     """Every tensor of the model, in file order; ValueError when `ftype` cannot hold it."""
     q_dim = shape.n_heads * shape.head_size
     kv_dim = shape.n_kv_heads * shape.head_size
-    # (name, ne, fan_in (None: a vector), the pool of a vector)
-    entries = [("token_embd.weight", (shape.n_embd, shape.n_vocab), shape.n_embd, None)]
+    # (name, ne, fan_in (None: a vector), the pool of a vector). Gemma's graph
+    # multiplies the embedding by sqrt(n_embd): its rows are drawn that much
+    # smaller (the pool's fan-in n_embd^2), so that the residual stream starts
+    # as the other families' does. Drawn as theirs, a token's own embedding
+    # would outweigh every layer in the tied head, and greedy decoding would
+    # repeat the prompt's last token.
+    embd_fan_in = shape.n_embd ** 2 if shape.architecture == "gemma3" else shape.n_embd
+    entries = [("token_embd.weight", (shape.n_embd, shape.n_vocab), embd_fan_in, None)]
     for i in range(n_layers):
         p = f"blk.{i}."
         layer = [
