@@ -118,12 +118,14 @@ def margin(top):
     return top[0][1] - top[1][1]
 
 
-def row(name, alike, steps, tokens, llama_margins, duet_margins):
-    """A table row: agreement up to the first parting, and margins against differences."""
+def row(name, alike, tokens, llama_margins, duet_margins, one_prompt=True):
+    """A table row: agreement up to the first parting, and margins against differences
+    (the smallest margin's step is named for one prompt's row)."""
     differences = sorted(abs(a - b) for a, b in zip(llama_margins, duet_margins))
     low = min(range(len(llama_margins)), key=lambda i: llama_margins[i])
-    step = f" ({low})" if len(llama_margins) == steps else ""  # a prompt's own steps
-    return (f"| {name} | {alike} of {steps} | {len(tokens)} | {llama_margins[low]:.4f}{step} "
+    step = f" ({low})" if one_prompt else ""
+    return (f"| {name} | {alike} of {len(llama_margins)} | {len(tokens)} "
+            f"| {llama_margins[low]:.4f}{step} "
             f"| {duet_margins[low]:.4f} | {statistics.median(llama_margins):.4f} "
             f"| {statistics.median(differences):.1e} / {differences[-1]:.1e} |")
 
@@ -134,7 +136,7 @@ def main():
     ap.add_argument("model")
     ap.add_argument("-n", type=int, default=32, help="tokens generated per prompt")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three)")
+    ap.add_argument("--prompt", action="append", help="a prompt (repeatable; default: eight)")
     ap.add_argument("--llama-args", default="",
                     help="more llama-server arguments, e.g. '-fa off' (default: its defaults)")
     ap.add_argument("--json", action="store_true", help="print every step as JSON too")
@@ -157,25 +159,24 @@ def main():
           "| median margin | median / largest margin difference |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     report = []
-    totals = {"alike": 0, "steps": 0, "tokens": set(), "llama": [], "duet": []}
+    totals = {"alike": 0, "tokens": set(), "llama": [], "duet": []}
     for prompt, (ids, steps) in zip(prompts, llama):
         path = [token for token, _ in steps]
         duet_path = duet_greedy(build, args.model, prompt, args.n, args.threads)
         alike = next((i for i, (a, b) in enumerate(zip(path, duet_path)) if a != b), len(path))
         duet_rows = duet_top2(build, args.model, ids + path[:-1], len(ids), args.threads)
         llama_margins = [margin(top) for _, top in steps]
-        duet_margins = [margin(row) for row in duet_rows]
-        print(row(repr(prompt), alike, len(path), set(path), llama_margins, duet_margins))
+        duet_margins = [margin(top) for top in duet_rows]
+        print(row(repr(prompt), alike, set(path), llama_margins, duet_margins))
         totals["alike"] += alike
-        totals["steps"] += len(path)
         totals["tokens"] |= set(path)
         totals["llama"] += llama_margins
         totals["duet"] += duet_margins
         report.append({"prompt": prompt, "prompt_ids": ids, "llama_path": path,
                        "duet_path": duet_path, "llama_margins": llama_margins,
                        "duet_margins": duet_margins})
-    print(row("**all**", totals["alike"], -1, totals["tokens"], totals["llama"], totals["duet"])
-          .replace("of -1", f"of {totals['steps']}"))
+    print(row("**all**", totals["alike"], totals["tokens"], totals["llama"], totals["duet"],
+              one_prompt=False))
     if args.json:
         print(json.dumps(report))
 
