@@ -232,12 +232,9 @@ def tensor_plans(shape, ftype, n_layers, shape_name="?"):
     """Every tensor of the model, in file order; ValueError when `ftype` cannot hold it."""
     q_dim = shape.n_heads * shape.head_size
     kv_dim = shape.n_kv_heads * shape.head_size
-    # (name, ne, fan_in (None: a vector), the pool of a vector). Gemma's graph
-    # multiplies the embedding by sqrt(n_embd): its rows are drawn that much
-    # smaller (the pool's fan-in n_embd^2), so that the residual stream starts
-    # as the other families' does. Drawn as theirs, a token's own embedding
-    # would outweigh every layer in the tied head, and greedy decoding would
-    # repeat the prompt's last token.
+    # (name, ne, fan_in (None: a vector), the pool of a vector). Gemma's graph scales
+    # the embedding by sqrt(n_embd), so its rows are drawn that much smaller: else a
+    # token's own row outweighs the layers in the tied head, and greedy repeats it.
     embd_fan_in = shape.n_embd ** 2 if shape.architecture == "gemma3" else shape.n_embd
     entries = [("token_embd.weight", (shape.n_embd, shape.n_vocab), embd_fan_in, None)]
     for i in range(n_layers):
@@ -330,12 +327,9 @@ def no_minus_128(raw):
     return raw.translate(bytes(b if b != 0x80 else 0x81 for b in range(256)))
 
 
-# Q4_0's and Q5_0's codes are drawn from 1..15 and 1..31, q - 8 and q - 16
-# from -7..7 and -15..15: centred, as a quantizer makes them from weights of
-# mean 0. From 0..15 (any random byte) they would average -0.5: every matrix
-# would add a common-mode -0.5 d x the sum of its input to each output, which
-# compounds over the layers into one direction of the hidden state that picks
-# the same greedy token whatever the prompt.
+# Q4_0's and Q5_0's codes come from 1..15 and 1..31: centred, as a quantizer makes
+# them. From 0..15 they average -0.5, a common mode in every matrix's outputs that
+# compounds over the layers until greedy picks one token whatever the prompt.
 SD_4BIT_CENTRED = math.sqrt((15 ** 2 - 1) / 12)  # 4.32
 SD_5BIT_CENTRED = math.sqrt((31 ** 2 - 1) / 12)  # 8.94
 
@@ -346,8 +340,8 @@ def centred_nibbles(rng, n_bytes):
 
 
 def centred_q5_0(rng):
-    """A Q5_0 block's qh (4 bytes) and qs (16): 32 codes uniform in 1..31 (code j's
-    low 4 bits in qs[j % 16], low nibble for j < 16; its fifth bit in qh's bit j)."""
+    """A Q5_0 block's qh and qs: 32 codes uniform in 1..31 (code j's fifth bit is qh's
+    bit j, its low 4 bits qs[j % 16]'s low nibble for j < 16, else its high one)."""
     q = [rng.randint(1, 31) for _ in range(32)]
     qh = sum((q[j] >> 4) << j for j in range(32))
     qs = bytes((q[j] & 15) | (q[j + 16] & 15) << 4 for j in range(16))
