@@ -66,12 +66,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const auto ids = nlohmann::json::parse(ids_json).get<std::vector<int32_t>>();
+    DUET_REQUIRE(from < static_cast<int64_t>(ids.size()), "--from {} is past the {} ids", from,
+                 ids.size());  // before the slow load
     const duet::cpu::KernelTable& kernels =
         duet::cpu::kernel_table(duet::cpu::isa_from_environment());
     const auto model = duet::LlamaModel::load(model_path, {}, &kernels);
     const int64_t n_vocab = model->config().n_vocab;
-    DUET_REQUIRE(from < static_cast<int64_t>(ids.size()), "--from {} is past the {} ids", from,
-                 ids.size());
     duet::cpu::ThreadPool pool(threads);
     duet::Generator generator(*model, kernels, pool);
     const std::vector<float> logits =

@@ -52,6 +52,18 @@ void route_experts(const KernelTable& kernels, const float* logits, int64_t n_ro
   }
 }
 
+void router_logits(const KernelTable& kernels, const float* x, int64_t n_rows, const float* w,
+                   int64_t n_experts, int64_t k, std::span<const uint8_t> one_token, float* out,
+                   ThreadPool& pool) {
+  DUET_ASSERT(static_cast<int64_t>(one_token.size()) == n_rows, "{} rows, {} flags", n_rows,
+              one_token.size());
+  const bool tiny_blas = k % 16 == 0 && n_experts % 4 == 0;
+  pool.parallel_for(n_rows, [&](int64_t r, int) {
+    const int groups = one_token[static_cast<size_t>(r)] != 0 || !tiny_blas ? 4 : 1;
+    kernels.dot_f32_lanes(w, n_experts, x + r * k, k, groups, out + r * n_experts);
+  });
+}
+
 void gather_rows(const float* x, int64_t width, std::span<const int32_t> rows, float* out) {
   for (size_t i = 0; i < rows.size(); ++i) {
     std::memcpy(out + static_cast<int64_t>(i) * width, x + rows[i] * width,

@@ -6,6 +6,7 @@
 #include <span>
 
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/op_params.h"
 
 namespace duet::cpu {
@@ -19,6 +20,16 @@ namespace duet::cpu {
 // weights (n_rows, n_used). The same bits on every ISA.
 void route_experts(const KernelTable& kernels, const float* logits, int64_t n_rows,
                    const RouterShape& shape, int32_t* picked, float* weights);
+
+// The router's logits: out (n_rows, n_experts) = x (n_rows, k) times the
+// router's F32 rows w (n_experts, k), each row in llama.cpp's order for its
+// token (common/model/token_order.h): one-token rows (one_token[r] != 0) as
+// ggml_vec_dot_f32 (dot_f32_lanes' groups 4), the others as its tinyBLAS GEMM
+// (groups 1) where it runs one (k % 16 == 0 and n_experts % 4 == 0), else as
+// ggml_vec_dot_f32. The picks turn on these logits' last bits.
+void router_logits(const KernelTable& kernels, const float* x, int64_t n_rows, const float* w,
+                   int64_t n_experts, int64_t k, std::span<const uint8_t> one_token, float* out,
+                   ThreadPool& pool);
 
 // out[i] (width) = x[rows[i]] (width), for every i.
 void gather_rows(const float* x, int64_t width, std::span<const int32_t> rows, float* out);

@@ -77,12 +77,20 @@ using ConvertRowFn = void (*)(const float* x, void* out, int64_t n);
 //    lanes[0]), and out[d] = the 16-lane tree sum of G[.][d] over s.
 //  - softmax_exp: y[i] = exp(x[i] - max) by ggml's polynomial, returns the sum
 //    of y taken as a double over 16-element chunks, each summed by the tree.
+//  - dot_f32_lanes: y[j] = dot(w row j, x) over k floats for the n_w rows of w
+//    (k floats each), in kq_scores's lane orders on F32: groups 1 (llamafile's
+//    tinyBLAS, llama.cpp's F32 product of several tokens; needs k % 16 == 0)
+//    or 4 (ggml_vec_dot_f32, its product of one token), the lanes summed by
+//    the tree; then, groups 4, the elements past the last whole 64-chunk added
+//    in float, in order, each by an FMA (GCC contracts ggml's multiply-add).
 using KqScoresFn = void (*)(const uint16_t* q, int64_t n_q, const uint16_t* const* segments,
                             int64_t n_keys, int64_t dim, int groups, float* out, int64_t ld_out);
 using KqvSumFn = void (*)(const float* p, int64_t ld_p, int64_t n_q,
                           const uint16_t* const* segments, int64_t n_keys, int64_t dim, int groups,
                           float* out);
 using SoftmaxExpFn = double (*)(const float* x, int64_t n, float max, float* y);
+using DotF32LanesFn = void (*)(const float* w, int64_t n_w, const float* x, int64_t k, int groups,
+                               float* y);
 //  - kqv_sum_tile: kqv_sum of n_rows query rows at once (a tile of a
 //    prefill's consecutive rows, which read the same values): row r's n_q
 //    heads have their probabilities at p + (r * n_q + h) * ld_p, n_keys0 + r
@@ -141,6 +149,7 @@ struct KernelTable {
   KqScoresFn kq_scores;
   KqvSumFn kqv_sum;
   SoftmaxExpFn softmax_exp;
+  DotF32LanesFn dot_f32_lanes;
   SiluMulFn silu_mul;
   ScaleRoundF16Fn scale_round_f16;
   KqvSumTileFn kqv_sum_tile = nullptr;

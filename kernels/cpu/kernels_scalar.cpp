@@ -300,6 +300,25 @@ double softmax_exp(const float* x, int64_t n, float max, float* y) {
   return sum;
 }
 
+void dot_f32_lanes(const float* w, int64_t n_w, const float* x, int64_t k, int groups, float* y) {
+  const int64_t chunk = groups == 1 ? 16 : 64;
+  const int64_t n_whole = k - k % chunk;
+  for (int64_t j = 0; j < n_w; ++j) {
+    const float* row = w + j * k;
+    float acc[4][16] = {};
+    for (int64_t e = 0; e < n_whole; ++e) {
+      const int g = groups == 1 ? 0 : static_cast<int>((e / 16) % 4);
+      acc[g][e % 16] = std::fma(row[e], x[e], acc[g][e % 16]);
+    }
+    if (groups != 1) {
+      for (int l = 0; l < 16; ++l) acc[0][l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    float sum = lane_tree_sum16(acc[0]);
+    for (int64_t e = n_whole; e < k; ++e) sum = std::fma(row[e], x[e], sum);
+    y[j] = sum;
+  }
+}
+
 void silu_mul(const float* x, const float* g, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] / (1.0f + ggml_expf(-x[i])) * g[i];
 }
@@ -340,6 +359,7 @@ constexpr KernelTable kScalarTable = {
     .kq_scores = kq_scores,
     .kqv_sum = kqv_sum,
     .softmax_exp = softmax_exp,
+    .dot_f32_lanes = dot_f32_lanes,
     .silu_mul = silu_mul,
     .scale_round_f16 = scale_round_f16,
 };

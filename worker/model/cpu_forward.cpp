@@ -63,6 +63,23 @@ class CpuForward::Ops {
      ...);
   }
 
+  // The router's logits, each row in llama.cpp's order for its token
+  // (cpu::router_logits); a router in another type or layout is a matmul.
+  void router_logits(const float* x, int64_t n_rows, const cpu::WeightMatrix& w, float* out,
+                     int64_t n_experts) {
+    if (w.type != DType::kF32 || w.layout != cpu::WeightLayout::kRows) {
+      matmul(x, n_rows, WeightProduct{w, out, n_experts});
+      return;
+    }
+    f_.one_token_.assign(static_cast<size_t>(n_rows), 0);
+    for (const AttentionSequence& s : f_.plan_.step().sequences) {
+      for (int64_t i = 0; i < s.n_q; ++i)
+        if (s.pos0 + i >= s.one_token_from) f_.one_token_[static_cast<size_t>(s.row + i)] = 1;
+    }
+    cpu::router_logits(f_.kernels_, x, n_rows, reinterpret_cast<const float*>(w.data), n_experts,
+                       w.k, f_.one_token_, out, f_.pool_);
+  }
+
   // As llama.cpp's ggml_add after the projection.
   void add_bias(float* x, const std::vector<float>& bias, int64_t n_rows, int64_t dim) {
     if (bias.empty()) return;

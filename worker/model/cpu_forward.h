@@ -65,7 +65,8 @@ class CpuForward final : public ModelForward {
   CollectiveTime collective_time_;
   cpu::PackedActivations packed_;
   ForwardTensors<std::vector<float>> tensors_;
-  std::vector<int32_t> picked_;  // the router's picks of the step's rows (mixture of experts)
+  std::vector<int32_t> picked_;     // the router's picks of the step's rows (mixture of experts)
+  std::vector<uint8_t> one_token_;  // which of the step's rows are in the one-token order
 };
 
 }  // namespace duet

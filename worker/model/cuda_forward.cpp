@@ -63,6 +63,13 @@ class CudaForward::Ops {
     (cuda::matmul(products.weight, x, n_rows, products.out, products.ldy, b_), ...);
   }
 
+  // The GPU has one order for every row (the CPU follows llama.cpp's two).
+  template <typename Weight>
+  void router_logits(const float* x, int64_t n_rows, const Weight& w, float* out,
+                     int64_t n_experts) {
+    matmul(x, n_rows, WeightProduct{w, out, n_experts});
+  }
+
   void add_bias(float* x, const cuda::DeviceBuffer& bias, int64_t n_rows, int64_t dim) {
     if (bias.bytes() != 0) cuda::add_bias(x, floats(bias), n_rows, dim, b_);
   }

@@ -285,7 +285,7 @@ void ForwardPlan::mixture_of_experts(Ops& ops, const Layer& w, const float* in, 
   const int64_t n_used = c.n_experts_used;
   float* logits = ops.tensor(ForwardTensor::kRouterLogits);
   float* weights = ops.tensor(ForwardTensor::kRouteWeights);
-  ops.matmul(in, n, WeightProduct{w.router, logits, c.n_experts});
+  ops.router_logits(in, n, w.router, logits, c.n_experts);
   const std::span<const int32_t> picked =
       ops.route(logits, n, RouterShape{c.n_experts, n_used}, weights);
 

@@ -333,6 +333,7 @@ constexpr KernelTable kAvx2Table = {
     .kq_scores = kq_scores_avx,
     .kqv_sum = kqv_sum_avx2,
     .softmax_exp = softmax_exp_avx2,
+    .dot_f32_lanes = dot_f32_lanes_avx,
     .silu_mul = silu_mul_avx2,
     .scale_round_f16 = scale_round_f16_avx,
 };

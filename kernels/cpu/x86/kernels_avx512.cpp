@@ -408,6 +408,7 @@ constexpr KernelTable kAvx512Table = {
     .kq_scores = attention512::kq_scores,
     .kqv_sum = attention512::kqv_sum,
     .softmax_exp = softmax_exp_avx512,
+    .dot_f32_lanes = dot_f32_lanes_avx,
     .silu_mul = silu_mul_avx512,
     .scale_round_f16 = scale_round_f16_avx512,
     .kqv_sum_tile = attention512::kqv_sum_tile,

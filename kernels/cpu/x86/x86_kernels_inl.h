@@ -311,6 +311,34 @@ inline float kq_score_avx(const uint16_t* q, const uint16_t* kr, int64_t dim, in
   return static_cast<float>(sum);
 }
 
+// dot_f32_lanes's orders with 16 lanes as two 8-lane halves (the same bits
+// on AVX2 and AVX-512).
+void dot_f32_lanes_avx(const float* w, int64_t n_w, const float* x, int64_t k, int groups,
+                       float* y) {
+  const int64_t chunk = groups == 1 ? 16 : 64;
+  const int64_t n_whole = k - k % chunk;
+  for (int64_t j = 0; j < n_w; ++j) {
+    const float* row = w + j * k;
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < 4; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+    auto chunk_into = [&](int g, int64_t e) {
+      lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(row + e), _mm256_loadu_ps(x + e), lo[g]);
+      hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(row + e + 8), _mm256_loadu_ps(x + e + 8), hi[g]);
+    };
+    if (groups == 1) {
+      for (int64_t e = 0; e < n_whole; e += 16) chunk_into(0, e);
+    } else {
+      for (int64_t e = 0; e < n_whole; e += 64)
+        for (int g = 0; g < 4; ++g) chunk_into(g, e + 16 * g);
+      lo[0] = _mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3]));
+      hi[0] = _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3]));
+    }
+    float sum = tree_sum16(lo[0], hi[0]);
+    for (int64_t e = n_whole; e < k; ++e) sum = std::fma(row[e], x[e], sum);
+    y[j] = sum;
+  }
+}
+
 void kq_scores_avx(const uint16_t* q, int64_t n_q, const uint16_t* const* segments, int64_t n_keys,
                    int64_t dim, int groups, float* out, int64_t ld_out) {
   for (int64_t h = 0; h < n_q; ++h) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace duet::cpu {
 namespace {
@@ -107,6 +108,64 @@ TEST(Experts, RowsMoveToAndFromAnExpertAndPicksSumLeftToRight) {
   sum_picks(three.data(), 1, 3, 1, &out);
   EXPECT_EQ(out, (1e8f + 1.0f) + -1e8f);
   EXPECT_EQ(out, 0.0f);
+}
+
+// llama.cpp's two F32 dot products, written out: ggml_vec_dot_f32 (4 groups
+// of 16 lanes over 64-chunks, (g0 + g2) + (g1 + g3), the AVX-512 lane tree,
+// then the tail by FMA) and tinyBLAS (one group over 16-chunks, the tree).
+float llama_cpp_dot_f32(const float* w, const float* x, int64_t k, bool one_token) {
+  float g[4][16] = {};
+  const int64_t chunk = one_token ? 64 : 16;
+  const int64_t whole = k / chunk * chunk;
+  for (int64_t c = 0; c < whole; c += 16) {
+    float* lanes = g[one_token ? (c / 16) % 4 : 0];
+    for (int l = 0; l < 16; ++l) lanes[l] = std::fma(w[c + l], x[c + l], lanes[l]);
+  }
+  float v[16];
+  for (int l = 0; l < 16; ++l)
+    v[l] = one_token ? (g[0][l] + g[2][l]) + (g[1][l] + g[3][l]) : g[0][l];
+  float h[8], q[4];
+  for (int l = 0; l < 8; ++l) h[l] = v[l + 8] + v[l];
+  for (int l = 0; l < 4; ++l) q[l] = h[l + 4] + h[l];
+  float sum = (q[0] + q[2]) + (q[1] + q[3]);
+  for (int64_t e = whole; e < k; ++e) sum = std::fma(w[e], x[e], sum);
+  return sum;
+}
+
+// The router's logits: each row in the order of its token's role, the same
+// bits on every ISA, and close to the exact product.
+TEST(Experts, RouterLogitsTakeLlamaCppsOrderOfEachRowsToken) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // k: whole 64-chunks, a 16-chunk tail, a tail of 4; experts: tinyBLAS's multiple of 4 or not.
+  for (const int64_t k : {2048, 80, 100}) {
+    for (const int64_t n_experts : {8, 6}) {
+      const int64_t n_rows = 5;
+      std::vector<float> w(static_cast<size_t>(n_experts * k)), x(static_cast<size_t>(n_rows * k));
+      for (float& v : w) v = normal(rng) / std::sqrt(static_cast<float>(k));
+      for (float& v : x) v = normal(rng);
+      const std::vector<uint8_t> one_token = {0, 0, 1, 0, 1};
+      for (Isa isa : supported_isas()) {
+        ThreadPool pool(2);
+        std::vector<float> out(static_cast<size_t>(n_rows * n_experts));
+        router_logits(kernel_table(isa), x.data(), n_rows, w.data(), n_experts, k, one_token,
+                      out.data(), pool);
+        const bool tiny_blas = k % 16 == 0 && n_experts % 4 == 0;
+        for (int64_t r = 0; r < n_rows; ++r) {
+          for (int64_t j = 0; j < n_experts; ++j) {
+            const float* wj = w.data() + j * k;
+            const float* xr = x.data() + r * k;
+            const float want = llama_cpp_dot_f32(wj, xr, k, one_token[r] != 0 || !tiny_blas);
+            EXPECT_EQ(out[static_cast<size_t>(r * n_experts + j)], want)
+                << isa_name(isa) << ", k " << k << ", row " << r << ", expert " << j;
+            double exact = 0.0;
+            for (int64_t e = 0; e < k; ++e) exact += static_cast<double>(wj[e]) * xr[e];
+            EXPECT_NEAR(out[static_cast<size_t>(r * n_experts + j)], exact, 1e-5);
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
