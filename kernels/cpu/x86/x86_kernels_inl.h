@@ -279,32 +279,33 @@ inline __m256 load_half8(const uint16_t* p) {
 // The 16-lane tree sum: (l, l+8) is hi + lo, then hsum_ps's (l, l+4), (0+2)+(1+3).
 inline float tree_sum16(__m256 lo, __m256 hi) { return hsum_ps(_mm256_add_ps(hi, lo)); }
 
-// One query head against one key row, in kq_scores's order.
-inline float kq_score_avx(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
-  const int64_t chunk = groups == 1 ? 16 : 64;
-  const int64_t n_whole = dim - dim % chunk;
+// The 16-lane part of kq_scores's and dot_f32_lanes's orders over the first
+// n_whole elements of a and b (load(p) gives 8 floats): chunk e / 16 into
+// accumulator 0 (groups 1) or (e / 16) % 4 (groups 4), in order; the groups
+// added (0 + 2) + (1 + 3); the lanes summed by the tree.
+template <typename T, typename Load>
+inline float lanes16_dot(const T* a, const T* b, int64_t n_whole, int groups, Load load) {
   __m256 lo[4], hi[4];  // indexed by constants only, so in registers
   for (int g = 0; g < 4; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-  // Chunk e / 16 into accumulator 0 (groups 1) or (e / 16) % 4 (groups 4), in order.
   auto chunk_into = [&](int g, int64_t e) {
-    lo[g] = _mm256_fmadd_ps(load_half8(kr + e), load_half8(q + e), lo[g]);
-    hi[g] = _mm256_fmadd_ps(load_half8(kr + e + 8), load_half8(q + e + 8), hi[g]);
+    lo[g] = _mm256_fmadd_ps(load(a + e), load(b + e), lo[g]);
+    hi[g] = _mm256_fmadd_ps(load(a + e + 8), load(b + e + 8), hi[g]);
   };
   if (groups == 1) {
     for (int64_t e = 0; e < n_whole; e += 16) chunk_into(0, e);
   } else {
     for (int64_t e = 0; e < n_whole; e += 64)
       for (int g = 0; g < 4; ++g) chunk_into(g, e + 16 * g);
+    lo[0] = _mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3]));
+    hi[0] = _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3]));
   }
-  if (groups != 1) {
-    lo[0] = _mm256_add_ps(lo[0], lo[2]);
-    hi[0] = _mm256_add_ps(hi[0], hi[2]);
-    lo[1] = _mm256_add_ps(lo[1], lo[3]);
-    hi[1] = _mm256_add_ps(hi[1], hi[3]);
-    lo[0] = _mm256_add_ps(lo[0], lo[1]);
-    hi[0] = _mm256_add_ps(hi[0], hi[1]);
-  }
-  double sum = tree_sum16(lo[0], hi[0]);
+  return tree_sum16(lo[0], hi[0]);
+}
+
+// One query head against one key row, in kq_scores's order.
+inline float kq_score_avx(const uint16_t* q, const uint16_t* kr, int64_t dim, int groups) {
+  const int64_t n_whole = dim - dim % (groups == 1 ? 16 : 64);
+  double sum = lanes16_dot(kr, q, n_whole, groups, load_half8);
   for (int64_t e = n_whole; e < dim; ++e) {
     sum += static_cast<double>(half_to_float(kr[e]) * half_to_float(q[e]));
   }
@@ -315,25 +316,11 @@ inline float kq_score_avx(const uint16_t* q, const uint16_t* kr, int64_t dim, in
 // on AVX2 and AVX-512).
 void dot_f32_lanes_avx(const float* w, int64_t n_w, const float* x, int64_t k, int groups,
                        float* y) {
-  const int64_t chunk = groups == 1 ? 16 : 64;
-  const int64_t n_whole = k - k % chunk;
+  const int64_t n_whole = k - k % (groups == 1 ? 16 : 64);
   for (int64_t j = 0; j < n_w; ++j) {
     const float* row = w + j * k;
-    __m256 lo[4], hi[4];
-    for (int g = 0; g < 4; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
-    auto chunk_into = [&](int g, int64_t e) {
-      lo[g] = _mm256_fmadd_ps(_mm256_loadu_ps(row + e), _mm256_loadu_ps(x + e), lo[g]);
-      hi[g] = _mm256_fmadd_ps(_mm256_loadu_ps(row + e + 8), _mm256_loadu_ps(x + e + 8), hi[g]);
-    };
-    if (groups == 1) {
-      for (int64_t e = 0; e < n_whole; e += 16) chunk_into(0, e);
-    } else {
-      for (int64_t e = 0; e < n_whole; e += 64)
-        for (int g = 0; g < 4; ++g) chunk_into(g, e + 16 * g);
-      lo[0] = _mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3]));
-      hi[0] = _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3]));
-    }
-    float sum = tree_sum16(lo[0], hi[0]);
+    float sum =
+        lanes16_dot(row, x, n_whole, groups, [](const float* p) { return _mm256_loadu_ps(p); });
     for (int64_t e = n_whole; e < k; ++e) sum = std::fma(row[e], x[e], sum);
     y[j] = sum;
   }
