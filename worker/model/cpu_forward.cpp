@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "common/model/token_order.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/experts.h"
 #include "kernels/cpu/ops.h"
@@ -72,9 +73,9 @@ class CpuForward::Ops {
       return;
     }
     f_.one_token_.assign(static_cast<size_t>(n_rows), 0);
-    for (const AttentionSequence& s : f_.plan_.step().sequences) {
-      for (int64_t i = 0; i < s.n_q; ++i)
-        if (s.pos0 + i >= s.one_token_from) f_.one_token_[static_cast<size_t>(s.row + i)] = 1;
+    for (const AttentionSequence& s : f_.plan_.step().sequences) {  // a sequence's last rows
+      const int64_t n_one = n_one_token(s.pos0, s.n_q, s.one_token_from);
+      std::fill_n(f_.one_token_.begin() + s.row + s.n_q - n_one, n_one, 1);
     }
     cpu::router_logits(f_.kernels_, x, n_rows, reinterpret_cast<const float*>(w.data), n_experts,
                        w.k, f_.one_token_, out, f_.pool_);
